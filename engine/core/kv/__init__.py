@@ -1,0 +1,1 @@
+"""npuserve: engine/core/kv."""

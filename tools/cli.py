@@ -1,0 +1,49 @@
+"""The `npuserve` command: a table of subcommands, each imported lazily.
+
+Every subcommand is a module with `main(argv: list[str]) -> int`; importing
+only the chosen one keeps `npuserve --help` fast and keeps heavy imports
+(numpy transformer, zmq) out of commands that do not need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    # name: (module, one-line help)
+    "serve": ("engine.daemon.main", "run a board daemon"),
+    "generate": ("tools.generate_cmd", "send one generate request and print the tokens"),
+    "health": ("tools.health_cmd", "ask a daemon or balancer for its health"),
+    "stats": ("tools.stats_cmd", "print a daemon's statistics"),
+    "make-model": ("workers.model_maker", "write a random-weight model package"),
+    "check-package": ("tools.check_package", "verify a model package and run its golden cases"),
+    "simulate": ("tools.simulate", "run the scheduler core against a virtual clock"),
+    "bench-ipc": ("tools.bench_ipc", "benchmark shared-memory rings against other transports"),
+    "bench-backend": ("tools.bench_backend", "benchmark a chip backend in-process and through a worker"),
+    "bench-serve": ("tools.bench_serve", "benchmark a daemon end to end through the client library"),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: npuserve COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"npuserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""npuserve: workers/backends."""

@@ -1,0 +1,130 @@
+"""The `ChipBackend` interface: the one seam between npuserve and a chip runtime.
+
+A backend owns the chip's device memory, including the paged KV cache
+(`num_blocks` blocks of `block_size` tokens); the scheduler only ever names
+block ids. A backend returns either logits (and the worker samples) or, for
+backends that do no real compute (`stub`, `sim`), tokens directly.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ipc.records import Job
+
+
+class InactiveLanePolicy(str, enum.Enum):
+    """What a compiled batch does with lanes that carry no sequence.
+
+    MASK: the backend honours `lane_valid`: no input is read and no KV is
+    written for an inactive lane, and its outputs are ignored.
+    """
+
+    MASK = "mask"
+
+
+@dataclass(frozen=True)
+class BatchProfile:
+    batch: int  # the compiled batch size B
+    inactive_lane_policy: InactiveLanePolicy = InactiveLanePolicy.MASK
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    block_size: int
+    num_blocks: int
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    max_seq: int
+    profiles: tuple[BatchProfile, ...]
+    kv: KvLayout
+    chunked_prefill: bool = False  # incremental prefill numerically equal to one-shot
+    model_sha256: str = ""  # identity of the loaded weights (generation key)
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "vocab_size": self.vocab_size,
+            "eos_ids": list(self.eos_ids),
+            "max_seq": self.max_seq,
+            "profiles": [{"batch": p.batch, "inactive_lane_policy": p.inactive_lane_policy.value} for p in self.profiles],
+            "kv": self.kv.__dict__.copy(),
+            "chunked_prefill": self.chunked_prefill,
+            "model_sha256": self.model_sha256,
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BackendInfo":
+        return cls(
+            name=d["name"],
+            vocab_size=int(d["vocab_size"]),
+            eos_ids=tuple(int(x) for x in d["eos_ids"]),
+            max_seq=int(d["max_seq"]),
+            profiles=tuple(BatchProfile(int(p["batch"]), InactiveLanePolicy(p["inactive_lane_policy"])) for p in d["profiles"]),
+            kv=KvLayout(**d["kv"]),
+            chunked_prefill=bool(d.get("chunked_prefill", False)),
+            model_sha256=d.get("model_sha256", ""),
+            extra=dict(d.get("extra", {})),
+        )
+
+
+@dataclass
+class StepOutput:
+    """What prefill/decode return: logits [B, V] float32, or tokens [B] int32."""
+
+    logits: np.ndarray | None = None
+    tokens: np.ndarray | None = None
+
+
+class BackendError(RuntimeError):
+    """A chip-level failure: the job failed and the KV it touched is unknown."""
+
+
+class ChipBackend(abc.ABC):
+    """One chip's runtime. Not thread-safe: one worker process drives it."""
+
+    @abc.abstractmethod
+    def describe(self) -> BackendInfo: ...
+
+    @abc.abstractmethod
+    def load(self, package) -> None:
+        """Load a verified model package (`workers.model_package.ModelPackage`) or None for a built-in default."""
+
+    @abc.abstractmethod
+    def unload(self) -> None: ...
+
+    @abc.abstractmethod
+    def prefill(self, job: Job) -> StepOutput: ...
+
+    @abc.abstractmethod
+    def decode(self, job: Job) -> StepOutput: ...
+
+    @abc.abstractmethod
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy KV blocks src[i] -> dst[i] on the device (prefix sharing, copy-on-write)."""
+
+    @abc.abstractmethod
+    def swap_out(self, blocks: np.ndarray) -> np.ndarray:
+        """Return the KV content of `blocks` as one host array (demotion to the host tier)."""
+
+    @abc.abstractmethod
+    def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
+        """Write host KV content (from swap_out) into `blocks`."""
+
+    def health(self) -> dict:
+        return {"ok": True}
