@@ -1,0 +1,452 @@
+"""The board daemon's TOML configuration: schema `npuserve/v1`, strictly validated.
+
+A mistake in a config file must stop start-up with a message that names the
+key, not surface hours later as odd scheduling: unknown sections and keys are
+errors (with a "did you mean"), values are type- and range-checked (a bool is
+never accepted as a number), and `validate_against_model` rejects a batch
+profile the model package does not declare (seed 001 §15).
+
+Every key is declared once, as a dataclass field whose metadata carries its
+check and its one-line documentation; the loader, the example file and the
+README are checked against those declarations by the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA = "npuserve/v1"
+BACKENDS = ("stub", "sim", "ref", "ctypes")
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}\Z")  # same rule as wire aliases/tenants
+_BOARD_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,32}\Z")  # ends up in shm names and socket paths
+_UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
+
+
+class ConfigError(ValueError):
+    """Invalid configuration. `errors` holds one "key: problem" line per problem found."""
+
+    def __init__(self, errors: list[str] | str) -> None:
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+class _Bad(Exception):
+    """A check's complaint about one value; the loader prefixes the key."""
+
+
+Check = Callable[[Any], Any]
+
+
+def _int(lo: int, hi: int | None = None) -> Check:
+    def check(v: Any) -> int:
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        if type(v) is not int or v < lo or (hi is not None and v > hi):
+            raise _Bad(f"must be an int {rng}, got {v!r}")
+        return v
+    return check
+
+
+def _float(lo: float, hi: float | None = None, lo_open: bool = False) -> Check:
+    def check(v: Any) -> float:
+        op = ">" if lo_open else ">="
+        rng = f"{op} {lo}" + ("" if hi is None else f" and <= {hi}")
+        if type(v) not in (int, float) or not math.isfinite(v) or (v <= lo if lo_open else v < lo) \
+                or (hi is not None and v > hi):
+            raise _Bad(f"must be a finite number {rng}, got {v!r}")
+        return float(v)
+    return check
+
+
+def _bool(v: Any) -> bool:
+    if type(v) is not bool:
+        raise _Bad(f"must be true or false, got {v!r}")
+    return v
+
+
+def _str(pattern: re.Pattern | None = None, what: str = "a string", choices: tuple[str, ...] = ()) -> Check:
+    def check(v: Any) -> str:
+        if type(v) is not str:
+            raise _Bad(f"must be {what}, got {v!r}")
+        if choices and v not in choices:
+            raise _Bad(f"must be one of {', '.join(choices)}, got {v!r}")
+        if pattern is not None and not pattern.match(v):
+            raise _Bad(f"must be {what}, got {v!r}")
+        return v
+    return check
+
+
+def _abs_path_or_empty(v: Any) -> str:
+    if type(v) is not str or (v and not os.path.isabs(v)):
+        raise _Bad(f"must be an absolute path or \"\", got {v!r}")
+    return v
+
+
+def _profiles(v: Any) -> tuple[int, ...]:
+    if type(v) not in (list, tuple) or not all(type(b) is int and 1 <= b <= 1024 for b in v):
+        raise _Bad(f"must be a list of compiled batch sizes (ints in [1, 1024]), got {v!r}")
+    if len(set(v)) != len(v):
+        raise _Bad(f"must not repeat a batch size, got {list(v)!r}")
+    return tuple(sorted(v))
+
+
+def _endpoint(v: Any) -> str:
+    if type(v) is not str:
+        raise _Bad(f"must be a string, got {v!r}")
+    if v.startswith("ipc://"):
+        path = v[len("ipc://"):]
+        if not path.startswith("/"):
+            raise _Bad(f"ipc:// endpoints need an absolute path, got {v!r}")
+        if len(path.encode()) > _UNIX_PATH_MAX:
+            raise _Bad(f"ipc path longer than {_UNIX_PATH_MAX} bytes (a unix socket limit): {v!r}")
+        return v
+    if re.fullmatch(r"tcp://(\*|[A-Za-z0-9_.:\[\]-]+):(\d{1,5})", v):
+        port = int(v.rsplit(":", 1)[1])
+        if 1 <= port <= 65535:
+            return v
+    raise _Bad(f"must be ipc:///absolute/path or tcp://HOST:PORT, got {v!r}")
+
+
+def _endpoints(v: Any) -> tuple[str, ...]:
+    if type(v) not in (list, tuple):
+        raise _Bad(f"must be a list of endpoint strings, got {v!r}")
+    out = []
+    for i, e in enumerate(v):
+        try:
+            out.append(_endpoint(e))
+        except _Bad as bad:
+            raise _Bad(f"[{i}] {bad}") from None
+    if len(set(out)) != len(out):
+        raise _Bad("must not repeat an endpoint")
+    return tuple(out)
+
+
+def key(default: Any, check: Check, doc: str) -> Any:
+    """Declare one config key: its default, its check and its one-line meaning."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"check": check, "doc": doc})
+    return field(default=default, metadata={"check": check, "doc": doc})
+
+
+@dataclass(frozen=True)
+class BoardConfig:
+    id: str = key("0", _str(_BOARD_ID_RE, "1-32 characters of [A-Za-z0-9_-]"),
+                  "board id: names the socket, shared-memory segments and metrics of this daemon")
+    chips: int = key(2, _int(1, 64), "chips (worker processes) on this board")
+    backend: str = key("ref", _str(choices=BACKENDS), "chip runtime: stub | sim | ref | ctypes")
+    runtime_dir: str = key("", _abs_path_or_empty,
+                           "sockets and state; \"\" = $XDG_RUNTIME_DIR/npuserve, else /tmp/npuserve-$UID")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    alias: str = key("tiny", _str(_NAME_RE, "a model alias (1-64 characters of [A-Za-z0-9_.:-])"),
+                     "the name clients use in `model`; requests without `model` get this one")
+    package: str = key("", _str(), "model package folder (relative = to the config file); "
+                                   "\"\" = the built-in tiny model, built on first run")
+    ctypes_library: str = key("", _str(), "vendor shared library for backend = \"ctypes\" "
+                                          "(relative = to the config file); required by that backend")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_sequences: int = key(256, _int(1), "sequences admitted at once (prefilling or decoding)")
+    max_kv_tokens: int = key(0, _int(0), "KV tokens reserved by admitted sequences; 0 = the KV pool size")
+    max_waiting_requests: int = key(128, _int(0), "requests waiting for admission; beyond it 429")
+    max_waiting_prompt_tokens: int = key(262144, _int(0), "prompt tokens of waiting requests; beyond it 429")
+    deadline_default_ms: int = key(120000, _int(1), "deadline of a request that sets no deadline_ms")
+    max_prompt_tokens: int = key(0, _int(0), "longest prompt (+ continuation) accepted; "
+                                             "0 = the model's max_seq - 1; longer is 400")
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    weight: float = key(1.0, _float(0.0, 1e6, lo_open=True), "weighted-fair-queue share")
+    max_active_sequences: int = key(0, _int(0), "admitted sequences of this tenant; 0 = unlimited")
+    max_waiting_tokens: int = key(0, _int(0), "waiting prompt tokens of this tenant; 0 = unlimited")
+
+
+@dataclass(frozen=True)
+class QueuesConfig:
+    decode_weight: int = key(8, _int(1, 1000), "weighted round robin share of decode steps")
+    short_prefill_weight: int = key(4, _int(1, 1000), "share of short prefills (<= short_prefill_max_tokens)")
+    medium_prefill_weight: int = key(2, _int(1, 1000), "share of medium prefills (<= medium_prefill_max_tokens)")
+    long_prefill_weight: int = key(1, _int(1, 1000), "share of long prefills")
+    short_prefill_max_tokens: int = key(512, _int(1), "longest prompt that counts as short")
+    medium_prefill_max_tokens: int = key(4096, _int(1), "longest prompt that counts as medium")
+    decode_cost_weight: float = key(1.0, _float(0.0), "fair-queue cost of one requested output token, "
+                                                      "relative to one prompt token")
+    tenants: dict = key({}, lambda v: v, "per-tenant [queues.tenants.NAME] tables; unlisted tenants get "
+                                         "the TenantConfig defaults")
+
+    def tenant(self, name: str) -> TenantConfig:
+        return self.tenants.get(name) or TenantConfig()
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    profiles: tuple = key((), _profiles, "compiled batch sizes to use; [] = every profile the model declares")
+    batching_window_us: int = key(0, _int(0, 1_000_000), "wait up to this long to fill a decode batch "
+                                                         "(never past the earliest deadline)")
+    chunked_prefill: bool = key(True, _bool, "split long prefills into chunks, only if the backend declares "
+                                             "chunked prefill equal to one-shot")
+    prefill_chunk_tokens: int = key(512, _int(1), "tokens per prefill chunk")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    max_inflight: int = key(1, _int(1, 8), "jobs in flight per chip (2 = ping/pong)")
+    job_timeout_ms: int = key(30000, _int(1), "a job not answered within this is failed and its KV Unknown")
+
+
+@dataclass(frozen=True)
+class KvConfig:
+    block_size: int = key(16, _int(1, 1024), "tokens per KV block (a power of two)")
+    num_blocks: int = key(0, _int(0), "KV blocks per chip; 0 = the backend/model default")
+    prefix_cache: bool = key(True, _bool, "share full blocks of common prompt prefixes (radix cache)")
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    max_resets_per_10min: int = key(2, _int(0), "worker restarts per chip per 10 minutes, then the chip "
+                                                "stays out of service")
+    heartbeat_interval_ms: int = key(200, _int(1), "worker heartbeat period")
+    heartbeat_timeout_ms: int = key(1000, _int(1), "a worker silent this long is declared dead")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    endpoints: tuple = key((), _endpoints, "ZeroMQ ROUTER endpoints; [] = ipc://{runtime_dir}/board-{id}.sock")
+    max_message_bytes: int = key(1 << 20, _int(1024, 1 << 30), "larger client messages get a 400 too_large")
+    max_send_queue: int = key(1000, _int(1), "queued events per client; a client that falls further behind "
+                                             "has its requests cancelled")
+    drain_timeout_s: float = key(30.0, _float(0.0), "on SIGTERM or drain, in-flight requests get this long")
+    loop_stall_ms: int = key(2000, _int(1), "a scheduler loop stalled this long reports unhealthy")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    port: int = key(0, _int(0, 65535), "Prometheus /metrics HTTP port; 0 = off")
+    host: str = key("127.0.0.1", _str(re.compile(r"\S{1,253}\Z"), "a host name or address"),
+                    "address the metrics server binds")
+
+
+SECTIONS: dict[str, type] = {
+    "board": BoardConfig, "model": ModelConfig, "admission": AdmissionConfig, "queues": QueuesConfig,
+    "batch": BatchConfig, "executor": ExecutorConfig, "kv": KvConfig, "recovery": RecoveryConfig,
+    "server": ServerConfig, "metrics": MetricsConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    schema: str = SCHEMA
+    board: BoardConfig = field(default_factory=BoardConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    queues: QueuesConfig = field(default_factory=QueuesConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    kv: KvConfig = field(default_factory=KvConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def section_keys(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _unknown(path: str, name: str, known: list[str], what: str = "key") -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
+    return f"{path}: unknown {what}{hint}"
+
+
+def _check_section(cls: type, raw: Any, path: str, errors: list[str]) -> dict[str, Any]:
+    """Check one table; return its converted values (only the keys present and valid)."""
+    if type(raw) is not dict:
+        errors.append(f"{path}: must be a table, got {raw!r}")
+        return {}
+    fields = section_keys(cls)
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        f = fields.get(name)
+        if f is None:
+            errors.append(_unknown(f"{path}.{name}", name, list(fields)))
+        elif cls is QueuesConfig and name == "tenants":
+            out[name] = _check_tenants(value, f"{path}.tenants", errors)
+        else:
+            try:
+                out[name] = f.metadata["check"](value)
+            except _Bad as bad:
+                errors.append(f"{path}.{name}: {bad}")
+    return out
+
+
+def _check_tenants(raw: Any, path: str, errors: list[str]) -> dict[str, TenantConfig]:
+    if type(raw) is not dict:
+        errors.append(f"{path}: must be a table of [queues.tenants.NAME] tables, got {raw!r}")
+        return {}
+    out = {}
+    for name, table in raw.items():
+        if not _NAME_RE.match(name):
+            errors.append(f"{path}.{name}: a tenant name must be 1-64 characters of [A-Za-z0-9_.:-]")
+            continue
+        out[name] = TenantConfig(**_check_section(TenantConfig, table, f"{path}.{name}", errors))
+    return out
+
+
+def _check_document(doc: Mapping[str, Any], errors: list[str]) -> dict[str, dict[str, Any]]:
+    checked: dict[str, dict[str, Any]] = {}
+    for name, value in doc.items():
+        if name == "schema":
+            if value != SCHEMA:
+                errors.append(f"schema: must be {SCHEMA!r}, got {value!r}")
+        elif name in SECTIONS:
+            checked[name] = _check_section(SECTIONS[name], value, name, errors)
+        else:
+            errors.append(_unknown(name, name, ["schema", *SECTIONS], "section"))
+    return checked
+
+
+def _apply_overrides(doc: dict[str, Any], overrides: Mapping[str, object], errors: list[str]) -> None:
+    """Set dotted keys ("board.chips", "queues.tenants.acme.weight") in the raw document."""
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        if len(parts) < 2 or not all(parts):
+            errors.append(f"{dotted}: an override key must be section.key")
+            continue
+        node = doc
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if type(child) is not dict:
+                errors.append(f"{'.'.join(parts[:i + 1])}: must be a table, got {child!r}")
+                break
+            node = child
+        else:
+            node[parts[-1]] = list(value) if isinstance(value, tuple) else value
+
+
+def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    xdg = env.get("XDG_RUNTIME_DIR", "")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "npuserve")
+    return f"/tmp/npuserve-{os.getuid()}"
+
+
+_PATH_KEYS = ("package", "ctypes_library")  # of [model]
+
+
+def _relative_to(base_dir: str, p: str) -> str:
+    return p if os.path.isabs(p) else os.path.normpath(os.path.join(base_dir, p))
+
+
+def load_config(path: str | None, overrides: Mapping[str, object] | None = None,
+                env: Mapping[str, str] | None = None) -> Config:
+    """Read, check and complete a config. `path` None = all defaults; `overrides` are dotted keys.
+
+    The file is checked on its own first (so a bad file fails even when a flag
+    overrides the bad key), then again with the overrides applied. The result
+    is concrete: runtime_dir and the endpoints are resolved, and relative model
+    paths are made absolute (against the config file's folder when they come
+    from the file, against the working directory when they come from overrides).
+    """
+    doc: dict[str, Any] = {"schema": SCHEMA}
+    base_dir = None
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path}: not found") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path}: cannot read ({e.strerror})") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: invalid TOML: {e}") from None
+        if "schema" not in doc:
+            raise ConfigError(f"schema: required at the top of {path}: schema = {SCHEMA!r}")
+        base_dir = os.path.dirname(os.path.abspath(path))
+        _build(doc)  # a config file must be valid by itself, whatever the flags override
+        model = doc.get("model", {})
+        for name in _PATH_KEYS:
+            if model.get(name):
+                model[name] = _relative_to(base_dir, model[name])
+    if overrides:
+        errors: list[str] = []
+        _apply_overrides(doc, overrides, errors)
+        if errors:
+            raise ConfigError(errors)
+    cfg = _build(doc)
+    return _resolve(cfg, env)
+
+
+def _build(doc: Mapping[str, Any]) -> Config:
+    errors: list[str] = []
+    checked = _check_document(doc, errors)
+    if errors:
+        raise ConfigError(errors)
+    cfg = Config(**{name: cls(**checked.get(name, {})) for name, cls in SECTIONS.items()})
+    _check_cross_keys(cfg, errors)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def _check_cross_keys(cfg: Config, errors: list[str]) -> None:
+    """Rules between keys, checked once overrides are applied."""
+    if cfg.kv.block_size & (cfg.kv.block_size - 1):
+        errors.append(f"kv.block_size: must be a power of two, got {cfg.kv.block_size}")
+    q = cfg.queues
+    if q.medium_prefill_max_tokens <= q.short_prefill_max_tokens:
+        errors.append(f"queues.medium_prefill_max_tokens: must be > short_prefill_max_tokens "
+                      f"({q.short_prefill_max_tokens}), got {q.medium_prefill_max_tokens}")
+    r = cfg.recovery
+    if r.heartbeat_timeout_ms <= r.heartbeat_interval_ms:
+        errors.append(f"recovery.heartbeat_timeout_ms: must be > heartbeat_interval_ms "
+                      f"({r.heartbeat_interval_ms}), got {r.heartbeat_timeout_ms}")
+    if cfg.board.backend == "ctypes" and not cfg.model.ctypes_library:
+        errors.append("model.ctypes_library: required when board.backend = \"ctypes\"")
+
+
+def _resolve(cfg: Config, env: Mapping[str, str] | None) -> Config:
+    runtime_dir = cfg.board.runtime_dir or default_runtime_dir(env)
+    endpoints = cfg.server.endpoints or (f"ipc://{runtime_dir}/board-{cfg.board.id}.sock",)
+    if not cfg.server.endpoints:
+        try:
+            _endpoint(endpoints[0])
+        except _Bad as bad:
+            raise ConfigError(f"server.endpoints: the default endpoint is unusable, set one: {bad}") from None
+    return dataclasses.replace(
+        cfg,
+        board=dataclasses.replace(cfg.board, runtime_dir=runtime_dir),
+        # Paths from the file were made relative to its folder; from flags, to the working directory.
+        model=dataclasses.replace(cfg.model, **{k: os.path.abspath(v) for k in _PATH_KEYS
+                                                if (v := getattr(cfg.model, k))}),
+        server=dataclasses.replace(cfg.server, endpoints=endpoints),
+    )
+
+
+def validate_against_model(cfg: Config, profiles: list[int], max_seq: int) -> None:
+    """Cross-check the config with what the loaded model declares; fail start-up on a mismatch."""
+    errors = []
+    missing = [b for b in cfg.batch.profiles if b not in profiles]
+    if missing:
+        errors.append(f"batch.profiles: the model declares profiles {sorted(profiles)}; "
+                      f"{missing} not among them")
+    if cfg.admission.max_prompt_tokens >= max_seq:
+        errors.append(f"admission.max_prompt_tokens: must be < the model's max_seq ({max_seq}), "
+                      f"got {cfg.admission.max_prompt_tokens}")
+    if errors:
+        raise ConfigError(errors)

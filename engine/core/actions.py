@@ -1,0 +1,44 @@
+"""What the scheduler core asks its I/O shell to do.
+
+The core never performs I/O; every call returns a list of these, in the order
+the shell must carry them out (tokens of a request before its terminal event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ipc.records import Job
+
+
+@dataclass
+class SubmitJob:
+    chip: int
+    job: Job
+
+
+@dataclass
+class EmitTokens:
+    request_id: int
+    tokens: list[int]
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class FinishRequest:
+    request_id: int
+    finish_reason: str  # "length" | "eos" | "stop" | "cancelled"
+    usage: dict = field(default_factory=dict)  # prompt_tokens, completion_tokens, cached_tokens
+    timing: dict = field(default_factory=dict)  # ttft_ms, tpot_ms, e2e_ms, queue_ms
+
+
+@dataclass
+class FailRequest:
+    request_id: int
+    code: int
+    reason: str
+    message: str
+    retryable: bool
+
+
+Action = SubmitJob | EmitTokens | FinishRequest | FailRequest

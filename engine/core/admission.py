@@ -1,0 +1,118 @@
+"""Admission: the capacity budget and its five outcomes (seed 001 §5.1-§5.2).
+
+`decide_submit` runs when a request arrives: requests that can never be
+served are rejected at once (400), overload is pushed back to the client
+(429) instead of growing an unbounded queue, and a draining scheduler says
+so (503).  Everything else is queued; KV is reserved later, at a tick.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from engine.core.requests import GenerateParams
+
+
+class AdmissionOutcome(enum.Enum):
+    ADMIT = "admit"
+    QUEUE = "queue"
+    REJECT_INVALID = "reject_invalid"  # 400
+    REJECT_CAPACITY = "reject_capacity"  # 429
+    REJECT_UNAVAILABLE = "reject_unavailable"  # 503
+
+
+HTTP_CODE = {
+    AdmissionOutcome.REJECT_INVALID: 400,
+    AdmissionOutcome.REJECT_CAPACITY: 429,
+    AdmissionOutcome.REJECT_UNAVAILABLE: 503,
+}
+
+
+@dataclass(frozen=True)
+class CapacityBudget:
+    max_sequences: int
+    max_kv_tokens: int
+    max_waiting_requests: int
+    max_waiting_prompt_tokens: int
+    max_inflight_jobs: int
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    outcome: AdmissionOutcome
+    reason: str = ""
+    message: str = ""
+
+    @property
+    def code(self) -> int:
+        return HTTP_CODE.get(self.outcome, 200)
+
+    @property
+    def retryable(self) -> bool:
+        return self.outcome in (AdmissionOutcome.REJECT_CAPACITY, AdmissionOutcome.REJECT_UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_seq: int
+    max_blocks_per_chip: int  # the largest chip's pool
+    block_size: int
+
+
+def validate_params(p: GenerateParams, limits: ModelLimits) -> AdmissionDecision | None:
+    """A 400 decision for a request that can never be served, else None."""
+
+    def bad(reason: str, message: str) -> AdmissionDecision:
+        return AdmissionDecision(AdmissionOutcome.REJECT_INVALID, reason, message)
+
+    if not p.prompt:
+        return bad("empty_prompt", "the prompt is empty")
+    if p.max_tokens < 1:
+        return bad("invalid_max_tokens", "max_tokens must be >= 1")
+    for name, toks in (("prompt", p.prompt), ("continuation", p.continuation), ("stop_token_ids", p.stop_token_ids)):
+        for t in toks:
+            if not 0 <= int(t) < limits.vocab_size:
+                return bad("token_out_of_range", f"{name} token {t} is outside [0, {limits.vocab_size})")
+    for s in p.stop:
+        for t in s:
+            if not 0 <= int(t) < limits.vocab_size:
+                return bad("token_out_of_range", f"stop sequence token {t} is outside [0, {limits.vocab_size})")
+    if len(p.continuation) > p.max_tokens:
+        return bad("continuation_too_long", "continuation is longer than max_tokens")
+    total = len(p.prompt) + p.max_tokens
+    if total > limits.max_seq:
+        return bad("context_too_long", f"prompt ({len(p.prompt)}) + max_tokens ({p.max_tokens}) exceeds max_seq {limits.max_seq}")
+    if math.ceil(total / limits.block_size) > limits.max_blocks_per_chip:
+        return bad("context_too_long", "the request needs more KV blocks than a chip has")
+    if not (p.temperature >= 0 and 0 < p.top_p <= 1 and p.top_k >= 0):
+        return bad("invalid_sampling", "temperature must be >= 0, top_p in (0, 1], top_k >= 0")
+    if p.deadline_ms is not None and p.deadline_ms <= 0:
+        return bad("invalid_deadline", "deadline_ms must be > 0")
+    return None
+
+
+@dataclass
+class WaitingLoad:
+    requests: int
+    prompt_tokens: int
+    tenant_tokens: int
+
+
+def decide_submit(p: GenerateParams, limits: ModelLimits, budget: CapacityBudget, accepting: bool,
+                  unavailable_reason: str, waiting: WaitingLoad, tenant_cap_tokens: int | None) -> AdmissionDecision:
+    invalid = validate_params(p, limits)
+    if invalid is not None:
+        return invalid
+    if not accepting:
+        return AdmissionDecision(AdmissionOutcome.REJECT_UNAVAILABLE, unavailable_reason, "not accepting new requests")
+    n = len(p.prompt) + len(p.continuation)
+    if waiting.requests + 1 > budget.max_waiting_requests:
+        return AdmissionDecision(AdmissionOutcome.REJECT_CAPACITY, "queue_full", "too many waiting requests")
+    if waiting.prompt_tokens + n > budget.max_waiting_prompt_tokens:
+        return AdmissionDecision(AdmissionOutcome.REJECT_CAPACITY, "queue_tokens_full", "too many waiting prompt tokens")
+    if tenant_cap_tokens is not None and waiting.tenant_tokens + n > tenant_cap_tokens:
+        return AdmissionDecision(AdmissionOutcome.REJECT_CAPACITY, "tenant_quota", "tenant's waiting-token quota is full")
+    return AdmissionDecision(AdmissionOutcome.QUEUE)

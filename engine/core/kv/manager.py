@@ -1,0 +1,432 @@
+"""KvManager: the KV lanes of one chip (seed 001 §9, DESIGN §6).
+
+Owns the chip's `BlockPool` and `PrefixCache` and one `KvSequence` per live
+seq_id. Every transition is checked against `states.LEGAL_TRANSITIONS`, and
+committed_len only grows in `commit()`, i.e. after the device and the output
+both succeeded.
+
+Failure rules (why they are safe):
+* `fail()`: only blocks at or after the block holding `committed_len` can be
+  written by the failed (maybe still running) job, and those are never in the
+  prefix cache (a cached block is full and committed). They are quarantined;
+  the fully committed blocks before them are released normally.
+* `chip_fault()`: device memory is gone or suspect, so every held block is
+  quarantined and the prefix cache is emptied; nothing is handed out until
+  `recover_chip()`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.core.kv.block_pool import BlockPool, OutOfBlocks
+from engine.core.kv.prefix_cache import PrefixCache, PrefixKey
+from engine.core.kv.states import KvSequenceState, KvStateError, check_transition
+
+S = KvSequenceState
+
+
+class StaleJob(Exception):
+    """A completion whose job id is not the sequence's pending job (or whose sequence is gone)."""
+
+
+@dataclass
+class KvSequence:
+    seq_id: int
+    state: KvSequenceState
+    generation: int
+    blocks: list[int]  # block table; for UNKNOWN: the blocks it left in quarantine
+    committed_len: int  # tokens whose KV is valid (starts at cached_len)
+    reserved_len: int  # tokens the block table can hold
+    cached_len: int  # prompt tokens found in the prefix cache at reserve()
+    pending_job: int | None
+    pending_len: int | None = None  # new_len of the in-flight job
+    key: PrefixKey | None = None  # None: this sequence neither reads nor feeds the prefix cache
+    cache_blocks: int = 0  # leading blocks already offered to the prefix cache
+    cache_stopped: bool = False  # insert hit a concurrent duplicate; stop feeding the cache
+
+
+_LIVE = (S.RESERVED, S.ACTIVE, S.UPDATING)
+
+
+class KvManager:
+    def __init__(
+        self,
+        chip: int,
+        num_blocks: int,
+        block_size: int,
+        max_seq: int,
+        prefix_cache: bool = True,
+        *,
+        paranoid: bool = False,
+    ) -> None:
+        """`paranoid=True` runs the full O(blocks) `check_invariants()` after every transition."""
+        if max_seq <= 0:
+            raise ValueError("max_seq must be positive")
+        self.chip = chip
+        self.block_size = block_size
+        self.max_seq = max_seq
+        self.prefix_cache_enabled = prefix_cache
+        self.paranoid = paranoid
+        self.pool = BlockPool(num_blocks, block_size)
+        self.cache = PrefixCache(block_size)
+        self.faulted = False
+        self._seqs: dict[int, KvSequence] = {}
+        self.preempt_refusals = 0  # grow() calls refused for lack of blocks
+        self.released_in_flight = 0  # release() of an UPDATING sequence (its tail got quarantined)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    # -- capacity --------------------------------------------------------------
+    def available_blocks(self) -> int:
+        if self.faulted:
+            return 0
+        return self.pool.num_free() + self.cache.evictable()
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    # -- lookup --------------------------------------------------------------
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def sequence(self, seq_id: int) -> KvSequence:
+        return self._seqs[seq_id]
+
+    def state(self, seq_id: int) -> KvSequenceState:
+        seq = self._seqs.get(seq_id)
+        return S.FREE if seq is None else seq.state
+
+    def seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        seq = self._seqs[seq_id]
+        if seq.state not in _LIVE:
+            raise KvStateError(f"seq {seq_id} is {seq.state.name}: no usable block table")
+        return list(seq.blocks)
+
+    def cached_prefix_len(self, key: PrefixKey, prompt: Sequence[int]) -> int:
+        """Prompt tokens reserve() would find cached (side-effect free; for chip placement)."""
+        if not self.prefix_cache_enabled or self.faulted or len(prompt) < 2:
+            return 0
+        return len(self.cache.lookup(key, prompt[: len(prompt) - 1])) * self.block_size
+
+    # -- transitions -----------------------------------------------------------
+    def reserve(
+        self, seq_id: int, generation: int, prompt: Sequence[int], reserve_len: int, key: PrefixKey | None
+    ) -> int:
+        if seq_id in self._seqs:
+            raise KvStateError(f"seq {seq_id} already {self._seqs[seq_id].state.name}")
+        if not prompt:
+            raise ValueError("empty prompt")
+        if not len(prompt) <= reserve_len <= self.max_seq:
+            raise ValueError(f"need len(prompt)={len(prompt)} <= reserve_len={reserve_len} <= max_seq={self.max_seq}")
+        if self.faulted:
+            raise OutOfBlocks(f"chip {self.chip} faulted, awaiting recovery")
+        use_cache = self.prefix_cache_enabled and key is not None
+        # At least one prompt token must be computed (it produces the first logits).
+        probe = prompt[: len(prompt) - 1]
+        matched = self.cache.lookup(key, probe) if use_cache else []
+        revived = sum(1 for b in matched if self.pool.refcount(b) == 0)
+        need = self.blocks_needed(reserve_len) - len(matched)
+        assert need >= 0
+        if need > self.pool.num_free() + self.cache.evictable() - revived:
+            raise OutOfBlocks(f"seq {seq_id}: need {need} blocks, {self.available_blocks() - revived} available")
+        if use_cache:
+            assert self.cache.match(key, probe) == matched
+        for b in matched:
+            if self.pool.refcount(b) == 0:
+                self.cache.mark_referenced(b)
+            self.pool.incref(b)
+        self._make_room(need)
+        fresh = self.pool.allocate(need)
+        cached_len = len(matched) * self.block_size
+        check_transition(S.FREE, S.RESERVED)
+        self._seqs[seq_id] = KvSequence(
+            seq_id=seq_id,
+            state=S.RESERVED,
+            generation=generation,
+            blocks=matched + fresh,
+            committed_len=cached_len,
+            reserved_len=reserve_len,
+            cached_len=cached_len,
+            pending_job=None,
+            key=key if use_cache else None,
+            cache_blocks=len(matched),
+        )
+        self._after(seq_id)
+        return cached_len
+
+    def grow(self, seq_id: int, new_reserved_len: int) -> bool:
+        seq = self._live(seq_id)
+        if new_reserved_len > self.max_seq:
+            raise ValueError(f"new_reserved_len {new_reserved_len} > max_seq {self.max_seq}")
+        if new_reserved_len <= seq.reserved_len:
+            return True
+        need = self.blocks_needed(new_reserved_len) - len(seq.blocks)
+        if need > self.available_blocks():
+            self.preempt_refusals += 1
+            return False
+        self._make_room(need)
+        seq.blocks.extend(self.pool.allocate(need))
+        seq.reserved_len = new_reserved_len
+        self._after(seq_id)
+        return True
+
+    def begin_update(self, seq_id: int, job_id: int, new_len: int) -> None:
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.state not in (S.RESERVED, S.ACTIVE):
+            raise KvStateError(f"begin_update on seq {seq_id} in state {self.state(seq_id).name}")
+        if not seq.committed_len < new_len <= seq.reserved_len:
+            raise ValueError(
+                f"seq {seq_id}: need committed_len={seq.committed_len} < new_len={new_len} <= reserved_len={seq.reserved_len}"
+            )
+        check_transition(seq.state, S.UPDATING)
+        seq.state = S.UPDATING
+        seq.pending_job = job_id
+        seq.pending_len = new_len
+        self._after(seq_id)
+
+    def commit(self, seq_id: int, job_id: int, tokens: Sequence[int]) -> None:
+        seq = self._pending(seq_id, job_id)
+        assert seq.pending_len is not None
+        if len(tokens) < seq.pending_len:
+            raise ValueError(f"seq {seq_id}: commit of {seq.pending_len} tokens given only {len(tokens)}")
+        check_transition(seq.state, S.ACTIVE)
+        seq.committed_len = seq.pending_len
+        seq.state = S.ACTIVE
+        seq.pending_job = None
+        seq.pending_len = None
+        self._feed_cache(seq, tokens)
+        self._after(seq_id)
+
+    def fail(self, seq_id: int, job_id: int) -> None:
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.state is S.UNKNOWN and seq.pending_job == job_id:
+            return  # already unknown through chip_fault(); the late failure changes nothing
+        seq = self._pending(seq_id, job_id)
+        self._to_unknown(seq)
+        self._after(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        """Idempotent. UNKNOWN: the entry goes, its blocks stay quarantined until recover_chip().
+
+        UPDATING (a job still in flight, e.g. a deadline hit): treated as a
+        failure first, so blocks the device may still write are quarantined.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return
+        if seq.state is S.UPDATING:
+            self.released_in_flight += 1
+            self._to_unknown(seq)
+        if seq.state is S.UNKNOWN:
+            check_transition(S.UNKNOWN, S.FREE)
+            del self._seqs[seq_id]
+            self._after(None)
+            return
+        check_transition(seq.state, S.RELEASING)
+        seq.state = S.RELEASING
+        self._drop_refs(seq.blocks)
+        seq.blocks = []
+        check_transition(S.RELEASING, S.FREE)
+        del self._seqs[seq_id]
+        self._after(None)
+
+    def chip_fault(self) -> list[int]:
+        """Every sequence -> UNKNOWN, every held block -> quarantine, prefix cache emptied."""
+        self.faulted = True
+        for seq in self._seqs.values():
+            if seq.state is S.UNKNOWN:
+                continue
+            check_transition(seq.state, S.UNKNOWN)
+            for b in seq.blocks:
+                self.pool.decref(b)
+            seq.state = S.UNKNOWN
+            seq.pending_len = None  # pending_job kept: its late fail() is recognised
+        self.cache.clear()
+        self.pool.quarantine(self.pool.held())
+        self._after(None)
+        return sorted(self._seqs)
+
+    def recover_chip(self) -> list[int]:
+        """After the worker restarted: drop all sequences, release quarantine, start with an empty cache.
+
+        Implies chip_fault() when it was not called. Returns the dropped seq_ids.
+        """
+        self.chip_fault()
+        dropped = sorted(self._seqs)
+        for seq in self._seqs.values():
+            check_transition(seq.state, S.FREE)
+        self._seqs.clear()
+        self.pool.release_quarantine()
+        self.faulted = False
+        if self.pool.num_free() != self.pool.num_blocks:
+            raise AssertionError("blocks leaked across chip recovery")
+        self._after(None)
+        return dropped
+
+    def drop_generation(self, generation: int) -> int:
+        """Forget cached prefixes of a retired model generation; returns blocks freed."""
+        freed = 0
+        for key in [k for k in self.cache.keys() if k.generation == generation]:
+            for b in self.cache.drop_key(key):
+                self.pool.free(b)
+                freed += 1
+        self._after(None)
+        return freed
+
+    # -- internals -------------------------------------------------------------
+    def _live(self, seq_id: int) -> KvSequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.state not in _LIVE:
+            raise KvStateError(f"seq {seq_id} is {self.state(seq_id).name}")
+        return seq
+
+    def _pending(self, seq_id: int, job_id: int) -> KvSequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.state is not S.UPDATING or seq.pending_job != job_id:
+            state = self.state(seq_id).name
+            pending = None if seq is None else seq.pending_job
+            raise StaleJob(f"seq {seq_id} ({state}, pending job {pending}) got completion of job {job_id}")
+        return seq
+
+    def _make_room(self, n: int) -> None:
+        short = n - self.pool.num_free()
+        if short <= 0:
+            return
+        evicted = self.cache.evict(short)
+        for b in evicted:
+            self.pool.free(b)
+        if len(evicted) != short:
+            raise AssertionError(f"evicted {len(evicted)} of {short} blocks counted evictable")
+
+    def _drop_refs(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            if self.pool.decref(b) == 0:
+                if self.cache.is_cached(b):
+                    self.cache.mark_unreferenced(b)
+                else:
+                    self.pool.free(b)
+
+    def _to_unknown(self, seq: KvSequence) -> None:
+        check_transition(seq.state, S.UNKNOWN)
+        safe = seq.committed_len // self.block_size
+        tail = seq.blocks[safe:]
+        self._drop_refs(seq.blocks[:safe])
+        for b in tail:
+            assert not self.cache.is_cached(b), f"block {b} written by a job but cached"
+            if self.pool.decref(b) != 0:
+                raise AssertionError(f"uncommitted block {b} shared")
+        self.pool.quarantine(tail)
+        seq.blocks = tail
+        seq.state = S.UNKNOWN
+        seq.pending_len = None
+
+    def _feed_cache(self, seq: KvSequence, tokens: Sequence[int]) -> None:
+        if seq.key is None or seq.cache_stopped:
+            return
+        full = seq.committed_len // self.block_size
+        if full <= seq.cache_blocks:
+            return
+        n = full * self.block_size
+        done = self.cache.insert(seq.key, tokens[:n], seq.blocks[:full])
+        if done < full:
+            seq.cache_stopped = True
+        seq.cache_blocks = done
+
+    def _after(self, seq_id: int | None) -> None:
+        if seq_id is not None:
+            seq = self._seqs[seq_id]
+            assert seq.committed_len <= seq.reserved_len <= self.max_seq, seq
+        if self.paranoid:
+            self.check_invariants()
+
+    # -- invariants ------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Seed 001 §9.2 plus block conservation; raises AssertionError naming the first violation."""
+
+        def require(cond: bool, msg: str) -> None:
+            if not cond:
+                raise AssertionError(f"chip {self.chip}: {msg}")
+
+        pool, cache, bs = self.pool, self.cache, self.block_size
+        pool.check_invariants()
+        cache.check_invariants()
+        refs: Counter[int] = Counter()
+        unknown_blocks: set[int] = set()
+        for sid, seq in self._seqs.items():
+            require(sid == seq.seq_id, f"seq {sid} filed under the wrong id")
+            require(seq.state not in (S.FREE, S.RELEASING), f"seq {sid} stored in state {seq.state.name}")
+            require(
+                seq.cached_len <= seq.committed_len <= seq.reserved_len <= self.max_seq,
+                f"seq {sid} lengths cached={seq.cached_len} committed={seq.committed_len} "
+                f"reserved={seq.reserved_len} max={self.max_seq}",
+            )
+            require(seq.cached_len % bs == 0, f"seq {sid} cached_len not block aligned")
+            require((seq.state is S.UPDATING) == (seq.pending_len is not None), f"seq {sid} pending_len vs state")
+            require(len(set(seq.blocks)) == len(seq.blocks), f"seq {sid} block table repeats a block")
+            if seq.state is S.UPDATING:
+                require(seq.pending_job is not None, f"seq {sid} updating without a job")
+                require(seq.committed_len < seq.pending_len <= seq.reserved_len, f"seq {sid} pending_len out of range")
+            if seq.state is S.UNKNOWN:
+                unknown_blocks.update(seq.blocks)
+                continue
+            require(not self.faulted, f"seq {sid} {seq.state.name} on a faulted chip")
+            require(len(seq.blocks) == self.blocks_needed(seq.reserved_len), f"seq {sid} table size")
+            refs.update(seq.blocks)
+        quarantined = pool.quarantined()
+        require(unknown_blocks <= quarantined, "an UNKNOWN sequence's block left quarantine")
+        free = evictable = referenced = 0
+        for b in range(pool.num_blocks):
+            rc = pool.refcount(b)
+            require(rc == refs[b], f"block {b} ref count {rc} != {refs[b]} references")
+            if pool.is_free(b):
+                require(not cache.is_cached(b), f"free block {b} still cached")
+                free += 1
+            elif b in quarantined:
+                require(not cache.is_cached(b), f"quarantined block {b} still cached")
+            elif rc > 0:
+                require(not cache.is_cached(b) or cache.is_referenced(b), f"block {b} referenced but cache says not")
+                referenced += 1
+            else:
+                require(cache.is_cached(b) and not cache.is_referenced(b), f"block {b} leaked (held, 0 refs, not cached)")
+                evictable += 1
+        require(evictable == cache.evictable(), "evictable count drifted")
+        require(
+            free + len(quarantined) + evictable + referenced == pool.num_blocks,
+            "block conservation: free + quarantined + evictable + referenced != num_blocks",
+        )
+
+    def stats(self) -> dict:
+        by_state = Counter(seq.state.value for seq in self._seqs.values())
+        # Conservation (checked by check_invariants): held blocks are either referenced or evictable-cached.
+        referenced = (
+            self.pool.num_blocks - self.pool.num_free() - self.pool.num_quarantined() - self.cache.evictable()
+        )
+        return {
+            "chip": self.chip,
+            "faulted": self.faulted,
+            "sequences": {s.value: by_state.get(s.value, 0) for s in S if s not in (S.FREE, S.RELEASING)},
+            "blocks": {
+                "total": self.pool.num_blocks,
+                "free": self.pool.num_free(),
+                "used": referenced,
+                "cached": len(self.cache),
+                "evictable": self.cache.evictable(),
+                "quarantined": self.pool.num_quarantined(),
+            },
+            "prefix": {
+                "hits": self.cache.hits,
+                "misses": self.cache.misses,
+                "hit_tokens": self.cache.hit_tokens,
+                "evictions": self.cache.evictions,
+            },
+            "grow_refusals": self.preempt_refusals,
+            "released_in_flight": self.released_in_flight,
+        }

@@ -1,0 +1,711 @@
+"""The sans-I/O scheduler: events plus `now` in, actions out.
+
+One object owns every request, queue, KV manager and job in flight of a
+board, and is driven by a single thread (seed 001 §4: the "single-thread
+actor").  It never sleeps, reads a clock or touches a socket: the I/O shell
+(or the simulator, or a test) calls submit/cancel/on_result/tick with the
+current time and carries out the returned actions.
+
+Lifecycle of a request: submit -> WAITING_ADMISSION (weighted fair queue) ->
+PREFILL_READY once KV is reserved on a chip -> PREFILL_RUNNING (one job per
+chunk) -> DECODE_READY <-> DECODE_RUNNING (continuous batching) -> COMPLETED,
+or CANCELLED / FAILED from anywhere.  A request whose terminal event has been
+emitted while one of its jobs is still on the chip keeps its KV until that
+job drains (seed 001 §4: the job drains, the lane's result is dropped).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.core.actions import Action, EmitTokens, FailRequest, FinishRequest, SubmitJob
+from engine.core.admission import (
+    AdmissionOutcome,
+    CapacityBudget,
+    ModelLimits,
+    WaitingLoad,
+    decide_submit,
+)
+from engine.core.batch_builder import LaneInput, build_job
+from engine.core.batch_profiles import ConfigurationError, lanes_for, resolve_profiles
+from engine.core.chip_state import ChipState, InflightJob
+from engine.core.dispatch import ChipCandidate, choose_chip
+from engine.core.fair_queue import WeightedFairQueue
+from engine.core.kv import KvManager, OutOfBlocks, PrefixKey, StaleJob
+from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin, WorkClass
+from engine.core.request_record import RequestRecord
+from engine.core.requests import GenerateParams, RequestState
+from engine.core.scheduler_config import SchedulerConfig
+from engine.core.stop_conditions import StopChecker, StopReason
+from ipc.records import JobKind, JobResult, JobStatus
+
+__all__ = ["ChipSpec", "ConfigurationError", "ModelSpec", "Scheduler", "SchedulerConfig"]
+
+S = RequestState
+
+
+@dataclass(frozen=True)
+class ChipSpec:
+    chip: int
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    generation: int
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    max_seq: int
+    profiles: tuple[int, ...]  # compiled decode batches the model declares
+    chunked_prefill: bool  # incremental prefill numerically equal to one-shot
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, model: ModelSpec, chips: list[ChipSpec]) -> None:
+        if not chips:
+            raise ConfigurationError("at least one chip is required")
+        if len({c.chip for c in chips}) != len(chips):
+            raise ConfigurationError("chip ids must be unique")
+        if model.max_seq < 2 or model.vocab_size < 1:
+            raise ConfigurationError("model max_seq must be >= 2 and vocab_size >= 1")
+        for c in chips:
+            if c.num_blocks < 1 or c.block_size < 1:
+                raise ConfigurationError(f"chip {c.chip}: num_blocks and block_size must be >= 1")
+        self.config = config
+        self.model = model
+        self.profiles = resolve_profiles(config.profiles, model.profiles)
+        self.chunked = bool(config.chunked_prefill and model.chunked_prefill)
+        self._eos = tuple(model.eos_ids)
+        weights = {
+            WorkClass.DECODE: config.decode_weight,
+            WorkClass.SHORT: config.short_prefill_weight,
+            WorkClass.MEDIUM: config.medium_prefill_weight,
+            WorkClass.LONG: config.long_prefill_weight,
+        }
+        self.chips: dict[int, ChipState] = {}
+        for c in chips:
+            self.chips[c.chip] = ChipState(
+                chip=c.chip, num_blocks=c.num_blocks, block_size=c.block_size,
+                max_blocks_per_seq=math.ceil(model.max_seq / c.block_size),
+                kv=KvManager(c.chip, c.num_blocks, c.block_size, model.max_seq, prefix_cache=config.prefix_cache),
+                prefill=PrefillQueues(config.short_prefill_max_tokens, config.medium_prefill_max_tokens),
+                wrr=SmoothWeightedRoundRobin(weights),
+            )
+        self.limits = ModelLimits(
+            vocab_size=model.vocab_size, max_seq=model.max_seq,
+            max_blocks_per_chip=max(c.num_blocks for c in chips), block_size=min(c.block_size for c in chips),
+        )
+        self.budget = CapacityBudget(
+            max_sequences=config.max_sequences,
+            max_kv_tokens=sum(c.num_blocks * c.block_size for c in chips),
+            max_waiting_requests=config.max_waiting_requests,
+            max_waiting_prompt_tokens=config.max_waiting_prompt_tokens,
+            max_inflight_jobs=config.max_inflight * len(chips),
+        )
+        self._requests: dict[int, RequestRecord] = {}
+        self._wfq = WeightedFairQueue(lambda t: self.config.tenant(t).weight)
+        self._requeue: deque[int] = deque()  # preempted / faulted: admitted again before the fair queue
+        self._deadlines: list[tuple[float, int]] = []
+        self._job_ids = itertools.count(1)
+        self._seq_ids = itertools.count(1)
+        self._admit_order = itertools.count(1)
+        self._waiting_tokens = 0
+        self._tenant_waiting_tokens: Counter[str] = Counter()
+        self._tenant_active: Counter[str] = Counter()
+        self._n_bound = 0
+        self._accepting = True
+        self._unavailable_reason = "draining"
+        self._dirty = False
+        self._window_wakeup: float | None = None
+        self.counters: Counter[str] = Counter()
+        self.tenant_service: Counter[str] = Counter()  # tokens computed per tenant (prefill + decode)
+
+    # ------------------------------------------------------------------ events
+    def submit(self, request_id: int, params: GenerateParams, now: float) -> list[Action]:
+        assert request_id not in self._requests, f"request id {request_id} is already live"
+        n_ctx = len(params.prompt) + len(params.continuation)
+        policy = self.config.tenant(params.tenant)
+        decision = decide_submit(
+            params, self.limits, self.budget, self._accepting, self._unavailable_reason,
+            WaitingLoad(len(self._wfq) + len(self._requeue), self._waiting_tokens,
+                        self._tenant_waiting_tokens[params.tenant]),
+            policy.max_waiting_tokens,
+        )
+        if decision.outcome is not AdmissionOutcome.QUEUE:
+            self.counters[f"rejected_{decision.reason}"] += 1
+            self.counters["rejected"] += 1
+            return [FailRequest(request_id, decision.code, decision.reason, decision.message, decision.retryable)]
+        stop = StopChecker.build(params.max_tokens, self._eos, params.ignore_eos, params.stop_token_ids,
+                                 params.stop, params.continuation)
+        deadline_s = params.deadline_ms / 1000.0 if params.deadline_ms is not None else self.config.default_deadline_s
+        r = RequestRecord(
+            request_id=request_id, params=params, arrival=now,
+            deadline=None if deadline_s is None else now + deadline_s,
+            stop=stop, tokens=[int(t) for t in params.prompt] + [int(t) for t in params.continuation],
+        )
+        self.counters["accepted"] += 1
+        if stop.exhausted():  # the continuation already used up max_tokens: nothing to compute
+            return self._finish_now(r, StopReason.LENGTH.value, now)
+        r.move(S.WAITING_ADMISSION)
+        self._requests[request_id] = r
+        cost = n_ctx + self.config.decode_cost_weight * (params.max_tokens - len(params.continuation))
+        self._wfq.push(request_id, params.tenant, cost, params.priority)
+        self._add_waiting(r, +1)
+        if r.deadline is not None:
+            heapq.heappush(self._deadlines, (r.deadline, request_id))
+        self._dirty = True
+        return []
+
+    def cancel(self, request_id: int, now: float) -> list[Action]:
+        r = self._requests.get(request_id)
+        if r is None or r.terminal:
+            return []
+        self.counters["cancelled"] += 1
+        self.counters["finished_cancelled"] += 1
+        out: list[Action] = [FinishRequest(request_id, "cancelled", r.usage(), r.timing(now))]
+        self._terminate(r, S.CANCELLED)
+        return out
+
+    def on_result(self, chip: int, result: JobResult, now: float) -> list[Action]:
+        ch = self.chips.get(chip)
+        job = None if ch is None else ch.inflight.pop(result.job_id, None)
+        if job is None:
+            self.counters["stale_results"] += 1  # unknown, timed out or from before a fault
+            return []
+        assert ch is not None
+        self._dirty = True
+        out: list[Action] = []
+        if result.generation != self.model.generation or result.kind != job.kind:
+            self.counters["stale_results"] += 1
+            self._fail_job(ch, job, "stale_result", "the job's result did not match its generation", now, out)
+        elif result.status != JobStatus.OK:
+            self.counters["failed_jobs"] += 1
+            reason = "job_invalid" if result.status == JobStatus.INVALID else "job_failed"
+            self._fail_job(ch, job, reason, f"the chip reported {result.status.name}", now, out)
+        else:
+            self._complete_job(ch, job, result, now, out)
+        return out
+
+    def on_chip_down(self, chip: int, now: float) -> list[Action]:
+        ch = self.chips[chip]
+        out: list[Action] = []
+        if not ch.in_service:
+            return out
+        ch.in_service = False
+        ch.faults += 1
+        self.counters["chip_faults"] += 1
+        self._dirty = True
+        inflight_lanes = [rid for job in ch.inflight.values() for rid in job.lanes]
+        ch.inflight.clear()
+        ch.kv.chip_fault()
+        for rid in inflight_lanes:
+            r = self._requests.get(rid)
+            if r is None:
+                continue
+            r.job_id = None
+            self._unbind(r, released=False)
+            if r.terminal:
+                self._forget_if_done(r)
+                continue
+            self._retry_or_fail(r, "worker_died", "the chip's worker died with this request in flight", now, out)
+        # Sequences between jobs lost their KV too, but nothing was in doubt:
+        # they are recomputed elsewhere from the tokens the scheduler holds.
+        for rid in list(ch.bound):
+            r = self._requests[rid]
+            ch.prefill.remove(rid)
+            ch.decode_ready.pop(rid, None)
+            self._unbind(r, released=False)
+            self._requeue_request(r)
+        assert not ch.bound and not len(ch.prefill) and not ch.decode_ready
+        return out
+
+    def on_chip_up(self, chip: int, now: float) -> list[Action]:
+        ch = self.chips[chip]
+        out: list[Action] = []
+        if ch.in_service:  # a restart we did not see going down
+            out += self.on_chip_down(chip, now)
+        ch.kv.recover_chip()
+        ch.in_service = True
+        self._dirty = True
+        return out
+
+    def tick(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        self._expire_deadlines(now, out)
+        self._expire_jobs(now, out)
+        self._admit(now)
+        self._window_wakeup = None
+        for ch in self.chips.values():
+            self._dispatch(ch, now, out)
+        self._dirty = False
+        return out
+
+    def next_wakeup(self, now: float) -> float | None:
+        if self._dirty and self.has_work():
+            return now
+        times: list[float] = []
+        while self._deadlines:
+            t, rid = self._deadlines[0]
+            r = self._requests.get(rid)
+            if r is None or r.terminal or r.deadline != t:
+                heapq.heappop(self._deadlines)
+                continue
+            times.append(t)
+            break
+        for ch in self.chips.values():
+            times.extend(j.timeout_at for j in ch.inflight.values())
+        if self._window_wakeup is not None:
+            times.append(self._window_wakeup)
+        return min(times) if times else None
+
+    def set_accepting(self, accepting: bool, reason: str = "draining") -> None:
+        self._accepting = bool(accepting)
+        self._unavailable_reason = reason
+
+    def shutdown(self, now: float) -> list[Action]:
+        """Every live request gets 503 "shutdown" (retryable: a balancer resumes it elsewhere).
+
+        Jobs still on a chip keep their KV until their results drain (or the
+        chip is declared down); everything else is released at once.
+        """
+        self.set_accepting(False, "shutdown")
+        out: list[Action] = []
+        for r in list(self._requests.values()):
+            if r.terminal:
+                continue
+            self.counters["failed_shutdown"] += 1
+            out.append(FailRequest(r.request_id, 503, "shutdown", "the server is shutting down", True))
+            self._terminate(r, S.FAILED)
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self._requests) or any(ch.inflight for ch in self.chips.values())
+
+    # --------------------------------------------------------------- admission
+    def _add_waiting(self, r: RequestRecord, sign: int) -> None:
+        n = len(r.params.prompt) + len(r.params.continuation)
+        self._waiting_tokens += sign * n
+        self._tenant_waiting_tokens[r.tenant] += sign * n
+        assert self._waiting_tokens >= 0
+
+    def _admit(self, now: float) -> None:
+        if self.config.static_batching and self._n_bound:
+            return  # static batching: the running batch must drain completely first
+        while self._n_bound < self.config.max_sequences:
+            rid, from_requeue = self._next_candidate()
+            if rid is None:
+                return
+            r = self._requests[rid]
+            if not self._reserve(r):
+                return  # head of line waits for KV (keeps fairness order; no starvation of big prompts)
+            if from_requeue:
+                self._requeue.popleft()
+            else:
+                r.vft = self._wfq.pop(rid)
+                self._add_waiting(r, -1)
+            r.move(S.PREFILL_READY)
+            r.admit_order = next(self._admit_order)
+            self.chips[r.chip].prefill.push(rid, r.prefill_target - r.committed)
+            self.counters["admitted"] += 1
+
+    def _next_candidate(self) -> tuple[int | None, bool]:
+        if self._requeue:
+            return self._requeue[0], True
+
+        def eligible(tenant: str, rid: int) -> bool:
+            cap = self.config.tenant(tenant).max_active_sequences
+            return cap is None or cap <= 0 or self._tenant_active[tenant] < cap
+
+        picked = self._wfq.peek(eligible)
+        return (None, False) if picked is None else (picked[0], False)
+
+    def _prefix_key(self, r: RequestRecord) -> PrefixKey | None:
+        if not self.config.prefix_cache:
+            return None
+        return PrefixKey(self.model.generation, r.params.prefix_salt)
+
+    def _cached_probe(self, ch: ChipState, key: PrefixKey | None, tokens: Sequence[int]) -> int:
+        if key is None or len(self.chips) == 1 or not ch.in_service:
+            return 0
+        return ch.kv.cached_prefix_len(key, tokens)
+
+    def _reserve(self, r: RequestRecord) -> bool:
+        """Bind `r` to a chip with a fresh KV sequence; False when no chip has room now."""
+        key = self._prefix_key(r)
+        n = len(r.tokens)
+        reserve_len = min(n + 1, self.model.max_seq)  # the prompt and the first decode position
+        cands = []
+        for ch in self.chips.values():
+            headroom = int(self.config.kv_watermark * ch.num_blocks)
+            cands.append(ChipCandidate(
+                chip=ch.chip, in_service=ch.in_service,
+                available_blocks=ch.kv.available_blocks() - headroom,
+                blocks_needed=ch.kv.blocks_needed(reserve_len),
+                cached_tokens=self._cached_probe(ch, key, r.tokens), load=ch.load,
+            ))
+        chip = choose_chip(cands)
+        if chip is None:
+            return False
+        ch = self.chips[chip]
+        seq_id = next(self._seq_ids)
+        try:
+            cached = ch.kv.reserve(seq_id, self.model.generation, r.tokens, reserve_len, key)
+        except OutOfBlocks:
+            return False
+        assert 0 <= cached < n
+        r.chip, r.seq_id = chip, seq_id
+        r.committed, r.reserved, r.prefill_target = cached, reserve_len, n
+        if r.retries == 0 and r.t_first_sched is None:
+            r.cached_tokens = cached
+        if cached:
+            self.counters["prefix_hit_tokens"] += cached
+        ch.bound.add(r.request_id)
+        self._n_bound += 1
+        self._tenant_active[r.tenant] += 1
+        return True
+
+    def _unbind(self, r: RequestRecord, released: bool) -> None:
+        """Forget r's KV sequence (released to the pool, or left to the chip's fault handling)."""
+        if r.seq_id is None:
+            return
+        ch = self.chips[r.chip]
+        if released:
+            ch.kv.release(r.seq_id)
+        ch.bound.discard(r.request_id)
+        self._n_bound -= 1
+        self._tenant_active[r.tenant] -= 1
+        r.seq_id = None
+        r.chip = None
+
+    def _requeue_request(self, r: RequestRecord) -> None:
+        r.move(S.WAITING_ADMISSION)
+        self._requeue.append(r.request_id)
+        self.counters["requeued"] += 1
+        self._dirty = True
+
+    def _retry_or_fail(self, r: RequestRecord, reason: str, message: str, now: float, out: list[Action]) -> None:
+        """A request whose job was lost: requeue while nothing reached the client, else 500 (retryable elsewhere)."""
+        if r.emitted == 0 and r.retries < self.config.max_retries:
+            r.retries += 1
+            self._requeue_request(r)
+            return
+        self.counters[f"failed_{reason}"] += 1
+        out.append(FailRequest(r.request_id, 500, reason, message, True))
+        self._terminate(r, S.FAILED)
+
+    # ------------------------------------------------------------- terminals
+    def _finish_now(self, r: RequestRecord, reason: str, now: float) -> list[Action]:
+        self.counters[f"finished_{reason}"] += 1
+        r.terminal_emitted = True
+        return [FinishRequest(r.request_id, reason, r.usage(), r.timing(now))]
+
+    def _terminate(self, r: RequestRecord, state: RequestState) -> None:
+        """Enter a terminal state (the caller emitted the terminal event) and reclaim what is not in flight."""
+        assert not r.terminal_emitted, f"request {r.request_id}: second terminal event"
+        r.terminal_emitted = True
+        old = r.state
+        if old is S.WAITING_ADMISSION:
+            if self._wfq.remove(r.request_id):
+                self._add_waiting(r, -1)
+            else:
+                self._requeue.remove(r.request_id)
+        elif old in (S.PREFILL_READY, S.DECODE_READY):
+            ch = self.chips[r.chip]
+            ch.prefill.remove(r.request_id)
+            ch.decode_ready.pop(r.request_id, None)
+            self._unbind(r, released=True)
+        if state is S.COMPLETED:
+            r.move(S.FINISHING)
+        r.move(state)
+        self._forget_if_done(r)
+
+    def _forget_if_done(self, r: RequestRecord) -> None:
+        if r.terminal and r.job_id is None and r.seq_id is None:
+            self._requests.pop(r.request_id, None)
+
+    def _expire_deadlines(self, now: float, out: list[Action]) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            t, rid = heapq.heappop(self._deadlines)
+            r = self._requests.get(rid)
+            if r is None or r.terminal or r.deadline != t:
+                continue
+            self.counters["failed_deadline_exceeded"] += 1
+            out.append(FailRequest(rid, 504, "deadline_exceeded", "the request's deadline passed", False))
+            self._terminate(r, S.FAILED)
+
+    def _expire_jobs(self, now: float, out: list[Action]) -> None:
+        for ch in self.chips.values():
+            late = [j for j in ch.inflight.values() if j.timeout_at <= now]
+            for job in late:
+                del ch.inflight[job.job_id]
+                self.counters["timed_out_jobs"] += 1
+                self._fail_job(ch, job, "job_timeout", "the chip did not answer within job_timeout", now, out)
+
+    # ------------------------------------------------------------ completions
+    def _fail_job(self, ch: ChipState, job: InflightJob, reason: str, message: str, now: float,
+                  out: list[Action]) -> None:
+        """Every lane of a failed job: KV Unknown (quarantined until the chip recovers), request retried or 500."""
+        self._dirty = True
+        for rid, seq_id in zip(job.lanes, job.seq_ids):
+            r = self._requests.get(rid)
+            try:
+                ch.kv.fail(seq_id, job.job_id)
+            except StaleJob:
+                pass
+            ch.kv.release(seq_id)  # drops the UNKNOWN entry; its blocks stay quarantined until recovery
+            if r is None:
+                continue
+            r.job_id = None
+            self._unbind(r, released=False)
+            if r.terminal:
+                self._forget_if_done(r)
+                continue
+            self._retry_or_fail(r, reason, message, now, out)
+
+    def _complete_job(self, ch: ChipState, job: InflightJob, result: JobResult, now: float,
+                      out: list[Action]) -> None:
+        toks = result.tokens
+        lps = result.logprobs
+        for lane, (rid, seq_id, new_len) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens)):
+            r = self._requests[rid]
+            assert r.job_id == job.job_id and r.seq_id == seq_id
+            r.job_id = None
+            ch.kv.commit(seq_id, job.job_id, r.tokens if new_len == len(r.tokens) else r.tokens[:new_len])
+            r.committed = new_len
+            self.tenant_service[r.tenant] += new_len - job.start_lens[lane]
+            if r.terminal:  # cancelled / expired / shut down while running: drop the lane's output
+                self._unbind(r, released=True)
+                self._forget_if_done(r)
+                continue
+            if job.kind is JobKind.PREFILL and not job.final:
+                r.move(S.PREFILL_READY)
+                ch.prefill.push(rid, r.prefill_target, front=True)
+                continue
+            token = int(toks[lane])
+            if not 0 <= token < self.model.vocab_size:
+                self.counters["failed_bad_token"] += 1
+                out.append(FailRequest(rid, 500, "bad_token", f"the chip returned token {token}", False))
+                self._terminate_running(r, ch, S.FAILED)
+                continue
+            self._accept_token(r, ch, token, float(lps[lane]) if lps is not None and len(lps) > lane else 0.0,
+                               now, out)
+
+    def _terminate_running(self, r: RequestRecord, ch: ChipState, state: RequestState) -> None:
+        """Terminal state for a request whose job just completed (its KV is committed, not in flight)."""
+        self._unbind(r, released=True)
+        self._terminate(r, state)
+
+    def _accept_token(self, r: RequestRecord, ch: ChipState, token: int, logprob: float, now: float,
+                      out: list[Action]) -> None:
+        r.tokens.append(token)
+        r.generated += 1
+        verdict = r.stop.feed(token, logprob)
+        if verdict.emit:
+            if r.t_first_token is None:
+                r.t_first_token = now
+            r.t_last_token = now
+            r.emitted += len(verdict.emit)
+            out.append(EmitTokens(r.request_id, verdict.emit, verdict.emit_logprobs if r.params.logprobs else None))
+        if verdict.stop is not None:
+            if r.t_first_token is None:
+                r.t_first_token = r.t_last_token = now
+            reason = verdict.stop.value
+            self.counters[f"finished_{reason}"] += 1
+            self._unbind(r, released=True)
+            r.move(S.FINISHING)
+            out.append(FinishRequest(r.request_id, reason, r.usage(), r.timing(now)))
+            r.terminal_emitted = True
+            r.move(S.COMPLETED)
+            self._forget_if_done(r)
+            return
+        r.move(S.DECODE_READY)
+        r.ready_since = now
+        ch.decode_ready[r.request_id] = None
+
+    # -------------------------------------------------------------- dispatch
+    def _dispatch(self, ch: ChipState, now: float, out: list[Action]) -> None:
+        """Fill the chip's free job slots, choosing decode vs prefill classes by weighted round robin."""
+        while ch.in_service and len(ch.inflight) < self.config.max_inflight:
+            classes = ch.prefill.nonempty()
+            if ch.decode_ready and self._decode_may_fire(ch, now):
+                classes.append(WorkClass.DECODE)
+            cls = ch.wrr.pick(classes)
+            if cls is None:
+                return
+            if cls is WorkClass.DECODE:
+                self._submit_decode(ch, now, out)
+            else:
+                self._submit_prefill(ch, ch.prefill.pop(cls), now, out)
+
+    def _decode_candidates(self, ch: ChipState) -> list[RequestRecord]:
+        """Ready sequences by earliest deadline, then fair-queue tag, then arrival (seed 001 §7.2)."""
+        inf = math.inf
+        cands = [self._requests[rid] for rid in ch.decode_ready]
+        cands.sort(key=lambda r: (inf if r.deadline is None else r.deadline, r.vft, r.request_id))
+        return cands
+
+    def _decode_may_fire(self, ch: ChipState, now: float) -> bool:
+        """The batching window: hold an unfilled batch briefly, never past the window nor near a deadline."""
+        window = self.config.batching_window_s
+        if window <= 0:
+            return True
+        ready = len(ch.decode_ready)
+        if ready >= max(self.profiles):
+            return True
+        oldest = min(self._requests[rid].ready_since for rid in ch.decode_ready)
+        fire_at = oldest + window
+        deadlines = [self._requests[rid].deadline for rid in ch.decode_ready]
+        known = [d for d in deadlines if d is not None]
+        if known:
+            # holding may never eat into the earliest deadline: fire a window ahead of it
+            fire_at = min(fire_at, min(known) - window)
+        if now >= fire_at:
+            return True
+        self._window_wakeup = fire_at if self._window_wakeup is None else min(self._window_wakeup, fire_at)
+        return False
+
+    def _pick_lanes(self, cands: list[RequestRecord], batch: int) -> list[RequestRecord]:
+        """Take `batch` candidates in order, capping each tenant's share unless nobody else is ready."""
+        share = self.config.max_tenant_lane_share
+        if share >= 1.0:
+            return cands[:batch]
+        cap = max(1, math.floor(share * batch))
+        chosen: list[RequestRecord] = []
+        skipped: list[RequestRecord] = []
+        per_tenant: Counter[str] = Counter()
+        for r in cands:
+            if len(chosen) == batch:
+                break
+            if per_tenant[r.tenant] < cap:
+                per_tenant[r.tenant] += 1
+                chosen.append(r)
+            else:
+                skipped.append(r)
+        for r in skipped:
+            if len(chosen) == batch:
+                break
+            chosen.append(r)
+        return chosen
+
+    def _ensure_room(self, ch: ChipState, r: RequestRecord, chosen: list[RequestRecord]) -> bool:
+        """KV for r's next position; preempts the youngest idle sequence when the pool is dry.
+
+        Returns False when r itself was preempted (it is requeued for recompute).
+        """
+        need = r.committed + 1
+        while need > r.reserved:
+            bs = ch.block_size
+            target = min(self.model.max_seq, -(-need // bs) * bs)
+            if ch.kv.grow(r.seq_id, target):
+                r.reserved = target
+                return True
+            taken = {c.request_id for c in chosen}
+            idle = [self._requests[rid] for rid in ch.decode_ready if rid not in taken]
+            victim = max(idle, key=lambda x: x.admit_order)
+            self._preempt(ch, victim)
+            if victim is r:
+                return False
+        return True
+
+    def _preempt(self, ch: ChipState, r: RequestRecord) -> None:
+        assert r.state is S.DECODE_READY and r.job_id is None
+        self.counters["preemptions"] += 1
+        ch.decode_ready.pop(r.request_id, None)
+        self._unbind(r, released=True)
+        self._requeue_request(r)
+
+    def _lane(self, r: RequestRecord, ch: ChipState, start: int, end: int, sample: bool) -> LaneInput:
+        p = r.params
+        return LaneInput(
+            tokens=r.tokens[start:end], start_pos=start, block_table=ch.kv.block_table(r.seq_id), sample=sample,
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, logprobs=p.logprobs,
+        )
+
+    def _submit_decode(self, ch: ChipState, now: float, out: list[Action]) -> None:
+        cands = self._decode_candidates(ch)
+        batch, _ = lanes_for(len(cands), self.profiles, self.config.profile_fill_ratio)
+        picked = self._pick_lanes(cands, batch)
+        chosen: list[RequestRecord] = []
+        for r in picked:
+            if r.request_id in ch.decode_ready and self._ensure_room(ch, r, chosen):
+                chosen.append(r)
+        if not chosen:
+            return
+        batch = min(b for b in self.profiles if b >= len(chosen))
+        job_id = next(self._job_ids)
+        lanes = [self._lane(r, ch, r.committed, r.committed + 1, True) for r in chosen]
+        job = build_job(JobKind.DECODE, job_id, self.model.generation, batch, lanes, ch.max_blocks_per_seq)
+        starts = [r.committed for r in chosen]
+        for r in chosen:
+            ch.kv.begin_update(r.seq_id, job_id, r.committed + 1)
+            del ch.decode_ready[r.request_id]
+            r.move(S.DECODE_RUNNING)
+            r.job_id = job_id
+        self._record_job(ch, JobKind.DECODE, job_id, chosen, starts, [s + 1 for s in starts], True, batch, now)
+        self.counters["decode_jobs"] += 1
+        self.counters["decode_lanes"] += len(chosen)
+        self.counters["decode_lane_slots"] += batch
+        out.append(SubmitJob(ch.chip, job))
+
+    def _submit_prefill(self, ch: ChipState, rid: int, now: float, out: list[Action]) -> None:
+        r = self._requests[rid]
+        start = r.committed
+        end = r.prefill_target
+        if self.chunked:
+            end = min(end, start + self.config.prefill_chunk_tokens)
+        final = end == r.prefill_target
+        job_id = next(self._job_ids)
+        job = build_job(JobKind.PREFILL, job_id, self.model.generation, 1, [self._lane(r, ch, start, end, final)],
+                        ch.max_blocks_per_seq)
+        ch.kv.begin_update(r.seq_id, job_id, end)
+        r.move(S.PREFILL_RUNNING)
+        r.job_id = job_id
+        if r.t_first_sched is None:
+            r.t_first_sched = now
+        self._record_job(ch, JobKind.PREFILL, job_id, [r], [start], [end], final, 1, now)
+        self.counters["prefill_jobs"] += 1
+        self.counters["prefill_tokens"] += end - start
+        out.append(SubmitJob(ch.chip, job))
+
+    def _record_job(self, ch: ChipState, kind: JobKind, job_id: int, rs: list[RequestRecord], starts: list[int],
+                    ends: list[int], final: bool, batch: int, now: float) -> None:
+        ch.inflight[job_id] = InflightJob(
+            job_id=job_id, kind=kind, lanes=[r.request_id for r in rs], seq_ids=[r.seq_id for r in rs],
+            start_lens=starts, new_lens=ends, final=final, batch=batch, submitted_at=now,
+            timeout_at=now + self.config.job_timeout_s,
+        )
+        ch.jobs_submitted += 1
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        states: Counter[str] = Counter(r.state.value for r in self._requests.values())
+        slots = self.counters["decode_lane_slots"]
+        return {
+            "accepting": self._accepting,
+            "profiles": list(self.profiles),
+            "chunked_prefill": self.chunked,
+            "waiting_requests": len(self._wfq) + len(self._requeue),
+            "waiting_prompt_tokens": self._waiting_tokens,
+            "active_sequences": self._n_bound,
+            "requests_by_state": dict(states),
+            "queues": {
+                str(ch.chip): {"decode": len(ch.decode_ready), **ch.prefill.depths()} for ch in self.chips.values()
+            },
+            "chips": {
+                str(ch.chip): {
+                    "in_service": ch.in_service, "inflight": len(ch.inflight), "bound": len(ch.bound),
+                    "jobs_submitted": ch.jobs_submitted, "faults": ch.faults, "kv": ch.kv.stats(),
+                    "wrr_picks": {c.value: n for c, n in ch.wrr.picks.items()},
+                } for ch in self.chips.values()
+            },
+            "batch_fill_ratio": (self.counters["decode_lanes"] / slots) if slots else None,
+            "tenant_active": {t: n for t, n in self._tenant_active.items() if n},
+            "tenant_service_tokens": dict(self.tenant_service),
+            "counters": dict(self.counters),
+        }

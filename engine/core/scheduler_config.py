@@ -1,0 +1,141 @@
+"""Scheduler configuration, and the adapter from the daemon's TOML config.
+
+`scheduler_config_from` reads attributes duck-typed (getattr with defaults)
+so that the core does not import `engine.config` and stays usable by the
+simulator and tests with a plain `SchedulerConfig(...)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """Control-plane settings of one tenant (never taken from request fields)."""
+
+    weight: float = 1.0
+    max_active_sequences: int | None = None  # admitted, not yet terminal
+    max_waiting_tokens: int | None = None  # prompt tokens waiting for admission
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError("tenant weight must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # admission budget (seed 001 §5.1)
+    max_sequences: int = 256
+    max_waiting_requests: int = 128
+    max_waiting_prompt_tokens: int = 262_144
+    default_deadline_s: float | None = 120.0
+    kv_watermark: float = 0.01  # fraction of a chip's blocks kept free at admission for decode growth
+    # queues: weighted round robin of job opportunities (seed 001 §6)
+    decode_weight: int = 8
+    short_prefill_weight: int = 4
+    medium_prefill_weight: int = 2
+    long_prefill_weight: int = 1
+    short_prefill_max_tokens: int = 512
+    medium_prefill_max_tokens: int = 4096
+    decode_cost_weight: float = 1.0  # WFQ cost = prompt + decode_cost_weight * max_tokens
+    tenants: Mapping[str, TenantPolicy] = field(default_factory=dict)
+    default_tenant: TenantPolicy = TenantPolicy()
+    max_tenant_lane_share: float = 1.0  # of a decode batch's lanes, unless nobody else is ready
+    # batches
+    profiles: tuple[int, ...] | None = None  # None: every profile the model declares
+    profile_fill_ratio: float = 0.75  # seed 001 §8: B16 at >=12 ready, B8 at >=6, B4 at >=3
+    batching_window_s: float = 0.0
+    chunked_prefill: bool = True  # effective only when the model declares it
+    prefill_chunk_tokens: int = 512
+    # executor
+    max_inflight: int = 1
+    job_timeout_s: float = 30.0
+    max_retries: int = 2  # requeues of a request whose job failed before any token was emitted
+    # kv
+    prefix_cache: bool = True
+    # The simulator's baseline: admit a new batch only once the previous one
+    # has completely finished (static batching).
+    static_batching: bool = False
+
+    def __post_init__(self) -> None:
+        positive = ("max_sequences", "max_inflight", "prefill_chunk_tokens", "short_prefill_max_tokens")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.medium_prefill_max_tokens < self.short_prefill_max_tokens:
+            raise ValueError("medium_prefill_max_tokens must be >= short_prefill_max_tokens")
+        for name in ("decode_weight", "short_prefill_weight", "medium_prefill_weight", "long_prefill_weight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (a zero weight starves its queue)")
+        if self.batching_window_s < 0 or self.job_timeout_s <= 0:
+            raise ValueError("batching_window_s must be >= 0 and job_timeout_s > 0")
+        if not 0 < self.max_tenant_lane_share <= 1:
+            raise ValueError("max_tenant_lane_share must be in (0, 1]")
+        if not 0 < self.profile_fill_ratio <= 1:
+            raise ValueError("profile_fill_ratio must be in (0, 1]")
+
+    def tenant(self, name: str) -> TenantPolicy:
+        return self.tenants.get(name, self.default_tenant)
+
+
+def _get(section: Any, name: str, default: Any) -> Any:
+    if section is None:
+        return default
+    if isinstance(section, Mapping):
+        value = section.get(name, default)
+    else:
+        value = getattr(section, name, default)
+    return default if value is None else value
+
+
+def _tenant_from(obj: Any) -> TenantPolicy:
+    if isinstance(obj, (int, float)):
+        return TenantPolicy(weight=float(obj))
+    cap_seq = _get(obj, "max_active_sequences", None)
+    cap_tok = _get(obj, "max_waiting_tokens", None)
+    return TenantPolicy(
+        weight=float(_get(obj, "weight", 1.0)),
+        max_active_sequences=int(cap_seq) if cap_seq else None,  # 0 = unlimited
+        max_waiting_tokens=int(cap_tok) if cap_tok else None,
+    )
+
+
+def scheduler_config_from(cfg: Any) -> SchedulerConfig:
+    """Build a SchedulerConfig from an `engine.config.Config` (sections admission, queues, batch, executor, kv)."""
+    d = SchedulerConfig()
+    adm = _get(cfg, "admission", None)
+    q = _get(cfg, "queues", None)
+    b = _get(cfg, "batch", None)
+    ex = _get(cfg, "executor", None)
+    kv = _get(cfg, "kv", None)
+    deadline_ms = _get(adm, "deadline_default_ms", None)
+    tenants_raw = _get(q, "tenants", {}) or {}
+    tenants = {str(name): _tenant_from(t) for name, t in dict(tenants_raw).items()}
+    default_tenant = tenants.get("default", d.default_tenant)
+    profiles = _get(b, "profiles", None)
+    return SchedulerConfig(
+        max_sequences=int(_get(adm, "max_sequences", d.max_sequences)),
+        max_waiting_requests=int(_get(adm, "max_waiting_requests", d.max_waiting_requests)),
+        max_waiting_prompt_tokens=int(_get(adm, "max_waiting_prompt_tokens", d.max_waiting_prompt_tokens)),
+        default_deadline_s=(d.default_deadline_s if deadline_ms is None
+                            else (None if int(deadline_ms) <= 0 else int(deadline_ms) / 1000.0)),
+        decode_weight=int(_get(q, "decode_weight", d.decode_weight)),
+        short_prefill_weight=int(_get(q, "short_prefill_weight", d.short_prefill_weight)),
+        medium_prefill_weight=int(_get(q, "medium_prefill_weight", d.medium_prefill_weight)),
+        long_prefill_weight=int(_get(q, "long_prefill_weight", d.long_prefill_weight)),
+        short_prefill_max_tokens=int(_get(q, "short_prefill_max_tokens", d.short_prefill_max_tokens)),
+        medium_prefill_max_tokens=int(_get(q, "medium_prefill_max_tokens", d.medium_prefill_max_tokens)),
+        decode_cost_weight=float(_get(q, "decode_cost_weight", d.decode_cost_weight)),
+        tenants=tenants,
+        default_tenant=default_tenant,
+        profiles=tuple(int(p) for p in profiles) if profiles else None,  # [] = every declared profile
+        batching_window_s=float(_get(b, "batching_window_us", 0)) / 1e6,
+        chunked_prefill=bool(_get(b, "chunked_prefill", d.chunked_prefill)),
+        prefill_chunk_tokens=int(_get(b, "prefill_chunk_tokens", d.prefill_chunk_tokens)),
+        max_inflight=int(_get(ex, "max_inflight", d.max_inflight)),
+        job_timeout_s=float(_get(ex, "job_timeout_ms", d.job_timeout_s * 1000)) / 1000.0,
+        prefix_cache=bool(_get(kv, "prefix_cache", d.prefix_cache)),
+    )

@@ -1,0 +1,35 @@
+"""A chip on a virtual clock: runs jobs one after another, each for the latency model's time."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ipc.records import Job, JobKind, JobResult, JobStatus
+from workers.backends.sim_latency import LatencyModel
+
+
+class VirtualChip:
+    def __init__(self, chip: int, latency: LatencyModel, vocab: int) -> None:
+        self.chip = chip
+        self.latency = latency
+        self.vocab = vocab
+        self.busy_until = 0.0
+        self.busy_time = 0.0
+
+    def duration(self, job: Job) -> float:
+        if job.kind is JobKind.DECODE:
+            return self.latency.decode_seconds(int(np.count_nonzero(job.lane_valid)))
+        return self.latency.prefill_seconds(int(job.tokens.shape[0]))
+
+    def run(self, job: Job, now: float) -> tuple[float, JobResult]:
+        """(completion time, result): jobs queue behind each other on the device."""
+        start = max(now, self.busy_until)
+        d = self.duration(job)
+        self.busy_until = start + d
+        self.busy_time += d
+        # Tokens never equal EOS 0: generation length is governed by max_tokens.
+        toks = (1 + (job.seed.astype(np.int64) * 7919 + job.context_lens) % (self.vocab - 1)).astype(np.int32)
+        toks[job.sample == 0] = -1
+        result = JobResult(job_id=job.job_id, generation=job.generation, kind=job.kind, status=JobStatus.OK,
+                           tokens=toks, logprobs=np.zeros(job.batch, np.float32), device_us=int(d * 1e6))
+        return self.busy_until, result

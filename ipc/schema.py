@@ -1,0 +1,387 @@
+"""The wire schema (DESIGN §4): what each request op may carry, and the server events.
+
+Validation lives here, apart from byte parsing (`ipc.codec`), so that a
+balancer or test can validate an already-parsed object. Every violation is one
+`ProtocolError` with an HTTP-like code and a machine-readable `reason`; the
+daemon turns it into an `error` event and keeps serving.
+
+Requests are strict: an unknown field is an error (the protocol is versioned,
+so a typo such as `max_token` must not silently fall back to a default).
+Events are read leniently: a client ignores event fields it does not know, so
+a server may add fields without a version bump.
+
+Range checks here are the ones that hold for every model (a token id fits an
+int32, a temperature is finite); vocabulary and context length are checked by
+the scheduler, which knows the model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+REQUEST_OPS = ("generate", "cancel", "health", "stats", "load", "unload", "replace", "rollback",
+               "models", "drain", "resume")
+ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume")
+# One reply event per non-generate op, named like the op; `cancel` has none
+# (the cancelled stream's own terminal event is the acknowledgement).
+REPLY_EVENTS = ("health", "stats", "models", "load", "unload", "replace", "rollback", "drain", "resume")
+STREAM_EVENTS = ("tokens", "done", "error")
+EVENTS = STREAM_EVENTS + REPLY_EVENTS
+FINISH_REASONS = ("length", "eos", "stop", "cancelled")
+ERROR_CODES = (400, 401, 403, 404, 429, 500, 501, 503, 504)
+
+# Request-independent bounds. Token ids travel as int32 in the job records.
+TOKEN_ID_MAX = (1 << 31) - 1
+UINT64_MAX = (1 << 64) - 1
+MAX_ID_CHARS = 128
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_NEW_TOKENS = 1 << 20
+DEFAULT_MAX_TOKENS = 16
+MAX_TEMPERATURE = 100.0
+MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_SEQUENCE_TOKENS = 64
+MAX_DEADLINE_MS = 86_400_000
+PRIORITY_MIN, PRIORITY_MAX = -100, 100
+MAX_AUTH_CHARS = 256
+MAX_PATH_CHARS = 4096
+# Model aliases and tenant names reach file names, logs and metric labels.
+NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}\Z")
+REASON_RE = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
+
+# Reasons the codec produces (all with code 400).
+CODEC_REASONS = ("bad_json", "not_an_object", "too_large", "bad_version", "unknown_op", "unknown_field",
+                 "missing_field", "bad_type", "out_of_range")
+
+
+class ProtocolError(Exception):
+    """One malformed message: what to tell the sender, and the request id when it could be read."""
+
+    def __init__(self, reason: str, message: str, id: str | None = None, code: int = 400) -> None:
+        super().__init__(message)
+        assert REASON_RE.match(reason), reason
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.id = id
+
+    def __str__(self) -> str:
+        return f"{self.code} {self.reason}: {self.message}"
+
+    def to_event(self) -> dict:
+        return error_event(self.id, self.code, self.reason, self.message, retryable=False)
+
+
+class _FieldError(Exception):
+    """Raised by field checkers; `validate_request` adds the request id."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+_REQUIRED = object()
+Checker = Callable[[str, Any], Any]
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _int(lo: int, hi: int) -> Checker:
+    def check(name: str, value: Any) -> int:
+        if type(value) is not int:  # bool is an int subclass: rejected on purpose
+            raise _FieldError("bad_type", f"{name}: must be an int, got {_type_name(value)}")
+        if not lo <= value <= hi:
+            raise _FieldError("out_of_range", f"{name}: must be in [{lo}, {hi}], got {value}")
+        return value
+    return check
+
+
+def _float(lo: float, hi: float, lo_open: bool = False) -> Checker:
+    def check(name: str, value: Any) -> float:
+        if type(value) not in (int, float):
+            raise _FieldError("bad_type", f"{name}: must be a number, got {_type_name(value)}")
+        x = float(value)
+        below = x <= lo if lo_open else x < lo
+        if not math.isfinite(x) or below or x > hi:
+            bracket = "(" if lo_open else "["
+            raise _FieldError("out_of_range", f"{name}: must be a finite number in {bracket}{lo}, {hi}], got {value}")
+        return x
+    return check
+
+
+def _bool(name: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise _FieldError("bad_type", f"{name}: must be true or false, got {_type_name(value)}")
+    return value
+
+
+def _name(name: str, value: Any) -> str:
+    if type(value) is not str:
+        raise _FieldError("bad_type", f"{name}: must be a string, got {_type_name(value)}")
+    if not NAME_RE.match(value):
+        raise _FieldError("out_of_range", f"{name}: must be 1-64 characters of [A-Za-z0-9_.:-], "
+                                          f"not starting with [.:-], got {value[:80]!r}")
+    return value
+
+
+def _text(min_chars: int, max_chars: int) -> Checker:
+    def check(name: str, value: Any) -> str:
+        if type(value) is not str:
+            raise _FieldError("bad_type", f"{name}: must be a string, got {_type_name(value)}")
+        if not min_chars <= len(value) <= max_chars:
+            raise _FieldError("out_of_range", f"{name}: must be {min_chars}-{max_chars} characters, got {len(value)}")
+        return value
+    return check
+
+
+def _tokens(min_len: int, max_len: int) -> Checker:
+    def check(name: str, value: Any) -> list[int]:
+        if type(value) is not list:
+            raise _FieldError("bad_type", f"{name}: must be a list of token ids, got {_type_name(value)}")
+        if not min_len <= len(value) <= max_len:
+            what = "a non-empty list" if min_len == 1 and len(value) == 0 else f"{min_len}-{max_len} tokens"
+            raise _FieldError("out_of_range", f"{name}: must be {what}, got {len(value)}")
+        if set(map(type, value)) - {int}:  # exact type: a bool is not a token id
+            bad = next(t for t in value if type(t) is not int)
+            raise _FieldError("bad_type", f"{name}: token ids must be ints, got {_type_name(bad)}")
+        if value and (min(value) < 0 or max(value) > TOKEN_ID_MAX):
+            bad = next(t for t in value if not 0 <= t <= TOKEN_ID_MAX)
+            raise _FieldError("out_of_range", f"{name}: token ids must be in [0, {TOKEN_ID_MAX}], got {bad}")
+        return value
+    return check
+
+
+_stop_sequence = _tokens(1, MAX_STOP_SEQUENCE_TOKENS)
+
+
+def _stop(name: str, value: Any) -> list[list[int]]:
+    if type(value) is not list:
+        raise _FieldError("bad_type", f"{name}: must be a list of token-id lists, got {_type_name(value)}")
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise _FieldError("out_of_range", f"{name}: at most {MAX_STOP_SEQUENCES} stop sequences, got {len(value)}")
+    return [_stop_sequence(f"{name}[{i}]", seq) for i, seq in enumerate(value)]
+
+
+def _nullable(check: Checker) -> Checker:
+    def nullable(name: str, value: Any) -> Any:
+        return None if value is None else check(name, value)
+    return nullable
+
+
+_AUTH = {"auth": (_nullable(_text(1, MAX_AUTH_CHARS)), None)}
+
+# op -> {field: (checker, default or _REQUIRED)}. Defaults are documented in
+# the protocol reference; list defaults are copied per request.
+OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
+    "generate": {
+        "model": (_nullable(_name), None),
+        "prompt": (_tokens(1, MAX_PROMPT_TOKENS), _REQUIRED),
+        "max_tokens": (_int(1, MAX_NEW_TOKENS), DEFAULT_MAX_TOKENS),
+        "temperature": (_float(0.0, MAX_TEMPERATURE), 0.0),
+        "top_p": (_float(0.0, 1.0, lo_open=True), 1.0),
+        "top_k": (_int(0, TOKEN_ID_MAX), 0),
+        "seed": (_int(0, UINT64_MAX), 0),
+        "stop_token_ids": (_tokens(0, MAX_STOP_TOKEN_IDS), []),
+        "stop": (_stop, []),
+        "ignore_eos": (_bool, False),
+        "deadline_ms": (_nullable(_int(1, MAX_DEADLINE_MS)), None),
+        "tenant": (_name, "default"),
+        "priority": (_int(PRIORITY_MIN, PRIORITY_MAX), 0),
+        "logprobs": (_bool, False),
+        "stream": (_bool, True),
+        "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
+    },
+    "cancel": {},
+    "health": {},
+    "stats": {},
+    "models": dict(_AUTH),
+    "load": {"model": (_name, _REQUIRED), "package": (_text(0, MAX_PATH_CHARS), ""), **_AUTH},
+    "unload": {"model": (_name, _REQUIRED), **_AUTH},
+    "replace": {"model": (_name, _REQUIRED), "package": (_text(1, MAX_PATH_CHARS), _REQUIRED), **_AUTH},
+    "rollback": {"model": (_name, _REQUIRED), **_AUTH},
+    "drain": {"timeout_ms": (_nullable(_int(0, MAX_DEADLINE_MS)), None), **_AUTH},
+    "resume": dict(_AUTH),
+}
+assert set(OP_FIELDS) == set(REQUEST_OPS)
+_ENVELOPE = ("v", "op", "id")
+
+
+def _read_id(obj: dict) -> str:
+    if "id" not in obj:
+        raise ProtocolError("missing_field", "id: required")
+    rid = obj["id"]
+    if type(rid) is not str:
+        raise ProtocolError("bad_type", f"id: must be a string, got {_type_name(rid)}")
+    if not 1 <= len(rid) <= MAX_ID_CHARS:
+        raise ProtocolError("out_of_range", f"id: must be 1-{MAX_ID_CHARS} characters, got {len(rid)}")
+    return rid
+
+
+def validate_request(obj: Any) -> dict:
+    """Check one parsed request and return a new dict with every field of its op (defaults filled).
+
+    Raises only `ProtocolError`; its `id` is set once the request id has been read.
+    """
+    if type(obj) is not dict:
+        raise ProtocolError("not_an_object", f"a request must be a JSON object, got {_type_name(obj)}")
+    rid = _read_id(obj)
+    if "v" not in obj:
+        raise ProtocolError("missing_field", "v: required (protocol version)", rid)
+    if type(obj["v"]) is not int or obj["v"] != PROTOCOL_VERSION:
+        raise ProtocolError("bad_version", f"v: this server speaks version {PROTOCOL_VERSION}, got {obj['v']!r}"[:200], rid)
+    if "op" not in obj:
+        raise ProtocolError("missing_field", "op: required", rid)
+    op = obj["op"]
+    if type(op) is not str:
+        raise ProtocolError("bad_type", f"op: must be a string, got {_type_name(op)}", rid)
+    fields = OP_FIELDS.get(op)
+    if fields is None:
+        raise ProtocolError("unknown_op", f"op: unknown op {op[:64]!r}; known: {', '.join(REQUEST_OPS)}", rid)
+    unknown = sorted(k for k in obj if k not in fields and k not in _ENVELOPE)
+    if unknown:
+        raise ProtocolError("unknown_field", f"{unknown[0][:64]}: unknown field for op {op!r}", rid)
+    out: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": op, "id": rid}
+    for name, (check, default) in fields.items():
+        if name in obj:
+            try:
+                out[name] = check(name, obj[name])
+            except _FieldError as e:
+                raise ProtocolError(e.reason, e.message, rid) from None
+        elif default is _REQUIRED:
+            raise ProtocolError("missing_field", f"{name}: required for op {op!r}", rid)
+        else:
+            out[name] = list(default) if isinstance(default, list) else default
+    return out
+
+
+# ---------------------------------------------------------------- events
+
+
+def _event(ev: str, id: str | None) -> dict:
+    return {"v": PROTOCOL_VERSION, "ev": ev, "id": id}
+
+
+def error_event(id: str | None, code: int, reason: str, message: str, retryable: bool = False) -> dict:
+    assert code in ERROR_CODES, code
+    assert REASON_RE.match(reason), reason
+    return {**_event("error", id), "code": code, "reason": reason, "message": str(message),
+            "retryable": bool(retryable)}
+
+
+def _int_list(tokens: Any) -> list[int]:
+    # numpy arrays (what workers hand over) convert in C; lists are copied.
+    out = tokens.tolist() if hasattr(tokens, "tolist") else [int(t) for t in tokens]
+    assert all(type(t) is int and t >= 0 for t in out), "token ids must be non-negative ints"
+    return out
+
+
+def _logprob_list(logprobs: Any, n: int) -> list[float]:
+    out = [float(x) for x in (logprobs.tolist() if hasattr(logprobs, "tolist") else logprobs)]
+    assert len(out) == n, "one logprob per token"
+    assert all(math.isfinite(x) for x in out), "logprobs must be finite (JSON has no inf/nan)"
+    return out
+
+
+def tokens_event(id: str, tokens: Any, logprobs: Any = None) -> dict:
+    """New tokens of a streamed generate; `logprobs` only when the request asked for them."""
+    ev = {**_event("tokens", id), "tokens": _int_list(tokens)}
+    assert ev["tokens"], "a tokens event carries at least one token"
+    if logprobs is not None:
+        ev["logprobs"] = _logprob_list(logprobs, len(ev["tokens"]))
+    return ev
+
+
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+TIMING_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+
+def done_event(id: str, finish_reason: str, usage: Mapping, timing: Mapping,
+               tokens: Any = None, logprobs: Any = None) -> dict:
+    """The terminal event of a generate. With `stream: false` it also carries every generated token."""
+    assert finish_reason in FINISH_REASONS, finish_reason
+    assert all(k in usage for k in USAGE_KEYS), f"usage needs {USAGE_KEYS}"
+    assert all(k in timing for k in TIMING_KEYS), f"timing needs {TIMING_KEYS}"
+    ev = {**_event("done", id), "finish_reason": finish_reason,
+          "usage": {k: int(v) for k, v in usage.items()},
+          "timing": {k: (None if v is None else float(v)) for k, v in timing.items()}}
+    if tokens is not None:
+        ev["tokens"] = _int_list(tokens)
+        if logprobs is not None:
+            ev["logprobs"] = _logprob_list(logprobs, len(ev["tokens"]))
+    return ev
+
+
+def reply_event(id: str, ev: str, body: Mapping) -> dict:
+    """The single reply to a health/stats/admin op: the body's fields sit beside v/ev/id."""
+    assert ev in REPLY_EVENTS, ev
+    assert not set(body) & {"v", "ev", "id"}, "body must not override the envelope"
+    return {**_event(ev, id), **body}
+
+
+def _check_number_or_null(where: str, value: Any) -> None:
+    if value is not None and (type(value) not in (int, float) or not math.isfinite(value) or value < 0):
+        raise ProtocolError("out_of_range", f"{where}: must be a non-negative number or null, got {value!r}"[:200])
+
+
+def validate_event(obj: Any) -> dict:
+    """Check one parsed server event (what clients and the balancer read). Unknown extra fields pass."""
+    if type(obj) is not dict:
+        raise ProtocolError("not_an_object", f"an event must be a JSON object, got {_type_name(obj)}")
+    eid = obj.get("id")
+    if eid is not None and type(eid) is not str:
+        raise ProtocolError("bad_type", f"id: must be a string or null, got {_type_name(eid)}")
+    if type(obj.get("v")) is not int or obj["v"] != PROTOCOL_VERSION:
+        raise ProtocolError("bad_version", f"v: expected {PROTOCOL_VERSION}, got {obj.get('v')!r}"[:200], eid)
+    ev = obj.get("ev")
+    if type(ev) is not str or ev not in EVENTS:
+        raise ProtocolError("unknown_op", f"ev: unknown event {ev!r}"[:200], eid)
+    if eid is None and ev != "error":
+        raise ProtocolError("missing_field", f"id: required in a {ev!r} event")
+    try:
+        if ev == "tokens":
+            _tokens(1, MAX_NEW_TOKENS)("tokens", obj.get("tokens"))
+            _event_logprobs(obj)
+        elif ev == "done":
+            if obj.get("finish_reason") not in FINISH_REASONS:
+                raise _FieldError("out_of_range", f"finish_reason: must be one of {FINISH_REASONS}")
+            usage, timing = obj.get("usage"), obj.get("timing")
+            if type(usage) is not dict or type(timing) is not dict:
+                raise _FieldError("bad_type", "usage and timing: must be objects")
+            for k in USAGE_KEYS:
+                _int(0, UINT64_MAX)(f"usage.{k}", usage.get(k))
+            for k in TIMING_KEYS:
+                if k not in timing:
+                    raise _FieldError("missing_field", f"timing.{k}: required")
+                _check_number_or_null(f"timing.{k}", timing[k])
+            if "tokens" in obj:
+                _tokens(0, MAX_NEW_TOKENS)("tokens", obj["tokens"])
+                _event_logprobs(obj)
+        elif ev == "error":
+            code = obj.get("code")
+            if type(code) is not int or not 100 <= code <= 599:
+                raise _FieldError("out_of_range", f"code: must be an HTTP-like int, got {code!r}"[:200])
+            for k in ("reason", "message"):
+                if type(obj.get(k)) is not str:
+                    raise _FieldError("bad_type", f"{k}: must be a string")
+            _bool("retryable", obj.get("retryable"))
+    except _FieldError as e:
+        raise ProtocolError(e.reason, e.message, eid) from None
+    return obj
+
+
+def _event_logprobs(obj: dict) -> None:
+    lp = obj.get("logprobs")
+    if lp is None:
+        return
+    if type(lp) is not list or len(lp) != len(obj["tokens"]):
+        raise _FieldError("bad_type", "logprobs: must be a list with one number per token")
+    if not all(type(x) in (int, float) for x in lp):
+        raise _FieldError("bad_type", "logprobs: must be numbers")

@@ -1,0 +1,179 @@
+"""Doorbells: semantics in one process, and a real idle reader process that must sleep."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import posix_ipc
+import psutil
+import pytest
+import zmq
+
+from ipc.doorbell import Doorbell, SemaphoreDoorbell, ZmqDoorbell
+from ipc.ring import Ring
+from ipc.shm import list_segments, list_semaphores
+
+PREFIX = f"nptbell{os.getpid()}"
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail a test that leaves an object behind, and remove it either way."""
+    yield
+    segs, sems = list_segments(PREFIX), list_semaphores(PREFIX)
+    for name in segs:
+        posix_ipc.unlink_shared_memory(name)
+    for name in sems:
+        posix_ipc.unlink_semaphore(name)
+    assert (segs, sems) == ([], [])
+
+
+@pytest.fixture(params=["semaphore", "zmq"])
+def bell_pair(request, tmp_path):
+    """(ringer, waiter) for each doorbell kind."""
+    if request.param == "semaphore":
+        a = SemaphoreDoorbell.create(PREFIX, 0, "t")
+        b = SemaphoreDoorbell.attach(a.name)
+        yield a, b
+        b.close()
+        a.close()
+        a.unlink()
+    else:
+        ep = f"ipc://{tmp_path}/bell"
+        a = ZmqDoorbell.create(ep)
+        b = ZmqDoorbell.attach(ep)
+        yield a, b
+        b.close()
+        a.close()
+        assert not os.path.exists(f"{tmp_path}/bell")
+
+
+def test_both_doorbells_satisfy_the_protocol(bell_pair):
+    assert all(isinstance(b, Doorbell) for b in bell_pair)
+
+
+def test_wait_without_ring_times_out_false(bell_pair):
+    _, waiter = bell_pair
+    assert waiter.wait(0) is False
+    assert waiter.wait(0.01) is False
+
+
+def test_ring_then_wait_is_true(bell_pair):
+    ringer, waiter = bell_pair
+    ringer.ring()
+    assert waiter.wait(5) is True
+
+
+def test_semaphore_burst_of_rings_costs_one_wait():
+    with SemaphoreDoorbell.create(PREFIX, 0, "burst") as a:
+        b = SemaphoreDoorbell.attach(a.name)
+        for _ in range(5):
+            a.ring()
+        assert b.wait(0) is True
+        assert b.wait(0) is False  # the other four rings were drained by the first wait
+        b.close()
+
+
+def test_ring_between_empty_peek_and_wait_is_not_lost(bell_pair):
+    ringer, waiter = bell_pair
+    with Ring.create(PREFIX, 0, 1024) as ring:
+        assert ring.peek() is None  # reader found nothing...
+        ring.write({"x": np.arange(3)})  # ...writer commits and rings before the reader parks
+        ringer.ring()
+        assert waiter.wait(5) is True  # the wait returns instead of sleeping through it
+        assert ring.peek() is not None
+        ring.release()
+
+
+def test_semaphore_doorbell_name_and_mode():
+    with SemaphoreDoorbell.create(PREFIX, "b1", "jobs") as bell:
+        assert bell.name.startswith(f"/{PREFIX}-b1-{os.getpid()}-jobs")
+        assert bell.owner_pid == os.getpid()
+        mode = stat.S_IMODE(os.stat(f"/dev/shm/sem.{bell.name[1:]}").st_mode)
+        assert mode == 0o600
+        assert list_semaphores(PREFIX) == [bell.name]
+
+
+def test_semaphore_close_and_unlink_are_idempotent():
+    bell = SemaphoreDoorbell.create(PREFIX, 0)
+    bell.close()
+    bell.close()
+    bell.unlink()
+    bell.unlink()
+    with pytest.raises(ValueError):
+        bell.ring()
+
+
+def test_zmq_doorbell_socket_works_in_a_poller(tmp_path):
+    ep = f"ipc://{tmp_path}/p"
+    with ZmqDoorbell.create(ep) as a, ZmqDoorbell.attach(ep) as b:
+        poller = zmq.Poller()
+        poller.register(b.socket, zmq.POLLIN)
+        assert dict(poller.poll(0)) == {}
+        a.ring()
+        assert dict(poller.poll(5000)).get(b.socket) == zmq.POLLIN
+        assert b.wait(0) is True
+
+
+IDLE_WINDOW_S = 2.0
+_IDLE_READER = r"""
+import sys
+from ipc.ring import Ring
+from ipc.doorbell import SemaphoreDoorbell, ZmqDoorbell
+ring = Ring.attach(sys.argv[1])
+bell = SemaphoreDoorbell.attach(sys.argv[3]) if sys.argv[2] == "semaphore" else ZmqDoorbell.attach(sys.argv[3])
+print("ready", flush=True)
+while True:
+    rec = ring.peek()
+    if rec is None:
+        bell.wait(0.2)
+        continue
+    stop = "stop" in rec
+    ring.release()
+    if stop:
+        break
+print("bye", flush=True)
+ring.close(); bell.close()
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["semaphore", "zmq"])
+def test_idle_reader_process_sleeps_and_still_wakes(kind, tmp_path):
+    with Ring.create(PREFIX, 0, 4096, "idle") as ring:
+        if kind == "semaphore":
+            bell = SemaphoreDoorbell.create(PREFIX, 0, "idle")
+            addr = bell.name
+        else:
+            addr = f"ipc://{tmp_path}/idle"
+            bell = ZmqDoorbell.create(addr)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _IDLE_READER, ring.name, kind, addr], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            ps = psutil.Process(proc.pid)
+            time.sleep(0.3)  # let the reader settle into its idle loop
+            before = ps.cpu_times()
+            time.sleep(IDLE_WINDOW_S)
+            after = ps.cpu_times()
+            used = (after.user - before.user) + (after.system - before.system)
+            # cpu_times counts in 10 ms clock ticks: over 2 s one tick is 0.5 %
+            assert used < 0.01 * IDLE_WINDOW_S, f"idle reader used {used / IDLE_WINDOW_S:.2%} of a core"
+            ring.write({"stop": np.zeros(1)})
+            bell.ring()
+            assert proc.stdout.readline().strip() == "bye"
+            assert proc.wait(10) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+            bell.close()
+            if isinstance(bell, SemaphoreDoorbell):
+                bell.unlink()

@@ -1,0 +1,264 @@
+"""`npuserve bench-backend`: a chip backend's throughput in-process and through a worker.
+
+Both modes run the very same job sequence through the same job code
+(`workers.main.execute_job`: backend call + sampling); the worker mode adds
+exactly what a daemon pays per job: the job record into the ring, the
+doorbell, the worker's loop, the result record back and the notification,
+with one job in flight. The ratio worker/in-process is the worker overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from ipc.records import Job, JobKind, JobStatus
+from workers.backends.base import BackendInfo
+
+BATCHES = (1, 4, 8, 16)
+TARGET_RATIO = 0.80
+
+
+@dataclass(frozen=True)
+class Row:
+    mode: str  # "in-process" | "worker"
+    phase: str  # "prefill" | "decode"
+    batch: int
+    tokens_per_s: float
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "phase": self.phase, "batch": self.batch, "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: int
+    decode_steps: int
+    min_seconds: float
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+
+
+class JobFactory:
+    """Builds prefill/decode jobs for B lanes over disjoint, pre-assigned KV blocks."""
+
+    def __init__(self, info: BackendInfo, batch: int, workload: Workload):
+        self.batch = batch
+        self.w = workload
+        bs = info.kv.block_size
+        self.max_ctx = min(info.max_seq, workload.prompt_len + workload.decode_steps)
+        per_lane = math.ceil(self.max_ctx / bs)
+        if per_lane * batch > info.kv.num_blocks:
+            raise SystemExit(f"bench-backend: {batch} lanes x {self.max_ctx} tokens exceed the backend's KV blocks")
+        self.block_tables = np.arange(per_lane * batch, dtype=np.int32).reshape(batch, per_lane)
+        self.vocab = info.vocab_size
+        self.rng = np.random.default_rng(0)
+        self.next_id = 0
+
+    def _job(self, kind: JobKind, tokens_per_lane: int, start: int) -> Job:
+        b, n = self.batch, tokens_per_lane
+        self.next_id += 1
+        positions = np.tile(np.arange(start, start + n, dtype=np.int32), b)
+        return Job(
+            job_id=self.next_id, generation=0, kind=kind,
+            tokens=self.rng.integers(0, self.vocab, b * n).astype(np.int32), positions=positions,
+            query_start=(np.arange(b + 1) * n).astype(np.int32), lane_valid=np.ones(b, np.uint8),
+            context_lens=np.full(b, start + n, np.int32), block_tables=self.block_tables,
+            sample=np.ones(b, np.uint8), temperature=np.full(b, self.w.temperature, np.float32),
+            top_p=np.full(b, self.w.top_p, np.float32), top_k=np.full(b, self.w.top_k, np.int32),
+            seed=np.arange(b, dtype=np.uint64), want_logprobs=np.ones(b, np.uint8),
+        )
+
+    def prefill(self) -> Job:
+        return self._job(JobKind.PREFILL, self.w.prompt_len, 0)
+
+    def decodes(self) -> list[Job]:
+        p = self.w.prompt_len
+        return [self._job(JobKind.DECODE, 1, p + i) for i in range(self.max_ctx - p)]
+
+
+def _round_seconds(run_one, jobs: list[Job]) -> float:
+    t0 = time.perf_counter()
+    for job in jobs:
+        run_one(job)
+    return time.perf_counter() - t0
+
+
+def run_rows(modes: dict[str, object], factories: dict[str, JobFactory], batch: int, workload: Workload) -> list[Row]:
+    """Rows of every mode for one batch size.
+
+    The modes take turns round by round, so that load from other processes
+    (this is usually a shared machine) hits them alike; each row reports the
+    median round, which ignores the odd round a neighbour stole.
+    """
+    rows = []
+    for phase in ("prefill", "decode"):
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        rounds: dict[str, list[Job]] = {}
+        for mode, run_one in modes.items():
+            f = factories[mode]
+            if phase == "prefill":
+                rounds[mode] = [f.prefill()]
+            else:
+                run_one(f.prefill())  # the decode rounds continue this context
+                rounds[mode] = f.decodes()
+            run_one(rounds[mode][0])  # warm-up
+        tokens = batch * (workload.prompt_len if phase == "prefill" else len(next(iter(rounds.values()))))
+        spent = 0.0
+        while spent < workload.min_seconds * len(modes) or len(times[next(iter(modes))]) < 3:
+            for mode, run_one in modes.items():
+                t = _round_seconds(run_one, rounds[mode])
+                times[mode].append(t)
+                spent += t
+        for mode in modes:
+            rows.append(Row(mode, phase, batch, tokens / statistics.median(times[mode])))
+    return rows
+
+
+def in_process_runner(backend):
+    from workers.main import execute_job
+
+    def run_one(job: Job) -> None:
+        out = execute_job(backend, job)
+        assert out.status == JobStatus.OK, out.error
+
+    return run_one
+
+
+class WorkerRunner:
+    """A worker process behind a ChipLink, one job in flight."""
+
+    def __init__(self, backend_name: str, options: dict, package: str | None):
+        import zmq
+
+        from workers.chip_link import ChipLink
+
+        self._zmq = zmq
+        self.ctx = zmq.Context()
+        self.runtime_dir = tempfile.mkdtemp(prefix="npuserve-bench-")
+        self.link = ChipLink(ctx=self.ctx, board="bench", chip=0, backend=backend_name, backend_options=options,
+                             package_path=package, runtime_dir=self.runtime_dir)
+        self.poller = zmq.Poller()
+
+    def start(self) -> None:
+        from workers.chip_link import Ready, WorkerFailed
+
+        self.link.start()
+        self.poller.register(self.link.socket, self._zmq.POLLIN)
+        while True:
+            if not self.poller.poll(30_000):
+                raise SystemExit("bench-backend: the worker did not start within 30 s")
+            for ev in self.link.handle_events():
+                if isinstance(ev, WorkerFailed):
+                    raise SystemExit(f"bench-backend: worker failed: {ev.message}")
+                if isinstance(ev, Ready):
+                    return
+
+    def __call__(self, job: Job) -> None:
+        from workers.chip_link import Result
+
+        self.link.submit(job)
+        while True:
+            self.poller.poll(1000)
+            for ev in self.link.handle_events():
+                if isinstance(ev, Result):
+                    assert ev.result.job_id == job.job_id and ev.result.status == JobStatus.OK, ev.result.status
+                    return
+            if not self.link.is_alive():
+                raise SystemExit("bench-backend: the worker died")
+
+    def close(self) -> None:
+        self.link.stop()
+        self.ctx.term()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def ratios(rows: list[Row]) -> dict[tuple[str, int], float]:
+    ip = {(r.phase, r.batch): r.tokens_per_s for r in rows if r.mode == "in-process"}
+    return {(r.phase, r.batch): r.tokens_per_s / ip[(r.phase, r.batch)]
+            for r in rows if r.mode == "worker" and (r.phase, r.batch) in ip}
+
+
+def format_table(rows: list[Row]) -> str:
+    rat = ratios(rows)
+    by = {(r.mode, r.phase, r.batch): r.tokens_per_s for r in rows}
+    lines = ["| phase | B | in-process tok/s | worker tok/s | worker / in-process |", "| --- | ---: | ---: | ---: | ---: |"]
+    for phase in ("prefill", "decode"):
+        for b in sorted({r.batch for r in rows}):
+            ip, wk = by.get(("in-process", phase, b)), by.get(("worker", phase, b))
+            r = rat.get((phase, b))
+            lines.append(f"| {phase} | {b} | {ip:,.0f} | {wk:,.0f} | {r:.0%} |" if r is not None else
+                         f"| {phase} | {b} | {ip or 0:,.0f} | {wk or 0:,.0f} | - |")
+    return "\n".join(lines)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="npuserve bench-backend", description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="ref", help="stub | sim | ref | ctypes (default ref)")
+    p.add_argument("--package", default=None, help="model package dir (ref; default: the tiny default package)")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=64, help="prefill tokens per lane")
+    p.add_argument("--decode-steps", type=int, default=32, help="decode steps per round")
+    p.add_argument("--seconds", type=float, default=0.6, help="minimum measuring time per row")
+    p.add_argument("--json", action="store_true", help="print one JSON row per line")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    from workers.backends.registry import make_backend
+
+    batches = tuple(int(x) for x in args.batches.split(","))
+    package = args.package
+    if args.backend == "ref" and package is None:
+        from workers.model_package import ensure_default_package
+
+        package = ensure_default_package()
+    backend = make_backend(args.backend)
+    loaded = None
+    if package is not None:
+        from workers.model_package import load_package
+
+        loaded = load_package(package)
+    backend.load(loaded)
+    info = backend.describe()
+    bad = [b for b in batches if b not in {p.batch for p in info.profiles}]
+    if bad:
+        print(f"bench-backend: batch sizes {bad} are not profiles of this model", file=sys.stderr)
+        return 2
+    workload = Workload(prompt_len=args.prompt_len, decode_steps=args.decode_steps, min_seconds=args.seconds)
+    worker = WorkerRunner(args.backend, {}, package)
+    rows: list[Row] = []
+    try:
+        worker.start()
+        modes = {"in-process": in_process_runner(backend), "worker": worker}
+        for b in batches:
+            factories = {m: JobFactory(info, b, workload) for m in modes}
+            rows += run_rows(modes, factories, b, workload)
+    finally:
+        worker.close()
+        backend.unload()
+    rows.sort(key=lambda r: (r.mode != "in-process", r.phase != "prefill", r.batch))
+    if args.json:
+        for r in rows:
+            print(orjson.dumps(r.to_dict()).decode())
+    else:
+        print(f"backend {args.backend}, prompt {args.prompt_len} tokens/lane, {args.decode_steps} decode steps/round")
+        print(format_table(rows))
+    rat = ratios(rows)
+    if ("decode", 16) in rat:
+        r = rat[("decode", 16)]
+        verdict = "ok" if r >= TARGET_RATIO else "BELOW TARGET"
+        print(f"worker/in-process decode tokens/s at B=16: {r:.1%} (target >= {TARGET_RATIO:.0%}: {verdict})",
+              file=sys.stderr if args.json else sys.stdout)
+    return 0

@@ -1,0 +1,93 @@
+"""`npuserve check-package DIR [--json]`: verify a model package and run its golden cases.
+
+The golden tokens were produced by the cache-free full recompute; here they
+are replayed through the serving path (paged prefill, then one decode job per
+token on the `ref` backend, greedy), so a pass means the package is intact
+and the paged implementation agrees with the oracle on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from ipc.records import JobKind
+from workers.backends.base import BackendError
+from workers.backends.ref import RefBackend
+from workers.job_builder import Lane, build_job
+from workers.model_package import ModelPackage, PackageError, load_package
+from workers.sampling import sample
+
+
+@dataclass
+class CheckReport:
+    ok: bool
+    cases: int
+    passed: int
+    error: str | None
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "cases": self.cases, "passed": self.passed, "error": self.error}
+
+
+def greedy_generate(backend: RefBackend, prompt: list[int], max_tokens: int, block_size: int) -> list[int]:
+    """Greedy tokens for one sequence on blocks 0..n-1 of the backend's KV pool (EOS ignored)."""
+    n_blocks = -(-(len(prompt) + max_tokens) // block_size)
+    table = list(range(n_blocks))
+    greedy = (np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.uint64))
+
+    def pick(logits: np.ndarray, pos: int) -> int:
+        return int(sample(logits[:1], *greedy, np.array([pos]))[0][0])
+
+    out = backend.prefill(build_job(JobKind.PREFILL, [Lane(prompt, 0, table)]))
+    tokens = [pick(out.logits, len(prompt))]
+    while len(tokens) < max_tokens:
+        pos = len(prompt) + len(tokens) - 1
+        out = backend.decode(build_job(JobKind.DECODE, [Lane([tokens[-1]], pos, table)]))
+        tokens.append(pick(out.logits, pos + 1))
+    return tokens
+
+
+def check_package(path: str) -> CheckReport:
+    try:
+        package: ModelPackage = load_package(path)
+    except PackageError as e:
+        return CheckReport(False, 0, 0, str(e))
+    cases = package.golden()
+    backend = RefBackend()
+    try:
+        backend.load(package)
+        passed, failures = 0, []
+        for i, case in enumerate(cases):
+            got = greedy_generate(backend, case["prompt"], case["max_tokens"], package.block_size)
+            if got == case["tokens"]:
+                passed += 1
+            else:
+                failures.append(f"case {case.get('name', i)}: expected {case['tokens']}, got {got}")
+    except (PackageError, BackendError, ValueError) as e:
+        return CheckReport(False, len(cases), 0, str(e))
+    finally:
+        backend.unload()
+    if not cases:
+        return CheckReport(False, 0, 0, f"{package.file_path('golden.json')}: no golden cases")
+    error = "; ".join(failures) if failures else None
+    return CheckReport(passed == len(cases), len(cases), passed, error)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="npuserve check-package", description=__doc__.splitlines()[0])
+    ap.add_argument("dir", help="model package directory")
+    ap.add_argument("--json", action="store_true", help='print {"ok", "cases", "passed", "error"}')
+    args = ap.parse_args(argv)
+    report = check_package(args.dir)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    elif report.ok:
+        print(f"ok: {report.passed}/{report.cases} golden cases passed ({args.dir})")
+    else:
+        print(f"FAILED: {report.passed}/{report.cases} golden cases passed: {report.error}", file=sys.stderr)
+    return 0 if report.ok else 1

@@ -1,0 +1,311 @@
+"""The `ctypes` backend: a vendor chip runtime behind the C ABI of
+`workers/native/npuserve_chip.h` (seed 000 Phase 4: `simpler_model_prefill`,
+`simpler_model_decode`), loaded with ctypes.
+
+The vendor functions take a sequence's KV as one contiguous buffer; npuserve
+keeps KV paged. This backend owns the paged cache (host memory,
+`num_blocks x block_size x kv_bytes_per_token` bytes, opaque to it), gathers a
+lane's blocks into `kv_in` before a call and scatters the returned `kv_out`
+(the new tokens' KV) back into the lane's blocks after it. Only the positions
+the job writes are touched, so blocks shared through the prefix cache stay
+intact.
+
+Loading is strict: a missing library, a missing symbol or a different ABI
+version raises `NativeLibraryError` naming what is wrong. There is no silent
+fallback to a stub (seed 000's dlopen fallback hid misconfigured boards).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from ipc.records import Job, JobKind
+from workers.backends.base import (
+    BackendError,
+    BackendInfo,
+    BatchProfile,
+    ChipBackend,
+    KvLayout,
+    StepOutput,
+)
+
+ABI_VERSION = 1  # must equal SIMPLER_ABI_VERSION in npuserve_chip.h
+NATIVE_DIR = Path(__file__).resolve().parent.parent / "native"
+HEADER = NATIVE_DIR / "npuserve_chip.h"
+REFERENCE_SOURCE = NATIVE_DIR / "reference_chip.c"
+
+_MAX_EOS = 8
+_MAX_PROFILES = 8
+_STATUS = {0: "OK", -1: "SIMPLER_E_INVALID", -2: "SIMPLER_E_KV_CORRUPT", -3: "SIMPLER_E_DEVICE", -4: "SIMPLER_E_TOO_LONG"}
+_REQUIRED = ("simpler_abi_version", "simpler_model_describe", "simpler_model_prefill", "simpler_model_decode")
+
+
+class NativeLibraryError(BackendError):
+    """The chip library cannot be used at all: missing, incomplete or of another ABI version."""
+
+
+class SimplerModelInfo(ctypes.Structure):
+    _fields_ = [
+        ("abi_version", ctypes.c_int32),
+        ("vocab", ctypes.c_int32),
+        ("max_seq", ctypes.c_int32),
+        ("n_eos", ctypes.c_int32),
+        ("eos_ids", ctypes.c_int32 * _MAX_EOS),
+        ("n_profiles", ctypes.c_int32),
+        ("profiles", ctypes.c_int32 * _MAX_PROFILES),
+        ("chunked_prefill", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("kv_bytes_per_token", ctypes.c_int64),
+    ]
+
+
+def build_reference_library(out_dir: str | os.PathLike, *, name: str = "libreference_chip.so",
+                            defines: dict[str, object] | None = None, cc: str = "cc") -> Path:
+    """Compile workers/native/reference_chip.c into out_dir (tests, demos, benchmarks)."""
+    out = Path(out_dir) / name
+    flags = [f"-D{k}={v}" for k, v in (defines or {}).items()]
+    cmd = [cc, "-shared", "-fPIC", "-O2", *flags, "-o", str(out), str(REFERENCE_SOURCE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+    return out
+
+
+def _load_library(library: str) -> ctypes.CDLL:
+    path = os.fspath(library)
+    try:
+        return ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+    except OSError as exc:
+        raise NativeLibraryError(f"cannot load chip library {path!r}: {exc}") from None
+
+
+def _bind(lib: ctypes.CDLL, library: str) -> None:
+    missing = [s for s in _REQUIRED if not hasattr(lib, s)]
+    if missing:
+        raise NativeLibraryError(f"chip library {library!r} lacks symbol(s): {', '.join(missing)}")
+    c_int, c_size, vp = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p
+    lib.simpler_abi_version.argtypes = []
+    lib.simpler_abi_version.restype = c_int
+    lib.simpler_model_describe.argtypes = [c_int, ctypes.POINTER(SimplerModelInfo)]
+    lib.simpler_model_describe.restype = c_int
+    lib.simpler_model_prefill.argtypes = [c_int, vp, c_int, vp, c_size, vp, vp, c_int]
+    lib.simpler_model_prefill.restype = c_int
+    lib.simpler_model_decode.argtypes = [c_int, c_int, vp, vp, vp, vp, vp, vp, c_int]
+    lib.simpler_model_decode.restype = c_int
+
+
+def _file_sha256(path: str) -> str:
+    """sha256 of the library file; "" when it was found on the loader's search path, not by path."""
+    p = Path(path)
+    return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+class CtypesBackend(ChipBackend):
+    """One chip driven through a vendor shared library; the paged KV cache lives here."""
+
+    name = "ctypes"
+
+    def __init__(self, *, library: str, chip_id: int = 0, block_size: int = 16, num_blocks: int = 4096) -> None:
+        if block_size < 1 or num_blocks < 1:
+            raise ValueError("block_size and num_blocks must be positive")
+        self.library = os.fspath(library)
+        self.chip_id = int(chip_id)
+        self.block_size = int(block_size)
+        self.num_blocks = int(num_blocks)
+        self._lib = _load_library(self.library)
+        self.library_sha256 = _file_sha256(self.library)
+        _bind(self._lib, self.library)
+        version = int(self._lib.simpler_abi_version())
+        if version != ABI_VERSION:
+            raise NativeLibraryError(
+                f"chip library {self.library!r} implements ABI version {version}; npuserve needs {ABI_VERSION}"
+            )
+        info = SimplerModelInfo()
+        rc = self._lib.simpler_model_describe(self.chip_id, ctypes.byref(info))
+        if rc != 0:
+            raise NativeLibraryError(f"simpler_model_describe(chip {self.chip_id}) in {self.library!r} failed: {_STATUS.get(rc, rc)}")
+        if info.abi_version != ABI_VERSION:
+            raise NativeLibraryError(f"chip library {self.library!r} describes ABI version {info.abi_version}; npuserve needs {ABI_VERSION}")
+        if not (0 < info.n_eos <= _MAX_EOS and 0 < info.n_profiles <= _MAX_PROFILES):
+            raise NativeLibraryError(f"chip library {self.library!r} returned an invalid model description")
+        if info.vocab <= 0 or info.max_seq <= 0 or info.kv_bytes_per_token <= 0:
+            raise NativeLibraryError(f"chip library {self.library!r} returned an invalid model description")
+        self.vocab_size = int(info.vocab)
+        self.max_seq = int(info.max_seq)
+        self.eos_ids = tuple(int(info.eos_ids[i]) for i in range(info.n_eos))
+        self.profiles = tuple(sorted(int(info.profiles[i]) for i in range(info.n_profiles)))
+        self.chunked_prefill = bool(info.chunked_prefill)
+        self.kv_bytes_per_token = int(info.kv_bytes_per_token)
+        self._cache: np.ndarray | None = None
+
+    # -- description and lifecycle -------------------------------------------------
+
+    def describe(self) -> BackendInfo:
+        return BackendInfo(
+            name=self.name,
+            vocab_size=self.vocab_size,
+            eos_ids=self.eos_ids,
+            max_seq=self.max_seq,
+            profiles=tuple(BatchProfile(b) for b in self.profiles),
+            kv=KvLayout(block_size=self.block_size, num_blocks=self.num_blocks, dtype="uint8"),
+            chunked_prefill=self.chunked_prefill,
+            model_sha256=self.library_sha256,  # the library is the model: rebuilding it is a new generation
+            extra={"library": self.library, "chip_id": self.chip_id, "abi_version": ABI_VERSION,
+                   "kv_bytes_per_token": self.kv_bytes_per_token},
+        )
+
+    def load(self, package) -> None:
+        """Allocate the KV cache. The model itself is whatever the library was built with."""
+        self._cache = np.zeros((self.num_blocks, self.block_size, self.kv_bytes_per_token), dtype=np.uint8)
+
+    def unload(self) -> None:
+        self._cache = None
+
+    def health(self) -> dict:
+        return {"ok": True, "loaded": self._cache is not None, "chip_id": self.chip_id, "library": self.library}
+
+    # -- paged KV <-> contiguous kv_in / kv_out ------------------------------------------
+
+    def _kv_cache(self) -> np.ndarray:
+        if self._cache is None:
+            raise BackendError(f"ctypes backend on chip {self.chip_id}: no model loaded")
+        return self._cache
+
+    def _lane_slots(self, table: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(block id, offset) of positions [start, stop) of a lane, validating its block table."""
+        pos = np.arange(start, stop, dtype=np.int64)
+        idx = pos // self.block_size
+        if idx.size and idx[-1] >= table.shape[0]:
+            raise ValueError(f"block table has {table.shape[0]} entries; position {stop - 1} needs more")
+        blocks = table[idx].astype(np.int64)
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
+            raise ValueError(f"block table names a block outside [0, {self.num_blocks}) for positions {start}..{stop - 1}")
+        return blocks, pos % self.block_size
+
+    def _gather(self, table: np.ndarray, n: int) -> np.ndarray:
+        cache = self._kv_cache()
+        blocks, offs = self._lane_slots(table, 0, n)
+        return np.ascontiguousarray(cache[blocks, offs])  # [n, kv_bytes_per_token]
+
+
+    def _lane_start(self, job: Job, lane: int, n_new: int) -> int:
+        pos = job.lane_positions(lane)
+        start = int(pos[0])
+        if not np.array_equal(pos, np.arange(start, start + n_new)):
+            raise ValueError(f"job {job.job_id} lane {lane}: positions must be consecutive")
+        if start + n_new > self.max_seq:
+            raise ValueError(f"job {job.job_id} lane {lane}: {start + n_new} tokens exceed max_seq={self.max_seq}")
+        return start
+
+    def _fail(self, fn: str, rc: int, job: Job) -> BackendError:
+        return BackendError(f"{fn} on chip {self.chip_id} failed for job {job.job_id}: {_STATUS.get(rc, rc)} ({rc})")
+
+    # -- compute ---------------------------------------------------------------------
+
+    def prefill(self, job: Job) -> StepOutput:
+        """Each valid lane is one sequence; one vendor call per lane (prefill jobs are normally B=1).
+
+        Every lane's positions and block table are validated before the first call,
+        so a rejected job writes no KV at all.
+        """
+        if job.kind != JobKind.PREFILL:
+            raise ValueError(f"prefill called with a {job.kind.name} job")
+        self._kv_cache()
+        plan = []
+        for lane in range(job.batch):
+            tokens = np.ascontiguousarray(job.lane_tokens(lane), dtype=np.int32)
+            if not job.lane_valid[lane] or tokens.size == 0:
+                continue
+            start = self._lane_start(job, lane, tokens.size)
+            table = np.asarray(job.block_tables[lane])
+            self._lane_slots(table, 0, start)
+            plan.append((lane, tokens, start, table, self._lane_slots(table, start, start + tokens.size)))
+        logits = np.zeros((job.batch, self.vocab_size), dtype=np.float32)
+        for lane, tokens, start, table, out_slots in plan:
+            kv_in = self._gather(table, start)  # after earlier lanes' writes, in case they share blocks
+            kv_out = np.empty((tokens.size, self.kv_bytes_per_token), dtype=np.uint8)
+            rc = self._lib.simpler_model_prefill(
+                self.chip_id, _ptr(tokens), int(tokens.size), _ptr(kv_in) if kv_in.size else None,
+                kv_in.nbytes, _ptr(kv_out), _ptr(logits[lane]), self.vocab_size,
+            )
+            if rc != 0:
+                raise self._fail("simpler_model_prefill", rc, job)
+            self._kv_cache()[out_slots] = kv_out
+        return StepOutput(logits=logits)
+
+    def decode(self, job: Job) -> StepOutput:
+        if job.kind != JobKind.DECODE:
+            raise ValueError(f"decode called with a {job.kind.name} job")
+        self._kv_cache()
+        b = job.batch
+        valid = np.ascontiguousarray(job.lane_valid, dtype=np.uint8)
+        tokens = np.zeros(b, dtype=np.int32)
+        kv_in_ptrs = (ctypes.c_void_p * b)()
+        kv_out_ptrs = (ctypes.c_void_p * b)()
+        kv_sizes = np.zeros(b, dtype=np.uintp)
+        keep: list[tuple[tuple[np.ndarray, np.ndarray], np.ndarray, np.ndarray]] = []  # buffers live until the call returns
+        for lane in range(b):
+            if not valid[lane]:
+                continue
+            tok = job.lane_tokens(lane)
+            if tok.size != 1:
+                raise ValueError(f"job {job.job_id} decode lane {lane} must carry exactly one token")
+            tokens[lane] = tok[0]
+            start = self._lane_start(job, lane, 1)
+            table = np.asarray(job.block_tables[lane])
+            kv_in = self._gather(table, start)
+            out_slots = self._lane_slots(table, start, start + 1)
+            kv_out = np.empty((1, self.kv_bytes_per_token), dtype=np.uint8)
+            kv_in_ptrs[lane] = _ptr(kv_in) if kv_in.size else None
+            kv_out_ptrs[lane] = _ptr(kv_out)
+            kv_sizes[lane] = kv_in.nbytes
+            keep.append((out_slots, kv_in, kv_out))
+        logits = np.zeros((b, self.vocab_size), dtype=np.float32)
+        if keep:
+            rc = self._lib.simpler_model_decode(
+                self.chip_id, b, _ptr(tokens), _ptr(valid), ctypes.addressof(kv_in_ptrs),
+                _ptr(kv_sizes), ctypes.addressof(kv_out_ptrs), _ptr(logits), self.vocab_size,
+            )
+            if rc != 0:
+                raise self._fail("simpler_model_decode", rc, job)
+            cache = self._kv_cache()
+            for out_slots, _, kv_out in keep:
+                cache[out_slots] = kv_out
+        return StepOutput(logits=logits)
+
+    # -- KV block ops ------------------------------------------------------------------
+
+    def _blocks(self, blocks: np.ndarray) -> np.ndarray:
+        blocks = np.asarray(blocks, dtype=np.int64).reshape(-1)
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
+            raise ValueError(f"block id out of range [0, {self.num_blocks})")
+        return blocks
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        src, dst = self._blocks(src), self._blocks(dst)
+        if src.shape != dst.shape:
+            raise ValueError("src and dst differ in length")
+        cache = self._kv_cache()
+        cache[dst] = cache[src]
+
+    def swap_out(self, blocks: np.ndarray) -> np.ndarray:
+        """Copy of the blocks' bytes, shaped [n, block_size, kv_bytes_per_token] uint8."""
+        return self._kv_cache()[self._blocks(blocks)].copy()
+
+    def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
+        blocks = self._blocks(blocks)
+        cache = self._kv_cache()
+        want = (blocks.size, self.block_size, self.kv_bytes_per_token)
+        if np.shape(data) != want:
+            raise ValueError(f"swap_in data shape {np.shape(data)} != {want}")
+        cache[blocks] = np.asarray(data, dtype=np.uint8)

@@ -1,0 +1,177 @@
+"""The `ref` backend: a real NumPy transformer over a paged KV cache.
+
+It is the correctness oracle of the project: whatever the scheduler does with
+block tables, chunking and batching, the logits must equal a cache-free full
+recompute (`full_recompute_logits`). Chunked prefill is declared supported
+because it is numerically equal (to float32 rounding) to one-shot prefill.
+
+Inputs are validated completely before the first KV write, so a rejected job
+(ValueError) leaves the cache untouched; a failure after writing began is a
+BackendError (the KV the job touched is unknown).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ipc.records import Job, JobKind
+from workers.backends.base import BackendError, BackendInfo, BatchProfile, ChipBackend, KvLayout, StepOutput
+from workers.model_package import ModelPackage, ensure_default_package, load_package
+from workers.paged_kv import PagedKvCache
+from workers.transformer import Transformer
+
+
+class RefBackend(ChipBackend):
+    name = "ref"
+
+    def __init__(self, *, num_blocks: int | None = None, chip_id: int = 0) -> None:
+        if num_blocks is not None and num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        self._num_blocks = num_blocks
+        self.chip_id = chip_id
+        self.package: ModelPackage | None = None
+        self.model: Transformer | None = None
+        self.cache: PagedKvCache | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def load(self, package: ModelPackage | str | None) -> None:
+        """Load a verified package, a package path, or (None) the built-in tiny model."""
+        if package is None:
+            package = load_package(ensure_default_package())
+        elif isinstance(package, str):
+            package = load_package(package)
+        model = Transformer(package.dims, package.weights(), vocab_size=package.vocab_size, max_seq=package.max_seq)
+        d = package.dims
+        cache = PagedKvCache(layers=d.layers, num_blocks=self._num_blocks or package.kv_num_blocks,
+                             block_size=package.block_size, kv_heads=d.kv_heads, head_dim=d.head_dim)
+        self.unload()
+        self.package, self.model, self.cache = package, model, cache
+
+    def unload(self) -> None:
+        self.package = self.model = self.cache = None
+
+    def _loaded(self) -> tuple[ModelPackage, Transformer, PagedKvCache]:
+        if self.package is None or self.model is None or self.cache is None:
+            raise BackendError("ref backend: no model loaded")
+        return self.package, self.model, self.cache
+
+    def describe(self) -> BackendInfo:
+        pkg, _, cache = self._loaded()
+        d = pkg.dims
+        return BackendInfo(
+            name=self.name,
+            vocab_size=pkg.vocab_size,
+            eos_ids=tuple(pkg.eos_ids),
+            max_seq=pkg.max_seq,
+            profiles=tuple(BatchProfile(b) for b in sorted(pkg.profiles)),
+            kv=KvLayout(block_size=pkg.block_size, num_blocks=cache.num_blocks, num_layers=d.layers,
+                        num_kv_heads=d.kv_heads, head_dim=d.head_dim, dtype="float32"),
+            chunked_prefill=True,
+            model_sha256=pkg.sha256,
+            extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
+                   "bos_id": pkg.bos_id, "pad_id": pkg.pad_id, "dims": d.to_dict()},
+        )
+
+    def health(self) -> dict:
+        return {"ok": self.package is not None, "backend": self.name, "chip_id": self.chip_id,
+                "model_sha256": self.package.sha256 if self.package else ""}
+
+    # ---- compute -------------------------------------------------------------------
+
+    def prefill(self, job: Job) -> StepOutput:
+        if job.kind != JobKind.PREFILL:
+            raise ValueError(f"prefill called with a {job.kind.name} job")
+        return self._run(job)
+
+    def decode(self, job: Job) -> StepOutput:
+        if job.kind != JobKind.DECODE:
+            raise ValueError(f"decode called with a {job.kind.name} job")
+        return self._run(job)
+
+    def _run(self, job: Job) -> StepOutput:
+        pkg, model, cache = self._loaded()
+        lanes = self._validate(job, pkg, cache)
+        logits = np.zeros((job.batch, pkg.vocab_size), dtype=np.float32)
+        if len(lanes) == 0:
+            return StepOutput(logits=logits)
+        qs = job.query_start.astype(np.int64)
+        starts, ends = qs[lanes], qs[lanes + 1]
+        # Valid lanes are packed back to back (inactive lanes own no tokens), but select explicitly.
+        rows = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)])
+        lane_starts = np.concatenate([[0], np.cumsum(ends - starts)])
+        try:
+            logits[lanes] = model.forward_paged(
+                cache,
+                job.tokens[rows].astype(np.int64),
+                job.positions[rows].astype(np.int64),
+                lane_starts,
+                job.context_lens[lanes].astype(np.int64),
+                job.block_tables[lanes].astype(np.int64),
+            )
+        except Exception as e:  # noqa: BLE001 - after the first write the KV state is unknown
+            raise BackendError(f"ref backend: {type(e).__name__}: {e}") from e
+        return StepOutput(logits=logits)
+
+    @staticmethod
+    def _validate(job: Job, pkg: ModelPackage, cache: PagedKvCache) -> np.ndarray:
+        """Indices of the valid lanes; ValueError (nothing written) when the job is unusable."""
+        job.validate()
+        lanes = np.flatnonzero(job.lane_valid)
+        bs = cache.block_size
+        slots: list[np.ndarray] = []
+        for lane in lanes:
+            toks, pos = job.lane_tokens(lane), job.lane_positions(lane)
+            ctx = int(job.context_lens[lane])
+            if len(toks) == 0:
+                raise ValueError(f"valid lane {lane} carries no tokens")
+            if ctx > pkg.max_seq:
+                raise ValueError(f"lane {lane}: context {ctx} exceeds max_seq {pkg.max_seq}")
+            if toks.min() < 0 or toks.max() >= pkg.vocab_size:
+                raise ValueError(f"lane {lane}: token id outside 0..{pkg.vocab_size - 1}")
+            if not np.array_equal(pos, np.arange(ctx - len(toks), ctx)):
+                raise ValueError(f"lane {lane}: positions must run contiguously up to context_lens-1")
+            need = -(-ctx // bs)
+            table = job.block_tables[lane]
+            if need > len(table) or table[:need].min() < 0 or table[:need].max() >= cache.num_blocks:
+                raise ValueError(f"lane {lane}: block table does not cover {ctx} tokens with blocks in 0..{cache.num_blocks - 1}")
+            slots.append(table[pos // bs].astype(np.int64) * bs + pos % bs)
+        if slots:
+            all_slots = np.concatenate(slots)
+            if len(np.unique(all_slots)) != len(all_slots):
+                raise ValueError("two tokens of the job write the same KV slot")
+        return lanes
+
+    # ---- KV ops --------------------------------------------------------------------
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self._loaded()[2].copy_blocks(src, dst)
+
+    def swap_out(self, blocks: np.ndarray) -> np.ndarray:
+        return self._loaded()[2].swap_out(blocks)
+
+    def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
+        self._loaded()[2].swap_in(blocks, data)
+
+
+_ORACLES: dict[tuple[str, str], Transformer] = {}
+
+
+def _oracle_model(source) -> Transformer:
+    if isinstance(source, Transformer):
+        return source
+    if isinstance(source, RefBackend):
+        return source._loaded()[1]
+    if isinstance(source, ModelPackage):
+        key = (source.path, source.sha256)
+        if key not in _ORACLES:
+            _ORACLES.clear()  # keep at most one cached model
+            _ORACLES[key] = Transformer(source.dims, source.weights(), vocab_size=source.vocab_size,
+                                        max_seq=source.max_seq)
+        return _ORACLES[key]
+    raise TypeError("full_recompute_logits takes a ModelPackage, a Transformer or a loaded RefBackend")
+
+
+def full_recompute_logits(package_or_weights, tokens: list[int]) -> np.ndarray:
+    """Logits [len(tokens), V] computed from scratch without any KV cache: the test oracle."""
+    return _oracle_model(package_or_weights).dense_logits(tokens)

@@ -1,0 +1,95 @@
+"""The `sim` backend: stub tokens, delivered after the time a real NPU would take.
+
+It lets the scheduler be studied as on hardware (batching windows, TTFT/TPOT
+trade-offs) on a laptop. `time_scale` shrinks every delay uniformly (tests use
+a small one); `busy_wait` spins instead of sleeping, to model a chip call that
+holds the worker's CPU and to avoid the OS's sleep granularity.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ipc.records import Job, JobKind
+from workers.backends.base import BackendInfo, StepOutput
+from workers.backends.sim_latency import LatencyModel
+from workers.backends.stub import StubBackend
+
+
+class SimBackend(StubBackend):
+    name = "sim"
+
+    def __init__(
+        self,
+        *,
+        decode_base_ms: float = 18.0,
+        decode_per_lane_ms: float = 0.12,
+        flops_per_token: float = 2 * 7e9,
+        throughput_flops: float = 312e12,
+        prefill_base_ms: float = 0.0,
+        busy_wait: bool = False,
+        time_scale: float = 1.0,
+        # StubBackend's options, spelled out so inspect.signature() shows them (the daemon filters by it)
+        vocab_size: int = 320,
+        eos_ids: tuple[int, ...] = (257,),
+        max_seq: int = 2048,
+        block_size: int = 16,
+        num_blocks: int = 4096,
+        profiles: tuple[int, ...] = (1, 4, 8, 16),
+        chip_id: int = 0,
+    ) -> None:
+        super().__init__(vocab_size=vocab_size, eos_ids=eos_ids, max_seq=max_seq, block_size=block_size,
+                         num_blocks=num_blocks, profiles=profiles, chip_id=chip_id)
+        if time_scale < 0:
+            raise ValueError("time_scale must be >= 0")
+        self.latency = LatencyModel(
+            decode_base_ms=decode_base_ms,
+            decode_per_lane_ms=decode_per_lane_ms,
+            flops_per_token=flops_per_token,
+            throughput_flops=throughput_flops,
+            prefill_base_ms=prefill_base_ms,
+        )
+        self.busy_wait = bool(busy_wait)
+        self.time_scale = float(time_scale)
+
+    def describe(self) -> BackendInfo:
+        info = super().describe()
+        info.extra.update(
+            latency=dict(self.latency.__dict__), time_scale=self.time_scale, busy_wait=self.busy_wait
+        )
+        return info
+
+    # Modelled device time, before time_scale.
+    def decode_seconds(self, active_lanes: int) -> float:
+        return self.latency.decode_seconds(active_lanes)
+
+    def prefill_seconds(self, n_tokens: int) -> float:
+        return self.latency.prefill_seconds(n_tokens)
+
+    def prefill(self, job: Job) -> StepOutput:
+        start = time.perf_counter()
+        self._check(job, JobKind.PREFILL)
+        valid = np.asarray(job.lane_valid) != 0
+        lens = np.diff(np.asarray(job.query_start, dtype=np.int64))
+        n_tokens = int(lens[valid].sum()) if job.batch else 0
+        out = StepOutput(tokens=self.sampled_tokens(job))
+        self._wait_until(start + self.prefill_seconds(n_tokens) * self.time_scale)
+        return out
+
+    def decode(self, job: Job) -> StepOutput:
+        start = time.perf_counter()
+        self._check(job, JobKind.DECODE)
+        active = int(np.count_nonzero(job.lane_valid))
+        out = StepOutput(tokens=self.sampled_tokens(job))
+        self._wait_until(start + self.decode_seconds(active) * self.time_scale)
+        return out
+
+    def _wait_until(self, deadline: float) -> None:
+        if self.busy_wait:
+            while time.perf_counter() < deadline:
+                pass
+            return
+        while (left := deadline - time.perf_counter()) > 0:
+            time.sleep(left)

@@ -1,0 +1,39 @@
+"""The latency model of a simulated NPU (seed 002), as a pure function.
+
+Shared by the `sim` backend (which sleeps for these durations) and the
+in-process scheduler simulator (which advances a virtual clock by them), so
+both study the same hardware. Decode is memory-bound: a fixed step cost plus
+a small per-lane increment. Prefill is compute-bound: FLOPs / throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    decode_base_ms: float = 18.0  # one decode step, weights streamed once
+    decode_per_lane_ms: float = 0.12  # each active lane's extra KV reads
+    flops_per_token: float = 2 * 7e9  # ~2 FLOPs per parameter per token, 7B model
+    throughput_flops: float = 312e12  # sustained FLOP/s (A100-class dense bf16)
+    prefill_base_ms: float = 0.0  # fixed launch cost per prefill call; seed 002 has none
+
+    def __post_init__(self) -> None:
+        for name in ("decode_base_ms", "decode_per_lane_ms", "flops_per_token", "prefill_base_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.throughput_flops <= 0:
+            raise ValueError("throughput_flops must be > 0")
+
+    def decode_seconds(self, active_lanes: int) -> float:
+        """One decode step over `active_lanes` valid lanes (inactive lanes cost nothing)."""
+        if active_lanes < 0:
+            raise ValueError("active_lanes must be >= 0")
+        return (self.decode_base_ms + self.decode_per_lane_ms * active_lanes) / 1000.0
+
+    def prefill_seconds(self, n_tokens: int) -> float:
+        """One prefill call over `n_tokens` new tokens."""
+        if n_tokens < 0:
+            raise ValueError("n_tokens must be >= 0")
+        return self.prefill_base_ms / 1000.0 + n_tokens * self.flops_per_token / self.throughput_flops

@@ -1,0 +1,294 @@
+"""The scheduler-process side of one chip: its rings, control socket and worker process.
+
+A ChipLink owns everything that must outlive a worker crash and be cleaned up
+after it: the job ring (scheduler -> worker), the result ring (worker ->
+scheduler), the PAIR socket bound on ipc:// and the child process. The daemon
+registers `socket` in its poller and calls `handle_events()` when it is
+readable (and on its periodic tick, so a worker that dies before READY is
+reported). Nothing here blocks except `stop()`.
+
+The worker is a fresh interpreter (`python -m workers`), never a fork of a
+process that holds ZeroMQ contexts or threads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from ipc.records import Job, JobResult
+from ipc.doorbell import SemaphoreDoorbell
+from ipc.ring import Ring
+from workers.backends.base import BackendInfo
+from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
+
+SHM_PREFIX = "npuserve"
+_MAX_IPC_PATH = 100  # sockaddr_un.sun_path is 108 bytes on Linux, minus "ipc://" slack
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: BackendInfo
+    pid: int
+
+
+@dataclass(frozen=True)
+class Result:
+    result: JobResult
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    at: float  # the worker's time.monotonic() (CLOCK_MONOTONIC is system-wide)
+    jobs_done: int
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    message: str  # start-up failure (bad backend, bad package, missing library, died before READY)
+
+
+LinkEvent = Ready | Result | Heartbeat | WorkerFailed
+
+_JOB_DTYPES = {k: a.dtype.str for k, a in Job.kv_copy(0, 0, [], []).to_arrays().items()}
+_JOB_DTYPES["ctl"] = "<i8"  # control messages sent before this job (see workers.control)
+_SHUTDOWN = encode(Msg.SHUTDOWN)
+
+
+class ChipLink:
+    """One chip's worker, seen from the scheduler process. Single-threaded use only."""
+
+    def __init__(
+        self,
+        *,
+        ctx: zmq.Context,
+        board: str,
+        chip: int,
+        backend: str,
+        backend_options: dict | None = None,
+        package_path: str | None = None,
+        runtime_dir: str,
+        ring_bytes: int = 64 << 20,
+        heartbeat_interval_s: float = 0.2,
+    ) -> None:
+        self.ctx = ctx
+        self.board = str(board)
+        self.chip = int(chip)
+        self.backend = backend
+        self.backend_options = dict(backend_options or {})
+        self.package_path = package_path
+        self.runtime_dir = runtime_dir
+        self.ring_bytes = int(ring_bytes)
+        self.heartbeat_interval_s = float(heartbeat_interval_s)
+        self.socket: zmq.Socket | None = None
+        self.info: BackendInfo | None = None
+        self.pid: int | None = None
+        self.last_heartbeat: float = 0.0
+        self._proc: subprocess.Popen | None = None
+        self._job_ring: Ring | None = None
+        self._result_ring: Ring | None = None
+        self._ipc_path: str | None = None
+        self._bell: SemaphoreDoorbell | None = None
+        self._ctl_sent = 0
+        self._starts = 0
+        self._failure_reported = False
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> None:
+        """Create rings and socket, spawn the worker; READY arrives later as an event."""
+        assert self._proc is None, "ChipLink.start() on a running link"
+        self._starts += 1
+        path = os.path.join(self.runtime_dir, f"w{self.board}-{self.chip}-{os.getpid()}-{self._starts}.sock")
+        if len(path) > _MAX_IPC_PATH:
+            raise ValueError(f"runtime_dir too long for an ipc:// socket path ({len(path)} > {_MAX_IPC_PATH}): {path}")
+        try:
+            os.makedirs(self.runtime_dir, mode=0o700, exist_ok=True)
+            self._job_ring = Ring.create(SHM_PREFIX, self.board, self.ring_bytes, tag=f"c{self.chip}j")
+            self._result_ring = Ring.create(SHM_PREFIX, self.board, self.ring_bytes, tag=f"c{self.chip}r")
+            self._bell = SemaphoreDoorbell.create(SHM_PREFIX, self.board, tag=f"c{self.chip}b")
+            self._ctl_sent = 0
+            sock = self.ctx.socket(zmq.PAIR)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            self.socket = sock
+            sock.bind(f"ipc://{path}")
+            self._ipc_path = path
+            os.chmod(path, 0o600)
+            config = WorkerConfig(
+                board=self.board, chip=self.chip, backend=self.backend, job_ring=self._job_ring.name,
+                result_ring=self._result_ring.name, control_endpoint=f"ipc://{path}", parent_pid=os.getpid(),
+                backend_options=self.backend_options, package_path=self.package_path,
+                heartbeat_interval_s=self.heartbeat_interval_s, job_bell=self._bell.name,
+            )
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "workers", config.to_json()],
+                stdin=subprocess.DEVNULL, close_fds=True,
+            )
+        except BaseException:
+            self._cleanup()
+            raise
+        self.pid = self._proc.pid
+        self.info = None
+        self._failure_reported = False
+        self.last_heartbeat = time.monotonic()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Ask the worker to exit, escalate to SIGTERM/SIGKILL, then free everything. Idempotent."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            asked = False
+            if self.socket is not None:
+                try:
+                    self._send_control(_SHUTDOWN)
+                    asked = True
+                except zmq.ZMQError:
+                    pass  # no peer yet (still starting): nobody would read it
+            steps = ((None, timeout),) if asked else ()
+            for sig, wait_s in steps + ((signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
+                if sig is not None:
+                    try:
+                        proc.send_signal(sig)
+                    except ProcessLookupError:
+                        pass
+                try:
+                    proc.wait(wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        elif proc is not None:
+            proc.wait()
+        self._cleanup()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def kill(self) -> None:
+        """SIGKILL the worker (chaos harness, hung worker). stop() still has to run."""
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                self._proc.kill()
+            except ProcessLookupError:
+                pass
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _cleanup(self) -> None:
+        if self.socket is not None:
+            self.socket.close(linger=0)
+            self.socket = None
+        if self._ipc_path is not None:
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass
+            self._ipc_path = None
+        for ring in (self._job_ring, self._result_ring):
+            if ring is None:
+                continue
+            try:
+                ring.unlink()
+            except (FileNotFoundError, OSError):
+                pass  # the worker unlinks them itself when it outlives us
+            ring.close()
+        self._job_ring = self._result_ring = None
+        if self._bell is not None:
+            self._bell.close()
+            self._bell.unlink()
+            self._bell = None
+        self._proc = None
+        self.pid = None
+        self.info = None
+
+    # -- traffic -------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Write the job record into the job ring and ring the doorbell. Raises ipc.ring.RingFull."""
+        assert self._job_ring is not None and self.socket is not None, "submit() on a stopped ChipLink"
+        arrays = job.to_arrays()
+        arrays["ctl"] = np.array([self._ctl_sent], np.int64)
+        # dtype strings keep the ring's layout-cache key cheap (str(np.dtype) is not)
+        spec = {k: (a.shape, _JOB_DTYPES[k]) for k, a in arrays.items()}
+        with self._job_ring.reserve(spec, timeout=0.0) as w:
+            dst = w.arrays
+            for k, a in arrays.items():
+                dst[k][...] = a
+        assert self._bell is not None
+        self._bell.ring()
+
+    def _send_control(self, data: bytes) -> None:
+        """Send a control message (NOBLOCK) and wake the worker for it."""
+        assert self.socket is not None and self._bell is not None
+        self.socket.send(data, zmq.NOBLOCK)
+        self._ctl_sent += 1
+        self._bell.ring()
+
+    def chaos(self, action: str, seconds: float = 0.0) -> None:
+        """Test hook: "crash", "hang" (for `seconds`) or "slow" (`seconds` added to every job)."""
+        assert self.socket is not None, "chaos() on a stopped ChipLink"
+        act = ChaosAction(action)
+        self._send_control(encode(Msg.CHAOS, action=act.value, seconds=float(seconds)))
+
+    def handle_events(self) -> list[LinkEvent]:
+        """Drain control messages and the result ring without blocking."""
+        events: list[LinkEvent] = []
+        if self.socket is None:
+            return events
+        heartbeat: Heartbeat | None = None
+        while True:
+            try:
+                data = self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.last_heartbeat = time.monotonic()
+            try:
+                kind, msg = decode(data)
+            except ControlError as exc:
+                print(f"chip {self.chip}: dropped control message: {exc}", file=sys.stderr)
+                continue
+            if kind is Msg.READY:
+                self.info = BackendInfo.from_dict(msg["info"])
+                events.append(Ready(self.info, int(msg["pid"])))
+            elif kind is Msg.FAILED:
+                self._failure_reported = True
+                events.append(WorkerFailed(str(msg["message"])))
+            elif kind is Msg.HEARTBEAT:
+                heartbeat = Heartbeat(float(msg["at"]), int(msg["jobs_done"]))
+            # RESULT and BYE only wake us; results are read from the ring below.
+        events.extend(Result(r) for r in self._drain_results())
+        if heartbeat is not None:
+            events.append(heartbeat)
+        if self.info is None and not self._failure_reported and self._proc is not None:
+            rc = self._proc.poll()
+            if rc is not None:
+                self._failure_reported = True
+                events.append(WorkerFailed(f"worker exited with status {rc} before it was ready"))
+        return events
+
+    def _drain_results(self) -> list[JobResult]:
+        ring = self._result_ring
+        out: list[JobResult] = []
+        if ring is None:
+            return out
+        while (rec := ring.peek()) is not None:
+            try:
+                out.append(JobResult.from_arrays(rec))  # copies out of the ring
+            finally:
+                del rec
+                ring.release()
+        return out
+
+    # -- context manager for tests and tools ---------------------------------
+    def __enter__(self) -> "ChipLink":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

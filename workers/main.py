@@ -1,0 +1,369 @@
+"""The per-chip worker process: the only place that calls a chip runtime.
+
+Started by `workers.chip_link.ChipLink` as `python -m workers CONFIG_JSON`.
+It attaches the chip's two rings (jobs in, results out), loads the backend,
+announces READY, then serves: job records are read as zero-copy ring views,
+run through the backend (and sampling, when the backend returns logits), and
+answered with a JobResult record written straight into reserved result-ring
+space. A failing backend call fails that job only; the worker stays up.
+
+It exits on a SHUTDOWN message, on SIGTERM, and on its parent's death (which
+it notices through PR_SET_PDEATHSIG and by polling its parent pid every loop
+turn); when the parent is gone it also unlinks the rings, since nobody else
+will.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+import zmq
+
+from ipc.doorbell import SemaphoreDoorbell
+from ipc.records import Job, JobKind, JobResult, JobStatus
+from ipc.ring import RecordTooLarge, Ring, RingFull
+from workers.backends.base import ChipBackend
+from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
+
+_PR_SET_PDEATHSIG = 1
+_FAILED_SEND_LINGER_MS = 2000
+
+
+def _log(event: str, **fields) -> None:
+    """One structured JSON line on stderr (the daemon's journal)."""
+    sys.stderr.write(orjson.dumps({"event": event, "pid": os.getpid(), **fields}).decode() + "\n")
+    sys.stderr.flush()
+
+
+@dataclass
+class JobOutcome:
+    """A finished job before it is written to the result ring."""
+
+    status: JobStatus
+    tokens: np.ndarray  # int32 [B], -1 where nothing was sampled
+    logprobs: np.ndarray  # float32 [B]
+    logits: np.ndarray | None  # [B, V] when the job asked for logits and the backend made them
+    device_us: int
+    error: str = ""
+
+
+def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> JobOutcome:
+    """Run one job on the backend and sample its lanes.
+
+    Inputs may be read-only ring views; nothing here writes to them.
+    `extra_device_s` is the chaos "slow" hook: it is spent as device time.
+    """
+    b = job.batch
+    tokens = np.full(b, -1, np.int32)
+    logprobs = np.zeros(b, np.float32)
+    try:
+        job.validate()
+    except ValueError as exc:
+        return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, 0, f"invalid job: {exc}")
+    t0 = time.perf_counter_ns()
+    try:
+        if extra_device_s > 0:
+            time.sleep(extra_device_s)
+        if job.kind == JobKind.KV_COPY:
+            backend.copy_blocks(job.src_blocks, job.dst_blocks)
+            return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
+        out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
+        device_us = (time.perf_counter_ns() - t0) // 1000
+        lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
+        if out.logits is not None:
+            if lanes.size:
+                _sample_lanes(job, out.logits, lanes, tokens, logprobs)
+        elif out.tokens is not None:
+            tokens[lanes] = out.tokens[lanes]
+        else:
+            raise RuntimeError("backend returned neither logits nor tokens")
+    except Exception as exc:  # a device-level fault fails this job, never the worker
+        return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
+                          (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
+    logits = out.logits if job.return_logits else None
+    return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us)
+
+
+def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+    from workers.sampling import sample
+
+    # Sampling is per lane and deterministic per (seed, position), so sampling
+    # only the lanes that want a token gives the same tokens as sampling all.
+    # Skip the fancy-index copy of [B, V] logits when every lane samples.
+    sel = slice(None) if lanes.size == job.batch else lanes
+    t, lp = sample(
+        logits[sel], job.temperature[sel], job.top_p[sel], job.top_k[sel], job.seed[sel],
+        job.context_lens[sel], job.want_logprobs[sel],
+    )
+    tokens[lanes] = t
+    logprobs[lanes] = lp
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the getppid() poll still notices the parent's death
+
+
+class _Terminate(BaseException):
+    """Raised by the SIGTERM handler; BaseException so no job handler swallows it."""
+
+
+class WorkerProcess:
+    """The serve loop of one worker; owns its socket, rings and backend."""
+
+    def __init__(self, config: WorkerConfig, sock: zmq.Socket, job_ring: Ring, result_ring: Ring, backend: ChipBackend,
+                 bell: SemaphoreDoorbell | None = None):
+        self.config = config
+        self.sock = sock
+        self.job_ring = job_ring
+        self.result_ring = result_ring
+        self.backend = backend
+        self.bell = bell
+        self.jobs_done = 0
+        self.ctl_seen = 0  # control messages received (jobs carry how many precede them)
+        self.slow_s = 0.0
+        self.running = True
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.interval = config.heartbeat_interval_s
+        self.next_heartbeat = 0.0
+
+    # -- messaging -------------------------------------------------------
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            # The link is not reading. Dropping is safe: the link drains the
+            # whole result ring on any wake-up, and a full queue wakes it.
+            pass
+
+    def parent_alive(self) -> bool:
+        return os.getppid() == self.config.parent_pid
+
+    def heartbeat_if_due(self) -> None:
+        now = time.monotonic()
+        if now >= self.next_heartbeat:
+            self.send(encode(Msg.HEARTBEAT, at=now, jobs_done=self.jobs_done))
+            self.next_heartbeat = now + self.interval
+
+    def drain_control(self) -> None:
+        while self.running:
+            try:
+                data = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                kind, msg = decode(data)
+            except ControlError as exc:
+                _log("worker.bad_control", error=str(exc))
+                continue
+            self.ctl_seen += 1
+            if kind is Msg.SHUTDOWN:
+                self.running = False
+            elif kind is Msg.CHAOS:
+                self.chaos(ChaosAction(msg["action"]), float(msg["seconds"]))
+            # JOB is only a doorbell: the serve loop reads the ring every turn.
+
+    def catch_up_control(self, sent_before: int) -> None:
+        """Read the control messages the link sent before this job (they may still be in flight)."""
+        deadline = time.monotonic() + 2.0
+        while self.running and self.ctl_seen < sent_before and time.monotonic() < deadline:
+            if self.sock.poll(50):
+                self.drain_control()
+            self.heartbeat_if_due()
+
+    def chaos(self, action: ChaosAction, seconds: float) -> None:
+        _log("worker.chaos", action=action.value, seconds=seconds)
+        if action is ChaosAction.CRASH:
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action is ChaosAction.HANG:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end and self.parent_alive():
+                time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+        elif action is ChaosAction.SLOW:
+            self.slow_s = max(0.0, seconds)
+
+    # -- jobs ------------------------------------------------------------
+    def serve_jobs(self) -> None:
+        while self.running and self.parent_alive():
+            rec = self.job_ring.peek()
+            if rec is None:
+                return
+            if "ctl" in rec:
+                self.catch_up_control(int(rec["ctl"][0]))
+                if not self.running:
+                    return
+            t0 = time.perf_counter_ns()
+            job = _job_from_views(rec)
+            outcome = execute_job(self.backend, job, self.slow_s)
+            if outcome.error:
+                _log("worker.job_failed", job_id=job.job_id, status=outcome.status.name, error=outcome.error)
+            self.write_result(job, outcome, t0)
+            job_id = job.job_id
+            del job, rec  # drop the views before the ring may reuse their space
+            self.job_ring.release()
+            self.jobs_done += 1
+            self.send(encode(Msg.RESULT, job_id=job_id))
+            self.heartbeat_if_due()
+            self.drain_control()
+
+    def write_result(self, job: Job, outcome: JobOutcome, t0_ns: int) -> None:
+        b = job.batch
+        logits = outcome.logits
+        status = outcome.status
+        # dtype strings, not numpy types: the ring keys its layout cache on str(dtype)
+        spec: dict = {"meta": ((8,), "<i8"), "tokens": ((b,), "<i4"), "logprobs": ((b,), "<f4")}
+        if logits is not None:
+            spec["logits"] = (tuple(logits.shape), "<f4")
+        while True:
+            try:
+                writer = self.result_ring.reserve(spec, timeout=self.interval)
+                break
+            except RecordTooLarge:
+                _log("worker.result_too_large", job_id=job.job_id, shape=list(logits.shape) if logits is not None else None)
+                spec.pop("logits", None)
+                logits, status = None, JobStatus.FAILED
+                outcome.tokens[:] = -1
+                outcome.logprobs[:] = 0
+            except RingFull:
+                # The link is not draining results; stay visibly alive meanwhile.
+                self.heartbeat_if_due()
+                self.drain_control()
+                if not self.running or not self.parent_alive():
+                    return
+        with writer:
+            a = writer.arrays
+            meta = a["meta"]
+            meta[:] = 0
+            meta[:5] = (job.job_id, job.generation, int(job.kind), int(status), outcome.device_us)
+            a["tokens"][:] = outcome.tokens
+            a["logprobs"][:] = outcome.logprobs
+            if logits is not None:
+                a["logits"][...] = logits
+            meta[5] = (time.perf_counter_ns() - t0_ns) // 1000
+
+    # -- loop ------------------------------------------------------------
+    def serve(self) -> None:
+        while self.running:
+            if not self.parent_alive():
+                _log("worker.parent_died", parent_pid=self.config.parent_pid)
+                return
+            self.heartbeat_if_due()
+            if not len(self.job_ring):
+                wait_s = max(0.0, self.next_heartbeat - time.monotonic())
+                if self.bell is not None:
+                    self.bell.wait(wait_s)
+                else:
+                    self.poller.poll(int(wait_s * 1000) + 1)
+            self.drain_control()
+            self.serve_jobs()
+        self.send(encode(Msg.BYE))
+
+
+def _job_from_views(rec) -> Job:
+    """A Job whose arrays are the ring record's read-only views (no copy)."""
+    meta = np.asarray(rec["meta"])
+    return Job(
+        job_id=int(meta[0]), generation=int(meta[1]), kind=JobKind(int(meta[2])), return_logits=bool(meta[3]),
+        tokens=rec["tokens"], positions=rec["positions"], query_start=rec["query_start"],
+        lane_valid=rec["lane_valid"], context_lens=rec["context_lens"], block_tables=rec["block_tables"],
+        sample=rec["sample"], temperature=rec["temperature"], top_p=rec["top_p"], top_k=rec["top_k"],
+        seed=rec["seed"], want_logprobs=rec["want_logprobs"], src_blocks=rec["src_blocks"], dst_blocks=rec["dst_blocks"],
+    )
+
+
+def _load_backend(config: WorkerConfig) -> ChipBackend:
+    from workers.backends.registry import make_backend
+
+    backend = make_backend(config.backend, **(config.backend_options or {}))
+    package = None
+    if config.package_path is not None:
+        from workers.model_package import load_package
+
+        package = load_package(config.package_path)
+    backend.load(package)
+    return backend
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _Terminate()
+
+
+def run(config: WorkerConfig) -> int:
+    _set_parent_death_signal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the daemon, which stops us
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 10_000)
+    sock.connect(config.control_endpoint)
+    rings: list[Ring] = []
+    backend: ChipBackend | None = None
+    bell: SemaphoreDoorbell | None = None
+    parent_died = False
+    try:
+        if os.getppid() != config.parent_pid:
+            parent_died = True
+            return 0
+        try:
+            rings.append(Ring.attach(config.job_ring))
+            rings.append(Ring.attach(config.result_ring))
+            if config.job_bell is not None:
+                bell = SemaphoreDoorbell.attach(config.job_bell)
+            backend = _load_backend(config)
+            info = backend.describe()
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            _log("worker.start_failed", error=message)
+            sock.setsockopt(zmq.LINGER, _FAILED_SEND_LINGER_MS)
+            sock.send(encode(Msg.FAILED, message=message))
+            return 1
+        sock.send(encode(Msg.READY, info=info.to_dict(), pid=os.getpid()))
+        worker = WorkerProcess(config, sock, rings[0], rings[1], backend, bell)
+        try:
+            worker.serve()
+        finally:
+            parent_died = not worker.parent_alive()
+        return 0
+    except _Terminate:
+        parent_died = os.getppid() != config.parent_pid
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if backend is not None:
+            try:
+                backend.unload()
+            except Exception as exc:
+                _log("worker.unload_failed", error=f"{type(exc).__name__}: {exc}")
+        for ring in rings:
+            if parent_died:
+                try:
+                    ring.unlink()
+                except Exception:
+                    pass
+            ring.close()
+        if bell is not None:
+            if parent_died:
+                bell.unlink()
+            bell.close()
+        sock.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 1:
+        print("usage: python -m workers CONFIG_JSON (started by ChipLink, not by hand)", file=sys.stderr)
+        return 2
+    return run(WorkerConfig.from_json(argv[0]))

@@ -1,0 +1,104 @@
+/*
+ * npuserve_chip.h -- the vendor C ABI that npuserve's `ctypes` backend loads.
+ *
+ * A chip runtime ("simpler", seed 000 Phase 4) is a shared library exporting
+ * the functions below with C linkage. npuserve owns the paged KV cache on the
+ * host side: for every call it gathers a sequence's KV blocks into one
+ * contiguous `kv_in` buffer (the KV of positions [0, P)), and scatters the
+ * returned `kv_out` (the KV of the new tokens only) back into the blocks. KV is
+ * opaque bytes to npuserve: `kv_bytes_per_token` bytes per token, as declared
+ * by simpler_model_describe().
+ *
+ * Conventions
+ *  - Every function returns SIMPLER_OK (0) on success or a negative
+ *    SIMPLER_E_* code. On failure the output buffers are undefined and the
+ *    caller treats the KV the call would have produced as unknown.
+ *  - The position of the first new token is implied by the KV passed in:
+ *    P = kv_size / kv_bytes_per_token (kv_size must be a multiple of it).
+ *  - Calls for one chip_id are never concurrent; different chip ids may be
+ *    driven from different processes.
+ *  - The library must not keep pointers to caller buffers after returning.
+ *
+ * Versioning: npuserve refuses to load a library whose simpler_abi_version()
+ * differs from the SIMPLER_ABI_VERSION it was built for. Any change to a
+ * signature or to simpler_model_info bumps the version.
+ */
+#ifndef NPUSERVE_CHIP_H
+#define NPUSERVE_CHIP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#ifndef SIMPLER_ABI_VERSION
+#define SIMPLER_ABI_VERSION 1
+#endif
+
+#define SIMPLER_MAX_EOS 8
+#define SIMPLER_MAX_PROFILES 8
+
+enum simpler_status {
+    SIMPLER_OK = 0,
+    SIMPLER_E_INVALID = -1,   /* bad argument: sizes, vocab, chip id, token id */
+    SIMPLER_E_KV_CORRUPT = -2, /* kv_in does not hold a valid KV history */
+    SIMPLER_E_DEVICE = -3,    /* the chip failed; retry after recovery */
+    SIMPLER_E_TOO_LONG = -4   /* the sequence would exceed max_seq */
+};
+
+/* What the loaded model looks like. Fixed-size so it can cross the ABI by value. */
+typedef struct simpler_model_info {
+    int32_t abi_version;               /* == SIMPLER_ABI_VERSION */
+    int32_t vocab;                     /* logits per row */
+    int32_t max_seq;                   /* longest sequence (prompt + generated) */
+    int32_t n_eos;                     /* valid entries of eos_ids */
+    int32_t eos_ids[SIMPLER_MAX_EOS];
+    int32_t n_profiles;                /* valid entries of profiles */
+    int32_t profiles[SIMPLER_MAX_PROFILES]; /* compiled decode batch sizes, ascending */
+    int32_t chunked_prefill;           /* 1: prefill with kv_size > 0 equals one-shot prefill */
+    int32_t reserved;                  /* 0 */
+    int64_t kv_bytes_per_token;        /* bytes of KV one token occupies */
+} simpler_model_info;
+
+/* The ABI version this library implements. Checked first, before any other call. */
+int simpler_abi_version(void);
+
+/* Fill *out for the model on chip_id. */
+int simpler_model_describe(int chip_id, simpler_model_info* out);
+
+/*
+ * Prefill n_tokens new tokens of ONE sequence at positions [P, P + n_tokens).
+ *   kv_in   : KV of positions [0, P), kv_size bytes (NULL allowed when kv_size == 0)
+ *   kv_out  : receives the KV of the new tokens, n_tokens * kv_bytes_per_token bytes
+ *   logits  : receives vocab floats, the logits after the LAST new token
+ * A prefill split into chunks (each chunk passing the KV of all previous ones)
+ * gives the same logits and KV as one call when info.chunked_prefill == 1.
+ */
+int simpler_model_prefill(int chip_id, const int32_t* tokens, int n_tokens,
+                          const void* kv_in, size_t kv_size, void* kv_out,
+                          float* logits, int vocab);
+
+/*
+ * Decode one token for each valid lane of a compiled batch of `batch` lanes
+ * (batch is one of info.profiles).
+ *   tokens[batch]     : the lane's newest token (ignored for inactive lanes)
+ *   lane_valid[batch] : 0 = inactive lane: the library must not read tokens,
+ *                       kv_in, kv_size nor write kv_out or the logits row of it
+ *   kv_in[batch]      : per lane, KV of positions [0, P_i), kv_size[i] bytes
+ *   kv_size[batch]    : per lane, bytes in kv_in[i]; P_i = kv_size[i] / kv_bytes_per_token
+ *   kv_out[batch]     : per lane, receives kv_bytes_per_token bytes: the KV of
+ *                       tokens[i] at position P_i
+ *   logits            : batch * vocab floats, row i = logits after tokens[i]
+ */
+int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
+                         const uint8_t* lane_valid, const void* const* kv_in,
+                         const size_t* kv_size, void* const* kv_out,
+                         float* logits, int vocab);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NPUSERVE_CHIP_H */

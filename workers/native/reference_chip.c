@@ -1,0 +1,151 @@
+/*
+ * reference_chip.c -- a tiny deterministic "chip runtime" implementing
+ * npuserve_chip.h, so the ctypes backend can be tested without hardware.
+ *
+ * It is not a neural network. Each token's KV entry records (magic, token,
+ * position, running hash of the history up to and including the token); the
+ * logits after a token are a fixed function of that running hash. Every call
+ * re-verifies the whole kv_in history (magic, positions 0..P-1, hash chain),
+ * so KV that was lost, reordered or mixed up in npuserve's paged cache makes
+ * the call fail with SIMPLER_E_KV_CORRUPT instead of producing plausible
+ * logits, and a decode after a prefill depends on every prompt token.
+ *
+ * Build: cc -shared -fPIC -O2 -o libreference_chip.so reference_chip.c
+ *   -DSIMPLER_ABI_VERSION=N  build a library claiming another ABI version
+ *   -DREF_VOCAB=N -DREF_MAX_SEQ=N  other model shapes
+ *
+ * Python re-statement (used by the tests):
+ *   mix32(x)       = lowbias32 finalizer below
+ *   h0             = 0x811C9DC5
+ *   h' = step(h,t) = mix32(h * 0x01000193 + t + 1)            (mod 2^32)
+ *   logit(h, v)    = ((mix32(h ^ (v * 0x9E3779B9)) >> 16) & 0xFFF) / 256 - 8
+ */
+#include <string.h>
+
+#include "npuserve_chip.h"
+
+#ifndef REF_VOCAB
+#define REF_VOCAB 320
+#endif
+#ifndef REF_MAX_SEQ
+#define REF_MAX_SEQ 4096
+#endif
+#define REF_MAX_CHIPS 64
+#define REF_MAGIC 0x4E50554Bu /* "NPUK" */
+#define REF_H0 0x811C9DC5u
+
+typedef struct ref_kv_entry {
+    uint32_t magic;
+    int32_t token;
+    int32_t position;
+    uint32_t hash; /* running hash after this token */
+} ref_kv_entry;
+
+static uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+}
+
+static uint32_t step(uint32_t h, int32_t token) {
+    return mix32(h * 0x01000193u + (uint32_t)token + 1u);
+}
+
+static void write_logits(uint32_t h, float* logits, int vocab) {
+    for (int v = 0; v < vocab; v++) {
+        uint32_t r = mix32(h ^ ((uint32_t)v * 0x9E3779B9u));
+        logits[v] = (float)((r >> 16) & 0xFFFu) / 256.0f - 8.0f;
+    }
+}
+
+/* Verify a KV history and return its final running hash via *h_out. */
+static int check_history(const void* kv_in, size_t kv_size, int32_t* n_out, uint32_t* h_out) {
+    if (kv_size % sizeof(ref_kv_entry) != 0) return SIMPLER_E_INVALID;
+    size_t n = kv_size / sizeof(ref_kv_entry);
+    if (n > 0 && kv_in == NULL) return SIMPLER_E_INVALID;
+    if (n > REF_MAX_SEQ) return SIMPLER_E_TOO_LONG;
+    uint32_t h = REF_H0;
+    const unsigned char* p = (const unsigned char*)kv_in;
+    for (size_t i = 0; i < n; i++) {
+        ref_kv_entry e;
+        memcpy(&e, p + i * sizeof e, sizeof e);
+        if (e.magic != REF_MAGIC || e.position != (int32_t)i) return SIMPLER_E_KV_CORRUPT;
+        h = step(h, e.token);
+        if (e.hash != h) return SIMPLER_E_KV_CORRUPT;
+    }
+    *n_out = (int32_t)n;
+    *h_out = h;
+    return SIMPLER_OK;
+}
+
+int simpler_abi_version(void) { return SIMPLER_ABI_VERSION; }
+
+int simpler_model_describe(int chip_id, simpler_model_info* out) {
+    static const int32_t profiles[] = {1, 4, 8, 16};
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS || out == NULL) return SIMPLER_E_INVALID;
+    memset(out, 0, sizeof *out);
+    out->abi_version = SIMPLER_ABI_VERSION;
+    out->vocab = REF_VOCAB;
+    out->max_seq = REF_MAX_SEQ;
+    out->n_eos = 1;
+    out->eos_ids[0] = 1;
+    out->n_profiles = (int32_t)(sizeof profiles / sizeof profiles[0]);
+    memcpy(out->profiles, profiles, sizeof profiles);
+    out->chunked_prefill = 1;
+    out->kv_bytes_per_token = (int64_t)sizeof(ref_kv_entry);
+    return SIMPLER_OK;
+}
+
+/* Append n tokens after a verified history; writes their KV entries and the last logits. */
+static int extend(int32_t pos, uint32_t h, const int32_t* tokens, int n, void* kv_out,
+                  float* logits, int vocab) {
+    if ((int64_t)pos + n > REF_MAX_SEQ) return SIMPLER_E_TOO_LONG;
+    for (int i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= REF_VOCAB) return SIMPLER_E_INVALID;
+    }
+    unsigned char* o = (unsigned char*)kv_out;
+    for (int i = 0; i < n; i++) {
+        h = step(h, tokens[i]);
+        ref_kv_entry e = {REF_MAGIC, tokens[i], pos + i, h};
+        memcpy(o + (size_t)i * sizeof e, &e, sizeof e);
+    }
+    write_logits(h, logits, vocab);
+    return SIMPLER_OK;
+}
+
+int simpler_model_prefill(int chip_id, const int32_t* tokens, int n_tokens,
+                          const void* kv_in, size_t kv_size, void* kv_out,
+                          float* logits, int vocab) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS || vocab != REF_VOCAB || n_tokens <= 0 ||
+        tokens == NULL || kv_out == NULL || logits == NULL)
+        return SIMPLER_E_INVALID;
+    int32_t pos;
+    uint32_t h;
+    int rc = check_history(kv_in, kv_size, &pos, &h);
+    if (rc != SIMPLER_OK) return rc;
+    return extend(pos, h, tokens, n_tokens, kv_out, logits, vocab);
+}
+
+int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
+                         const uint8_t* lane_valid, const void* const* kv_in,
+                         const size_t* kv_size, void* const* kv_out,
+                         float* logits, int vocab) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS || vocab != REF_VOCAB || batch <= 0 ||
+        tokens == NULL || lane_valid == NULL || kv_in == NULL || kv_size == NULL ||
+        kv_out == NULL || logits == NULL)
+        return SIMPLER_E_INVALID;
+    for (int b = 0; b < batch; b++) {
+        if (!lane_valid[b]) continue;
+        if (kv_out[b] == NULL) return SIMPLER_E_INVALID;
+        int32_t pos;
+        uint32_t h;
+        int rc = check_history(kv_in[b], kv_size[b], &pos, &h);
+        if (rc != SIMPLER_OK) return rc;
+        rc = extend(pos, h, &tokens[b], 1, kv_out[b], logits + (size_t)b * (size_t)vocab, vocab);
+        if (rc != SIMPLER_OK) return rc;
+    }
+    return SIMPLER_OK;
+}

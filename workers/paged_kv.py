@@ -1,0 +1,87 @@
+"""The paged KV cache of the `ref` backend: one chip's device KV memory.
+
+Layout: K and V are each [layers, num_blocks, block_size, kv_heads, head_dim]
+float32, so a block id addresses the same slice in every layer and a block
+can be copied, swapped or shared as one unit. The scheduler owns allocation;
+this class only stores, copies and moves what it is told to.
+
+Host (swap) format of `swap_out`: [n_blocks, 2, layers, block_size,
+kv_heads, head_dim] float32, index 0 = K, 1 = V; `swap_in` takes it back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PagedKvCache:
+    def __init__(self, *, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> None:
+        if min(layers, num_blocks, block_size, kv_heads, head_dim) <= 0:
+            raise ValueError("every KV cache dimension must be positive")
+        shape = (layers, num_blocks, block_size, kv_heads, head_dim)
+        self.k = np.zeros(shape, dtype=np.float32)
+        self.v = np.zeros(shape, dtype=np.float32)
+        self.layers = layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block in the host swap format."""
+        return (2,) + self.k.shape[:1] + self.k.shape[2:]
+
+    def write(self, layer: int, block_ids: np.ndarray, offsets: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store K/V [T, kv_heads, head_dim] of T tokens at (block_ids[t], offsets[t])."""
+        self.k[layer, block_ids, offsets] = k
+        self.v[layer, block_ids, offsets] = v
+
+    def gather(self, layer: int, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """K, V [n, M*block_size, kv_heads, head_dim] of n lanes' block tables [n, M].
+
+        -1 padding reads block 0; the caller masks every key past a lane's context.
+        """
+        safe = np.maximum(tables, 0)
+        n, m = safe.shape
+        k = self.k[layer][safe].reshape(n, m * self.block_size, *self.k.shape[3:])
+        v = self.v[layer][safe].reshape(n, m * self.block_size, *self.v.shape[3:])
+        return k, v
+
+    def check_blocks(self, blocks: np.ndarray, what: str) -> np.ndarray:
+        b = np.asarray(blocks)
+        if b.ndim != 1 or (b.size and b.dtype.kind not in "iu"):
+            raise ValueError(f"{what}: expected a 1-D integer array of block ids")
+        b = b.astype(np.int64)
+        if b.size and (b.min() < 0 or b.max() >= self.num_blocks):
+            raise ValueError(f"{what}: block id outside 0..{self.num_blocks - 1}")
+        return b
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """dst[i] <- src[i] for all i at once (sources are read before any destination is written)."""
+        s = self.check_blocks(src, "copy_blocks src")
+        t = self.check_blocks(dst, "copy_blocks dst")
+        if s.shape != t.shape:
+            raise ValueError("copy_blocks: src and dst differ in length")
+        if len(np.unique(t)) != len(t):
+            raise ValueError("copy_blocks: a destination block appears twice")
+        self.k[:, t] = self.k[:, s]
+        self.v[:, t] = self.v[:, s]
+
+    def swap_out(self, blocks: np.ndarray) -> np.ndarray:
+        b = self.check_blocks(blocks, "swap_out")
+        out = np.empty((len(b),) + self.block_shape(), dtype=np.float32)
+        out[:, 0] = self.k[:, b].swapaxes(0, 1)
+        out[:, 1] = self.v[:, b].swapaxes(0, 1)
+        return out
+
+    def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
+        b = self.check_blocks(blocks, "swap_in")
+        expected = (len(b),) + self.block_shape()
+        if tuple(data.shape) != expected:
+            raise ValueError(f"swap_in: data shape {tuple(data.shape)}, expected {expected}")
+        if len(np.unique(b)) != len(b):
+            raise ValueError("swap_in: a block appears twice")
+        self.k[:, b] = np.asarray(data[:, 0], dtype=np.float32).swapaxes(0, 1)
+        self.v[:, b] = np.asarray(data[:, 1], dtype=np.float32).swapaxes(0, 1)
