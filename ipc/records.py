@@ -2,10 +2,13 @@
 
 Both sides import these layouts from `ipc` so that the worker never imports
 `engine`. A record is a dict of named numpy arrays, which is exactly what a
-shared-memory ring record holds (`ipc.ring`); scalars travel in a small int64
-`meta` array so that one ring record carries one whole job.
+shared-memory ring record holds (`ipc.ring`), so one ring record carries one
+whole job. On the wire a job's fields are grouped by dtype into four blobs
+(`i32`, `f32`, `u8`, `u64`) plus an int64 `meta` with the scalars and every
+field's shape: each ring array costs Python work on both sides, and a job has
+fourteen. `Job.from_arrays(rec, copy=False)` gives the fields back as views.
 
-Layout of a job (B = the compiled batch of the profile, 1 for prefill):
+Fields of a job (B = the compiled batch of the profile, 1 for prefill):
 
 * tokens[T] int32, positions[T] int32: the new tokens of every lane, packed.
 * query_start[B+1] int32: lane i owns tokens[query_start[i]:query_start[i+1]].
@@ -27,6 +30,7 @@ Layout of a job (B = the compiled batch of the profile, 1 for prefill):
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +49,7 @@ class JobStatus(enum.IntEnum):
 
 
 _META_LEN = 8
+_JOB_META_LEN = 24  # 4 scalars, 15 field sizes, spare
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 
 
@@ -84,65 +89,128 @@ class Job:
         return self.positions[self.query_start[lane] : self.query_start[lane + 1]]
 
     def validate(self) -> None:
-        """Raise ValueError when the arrays do not describe one coherent job."""
+        """Raise ValueError when the arrays do not describe one coherent job.
+
+        Vectorised, because the worker runs it on every job: its cost does not
+        grow with B. It names the first offending lane, with the message a
+        lane-by-lane check would give.
+        """
         b = self.batch
         if self.kind == JobKind.KV_COPY:
             if self.src_blocks.shape != self.dst_blocks.shape:
                 raise ValueError("src_blocks and dst_blocks differ in length")
             return
-        if self.query_start.shape != (b + 1,) or self.query_start[0] != 0:
+        if self.lane_valid.ndim != 1:
+            raise ValueError("lane_valid must be [B]")
+        qs = self.query_start
+        if qs.shape != (b + 1,) or qs[0] != 0:
             raise ValueError("query_start must have B+1 entries starting at 0")
-        if np.any(np.diff(self.query_start) < 0) or self.query_start[-1] != self.tokens.shape[0]:
+        ends = qs[1:]
+        counts = ends - qs[:-1]
+        if (b and counts.min() < 0) or qs[-1] != self.tokens.shape[0]:
             raise ValueError("query_start must be non-decreasing and end at len(tokens)")
         if self.positions.shape != self.tokens.shape:
             raise ValueError("positions and tokens differ in length")
-        for name in ("context_lens", "sample", "temperature", "top_p", "top_k", "seed", "want_logprobs"):
+        for name in _LANE_FIELDS:
             if getattr(self, name).shape != (b,):
                 raise ValueError(f"{name} must have one entry per lane")
         if self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
             raise ValueError("block_tables must be [B, M]")
-        for lane in range(b):
-            n = int(self.query_start[lane + 1] - self.query_start[lane])
-            if not self.lane_valid[lane]:
-                if n:
-                    raise ValueError(f"inactive lane {lane} carries tokens")
-                continue
-            if self.kind == JobKind.DECODE and n != 1:
-                raise ValueError(f"decode lane {lane} must carry exactly one token")
-            if n and int(self.lane_positions(lane)[-1]) + 1 != int(self.context_lens[lane]):
+        valid = self.lane_valid != 0
+        # a valid decode lane carries exactly one token; an inactive lane never carries any
+        bad_count = counts != valid if self.kind == JobKind.DECODE else (counts != 0) > valid
+        has = counts != 0
+        # qs runs from 0 to len(tokens) without decreasing, so ends - 1 indexes each lane's last token
+        last = self.positions[ends[has] - 1].astype(np.int64)
+        bad_ctx = last + 1 != self.context_lens[has].astype(np.int64)
+        if bad_count.any() or bad_ctx.any():
+            wrong_ctx = np.zeros(b, bool)
+            wrong_ctx[has] = bad_ctx
+            lane = int((bad_count | wrong_ctx).argmax())
+            if not bad_count[lane]:
                 raise ValueError(f"lane {lane}: context_lens must be last position + 1")
+            if not valid[lane]:
+                raise ValueError(f"inactive lane {lane} carries tokens")
+            raise ValueError(f"decode lane {lane} must carry exactly one token")
+
+    # -- wire format ------------------------------------------------------
+    def array_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{name: (shape, dtype str)} of the record `pack_into` fills (reserve ring space with it)."""
+        n32, nf32, nu8, n64 = self._group_sizes()
+        return {"meta": ((_JOB_META_LEN,), "<i8"), "i32": ((n32,), "<i4"), "f32": ((nf32,), "<f4"),
+                "u8": ((nu8,), "|u1"), "u64": ((n64,), "<u8")}
+
+    def _group_sizes(self) -> tuple[int, int, int, int]:
+        bt = self.block_tables
+        if bt.ndim != 2:
+            raise ValueError(f"block_tables must be 2-D to be sent, not {bt.ndim}-D")
+        for name in _FLAT_FIELDS:
+            if getattr(self, name).ndim != 1:
+                raise ValueError(f"{name} must be 1-D to be sent")
+        return (
+            2 * self.tokens.size + self.query_start.size + self.context_lens.size + self.top_k.size
+            + bt.size + self.src_blocks.size + self.dst_blocks.size,
+            self.temperature.size + self.top_p.size,
+            self.lane_valid.size + self.sample.size + self.want_logprobs.size,
+            self.seed.size,
+        )
+
+    def pack_into(self, dst) -> None:
+        """Write this job into arrays shaped by `array_spec()` (e.g. reserved ring space).
+
+        Why packed: a ring record costs Python work per array, and a job has
+        fourteen; grouped by dtype they travel as four blobs plus `meta`,
+        which holds the scalars and every field's shape.
+        """
+        bt = self.block_tables
+        dst["meta"][:] = (
+            self.job_id, self.generation, int(self.kind), int(self.return_logits),
+            self.tokens.size, self.positions.size, self.query_start.size, self.context_lens.size,
+            self.top_k.size, bt.shape[0], bt.shape[1], self.src_blocks.size, self.dst_blocks.size,
+            self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
+            self.want_logprobs.size, self.seed.size, 0, 0, 0, 0, 0,
+        )
+        np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
+                        bt.ravel(), self.src_blocks, self.dst_blocks), out=dst["i32"], casting="unsafe")
+        np.concatenate((self.temperature, self.top_p), out=dst["f32"], casting="unsafe")
+        np.concatenate((self.lane_valid, self.sample, self.want_logprobs), out=dst["u8"], casting="unsafe")
+        dst["u64"][:] = self.seed
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        meta = np.zeros(_META_LEN, dtype=np.int64)
-        meta[:4] = (self.job_id, self.generation, int(self.kind), int(self.return_logits))
-        return {
-            "meta": meta,
-            "tokens": _i32(self.tokens),
-            "positions": _i32(self.positions),
-            "query_start": _i32(self.query_start),
-            "lane_valid": np.ascontiguousarray(self.lane_valid, dtype=np.uint8),
-            "context_lens": _i32(self.context_lens),
-            "block_tables": _i32(self.block_tables),
-            "sample": np.ascontiguousarray(self.sample, dtype=np.uint8),
-            "temperature": np.ascontiguousarray(self.temperature, dtype=np.float32),
-            "top_p": np.ascontiguousarray(self.top_p, dtype=np.float32),
-            "top_k": _i32(self.top_k),
-            "seed": np.ascontiguousarray(self.seed, dtype=np.uint64),
-            "want_logprobs": np.ascontiguousarray(self.want_logprobs, dtype=np.uint8),
-            "src_blocks": _i32(self.src_blocks),
-            "dst_blocks": _i32(self.dst_blocks),
-        }
+        """The job as a ring record: {name: array}. Raises ValueError for a field of the wrong rank."""
+        out = {k: np.empty(shape, dt) for k, (shape, dt) in self.array_spec().items()}
+        self.pack_into(out)
+        return out
 
     @classmethod
-    def from_arrays(cls, a) -> "Job":
-        """Build a Job from a mapping of arrays (ring views are copied out)."""
-        meta = np.asarray(a["meta"])
+    def from_arrays(cls, a, copy: bool = True) -> "Job":
+        """Build a Job from a mapping of arrays made by `to_arrays`/`pack_into`.
+
+        copy=True copies out of the mapping (ring views die at release);
+        copy=False makes the fields views of `a` -- the worker's zero-copy
+        path, valid only while the ring record is held.
+        """
+        m = a["meta"].tolist()
+        i32, f32, u8, u64 = a["i32"], a["f32"], a["u8"], a["u64"]
+        if copy:
+            i32, f32, u8, u64 = np.array(i32), np.array(f32), np.array(u8), np.array(u64)
+        nt, npos, nqs, nctx, ntk, b0, b1, nsrc, ndst, ntemp, ntp, nlv, nsm, nwl, nseed = m[4:19]
+        o1 = nt
+        o2 = o1 + npos
+        o3 = o2 + nqs
+        o4 = o3 + nctx
+        o5 = o4 + ntk
+        o6 = o5 + b0 * b1
+        o7 = o6 + nsrc
+        if o7 + ndst != i32.shape[0] or ntemp + ntp != f32.shape[0] or nlv + nsm + nwl != u8.shape[0] \
+                or nseed != u64.shape[0]:
+            raise ValueError("job record: array sizes disagree with its meta")
         return cls(
-            job_id=int(meta[0]),
-            generation=int(meta[1]),
-            kind=JobKind(int(meta[2])),
-            return_logits=bool(meta[3]),
-            **{k: np.array(a[k]) for k in _JOB_ARRAYS},
+            job_id=m[0], generation=m[1], kind=JobKind(m[2]), return_logits=bool(m[3]),
+            tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
+            top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7], dst_blocks=i32[o7:],
+            temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv], sample=u8[nlv:nlv + nsm],
+            want_logprobs=u8[nlv + nsm:], seed=u64,
         )
 
     @classmethod
@@ -159,10 +227,8 @@ class Job:
         )
 
 
-_JOB_ARRAYS = (
-    "tokens", "positions", "query_start", "lane_valid", "context_lens", "block_tables",
-    "sample", "temperature", "top_p", "top_k", "seed", "want_logprobs", "src_blocks", "dst_blocks",
-)
+_LANE_FIELDS = ("context_lens", "sample", "temperature", "top_p", "top_k", "seed", "want_logprobs")
+_FLAT_FIELDS = ("tokens", "positions", "query_start", "lane_valid", *_LANE_FIELDS, "src_blocks", "dst_blocks")
 
 
 @dataclass
@@ -193,15 +259,16 @@ class JobResult:
 
     @classmethod
     def from_arrays(cls, a) -> "JobResult":
-        meta = np.asarray(a["meta"])
+        """Build a JobResult from a mapping of arrays (ring views are copied out)."""
+        job_id, generation, kind, status, device_us, worker_us = a["meta"].tolist()[:6]
         logits = a["logits"] if "logits" in a else None
         return cls(
-            job_id=int(meta[0]),
-            generation=int(meta[1]),
-            kind=JobKind(int(meta[2])),
-            status=JobStatus(int(meta[3])),
-            device_us=int(meta[4]),
-            worker_us=int(meta[5]),
+            job_id=job_id,
+            generation=generation,
+            kind=JobKind(kind),
+            status=JobStatus(status),
+            device_us=device_us,
+            worker_us=worker_us,
             tokens=np.array(a["tokens"]),
             logprobs=np.array(a["logprobs"]),
             logits=None if logits is None else np.array(logits),
@@ -214,3 +281,70 @@ class JobResult:
             job_id=job.job_id, generation=job.generation, kind=job.kind, status=status,
             tokens=np.full(b, -1, np.int32), logprobs=np.zeros(b, np.float32),
         )
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One active lane of a job: its new tokens starting at position `start`, and its block table."""
+
+    tokens: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+    sample: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    want_logprobs: bool = False
+
+
+def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, generation: int = 0,
+              batch: int | None = None, table_width: int | None = None, return_logits: bool = False) -> Job:
+    """Pack per-lane inputs into a Job; `None` lanes (and lanes past len(lanes) up to `batch`) are inactive.
+
+    The packed layout (query_start offsets, -1 padded block tables,
+    context_lens = last position + 1) is easy to get subtly wrong by hand, so
+    the scheduler, tools and tests all describe lanes and let this pack them.
+    A fixed `table_width` keeps a profile's record size constant.
+    """
+    assert kind in (JobKind.PREFILL, JobKind.DECODE)
+    b = len(lanes) if batch is None else batch
+    assert 0 < len(lanes) <= b, "more lanes than the compiled batch"
+    active = [ln for ln in lanes if ln is not None]
+    width = table_width if table_width is not None else max([len(ln.block_table) for ln in active] or [1])
+    tokens = np.empty(sum(len(ln.tokens) for ln in active), np.int32)
+    positions = np.empty_like(tokens)
+    query_start = np.zeros(b + 1, np.int32)
+    lane_valid = np.zeros(b, np.uint8)
+    context_lens = np.zeros(b, np.int32)
+    block_tables = np.full((b, max(width, 1)), -1, np.int32)
+    sample = np.zeros(b, np.uint8)
+    temperature = np.zeros(b, np.float32)
+    top_p = np.ones(b, np.float32)
+    top_k = np.zeros(b, np.int32)
+    seed = np.zeros(b, np.uint64)
+    want_logprobs = np.zeros(b, np.uint8)
+    at = 0
+    for i, ln in enumerate(lanes):
+        if ln is not None:
+            n = len(ln.tokens)
+            assert n >= 1 and (kind is JobKind.PREFILL or n == 1)
+            assert len(ln.block_table) <= width, "block table wider than table_width"
+            tokens[at:at + n] = ln.tokens
+            positions[at:at + n] = np.arange(ln.start, ln.start + n, dtype=np.int32)
+            at += n
+            lane_valid[i] = 1
+            context_lens[i] = ln.start + n
+            block_tables[i, :len(ln.block_table)] = ln.block_table
+            sample[i] = ln.sample
+            temperature[i], top_p[i], top_k[i] = ln.temperature, ln.top_p, ln.top_k
+            seed[i] = ln.seed & 0xFFFFFFFFFFFFFFFF
+            want_logprobs[i] = ln.want_logprobs
+        query_start[i + 1] = at
+    query_start[len(lanes) + 1:] = at
+    return Job(
+        job_id=job_id, generation=generation, kind=kind, tokens=tokens, positions=positions,
+        query_start=query_start, lane_valid=lane_valid, context_lens=context_lens,
+        block_tables=block_tables, sample=sample, temperature=temperature, top_p=top_p,
+        top_k=top_k, seed=seed, want_logprobs=want_logprobs, return_logits=return_logits,
+    )

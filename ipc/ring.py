@@ -486,11 +486,14 @@ class Ring:
         if w._wrap_from is not None:
             h[_WRAP_FROM] = w._wrap_from
             self._wrap_from = w._wrap_from
-        fence()  # payload and wrap_from before the head
-        h[_HEAD] = w._new_head  # the commit: one aligned 8-byte store
-        self._head = w._new_head
+        # The record count goes out before the head: once the head is visible
+        # the reader may consume the record and bump READ, and a WRITTEN that
+        # lagged behind would make len() negative.
         self._written += 1
         h[_WRITTEN] = self._written
+        fence()  # payload, wrap_from and the count before the head
+        h[_HEAD] = w._new_head  # the commit: one aligned 8-byte store
+        self._head = w._new_head
 
     def _abort(self, w: RecordWriter) -> None:
         if self._pending is w:
@@ -570,5 +573,7 @@ class Ring:
         return out
 
     def __len__(self) -> int:
+        """Committed, unreleased records; never negative, and may already
+        count a record whose commit is in progress (its head store pending)."""
         h = self._h
         return int(h[_WRITTEN]) - int(h[_READ])

@@ -18,7 +18,8 @@ import zmq
 from ipc.records import Job, JobKind
 from ipc.ring import RingFull
 from workers.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
-from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
+from workers.control import (BLAS_THREAD_VARS, ChaosAction, ControlError, Msg, WorkerConfig, decode, encode,
+                             worker_environ)
 
 _boards = itertools.count()
 
@@ -66,6 +67,17 @@ def test_worker_config_round_trips_through_json():
                        control_endpoint="ipc:///tmp/x.sock", parent_pid=1234,
                        backend_options={"num_blocks": 64}, package_path="/pkg", heartbeat_interval_s=0.1)
     assert WorkerConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_worker_environ_gives_one_blas_thread_unless_the_operator_chose():
+    base = {"PATH": "/bin"}
+    assert worker_environ(base) == {"PATH": "/bin", **{v: "1" for v in BLAS_THREAD_VARS}}
+    chosen = {"PATH": "/bin", "OMP_NUM_THREADS": "4"}
+    assert worker_environ(chosen) == chosen  # an explicit choice is passed on untouched
+    forced = {"OPENBLAS_NUM_THREADS": "8", "NPUSERVE_WORKER_BLAS_THREADS": "2"}
+    assert {v: worker_environ(forced)[v] for v in BLAS_THREAD_VARS} == {v: "2" for v in BLAS_THREAD_VARS}
+    with pytest.raises(ValueError):
+        worker_environ({"NPUSERVE_WORKER_BLAS_THREADS": "0"})
 
 
 def test_chaos_actions_are_the_three_named_ones():
@@ -143,6 +155,15 @@ def test_start_reports_ready_with_the_backend_info_and_private_resources(env):
     assert link.pid is None and link.socket is None and not link.is_alive()
 
 
+def test_the_worker_process_starts_with_one_blas_thread(env, monkeypatch):
+    for var in (*BLAS_THREAD_VARS, "NPUSERVE_WORKER_BLAS_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    with link_for(env) as link:
+        events_until(link, has(Ready))
+        environ = psutil.Process(link.pid).environ()
+    assert {v: environ.get(v) for v in BLAS_THREAD_VARS} == {v: "1" for v in BLAS_THREAD_VARS}
+
+
 def test_heartbeats_report_jobs_done(env):
     with link_for(env) as link:
         events_until(link, has(Ready))
@@ -187,9 +208,9 @@ def test_submit_raises_ring_full_when_the_worker_does_not_drain(env):
         events_until(link, has(Ready))
         link.chaos("hang", 30.0)
         with pytest.raises(RingFull):
-            for i in range(1000):  # a decode record is ~1.3 KiB: the 8 KiB ring fills quickly
+            for i in range(1000):  # a B=1 decode record is ~0.8 KiB: the 8 KiB ring fills quickly
                 link.submit(one_decode(i))
-        assert 2 <= i < 10
+        assert 2 <= i < 20
     finally:
         link.stop(timeout=0.2)  # a hung worker ignores SHUTDOWN: stop escalates to signals
 

@@ -9,7 +9,7 @@ from ipc.records import JobKind
 from workers import transformer
 from workers.backends.base import BackendError
 from workers.backends.ref import RefBackend, full_recompute_logits
-from workers.job_builder import Lane, build_job
+from ipc.records import Lane, build_job
 from workers.model_maker import make_model
 from workers.model_package import load_package
 

@@ -176,6 +176,37 @@ def test_attached_reader_sees_writer_records_and_len(ring):
         reader.close()
 
 
+class _StoreLog(np.ndarray):
+    """A header view that records the order of the writer's counter stores."""
+
+    log: list[int]
+
+    def __setitem__(self, key, value):
+        _StoreLog.log.append(key)
+        super().__setitem__(key, value)
+
+
+def test_record_count_is_published_before_the_head(ring):
+    """A reader may consume a record as soon as the head moves; if the
+    writer's record count were stored after the head, len() on either side
+    could see READ ahead of WRITTEN and go negative (seen as a worker crash
+    under load)."""
+    from ipc import ring as ring_mod
+
+    _StoreLog.log = []
+    ring._hdr = ring._hdr.view(_StoreLog)
+    ring.write({"x": np.arange(4)})
+    log = _StoreLog.log
+    assert ring_mod._WRITTEN in log and ring_mod._HEAD in log
+    assert log.index(ring_mod._WRITTEN) < log.index(ring_mod._HEAD)
+    reader = Ring.attach(ring.name)
+    try:
+        assert reader.read() is not None
+        assert len(reader) == 0 and len(ring) == 0
+    finally:
+        reader.close()
+
+
 def test_reset_bumps_generation_and_peer_raises_ringreset_once(ring):
     reader = Ring.attach(ring.name)
     try:

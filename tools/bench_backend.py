@@ -5,12 +5,15 @@ Both modes run the very same job sequence through the same job code
 exactly what a daemon pays per job: the job record into the ring, the
 doorbell, the worker's loop, the result record back and the notification,
 with one job in flight. The ratio worker/in-process is the worker overhead.
+Both modes run with the worker's BLAS thread count (see
+`workers.control.worker_environ`), so the ratio compares like with like.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import shutil
 import sys
@@ -26,6 +29,8 @@ from workers.backends.base import BackendInfo
 
 BATCHES = (1, 4, 8, 16)
 TARGET_RATIO = 0.80
+_OPENBLAS_SET = ("openblas_set_num_threads", "openblas_set_num_threads64_", "scipy_openblas_set_num_threads64_",
+                 "scipy_openblas_set_num_threads")
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,44 @@ class JobFactory:
         return [self._job(JobKind.DECODE, 1, p + i) for i in range(self.max_ctx - p)]
 
 
+def openblas_threads(env) -> int | None:
+    """How many threads OpenBLAS starts with in a process with this environment (None: it decides)."""
+    for var in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = env.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def set_openblas_threads(n: int) -> int | None:
+    """Resize the OpenBLAS pool of this process (numpy already loaded it); the new size, or None when not found.
+
+    Why: the worker gets its BLAS threads from its launch environment
+    (`workers.control.worker_environ`), which this process read too late, and
+    the in-process row must run with the same pool for the ratio to be fair.
+    """
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {parts[5].strip() for line in maps if len(parts := line.split(maxsplit=5)) == 6}
+    except OSError:
+        return None
+    for path in sorted(p for p in paths if "openblas" in os.path.basename(p).lower()):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _OPENBLAS_SET:
+            setter = getattr(lib, name, None)
+            getter = getattr(lib, name.replace("_set_", "_get_"), None)
+            if setter is not None and getter is not None:
+                setter.argtypes, getter.restype = [ctypes.c_int], ctypes.c_int
+                setter(n)
+                return int(getter())
+    return None
+
+
 def _round_seconds(run_one, jobs: list[Job]) -> float:
     t0 = time.perf_counter()
     for job in jobs:
@@ -141,9 +184,10 @@ class WorkerRunner:
     def __init__(self, backend_name: str, options: dict, package: str | None):
         import zmq
 
-        from workers.chip_link import ChipLink
+        from workers.chip_link import ChipLink, Result
 
         self._zmq = zmq
+        self._result = Result
         self.ctx = zmq.Context()
         self.runtime_dir = tempfile.mkdtemp(prefix="npuserve-bench-")
         self.link = ChipLink(ctx=self.ctx, board="bench", chip=0, backend=backend_name, backend_options=options,
@@ -165,13 +209,11 @@ class WorkerRunner:
                     return
 
     def __call__(self, job: Job) -> None:
-        from workers.chip_link import Result
-
         self.link.submit(job)
         while True:
             self.poller.poll(1000)
             for ev in self.link.handle_events():
-                if isinstance(ev, Result):
+                if isinstance(ev, self._result):
                     assert ev.result.job_id == job.job_id and ev.result.status == JobStatus.OK, ev.result.status
                     return
             if not self.link.is_alive():
@@ -217,6 +259,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     from workers.backends.registry import make_backend
+    from workers.control import worker_environ
+
+    worker_blas = openblas_threads(worker_environ())
+    in_process_blas = set_openblas_threads(worker_blas) if worker_blas is not None else None
+    if in_process_blas != worker_blas:
+        print(f"bench-backend: warning: in-process BLAS threads {in_process_blas} differ from the worker's "
+              f"{worker_blas}; the ratio compares unlike setups", file=sys.stderr)
 
     batches = tuple(int(x) for x in args.batches.split(","))
     package = args.package
@@ -253,7 +302,8 @@ def main(argv: list[str]) -> int:
         for r in rows:
             print(orjson.dumps(r.to_dict()).decode())
     else:
-        print(f"backend {args.backend}, prompt {args.prompt_len} tokens/lane, {args.decode_steps} decode steps/round")
+        print(f"backend {args.backend}, prompt {args.prompt_len} tokens/lane, {args.decode_steps} decode steps/round, "
+              f"BLAS threads {worker_blas or 'default'} in both modes, one job in flight")
         print(format_table(rows))
     rat = ratios(rows)
     if ("decode", 16) in rat:

@@ -18,7 +18,7 @@ import numpy as np
 from ipc.records import JobKind
 from workers.backends.base import BackendError
 from workers.backends.ref import RefBackend
-from workers.job_builder import Lane, build_job
+from ipc.records import Lane, build_job
 from workers.model_package import ModelPackage, PackageError, load_package
 from workers.sampling import sample
 

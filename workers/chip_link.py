@@ -8,7 +8,8 @@ readable (and on its periodic tick, so a worker that dies before READY is
 reported). Nothing here blocks except `stop()`.
 
 The worker is a fresh interpreter (`python -m workers`), never a fork of a
-process that holds ZeroMQ contexts or threads.
+process that holds ZeroMQ contexts or threads; it starts with
+`workers.control.worker_environ()` (one BLAS thread unless told otherwise).
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import zmq
 
 from ipc.records import Job, JobResult
 from ipc.doorbell import SemaphoreDoorbell
 from ipc.ring import Ring
 from workers.backends.base import BackendInfo
-from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
+from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode, worker_environ
 
 SHM_PREFIX = "npuserve"
 _MAX_IPC_PATH = 100  # sockaddr_un.sun_path is 108 bytes on Linux, minus "ipc://" slack
@@ -57,9 +57,11 @@ class WorkerFailed:
 
 LinkEvent = Ready | Result | Heartbeat | WorkerFailed
 
-_JOB_DTYPES = {k: a.dtype.str for k, a in Job.kv_copy(0, 0, [], []).to_arrays().items()}
-_JOB_DTYPES["ctl"] = "<i8"  # control messages sent before this job (see workers.control)
+_CTL_SPEC = ((1,), "<i8")  # a job record's "ctl": control messages sent before it (see workers.control)
 _SHUTDOWN = encode(Msg.SHUTDOWN)
+# The worker's RESULT message is a doorbell only (results are read from the ring), so the link
+# recognises it by its encoded prefix instead of decoding one message per job.
+_RESULT_PREFIX = encode(Msg.RESULT, job_id=0).split(b'"job_id"')[0]
 
 
 class ChipLink:
@@ -129,7 +131,7 @@ class ChipLink:
             )
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "workers", config.to_json()],
-                stdin=subprocess.DEVNULL, close_fds=True,
+                stdin=subprocess.DEVNULL, close_fds=True, env=worker_environ(),
             )
         except BaseException:
             self._cleanup()
@@ -212,14 +214,12 @@ class ChipLink:
     def submit(self, job: Job) -> None:
         """Write the job record into the job ring and ring the doorbell. Raises ipc.ring.RingFull."""
         assert self._job_ring is not None and self.socket is not None, "submit() on a stopped ChipLink"
-        arrays = job.to_arrays()
-        arrays["ctl"] = np.array([self._ctl_sent], np.int64)
-        # dtype strings keep the ring's layout-cache key cheap (str(np.dtype) is not)
-        spec = {k: (a.shape, _JOB_DTYPES[k]) for k, a in arrays.items()}
-        with self._job_ring.reserve(spec, timeout=0.0) as w:
+        spec = job.array_spec()
+        spec["ctl"] = _CTL_SPEC
+        with self._job_ring.reserve(spec, timeout=0.0) as w:  # packed straight into the ring: one copy
             dst = w.arrays
-            for k, a in arrays.items():
-                dst[k][...] = a
+            job.pack_into(dst)
+            dst["ctl"][0] = self._ctl_sent
         assert self._bell is not None
         self._bell.ring()
 
@@ -242,12 +242,16 @@ class ChipLink:
         if self.socket is None:
             return events
         heartbeat: Heartbeat | None = None
-        while True:
+        sock = self.socket
+        # Asking EVENTS first: a failed recv costs an exception, on every call.
+        while sock.get(zmq.EVENTS) & zmq.POLLIN:
             try:
-                data = self.socket.recv(zmq.NOBLOCK)
+                data = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             self.last_heartbeat = time.monotonic()
+            if data.startswith(_RESULT_PREFIX):
+                continue
             try:
                 kind, msg = decode(data)
             except ControlError as exc:
@@ -262,7 +266,8 @@ class ChipLink:
             elif kind is Msg.HEARTBEAT:
                 heartbeat = Heartbeat(float(msg["at"]), int(msg["jobs_done"]))
             # RESULT and BYE only wake us; results are read from the ring below.
-        events.extend(Result(r) for r in self._drain_results())
+        for r in self._drain_results():
+            events.append(Result(r))
         if heartbeat is not None:
             events.append(heartbeat)
         if self.info is None and not self._failure_reported and self._proc is not None:

@@ -16,6 +16,7 @@ will.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import sys
@@ -31,6 +32,7 @@ from ipc.records import Job, JobKind, JobResult, JobStatus
 from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
+from workers.sampling import sample
 
 _PR_SET_PDEATHSIG = 1
 _FAILED_SEND_LINGER_MS = 2000
@@ -92,8 +94,6 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> 
 
 
 def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
-    from workers.sampling import sample
-
     # Sampling is per lane and deterministic per (seed, position), so sampling
     # only the lanes that want a token gives the same tokens as sampling all.
     # Skip the fancy-index copy of [B, V] logits when every lane samples.
@@ -157,9 +157,11 @@ class WorkerProcess:
             self.next_heartbeat = now + self.interval
 
     def drain_control(self) -> None:
-        while self.running:
+        sock = self.sock
+        # Asking EVENTS first: it runs on every loop turn, and a failed recv costs an exception.
+        while self.running and sock.get(zmq.EVENTS) & zmq.POLLIN:
             try:
-                data = self.sock.recv(zmq.NOBLOCK)
+                data = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -199,21 +201,21 @@ class WorkerProcess:
             rec = self.job_ring.peek()
             if rec is None:
                 return
-            if "ctl" in rec:
-                self.catch_up_control(int(rec["ctl"][0]))
+            if "ctl" in rec and (sent_before := int(rec["ctl"][0])) > self.ctl_seen:
+                self.catch_up_control(sent_before)
                 if not self.running:
                     return
             t0 = time.perf_counter_ns()
-            job = _job_from_views(rec)
+            job = Job.from_arrays(rec, copy=False)  # read-only ring views: the backend keeps none
             outcome = execute_job(self.backend, job, self.slow_s)
+            self.write_result(job, outcome, t0)
+            # Wake the link first: the bookkeeping below overlaps its wake-up.
+            self.send(encode(Msg.RESULT, job_id=job.job_id))
+            self.jobs_done += 1
             if outcome.error:
                 _log("worker.job_failed", job_id=job.job_id, status=outcome.status.name, error=outcome.error)
-            self.write_result(job, outcome, t0)
-            job_id = job.job_id
             del job, rec  # drop the views before the ring may reuse their space
             self.job_ring.release()
-            self.jobs_done += 1
-            self.send(encode(Msg.RESULT, job_id=job_id))
             self.heartbeat_if_due()
             self.drain_control()
 
@@ -221,17 +223,14 @@ class WorkerProcess:
         b = job.batch
         logits = outcome.logits
         status = outcome.status
-        # dtype strings, not numpy types: the ring keys its layout cache on str(dtype)
-        spec: dict = {"meta": ((8,), "<i8"), "tokens": ((b,), "<i4"), "logprobs": ((b,), "<f4")}
-        if logits is not None:
-            spec["logits"] = (tuple(logits.shape), "<f4")
+        spec = _result_spec(b, None if logits is None else logits.shape)
         while True:
             try:
                 writer = self.result_ring.reserve(spec, timeout=self.interval)
                 break
             except RecordTooLarge:
                 _log("worker.result_too_large", job_id=job.job_id, shape=list(logits.shape) if logits is not None else None)
-                spec.pop("logits", None)
+                spec = _result_spec(b, None)
                 logits, status = None, JobStatus.FAILED
                 outcome.tokens[:] = -1
                 outcome.logprobs[:] = 0
@@ -244,8 +243,7 @@ class WorkerProcess:
         with writer:
             a = writer.arrays
             meta = a["meta"]
-            meta[:] = 0
-            meta[:5] = (job.job_id, job.generation, int(job.kind), int(status), outcome.device_us)
+            meta[:] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, 0, 0)
             a["tokens"][:] = outcome.tokens
             a["logprobs"][:] = outcome.logprobs
             if logits is not None:
@@ -270,16 +268,17 @@ class WorkerProcess:
         self.send(encode(Msg.BYE))
 
 
-def _job_from_views(rec) -> Job:
-    """A Job whose arrays are the ring record's read-only views (no copy)."""
-    meta = np.asarray(rec["meta"])
-    return Job(
-        job_id=int(meta[0]), generation=int(meta[1]), kind=JobKind(int(meta[2])), return_logits=bool(meta[3]),
-        tokens=rec["tokens"], positions=rec["positions"], query_start=rec["query_start"],
-        lane_valid=rec["lane_valid"], context_lens=rec["context_lens"], block_tables=rec["block_tables"],
-        sample=rec["sample"], temperature=rec["temperature"], top_p=rec["top_p"], top_k=rec["top_k"],
-        seed=rec["seed"], want_logprobs=rec["want_logprobs"], src_blocks=rec["src_blocks"], dst_blocks=rec["dst_blocks"],
-    )
+@functools.lru_cache(maxsize=256)
+def _result_spec(b: int, logits_shape: tuple[int, ...] | None) -> dict:
+    """The ring spec of a JobResult record (cached: a worker sees few distinct shapes).
+
+    Callers must not mutate it. dtype strings, not numpy types: the ring keys
+    its layout cache on them.
+    """
+    spec: dict = {"meta": ((8,), "<i8"), "tokens": ((b,), "<i4"), "logprobs": ((b,), "<f4")}
+    if logits_shape is not None:
+        spec["logits"] = (tuple(logits_shape), "<f4")
+    return spec
 
 
 def _load_backend(config: WorkerConfig) -> ChipBackend:
@@ -320,7 +319,7 @@ def run(config: WorkerConfig) -> int:
             rings.append(Ring.attach(config.job_ring))
             rings.append(Ring.attach(config.result_ring))
             if config.job_bell is not None:
-                bell = SemaphoreDoorbell.attach(config.job_bell)
+                bell = SemaphoreDoorbell.attach(config.job_bell, spin_s=config.job_spin_s)
             backend = _load_backend(config)
             info = backend.describe()
         except Exception as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.requests import TERMINAL_STATES, GenerateParams, RequestState, check_transition
+from engine.core.requests import LEGAL_MOVES, TERMINAL_STATES, GenerateParams, RequestState, check_transition
 from engine.core.stop_conditions import StopChecker
 
 
@@ -29,6 +29,8 @@ class RequestRecord:
     job_id: int | None = None  # job in flight that carries this request
     retries: int = 0
     vft: float = 0.0  # fair-queue finish tag: tie-break among decode candidates
+    # decode candidate order (deadline, vft, id), fixed at admission: sorted on every decode job
+    decode_key: tuple[float, float, int] = (0.0, 0.0, 0)
     admit_order: int = 0  # larger = admitted later: the preemption victim order
     ready_since: float = 0.0
     t_first_sched: float | None = None
@@ -45,7 +47,8 @@ class RequestRecord:
         return self.state in TERMINAL_STATES
 
     def move(self, new: RequestState) -> None:
-        check_transition(self.state, new)
+        if new not in LEGAL_MOVES[self.state]:  # == check_transition, inlined: twice per generated token
+            check_transition(self.state, new)
         self.state = new
 
     def usage(self) -> dict:

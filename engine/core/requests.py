@@ -55,6 +55,9 @@ class IllegalTransition(AssertionError):
     """A state change the lifecycle does not allow: always a scheduler bug."""
 
 
+LEGAL_MOVES = _LEGAL  # read-only: RequestRecord.move inlines the check on the hot path
+
+
 def check_transition(old: RequestState, new: RequestState) -> None:
     if new not in _LEGAL[old]:
         raise IllegalTransition(f"{old.name} -> {new.name}")

@@ -22,6 +22,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from engine.core.actions import Action, EmitTokens, FailRequest, FinishRequest, SubmitJob
 from engine.core.admission import (
@@ -31,7 +32,6 @@ from engine.core.admission import (
     WaitingLoad,
     decide_submit,
 )
-from engine.core.batch_builder import LaneInput, build_job
 from engine.core.batch_profiles import ConfigurationError, lanes_for, resolve_profiles
 from engine.core.chip_state import ChipState, InflightJob
 from engine.core.dispatch import ChipCandidate, choose_chip
@@ -39,14 +39,15 @@ from engine.core.fair_queue import WeightedFairQueue
 from engine.core.kv import KvManager, OutOfBlocks, PrefixKey, StaleJob
 from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin, WorkClass
 from engine.core.request_record import RequestRecord
-from engine.core.requests import GenerateParams, RequestState
+from engine.core.requests import TERMINAL_STATES, GenerateParams, RequestState
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.stop_conditions import StopChecker, StopReason
-from ipc.records import JobKind, JobResult, JobStatus
+from ipc.records import JobKind, JobResult, JobStatus, Lane, build_job
 
 __all__ = ["ChipSpec", "ConfigurationError", "ModelSpec", "Scheduler", "SchedulerConfig"]
 
 S = RequestState
+_DECODE_KEY = attrgetter("decode_key")
 
 
 @dataclass(frozen=True)
@@ -309,6 +310,7 @@ class Scheduler:
             else:
                 r.vft = self._wfq.pop(rid)
                 self._add_waiting(r, -1)
+                r.decode_key = (math.inf if r.deadline is None else r.deadline, r.vft, r.request_id)
             r.move(S.PREFILL_READY)
             r.admit_order = next(self._admit_order)
             self.chips[r.chip].prefill.push(rid, r.prefill_target - r.committed)
@@ -470,31 +472,38 @@ class Scheduler:
 
     def _complete_job(self, ch: ChipState, job: InflightJob, result: JobResult, now: float,
                       out: list[Action]) -> None:
-        toks = result.tokens
+        # Runs once per job; its loop once per lane, i.e. per generated token: keep the loop body lean.
+        requests, kv, service = self._requests, ch.kv, self.tenant_service
+        job_id = job.job_id
+        sampled = job.kind is not JobKind.PREFILL or job.final
+        toks = result.tokens.tolist() if sampled else None  # Python ints once, not a numpy scalar per lane
         lps = result.logprobs
+        lps = [] if lps is None or not sampled else lps.tolist()
+        n_lps = len(lps)
+        vocab = self.model.vocab_size
+        start_lens = job.start_lens
         for lane, (rid, seq_id, new_len) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens)):
-            r = self._requests[rid]
-            assert r.job_id == job.job_id and r.seq_id == seq_id
+            r = requests[rid]
+            assert r.job_id == job_id and r.seq_id == seq_id
             r.job_id = None
-            ch.kv.commit(seq_id, job.job_id, r.tokens if new_len == len(r.tokens) else r.tokens[:new_len])
+            kv.commit(seq_id, job_id, r.tokens)  # holds >= new_len tokens; the KV manager reads only those
             r.committed = new_len
-            self.tenant_service[r.tenant] += new_len - job.start_lens[lane]
-            if r.terminal:  # cancelled / expired / shut down while running: drop the lane's output
+            service[r.params.tenant] += new_len - start_lens[lane]
+            if r.state in TERMINAL_STATES:  # cancelled / expired / shut down while running: drop the output
                 self._unbind(r, released=True)
                 self._forget_if_done(r)
                 continue
-            if job.kind is JobKind.PREFILL and not job.final:
+            if not sampled:
                 r.move(S.PREFILL_READY)
                 ch.prefill.push(rid, r.prefill_target, front=True)
                 continue
-            token = int(toks[lane])
-            if not 0 <= token < self.model.vocab_size:
+            token = toks[lane]
+            if not 0 <= token < vocab:
                 self.counters["failed_bad_token"] += 1
                 out.append(FailRequest(rid, 500, "bad_token", f"the chip returned token {token}", False))
                 self._terminate_running(r, ch, S.FAILED)
                 continue
-            self._accept_token(r, ch, token, float(lps[lane]) if lps is not None and len(lps) > lane else 0.0,
-                               now, out)
+            self._accept_token(r, ch, token, lps[lane] if n_lps > lane else 0.0, now, out)
 
     def _terminate_running(self, r: RequestRecord, ch: ChipState, state: RequestState) -> None:
         """Terminal state for a request whose job just completed (its KV is committed, not in flight)."""
@@ -506,12 +515,13 @@ class Scheduler:
         r.tokens.append(token)
         r.generated += 1
         verdict = r.stop.feed(token, logprob)
-        if verdict.emit:
+        emit = verdict.emit
+        if emit:
             if r.t_first_token is None:
                 r.t_first_token = now
             r.t_last_token = now
-            r.emitted += len(verdict.emit)
-            out.append(EmitTokens(r.request_id, verdict.emit, verdict.emit_logprobs if r.params.logprobs else None))
+            r.emitted += len(emit)
+            out.append(EmitTokens(r.request_id, emit, verdict.emit_logprobs if r.params.logprobs else None))
         if verdict.stop is not None:
             if r.t_first_token is None:
                 r.t_first_token = r.t_last_token = now
@@ -545,9 +555,9 @@ class Scheduler:
 
     def _decode_candidates(self, ch: ChipState) -> list[RequestRecord]:
         """Ready sequences by earliest deadline, then fair-queue tag, then arrival (seed 001 §7.2)."""
-        inf = math.inf
-        cands = [self._requests[rid] for rid in ch.decode_ready]
-        cands.sort(key=lambda r: (inf if r.deadline is None else r.deadline, r.vft, r.request_id))
+        requests = self._requests
+        cands = [requests[rid] for rid in ch.decode_ready]
+        cands.sort(key=_DECODE_KEY)
         return cands
 
     def _decode_may_fire(self, ch: ChipState, now: float) -> bool:
@@ -620,34 +630,50 @@ class Scheduler:
         self._unbind(r, released=True)
         self._requeue_request(r)
 
-    def _lane(self, r: RequestRecord, ch: ChipState, start: int, end: int, sample: bool) -> LaneInput:
+    def _lane(self, r: RequestRecord, ch: ChipState, start: int, end: int, sample: bool) -> Lane:
         p = r.params
-        return LaneInput(
-            tokens=r.tokens[start:end], start_pos=start, block_table=ch.kv.block_table(r.seq_id), sample=sample,
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, logprobs=p.logprobs,
+        # block_table_view: not copied, build_job copies it into the record before the KV changes again
+        return Lane(
+            tokens=r.tokens[start:end], start=start, block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
         )
 
     def _submit_decode(self, ch: ChipState, now: float, out: list[Action]) -> None:
         cands = self._decode_candidates(ch)
         batch, _ = lanes_for(len(cands), self.profiles, self.config.profile_fill_ratio)
         picked = self._pick_lanes(cands, batch)
+        ready = ch.decode_ready
         chosen: list[RequestRecord] = []
         for r in picked:
-            if r.request_id in ch.decode_ready and self._ensure_room(ch, r, chosen):
+            # committed < reserved: the next position already has KV room (_ensure_room's fast case)
+            if r.request_id in ready and (r.committed < r.reserved or self._ensure_room(ch, r, chosen)):
                 chosen.append(r)
         if not chosen:
             return
         batch = min(b for b in self.profiles if b >= len(chosen))
         job_id = next(self._job_ids)
-        lanes = [self._lane(r, ch, r.committed, r.committed + 1, True) for r in chosen]
-        job = build_job(JobKind.DECODE, job_id, self.model.generation, batch, lanes, ch.max_blocks_per_seq)
-        starts = [r.committed for r in chosen]
+        kv = ch.kv
+        lanes = []
+        starts = []
         for r in chosen:
-            ch.kv.begin_update(r.seq_id, job_id, r.committed + 1)
-            del ch.decode_ready[r.request_id]
+            start = r.committed
+            starts.append(start)
+            p = r.params
+            # block_table_view: not copied, build_job copies it into the record before the KV changes again
+            lanes.append(Lane(
+                tokens=r.tokens[start:start + 1], start=start, block_table=kv.block_table_view(r.seq_id),
+                sample=True, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                want_logprobs=p.logprobs,
+            ))
+        job = build_job(JobKind.DECODE, lanes, job_id=job_id, generation=self.model.generation, batch=batch,
+                        table_width=ch.max_blocks_per_seq)
+        ends = [s + 1 for s in starts]
+        for r, end in zip(chosen, ends):
+            kv.begin_update(r.seq_id, job_id, end)
+            del ready[r.request_id]
             r.move(S.DECODE_RUNNING)
             r.job_id = job_id
-        self._record_job(ch, JobKind.DECODE, job_id, chosen, starts, [s + 1 for s in starts], True, batch, now)
+        self._record_job(ch, JobKind.DECODE, job_id, chosen, starts, ends, True, batch, now)
         self.counters["decode_jobs"] += 1
         self.counters["decode_lanes"] += len(chosen)
         self.counters["decode_lane_slots"] += batch
@@ -661,8 +687,8 @@ class Scheduler:
             end = min(end, start + self.config.prefill_chunk_tokens)
         final = end == r.prefill_target
         job_id = next(self._job_ids)
-        job = build_job(JobKind.PREFILL, job_id, self.model.generation, 1, [self._lane(r, ch, start, end, final)],
-                        ch.max_blocks_per_seq)
+        job = build_job(JobKind.PREFILL, [self._lane(r, ch, start, end, final)], job_id=job_id,
+                        generation=self.model.generation, table_width=ch.max_blocks_per_seq)
         ch.kv.begin_update(r.seq_id, job_id, end)
         r.move(S.PREFILL_RUNNING)
         r.job_id = job_id

@@ -3,7 +3,10 @@
 It lets the scheduler be studied as on hardware (batching windows, TTFT/TPOT
 trade-offs) on a laptop. `time_scale` shrinks every delay uniformly (tests use
 a small one); `busy_wait` spins instead of sleeping, to model a chip call that
-holds the worker's CPU and to avoid the OS's sleep granularity.
+holds the worker's CPU. By default the wait sleeps and then spins only its last
+`spin_ms`: a plain sleep overshoots by ~0.5-1 ms on a loaded machine, which
+would add 3-5 % to every 20 ms step and make the daemon look slower than the
+latency model it is compared with.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class SimBackend(StubBackend):
         throughput_flops: float = 312e12,
         prefill_base_ms: float = 0.0,
         busy_wait: bool = False,
+        spin_ms: float = 1.5,
         time_scale: float = 1.0,
         # StubBackend's options, spelled out so inspect.signature() shows them (the daemon filters by it)
         vocab_size: int = 320,
@@ -51,13 +55,17 @@ class SimBackend(StubBackend):
             throughput_flops=throughput_flops,
             prefill_base_ms=prefill_base_ms,
         )
+        if spin_ms < 0:
+            raise ValueError("spin_ms must be >= 0")
         self.busy_wait = bool(busy_wait)
+        self.spin_s = spin_ms / 1000.0
         self.time_scale = float(time_scale)
 
     def describe(self) -> BackendInfo:
         info = super().describe()
         info.extra.update(
-            latency=dict(self.latency.__dict__), time_scale=self.time_scale, busy_wait=self.busy_wait
+            latency=dict(self.latency.__dict__), time_scale=self.time_scale, busy_wait=self.busy_wait,
+            spin_ms=self.spin_s * 1000.0,
         )
         return info
 
@@ -91,5 +99,7 @@ class SimBackend(StubBackend):
             while time.perf_counter() < deadline:
                 pass
             return
-        while (left := deadline - time.perf_counter()) > 0:
-            time.sleep(left)
+        while (left := deadline - time.perf_counter()) > self.spin_s:
+            time.sleep(left - self.spin_s)
+        while time.perf_counter() < deadline:
+            pass

@@ -46,6 +46,8 @@ class KvSequence:
     key: PrefixKey | None = None  # None: this sequence neither reads nor feeds the prefix cache
     cache_blocks: int = 0  # leading blocks already offered to the prefix cache
     cache_stopped: bool = False  # insert hit a concurrent duplicate; stop feeding the cache
+    cache_tail: int | None = None  # the block at position cache_blocks-1 (None when cache_blocks == 0)
+    cache_epoch: int = -1  # PrefixCache.epoch when cache_tail was recorded; a mismatch means re-walk
 
 
 _LIVE = (S.RESERVED, S.ACTIVE, S.UPDATING)
@@ -105,10 +107,17 @@ class KvManager:
         return list(self._seqs)
 
     def block_table(self, seq_id: int) -> list[int]:
+        return list(self.block_table_view(seq_id))
+
+    def block_table_view(self, seq_id: int) -> Sequence[int]:
+        """The live block table, not copied: read it before the next call into this manager.
+
+        For the scheduler's job packing, which copies it into the job record at once.
+        """
         seq = self._seqs[seq_id]
         if seq.state not in _LIVE:
             raise KvStateError(f"seq {seq_id} is {seq.state.name}: no usable block table")
-        return list(seq.blocks)
+        return seq.blocks
 
     def cached_prefix_len(self, key: PrefixKey, prompt: Sequence[int]) -> int:
         """Prompt tokens reserve() would find cached (side-effect free; for chip placement)."""
@@ -158,6 +167,8 @@ class KvManager:
             pending_job=None,
             key=key if use_cache else None,
             cache_blocks=len(matched),
+            cache_tail=matched[-1] if matched else None,
+            cache_epoch=self.cache.epoch,
         )
         self._after(seq_id)
         return cached_len
@@ -180,7 +191,7 @@ class KvManager:
 
     def begin_update(self, seq_id: int, job_id: int, new_len: int) -> None:
         seq = self._seqs.get(seq_id)
-        if seq is None or seq.state not in (S.RESERVED, S.ACTIVE):
+        if seq is None or (seq.state is not S.RESERVED and seq.state is not S.ACTIVE):
             raise KvStateError(f"begin_update on seq {seq_id} in state {self.state(seq_id).name}")
         if not seq.committed_len < new_len <= seq.reserved_len:
             raise ValueError(
@@ -190,20 +201,29 @@ class KvManager:
         seq.state = S.UPDATING
         seq.pending_job = job_id
         seq.pending_len = new_len
-        self._after(seq_id)
+        self._after_seq(seq)
 
     def commit(self, seq_id: int, job_id: int, tokens: Sequence[int]) -> None:
-        seq = self._pending(seq_id, job_id)
-        assert seq.pending_len is not None
-        if len(tokens) < seq.pending_len:
-            raise ValueError(f"seq {seq_id}: commit of {seq.pending_len} tokens given only {len(tokens)}")
-        check_transition(seq.state, S.ACTIVE)
-        seq.committed_len = seq.pending_len
+        """`tokens`: the sequence's tokens, at least its first pending_len (longer is fine; never copied).
+
+        Runs once per sequence per job, so it stays O(1) except when a block
+        fills, which costs O(new full blocks) in the prefix cache.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.state is not S.UPDATING or seq.pending_job != job_id:
+            self._pending(seq_id, job_id)  # raises StaleJob with the details
+        new_len = seq.pending_len
+        assert new_len is not None
+        if len(tokens) < new_len:
+            raise ValueError(f"seq {seq_id}: commit of {new_len} tokens given only {len(tokens)}")
+        check_transition(S.UPDATING, S.ACTIVE)
+        seq.committed_len = new_len
         seq.state = S.ACTIVE
         seq.pending_job = None
         seq.pending_len = None
-        self._feed_cache(seq, tokens)
-        self._after(seq_id)
+        if seq.key is not None and new_len // self.block_size > seq.cache_blocks:
+            self._feed_cache(seq, tokens)
+        self._after_seq(seq)
 
     def fail(self, seq_id: int, job_id: int) -> None:
         seq = self._seqs.get(seq_id)
@@ -334,16 +354,26 @@ class KvManager:
         full = seq.committed_len // self.block_size
         if full <= seq.cache_blocks:
             return
-        n = full * self.block_size
-        done = self.cache.insert(seq.key, tokens[:n], seq.blocks[:full])
+        cache = self.cache
+        if seq.cache_epoch == cache.epoch:  # our cached path is intact: add only the newly full blocks
+            done = cache.extend(seq.key, seq.cache_tail, tokens, seq.blocks, seq.cache_blocks, full)
+        else:  # nodes were dropped since (drop_key / clear): walk from the root
+            done = cache.insert(seq.key, tokens[: full * self.block_size], seq.blocks[:full])
+            seq.cache_epoch = cache.epoch
         if done < full:
             seq.cache_stopped = True
         seq.cache_blocks = done
+        seq.cache_tail = seq.blocks[done - 1] if done else None
 
     def _after(self, seq_id: int | None) -> None:
         if seq_id is not None:
-            seq = self._seqs[seq_id]
-            assert seq.committed_len <= seq.reserved_len <= self.max_seq, seq
+            self._after_seq(self._seqs[seq_id])
+        elif self.paranoid:
+            self.check_invariants()
+
+    def _after_seq(self, seq: KvSequence) -> None:
+        """O(1) checks of the sequence just changed; the O(blocks) sweep only when paranoid."""
+        assert seq.committed_len <= seq.reserved_len <= self.max_seq, seq
         if self.paranoid:
             self.check_invariants()
 

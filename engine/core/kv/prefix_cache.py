@@ -11,6 +11,11 @@ holder of a node also holds all its ancestors (see `insert`), repeatedly
 evicting leaves can always reach every unreferenced block.
 
 LRU order comes from a counter bumped on every match/insert, never a clock.
+A path is used as a whole: a node's effective age is the newest use of any
+node below it. `match` and `insert` touch every node they walk; `extend`
+(the per-block hot path of a growing sequence) touches only the nodes it
+adds, and an evicted leaf hands its age to its parent, which is the only
+moment an inner node's age is read (it becomes a leaf).
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class PrefixCache:
         self.misses = 0
         self.hit_tokens = 0
         self.evictions = 0
+        # Bumped whenever nodes vanish other than by eviction (clear, drop_key):
+        # a holder's remembered path end may then be gone, see `extend`.
+        self.epoch = 0
 
     # -- lookup --------------------------------------------------------------
     def _walk(self, key: PrefixKey, tokens: Sequence[int]) -> list[_Node]:
@@ -142,6 +150,52 @@ class PrefixCache:
             del self._roots[key]
         return done
 
+    def extend(self, key: PrefixKey, after_block: int | None, tokens: Sequence[int], blocks: Sequence[int],
+               start: int, n_full: int) -> int:
+        """`insert` of blocks start..n_full-1 for a holder whose first `start` blocks are on the cached path.
+
+        `after_block` is the cached block at position start-1 (None when
+        start == 0) and `tokens` the holder's whole sequence (not copied).
+        Valid only while `epoch` is what it was when that path was built:
+        the holder references every block on it, so nothing but clear or
+        drop_key can remove it. Costs O(new blocks), not O(path), which is
+        why a sequence feeds the cache through this on every filled block.
+        Returns the length of the holder's cached path, as `insert` does.
+        """
+        bs = self.block_size
+        if len(blocks) < n_full or len(tokens) < n_full * bs:
+            raise ValueError(f"{n_full} full blocks wanted but {len(blocks)} block ids / {len(tokens)} tokens")
+        if after_block is None:
+            assert start == 0, "extend below the root needs the block before `start`"
+            parent = None
+            level = self._roots.setdefault(key, {})
+        else:
+            parent = self._by_block[after_block]
+            assert parent.alive and parent.key == key and parent.referenced, "extend below a stale path end"
+            level = parent.children
+        self._tick += 1
+        done = start
+        for i in range(start, n_full):
+            edge = tuple(tokens[i * bs : (i + 1) * bs])
+            block = blocks[i]
+            node = level.get(edge)
+            if node is None:
+                if block in self._by_block:
+                    raise AssertionError(f"block {block} already cached at another position")
+                node = _Node(block=block, key=key, edge=edge, parent=parent, last_used=self._tick)
+                level[edge] = node
+                self._by_block[block] = node
+            elif node.block != block:
+                break
+            else:
+                self._touch(node)
+            done += 1
+            parent = node
+            level = node.children
+        if after_block is None and not self._roots[key]:
+            del self._roots[key]
+        return done
+
     # -- reference tracking ----------------------------------------------------
     def mark_unreferenced(self, block: int) -> None:
         node = self._by_block[block]
@@ -170,6 +224,8 @@ class PrefixCache:
             out.append(node.block)
             parent = node.parent
             if parent is not None:
+                if node.last_used > parent.last_used:  # the path's newest use (see `extend`)
+                    parent.last_used = node.last_used
                 self._push_if_evictable(parent)
         self.evictions += len(out)
         return out
@@ -177,6 +233,7 @@ class PrefixCache:
     def clear(self) -> list[int]:
         """Drop every node (chip recovery, generation purge); returns all blocks that were cached."""
         out = list(self._by_block)
+        self.epoch += 1
         for node in self._by_block.values():
             node.alive = False
         self._roots.clear()
@@ -193,6 +250,7 @@ class PrefixCache:
         free them on release.
         """
         level = self._roots.pop(key, None)
+        self.epoch += 1
         out: list[int] = []
         stack = list(level.values()) if level else []
         while stack:

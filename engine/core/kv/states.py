@@ -16,6 +16,8 @@ class KvSequenceState(enum.Enum):
     UNKNOWN = "unknown"  # a job failed / timed out or the chip faulted: KV content not trusted
     RELEASING = "releasing"  # transient, inside release()
 
+    __hash__ = object.__hash__  # members are singletons; Enum's name hash is slow on the hot path
+
 
 S = KvSequenceState
 

@@ -1,0 +1,334 @@
+"""The client-facing side of the daemon: ROUTER sockets and per-request bookkeeping.
+
+It maps each (connection, client id) to the core's integer request id and
+back, turns core outputs into wire events, and never blocks: sends are
+NOBLOCK with ROUTER_MANDATORY. A client that has gone away is detected at the
+next send; a client whose send queue (SNDHWM = server.max_send_queue) is full
+is "blocked": its streams keep coalescing tokens and its terminal events wait
+in a small overflow queue until it reads again. A client blocked for
+CLIENT_STALL_S, or whose overflow exceeds max_send_queue, is dropped. The
+requests of dropped clients are handed back to the loop to be cancelled.
+
+Token events are coalesced: tokens emitted for one request during one loop
+turn leave as one `tokens` event (`flush()`), which keeps the per-token cost
+out of the socket path. A request with `stream: false` gets no `tokens`
+events; its `done` carries every token.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import orjson
+import zmq
+
+from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_request, encode
+from ipc.schema import done_event, error_event, reply_event, tokens_event
+
+_MORE = zmq.SNDMORE | zmq.NOBLOCK
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+
+def _event_envelope(ev: str, cid: str) -> dict:
+    return {"v": PROTOCOL_VERSION, "ev": ev, "id": cid}
+
+# A client whose send queue stays full this long has its requests cancelled.
+CLIENT_STALL_S = 10.0
+# A frame larger than this many times max_message_bytes makes libzmq drop the
+# connection (protects memory); smaller oversized frames get a 400 reply.
+_HARD_FRAME_FACTOR = 16
+
+
+@dataclass(frozen=True)
+class Conn:
+    """Where replies go: the ROUTER socket index and the routing envelope."""
+
+    sock: int
+    envelope: tuple[bytes, ...]
+    local: bool  # arrived on an ipc:// endpoint (filesystem permissions guard it)
+
+
+@dataclass(slots=True)
+class Stream:
+    """One in-flight generate as the frontend sees it."""
+
+    rid: int
+    conn: Conn
+    cid: str
+    stream: bool
+    pending: list[int] = field(default_factory=list)  # tokens not yet sent (stream) / all tokens (non-stream)
+    pending_lp: list[float] | None = None
+    tokens_prefix: bytes = b""  # the encoded tokens-event envelope up to the token list (hot path)
+
+    def __post_init__(self) -> None:
+        self.tokens_prefix = encode(_event_envelope("tokens", self.cid))[:-1] + b',"tokens":'
+
+
+@dataclass
+class FrontendCounters:
+    messages_in: int = 0
+    protocol_errors: int = 0
+    requests: int = 0
+    events_out: int = 0
+    tokens_out: int = 0
+    duplicate_ids: int = 0
+    blocked_clients: int = 0  # times a client's send queue was full (its tokens coalesce meanwhile)
+    dropped_clients: int = 0  # peer gone, or stalled/overflowing: its requests cancelled
+    dropped_events: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Frontend:
+    """ROUTER socket(s) on the configured endpoints plus the request <-> connection maps. Loop thread only."""
+
+    def __init__(self, ctx: zmq.Context, endpoints: list[str], *, max_message_bytes: int,
+                 max_send_queue: int, clock: Callable[[], float] = time.monotonic) -> None:
+        assert endpoints, "at least one endpoint"
+        self.max_message_bytes = max_message_bytes
+        self.max_send_queue = max_send_queue
+        self.clock = clock
+        self._blocked: dict[Conn, _Blocked] = {}
+        self.sockets: list[zmq.Socket] = []
+        self.local: list[bool] = []
+        self.endpoints = list(endpoints)
+        self.counters = FrontendCounters()
+        self._by_rid: dict[int, Stream] = {}
+        self._by_key: dict[tuple[Conn, str], int] = {}
+        self._dirty: dict[int, Stream] = {}  # streams with pending tokens this turn
+        self._dead: set[Conn] = set()
+        try:
+            for ep in endpoints:
+                s = ctx.socket(zmq.ROUTER)
+                self.sockets.append(s)
+                s.setsockopt(zmq.LINGER, 500)
+                s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                s.setsockopt(zmq.SNDHWM, max_send_queue)
+                s.setsockopt(zmq.RCVHWM, max(1000, max_send_queue))
+                s.setsockopt(zmq.MAXMSGSIZE, max_message_bytes * _HARD_FRAME_FACTOR)
+                s.bind(ep)
+                self.local.append(ep.startswith("ipc://"))
+        except BaseException:
+            self.close(0)
+            raise
+
+    def close(self, linger_ms: int = 500) -> None:
+        for s in self.sockets:
+            s.close(linger_ms)
+        self.sockets = []
+
+    # -- inbound ---------------------------------------------------------------
+    def receive(self, idx: int, limit: int = 256) -> list[tuple[Conn, dict]]:
+        """Decode up to `limit` waiting messages; malformed ones are answered here and yield no request."""
+        sock = self.sockets[idx]
+        local = self.local[idx]
+        out: list[tuple[Conn, dict]] = []
+        for _ in range(limit):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.counters.messages_in += 1
+            if len(frames) < 2:
+                continue  # a ROUTER always prepends the identity; nothing to answer
+            conn = Conn(idx, tuple(frames[:-1]), local)
+            try:
+                msg = decode_request(frames[-1], max_bytes=self.max_message_bytes)
+            except ProtocolError as e:
+                self.counters.protocol_errors += 1
+                self.send(conn, e.to_event())
+                continue
+            out.append((conn, msg))
+        return out
+
+    # -- request bookkeeping -----------------------------------------------------
+    def open(self, rid: int, conn: Conn, cid: str, stream: bool, logprobs: bool) -> bool:
+        """Register a generate; False when `cid` is already in flight on this connection."""
+        key = (conn, cid)
+        if key in self._by_key:
+            self.counters.duplicate_ids += 1
+            return False
+        assert rid not in self._by_rid
+        st = Stream(rid, conn, cid, stream, pending_lp=[] if logprobs else None)
+        self._by_rid[rid] = st
+        self._by_key[key] = rid
+        self.counters.requests += 1
+        return True
+
+    def lookup(self, conn: Conn, cid: str) -> int | None:
+        return self._by_key.get((conn, cid))
+
+    def active(self) -> int:
+        return len(self._by_rid)
+
+    def _close(self, st: Stream) -> None:
+        del self._by_rid[st.rid]
+        del self._by_key[(st.conn, st.cid)]
+        self._dirty.pop(st.rid, None)
+
+    # -- outbound ----------------------------------------------------------------
+    def emit(self, rid: int, tokens: list[int], logprobs: list[float] | None) -> None:
+        st = self._by_rid.get(rid)
+        if st is None:
+            return  # request of a dropped client
+        st.pending.extend(tokens)
+        if st.pending_lp is not None:
+            st.pending_lp.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
+        if st.stream:
+            self._dirty[rid] = st
+
+    def finish(self, rid: int, finish_reason: str, usage: dict, timing: dict) -> None:
+        st = self._by_rid.get(rid)
+        if st is None:
+            return
+        if st.stream:
+            self._flush_one(st, final=True)
+            ev = done_event(st.cid, finish_reason, usage, _timing(timing))
+        else:
+            ev = done_event(st.cid, finish_reason, usage, _timing(timing), tokens=st.pending,
+                            logprobs=st.pending_lp)
+            self.counters.tokens_out += len(st.pending)
+        self._close(st)
+        self.send(st.conn, ev)
+
+    def fail(self, rid: int, code: int, reason: str, message: str, retryable: bool) -> None:
+        st = self._by_rid.get(rid)
+        if st is None:
+            return
+        if st.stream:
+            self._flush_one(st, final=True)
+        self._close(st)
+        self.send(st.conn, error_event(st.cid, code, reason, message, retryable))
+
+    def reply(self, conn: Conn, cid: str, ev: str, body: dict) -> None:
+        self.send(conn, reply_event(cid, ev, body))
+
+    def error(self, conn: Conn, cid: str | None, code: int, reason: str, message: str,
+              retryable: bool = False) -> None:
+        self.send(conn, error_event(cid, code, reason, message, retryable))
+
+    def flush(self) -> list[int]:
+        """Send this turn's coalesced tokens; return request ids of clients found dead (to cancel)."""
+        if self._blocked:
+            self._retry_blocked()
+        if self._dirty:
+            dirty = self._dirty
+            self._dirty = {}
+            for st in dirty.values():
+                if st.rid in self._by_rid:
+                    self._flush_one(st)
+        return self.take_dead()
+
+    def _flush_one(self, st: Stream, final: bool = False) -> None:
+        if not st.pending:
+            return
+        if not final and self._blocked and st.conn in self._blocked:
+            return  # keep coalescing until the client drains its queue
+        toks = st.pending
+        lp = st.pending_lp
+        st.pending = []
+        if lp is not None:
+            st.pending_lp = []
+        self.counters.tokens_out += len(toks)
+        if lp is None:
+            # Same bytes as encode(tokens_event(...)) without building the dict: one event per token is
+            # the daemon's hottest path.
+            self.send_bytes(st.conn, st.tokens_prefix + orjson.dumps(toks, option=_NUMPY) + b"}")
+        else:
+            self.send(st.conn, tokens_event(st.cid, toks, lp))
+
+    def send(self, conn: Conn, event: dict) -> None:
+        self.send_bytes(conn, encode(event))
+
+    def send_bytes(self, conn: Conn, payload: bytes) -> None:
+        if self._dead and conn in self._dead:
+            self.counters.dropped_events += 1
+            return
+        if self._blocked:
+            b = self._blocked.get(conn)
+            if b is not None:
+                b.queue.append(payload)
+                if len(b.queue) > self.max_send_queue:
+                    self._mark_dead(conn)
+                return
+        if self._try_send(conn, payload) is _AGAIN:
+            self._blocked[conn] = _Blocked(self.clock(), collections.deque([payload]))
+            self.counters.blocked_clients += 1
+
+    def _try_send(self, conn: Conn, payload: bytes) -> object:
+        sock = self.sockets[conn.sock]
+        try:
+            # A multipart message is atomic: only the first frame can meet a full queue or a gone peer.
+            for frame in conn.envelope:
+                sock.send(frame, _MORE)
+            sock.send(payload, zmq.NOBLOCK)
+            self.counters.events_out += 1
+            return None
+        except zmq.Again:
+            return _AGAIN  # the client's queue is full: it does not keep up (for now)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._mark_dead(conn)
+            return None
+
+    def _retry_blocked(self) -> None:
+        """Resume clients whose queue drained; drop those stalled for longer than CLIENT_STALL_S."""
+        now = self.clock()
+        for conn, b in list(self._blocked.items()):
+            while b.queue:
+                if self._try_send(conn, b.queue[0]) is _AGAIN:
+                    break
+                b.queue.popleft()
+                if conn in self._dead:
+                    break
+            if conn in self._dead:
+                continue
+            if not b.queue:
+                del self._blocked[conn]
+                for st in self._by_rid.values():
+                    if st.conn == conn and st.pending and st.stream:
+                        self._dirty[st.rid] = st
+            elif now - b.since > CLIENT_STALL_S:
+                self._mark_dead(conn)
+
+    def _mark_dead(self, conn: Conn) -> None:
+        self._dead.add(conn)
+        self._blocked.pop(conn, None)
+        self.counters.dropped_clients += 1
+
+    def take_dead(self) -> list[int]:
+        """Forget dead connections; return the request ids they had in flight."""
+        if not self._dead:
+            return []
+        dead = self._dead
+        self._dead = set()
+        rids = [st.rid for st in self._by_rid.values() if st.conn in dead]
+        for rid in rids:
+            self._close(self._by_rid[rid])
+        return rids
+
+    def fail_all(self, code: int, reason: str, message: str) -> None:
+        """Last resort (the core is unusable): every open request gets an error event."""
+        for rid in list(self._by_rid):
+            self.fail(rid, code, reason, message, retryable=True)
+
+
+@dataclass
+class _Blocked:
+    since: float
+    queue: collections.deque
+
+
+_AGAIN = object()
+
+
+def _timing(timing: dict) -> dict:
+    t = dict(timing)
+    for k in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        t.setdefault(k, None)
+    return t

@@ -1,0 +1,132 @@
+"""`npuserve serve`: start a board daemon (also what `make run` runs, with no arguments).
+
+Flags override the config file, so one line starts a daemon for a test or a
+demo. Exit status: 0 after SIGTERM/SIGINT, 2 for a configuration error, 1 when
+start-up fails, 3 when serving becomes impossible (every chip out of service).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tomllib
+
+from engine.config import Config, ConfigError, load_config
+
+EXIT_CONFIG = 2
+EXIT_STARTUP = 1
+
+
+def _value(text: str) -> object:
+    """A TOML value ("3", "true", "[1, 4]", "\\"x\\"") or, failing that, the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE")
+        out[k.strip()] = _value(v.strip())
+    return out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="npuserve serve", description="Run a board daemon.")
+    p.add_argument("--config", help="TOML config file (schema = \"npuserve/v1\")")
+    p.add_argument("--endpoint", action="append", default=[], metavar="E",
+                   help="ipc:///path or tcp://host:port to listen on (repeatable; replaces server.endpoints)")
+    p.add_argument("--backend", choices=("stub", "sim", "ref", "ctypes"), help="chip runtime (board.backend)")
+    p.add_argument("--chips", type=int, help="worker processes (board.chips)")
+    p.add_argument("--board", help="board id (board.id)")
+    p.add_argument("--runtime-dir", help="sockets and state (board.runtime_dir)")
+    p.add_argument("--package", help="model package folder (model.package)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (metrics.port)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config key as a dotted override, e.g. --set admission.max_waiting_requests=4")
+    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra keyword for the backend constructor, e.g. --backend-option decode_base_ms=5")
+    return p.parse_args(argv)
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, object]:
+    ov = _pairs(args.set, "--set")
+    flags = {"board.backend": args.backend, "board.chips": args.chips, "board.id": args.board,
+             "board.runtime_dir": args.runtime_dir, "model.package": args.package,
+             "metrics.port": args.metrics_port, "server.endpoints": args.endpoint or None}
+    ov.update({k: v for k, v in flags.items() if v is not None})
+    return ov
+
+
+def resolve_package(cfg: Config) -> str | None:
+    """The package path the workers load: the configured one, or the built-in tiny model for `ref`."""
+    if cfg.model.package:
+        return cfg.model.package
+    if cfg.board.backend == "ref":
+        from workers.model_package import ensure_default_package
+
+        return ensure_default_package()
+    return None
+
+
+def banner(cfg: Config) -> str:
+    ep = cfg.server.endpoints[0]
+    lines = [
+        f"npuserve: board {cfg.board.id} serving model {cfg.model.alias!r} "
+        f"({cfg.board.backend} backend, {cfg.board.chips} chip{'s' if cfg.board.chips != 1 else ''})",
+        "endpoint:",
+        ep,
+        "try:",
+        f"  npuserve generate --endpoint {shlex.quote(ep)} --text \"hello\"",
+        f"  npuserve health --endpoint {shlex.quote(ep)}",
+        "stop with Ctrl-C (SIGINT) or SIGTERM",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        backend_extra = _pairs(args.backend_option, "--backend-option")
+        cfg = load_config(args.config, overrides_from(args))
+    except ConfigError as e:
+        print(f"npuserve serve: configuration error:\n  " + "\n  ".join(e.errors), file=sys.stderr)
+        return EXIT_CONFIG
+
+    from engine.daemon.loop import Daemon, StartupError
+
+    try:
+        package = resolve_package(cfg)
+    except Exception as e:  # a broken cache dir, an unwritable home: say so, do not trace back
+        print(f"npuserve serve: cannot prepare the model package: {e}", file=sys.stderr)
+        return EXIT_STARTUP
+    daemon = Daemon(cfg, package_path=package, extra_backend_options=backend_extra)
+    try:
+        daemon.start()
+    except ConfigError as e:
+        daemon.close()
+        print(f"npuserve serve: configuration error:\n  " + "\n  ".join(e.errors), file=sys.stderr)
+        return EXIT_CONFIG
+    except StartupError as e:
+        daemon.close()
+        if daemon.stop_requested:
+            return 0  # SIGTERM/SIGINT while starting: a clean stop
+        print(f"npuserve serve: cannot start: {e}", file=sys.stderr)
+        return EXIT_STARTUP
+    except BaseException:
+        daemon.close()
+        raise
+    print(banner(cfg), flush=True)
+    try:
+        return daemon.run()
+    finally:
+        daemon.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,91 @@
+"""What each wire op does once the frontend has decoded it.
+
+Kept apart from the event loop so that the op table is readable on its own:
+`generate` and `cancel` go to the scheduler core, `health`/`stats`/`models`
+are answered from state the loop keeps, `drain`/`resume` toggle admission
+(admin: only on ipc:// endpoints, whose socket file permissions are the
+access control), and model management ops are answered 501 (a later issue).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import TYPE_CHECKING, Any
+
+from engine.core.actions import Action
+from engine.core.requests import GenerateParams
+
+if TYPE_CHECKING:
+    from engine.daemon.frontend import Conn
+    from engine.daemon.loop import Daemon
+
+# Wire fields of `generate` that are scheduler parameters (model/stream are the shell's).
+_PARAM_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
+                 "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation")
+NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback"})
+
+
+def params_from(msg: dict) -> GenerateParams:
+    return GenerateParams(**{k: msg[k] for k in _PARAM_FIELDS if k in msg})
+
+
+def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
+    """Carry out one decoded request; returns the core actions it produced."""
+    op = msg["op"]
+    cid = msg["id"]
+    fe = d.frontend
+    if op == "generate":
+        model = msg.get("model")
+        if model is not None and model != d.model_alias:
+            fe.error(conn, cid, 404, "model_not_found", f"model {model!r} is not served here "
+                                                         f"(this board serves {d.model_alias!r})")
+            return []
+        rid = d.next_request_id()
+        if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False))):
+            fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
+            return []
+        return d.scheduler.submit(rid, params_from(msg), now)
+    if op == "cancel":
+        rid = fe.lookup(conn, cid)
+        return [] if rid is None else d.scheduler.cancel(rid, now)
+    if op == "health":
+        fe.reply(conn, cid, "health", d.health(now))
+        return []
+    if op == "stats":
+        fe.reply(conn, cid, "stats", jsonable(d.stats(now)))
+        return []
+    if op == "models":
+        fe.reply(conn, cid, "models", {"models": [d.model_info()]})
+        return []
+    if op in ("drain", "resume"):
+        if not conn.local:
+            fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (an ipc:// endpoint)")
+            return []
+        d.set_accepting(op == "resume")
+        fe.reply(conn, cid, op, {"accepting": d.accepting})
+        return []
+    if op in NOT_IMPLEMENTED_OPS:
+        fe.error(conn, cid, 501, "not_implemented", f"{op}: model management is not implemented by this daemon")
+        return []
+    fe.error(conn, cid, 400, "unknown_op", f"op {op!r} is not served here")
+    return []
+
+
+def jsonable(x: Any) -> Any:
+    """Stats may hold enums, numpy scalars, tuples or non-finite floats: make them plain JSON."""
+    if isinstance(x, dict):
+        return {str(k.value if isinstance(k, enum.Enum) else k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, enum.Enum):
+        return x.value if isinstance(x.value, (str, int)) else x.name
+    if isinstance(x, bool) or x is None or isinstance(x, (str, int)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if hasattr(x, "item"):  # numpy scalar
+        return jsonable(x.item())
+    if hasattr(x, "tolist"):
+        return jsonable(x.tolist())
+    return str(x)

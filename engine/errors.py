@@ -1,0 +1,87 @@
+"""Client-side exceptions: one class per server error code.
+
+The server answers every failure with an `error` event carrying an HTTP-like
+`code`; callers branch on the exception type (retry on `Overloaded`, give up
+on `InvalidRequest`) instead of parsing messages.
+"""
+
+from __future__ import annotations
+
+
+class ClientError(Exception):
+    """A request failed; `code`/`reason`/`retryable` come from the server's error event."""
+
+    code: int = 0
+
+    def __init__(self, message: str = "", *, code: int | None = None, reason: str = "",
+                 retryable: bool = False, id: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.reason = reason
+        self.message = message
+        self.retryable = retryable
+        self.id = id
+
+    def __str__(self) -> str:
+        return f"{self.code} {self.reason}: {self.message}" if self.reason else f"{self.code}: {self.message}"
+
+
+class InvalidRequest(ClientError):
+    code = 400
+
+
+class Unauthorized(ClientError):
+    code = 401
+
+
+class Forbidden(Unauthorized):
+    code = 403
+
+
+class ModelNotFound(ClientError):
+    code = 404
+
+
+class Overloaded(ClientError):
+    code = 429
+
+
+class ServerError(ClientError):
+    code = 500
+
+
+class NotSupported(ClientError):
+    """The server does not implement this operation (501)."""
+
+    code = 501
+
+
+class Unavailable(ClientError):
+    code = 503
+
+
+class DeadlineExceeded(ClientError):
+    code = 504
+
+
+class ClientTimeout(ClientError, TimeoutError):
+    """No answer within the call's timeout (client-side; the request was cancelled)."""
+
+    code = 0
+
+
+_BY_CODE: dict[int, type[ClientError]] = {
+    400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: ModelNotFound,
+    429: Overloaded, 500: ServerError, 501: NotSupported, 503: Unavailable, 504: DeadlineExceeded,
+}
+
+
+def error_from_event(event: dict) -> ClientError:
+    """Map a server `error` event to its exception (unknown codes by class: 4xx invalid, 5xx server)."""
+    code = int(event.get("code") or 500)
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        cls = InvalidRequest if 400 <= code < 500 else ServerError
+    return cls(str(event.get("message", "")), code=code, reason=str(event.get("reason", "")),
+               retryable=bool(event.get("retryable", False)), id=event.get("id"))

@@ -1,0 +1,279 @@
+"""Shared fixtures: a real daemon subprocess per test, cleaned up and checked on teardown.
+
+`daemon(**opts)` starts `python -m engine.daemon.main` on an ipc:// endpoint in
+a short private directory (unix socket paths are limited to 107 bytes), waits
+until it answers `health`, and on teardown sends SIGTERM and asserts that it
+exited 0 and left no shared-memory object of its pid and no worker behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import pytest
+
+from engine import errors as _errors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START_TIMEOUT_S = 90.0
+
+
+def shm_objects_of(pid: int) -> list[str]:
+    """Entries in /dev/shm (segments and semaphores) whose name says `pid` owns them."""
+    from ipc.naming import parse_owner_pid
+
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if "npuserve" in n and parse_owner_pid(n) == pid)
+
+
+@dataclass
+class DaemonProc:
+    proc: subprocess.Popen
+    endpoint: str
+    runtime_dir: str
+    log_path: str
+    expect_exit: int | None = 0  # None: the test checks the exit itself
+    _children: list[psutil.Process] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def client(self, **kw):
+        from engine.client import Client
+
+        return Client(self.endpoint, **kw)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return ""
+
+    def health(self, timeout: float = 5.0) -> dict:
+        with self.client(timeout=timeout) as c:
+            return c.health()
+
+    def worker_pids(self) -> list[int]:
+        return [c["pid"] for c in self.health()["chips"] if c.get("pid")]
+
+    def remember_children(self) -> None:
+        try:
+            self._children = psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        self.remember_children()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"daemon did not exit within {timeout} s after {sig}\n{self.log()[-4000:]}")
+
+
+def _wait_healthy(d: DaemonProc, timeout: float) -> None:
+    from engine.client import Client
+    from engine.errors import ClientError
+
+    deadline = time.monotonic() + timeout
+    with Client(d.endpoint, timeout=0.5) as c:
+        while time.monotonic() < deadline:
+            if d.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {d.proc.returncode} during start-up:\n{d.log()[-4000:]}")
+            try:
+                h = c.health()
+                if h.get("chips_up"):
+                    return
+            except ClientError:
+                pass
+    raise AssertionError(f"daemon not healthy within {timeout} s:\n{d.log()[-4000:]}")
+
+
+def daemon_command(endpoint: str, runtime_dir: str, *, backend: str, chips: int, config: str | None,
+                   settings: dict | None, backend_options: dict | None, extra: list[str] | None) -> list[str]:
+    cmd = [sys.executable, "-m", "engine.daemon.main", "--endpoint", endpoint, "--runtime-dir", runtime_dir,
+           "--backend", backend, "--chips", str(chips), "--board", f"t{os.getpid() % 100000}"]
+    if config:
+        cmd += ["--config", config]
+    for k, v in (settings or {}).items():
+        cmd += ["--set", f"{k}={_toml(v)}"]
+    for k, v in (backend_options or {}).items():
+        cmd += ["--backend-option", f"{k}={_toml(v)}"]
+    return cmd + list(extra or [])
+
+
+def _toml(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return str(v)
+
+
+@pytest.fixture
+def short_dir():
+    """A private directory with a short path (for unix sockets)."""
+    d = tempfile.mkdtemp(prefix="nps-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(short_dir):
+    """Factory: `daemon(backend="stub", chips=1, settings={...}, backend_options={...})` -> DaemonProc."""
+    started: list[DaemonProc] = []
+
+    def start(*, backend: str = "stub", chips: int = 1, config: str | None = None, settings: dict | None = None,
+              backend_options: dict | None = None, extra: list[str] | None = None,
+              wait: bool = True) -> DaemonProc:
+        rt = os.path.join(short_dir, f"r{len(started)}")
+        os.makedirs(rt, mode=0o700)
+        endpoint = f"ipc://{rt}/d.sock"
+        log_path = os.path.join(short_dir, f"daemon{len(started)}.log")
+        cmd = daemon_command(endpoint, rt, backend=backend, chips=chips, config=config, settings=settings,
+                             backend_options=backend_options, extra=extra)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        d = DaemonProc(proc, endpoint, rt, log_path)
+        started.append(d)
+        if wait:
+            _wait_healthy(d, START_TIMEOUT_S)
+            d.remember_children()
+        return d
+
+    yield start
+
+    problems = []
+    for d in started:
+        if d.proc.poll() is None:
+            rc = d.stop()
+        else:
+            rc = d.proc.returncode
+        if d.expect_exit is not None and rc != d.expect_exit:
+            problems.append(f"daemon {d.pid} exited {rc}, expected {d.expect_exit}:\n{d.log()[-3000:]}")
+        left = shm_objects_of(d.pid)
+        if left:
+            problems.append(f"daemon {d.pid} left shared memory: {left}")
+        alive = [c.pid for c in d._children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        if alive:
+            for c in d._children:
+                try:
+                    c.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            problems.append(f"daemon {d.pid} left child processes {alive}")
+    assert not problems, "\n".join(problems)
+
+
+class FakeServer:
+    """A scripted ROUTER in a thread: `handler(msg) -> list of events` answers each request.
+
+    Lets client tests control exactly what the server says and when, and
+    records every request the client sent (cancels included).
+    """
+
+    def __init__(self, handler) -> None:
+        import threading
+
+        import zmq
+
+        self.handler = handler
+        self.received: list[dict] = []
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import orjson
+        import zmq
+
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            ident, data = self._sock.recv_multipart()
+            msg = orjson.loads(data)
+            self.received.append(msg)
+            for ev in self.handler(msg) or []:
+                self._sock.send_multipart([ident, ev if isinstance(ev, bytes) else orjson.dumps(ev)])
+
+    def cancels(self) -> list[str]:
+        return [m["id"] for m in list(self.received) if m.get("op") == "cancel"]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+@pytest.fixture
+def fake_server():
+    servers: list[FakeServer] = []
+
+    def make(handler) -> FakeServer:
+        s = FakeServer(handler)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def done_ev(rid: str, tokens: list[int] | None = None, reason: str = "length") -> dict:
+    ev = {"v": 1, "ev": "done", "id": rid, "finish_reason": reason,
+          "usage": {"prompt_tokens": 1, "completion_tokens": len(tokens or []), "cached_tokens": 0},
+          "timing": {"ttft_ms": 1.0, "tpot_ms": 1.0, "e2e_ms": 2.0}}
+    if tokens is not None:
+        ev["tokens"] = tokens
+    return ev
+
+
+def tokens_ev(rid: str, tokens: list[int]) -> dict:
+    return {"v": 1, "ev": "tokens", "id": rid, "tokens": tokens}
+
+
+def error_ev(rid: str, code: int, reason: str = "x", retryable: bool = False) -> dict:
+    return {"v": 1, "ev": "error", "id": rid, "code": code, "reason": reason, "message": "m", "retryable": retryable}
+
+
+CODES = [(400, _errors.InvalidRequest), (401, _errors.Unauthorized), (403, _errors.Forbidden),
+         (404, _errors.ModelNotFound), (429, _errors.Overloaded), (500, _errors.ServerError),
+         (501, _errors.NotSupported), (503, _errors.Unavailable), (504, _errors.DeadlineExceeded),
+         (418, _errors.InvalidRequest), (502, _errors.ServerError)]
+
+
+def echo_server(msg):
+    """Answer generate with tokens derived from the prompt; health/stats with a body."""
+    rid = msg["id"]
+    if msg["op"] == "generate":
+        toks = [t + 1 for t in msg["prompt"]]
+        if msg["stream"]:
+            return [tokens_ev(rid, toks[:1]), tokens_ev(rid, toks[1:]), done_ev(rid)]
+        return [done_ev(rid, toks)]
+    if msg["op"] in ("health", "stats"):
+        return [{"v": 1, "ev": msg["op"], "id": rid, "ok": True}]
+    return []

@@ -1,0 +1,151 @@
+"""Worker faults under load: kill -9, a hung worker, and the restart rate limit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import orjson
+import pytest
+import zmq
+
+from conftest import shm_objects_of
+
+pytestmark = pytest.mark.integration
+
+SLOW = {"decode_base_ms": 5.0, "decode_per_lane_ms": 0.0}
+
+
+def _chip(d, chip: int) -> dict:
+    return d.health()["chips"][chip]
+
+
+def _wait_chip(d, chip: int, pred, timeout: float) -> tuple[dict, float]:
+    t0 = time.monotonic()
+    while True:
+        c = _chip(d, chip)
+        if pred(c):
+            return c, time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"chip {chip} never satisfied the condition: {c}")
+        time.sleep(0.02)
+
+
+class RawLoad:
+    """N streamed requests over one raw DEALER, recording every event per id."""
+
+    def __init__(self, endpoint: str, n: int, max_tokens: int) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.events: dict[str, list[dict]] = {}
+        for i in range(n):
+            rid = f"r{i}"
+            self.events[rid] = []
+            self.sock.send(orjson.dumps({"v": 1, "op": "generate", "id": rid, "prompt": [1, 2, i % 200],
+                                         "max_tokens": max_tokens, "stream": True, "seed": i}))
+
+    def pump(self, until, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not until():
+            left = deadline - time.monotonic()
+            assert left > 0, f"timed out; unfinished: {[k for k, v in self.events.items() if not self.terminal(k)][:5]}"
+            if self.sock.poll(int(min(left, 0.1) * 1000)):
+                while True:
+                    try:
+                        ev = orjson.loads(self.sock.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    self.events[ev["id"]].append(ev)
+
+    def terminal(self, rid: str) -> bool:
+        return any(e["ev"] in ("done", "error") for e in self.events[rid])
+
+    def all_started(self) -> bool:
+        return all(self.events[r] for r in self.events)
+
+    def all_terminal(self) -> bool:
+        return all(self.terminal(r) for r in self.events)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_kill_9_of_a_worker_under_load(daemon):
+    d = daemon(backend="sim", chips=2, backend_options=SLOW, settings={"admission.max_waiting_requests": 512})
+    shm_before = shm_objects_of(d.pid)
+    assert shm_before, "the daemon owns its rings"
+    victim = _chip(d, 0)["pid"]
+    load = RawLoad(d.endpoint, 80, max_tokens=300)
+    try:
+        load.pump(load.all_started, 60)
+        os.kill(victim, signal.SIGKILL)
+        t_kill = time.monotonic()
+        back, _ = _wait_chip(d, 0, lambda c: c["state"] == "up" and c["pid"] not in (None, victim), 10)
+        back_after = time.monotonic() - t_kill
+        load.pump(load.all_terminal, 120)
+        time.sleep(0.3)
+        load.pump(lambda: True, 1)  # collect anything (wrongly) sent after the terminal event
+        for rid, evs in load.events.items():
+            kinds = [e["ev"] for e in evs]
+            assert kinds.count("done") + kinds.count("error") == 1, (rid, kinds)
+            assert kinds[-1] in ("done", "error"), (rid, kinds)
+            if kinds[-1] == "error":
+                assert evs[-1]["code"] == 500, evs[-1]
+            else:
+                streamed = sum(len(e["tokens"]) for e in evs if e["ev"] == "tokens")
+                assert streamed == 300 == evs[-1]["usage"]["completion_tokens"]
+        failed = sum(1 for evs in load.events.values() if evs[-1]["ev"] == "error")
+        assert failed > 0, "the killed worker had lanes in flight"
+    finally:
+        load.close()
+    assert back_after < 2.0, f"worker back after {back_after:.2f} s"
+    assert back["restarts_total"] == 1
+    with d.client(timeout=30) as c:
+        for i in range(10):
+            assert c.generate([3, 4, i], max_tokens=5).finish_reason == "length"
+    assert shm_objects_of(victim) == []
+    shm_after = shm_objects_of(d.pid)
+    assert len(shm_after) == len(shm_before), (shm_before, shm_after)
+
+
+def test_hung_worker_is_detected_by_heartbeat_and_replaced(daemon):
+    d = daemon(backend="stub", chips=1, settings={"recovery.heartbeat_timeout_ms": 600})
+    victim = _chip(d, 0)["pid"]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        c, waited = _wait_chip(d, 0, lambda c: c["pid"] not in (None, victim) and c["state"] == "up", 10)
+    finally:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert "heartbeat" in c["last_failure"]
+    assert waited < 3.0
+    with d.client(timeout=10) as cl:
+        assert cl.generate([1, 2], max_tokens=3).finish_reason == "length"
+
+
+def test_restart_rate_limit_takes_chip_out_then_losing_all_chips_exits_nonzero(daemon):
+    d = daemon(backend="stub", chips=2, settings={"recovery.max_resets_per_10min": 1})
+    first = _chip(d, 0)["pid"]
+    os.kill(first, signal.SIGKILL)
+    c, _ = _wait_chip(d, 0, lambda c: c["state"] == "up" and c["pid"] not in (None, first), 10)
+    os.kill(c["pid"], signal.SIGKILL)
+    c, _ = _wait_chip(d, 0, lambda c: c["state"] == "out", 10)
+    assert c["pid"] is None and c["restarts_10min"] == 1
+    h = d.health()
+    assert h["chips_up"] == 1 and h["ok"] is True  # the other chip still serves
+    with d.client(timeout=10) as cl:
+        assert cl.generate([1, 2], max_tokens=3).finish_reason == "length"
+    d.expect_exit = None
+    d.remember_children()
+    second = _chip(d, 1)["pid"]
+    os.kill(second, signal.SIGKILL)
+    c, _ = _wait_chip(d, 1, lambda c: c["state"] == "up" and c["pid"] not in (None, second), 10)
+    os.kill(c["pid"], signal.SIGKILL)
+    assert d.proc.wait(20) == 3  # every chip out: unrecoverable, systemd's Restart=on-failure acts
+    assert "every chip is out of service" in d.log()

@@ -1,0 +1,67 @@
+"""`npuserve serve --config` with each bad example config: exits non-zero with the expected message."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, shm_objects_of
+
+pytestmark = pytest.mark.integration
+
+CONFIG_DIR = os.path.join(ROOT, "tests", "configs")
+BAD = sorted(glob.glob(os.path.join(CONFIG_DIR, "bad_*.toml")))
+
+
+def _expectation(path: str) -> str:
+    with open(path) as fh:
+        first = fh.readline()
+    assert first.startswith("# expect: "), f"{path} lacks its '# expect:' line"
+    return first[len("# expect: "):].strip()
+
+
+def test_there_are_bad_examples():
+    assert len(BAD) >= 10
+
+
+def test_each_bad_config_fails_start_up_with_its_message(short_dir):
+    procs = []
+    for i, path in enumerate(BAD):
+        rt = os.path.join(short_dir, f"r{i}")
+        cmd = [sys.executable, "-m", "engine.daemon.main", "--config", path, "--backend", "stub", "--chips", "1",
+               "--runtime-dir", rt, "--endpoint", f"ipc://{rt}/d.sock"]
+        procs.append((path, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    failures = []
+    for path, p in procs:
+        out, err = p.communicate(timeout=120)
+        text = (out + err).decode(errors="replace")
+        want = _expectation(path)
+        if p.returncode == 0 or want not in text:
+            failures.append(f"{os.path.basename(path)}: exit {p.returncode}, wanted {want!r} in:\n{text[-800:]}")
+        if "Traceback" in text:
+            failures.append(f"{os.path.basename(path)}: printed a traceback:\n{text[-800:]}")
+        if shm_objects_of(p.pid):
+            failures.append(f"{os.path.basename(path)}: left shared memory {shm_objects_of(p.pid)}")
+    assert not failures, "\n\n".join(failures)
+
+
+def test_a_valid_flag_cannot_be_a_bad_value(short_dir):
+    p = subprocess.run([sys.executable, "-m", "engine.daemon.main", "--backend", "stub", "--chips", "0",
+                        "--runtime-dir", short_dir], cwd=ROOT, capture_output=True, timeout=60)
+    assert p.returncode == 2
+    assert b"board.chips" in p.stderr
+
+
+def test_a_package_that_cannot_load_fails_start_up_with_the_workers_message(short_dir):
+    missing = f"{short_dir}/no-such-package"
+    p = subprocess.Popen([sys.executable, "-m", "engine.daemon.main", "--backend", "ref", "--chips", "1",
+                          "--package", missing, "--runtime-dir", short_dir], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1
+    assert b"cannot start" in err and b"no-such-package" in err, err[-2000:]
+    assert shm_objects_of(p.pid) == []

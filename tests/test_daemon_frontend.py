@@ -1,0 +1,195 @@
+"""The frontend's bookkeeping and back-pressure, over real inproc sockets and a fake clock."""
+
+from __future__ import annotations
+
+import itertools
+
+import orjson
+import pytest
+import zmq
+
+from engine.daemon.frontend import CLIENT_STALL_S, Frontend
+
+_names = itertools.count()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def rig():
+    ctx = zmq.Context()
+    ep = f"inproc://fe{next(_names)}"
+    clock = Clock()
+    fe = Frontend(ctx, [ep], max_message_bytes=1 << 16, max_send_queue=4, clock=clock)
+    clients = []
+
+    def client(rcvhwm: int = 1000) -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVHWM, rcvhwm)
+        s.setsockopt(zmq.RCVTIMEO, 2000)
+        s.connect(ep)
+        clients.append(s)
+        return s
+
+    yield fe, client, clock
+    for s in clients:
+        s.close(0)
+    fe.close(0)
+    ctx.term()
+
+
+def _request(fe: Frontend, sock: zmq.Socket, rid: str, stream: bool = True):
+    sock.send(orjson.dumps({"v": 1, "op": "generate", "id": rid, "prompt": [1], "stream": stream}))
+    for _ in range(100):
+        got = fe.receive(0)
+        if got:
+            return got[0][0]
+        sock.poll(10)
+    raise AssertionError("request never arrived")
+
+
+def _events(sock: zmq.Socket) -> list[dict]:
+    out = []
+    while sock.poll(50):
+        out.append(orjson.loads(sock.recv()))
+    return out
+
+
+USAGE = {"prompt_tokens": 1, "completion_tokens": 3, "cached_tokens": 0}
+TIMING = {"ttft_ms": 1.0, "tpot_ms": 1.0, "e2e_ms": 3.0}
+
+
+def test_tokens_of_one_turn_leave_as_one_event_then_done(rig):
+    fe, client, _ = rig
+    s = client()
+    conn = _request(fe, s, "a")
+    assert fe.open(1, conn, "a", stream=True, logprobs=False)
+    fe.emit(1, [5], None)
+    fe.emit(1, [6, 7], None)
+    assert fe.flush() == []
+    fe.emit(1, [8], None)
+    fe.finish(1, "length", USAGE, TIMING)
+    evs = _events(s)
+    assert [e["ev"] for e in evs] == ["tokens", "tokens", "done"]
+    assert evs[0]["tokens"] == [5, 6, 7] and evs[1]["tokens"] == [8]
+    assert evs[2]["finish_reason"] == "length" and "tokens" not in evs[2]
+    assert fe.active() == 0
+
+
+def test_non_streamed_request_gets_all_tokens_in_done(rig):
+    fe, client, _ = rig
+    s = client()
+    conn = _request(fe, s, "b", stream=False)
+    fe.open(1, conn, "b", stream=False, logprobs=True)
+    fe.emit(1, [5, 6], [-0.5, -0.25])
+    fe.flush()
+    fe.finish(1, "eos", USAGE, TIMING)
+    (ev,) = _events(s)
+    assert ev["ev"] == "done" and ev["tokens"] == [5, 6] and ev["logprobs"] == [-0.5, -0.25]
+
+
+def test_failure_sends_pending_tokens_before_the_error(rig):
+    fe, client, _ = rig
+    s = client()
+    conn = _request(fe, s, "c")
+    fe.open(1, conn, "c", stream=True, logprobs=False)
+    fe.emit(1, [9], None)
+    fe.fail(1, 500, "worker_failed", "chip died", False)
+    evs = _events(s)
+    assert [e["ev"] for e in evs] == ["tokens", "error"] and evs[1]["code"] == 500
+
+
+def test_same_id_on_two_connections_is_two_requests_but_not_on_one(rig):
+    fe, client, _ = rig
+    s1, s2 = client(), client()
+    c1, c2 = _request(fe, s1, "x"), _request(fe, s2, "x")
+    assert fe.open(1, c1, "x", True, False)
+    assert fe.open(2, c2, "x", True, False)
+    assert not fe.open(3, c1, "x", True, False)
+    assert fe.lookup(c1, "x") == 1 and fe.lookup(c2, "x") == 2
+
+
+def test_a_gone_client_has_its_requests_returned_for_cancel(rig):
+    fe, client, _ = rig
+    s = client()
+    conn = _request(fe, s, "d")
+    fe.open(7, conn, "d", True, False)
+    s.close(0)
+    for _ in range(50):  # the ROUTER learns of the disconnect asynchronously
+        fe.emit(7, [1], None)
+        dead = fe.flush()
+        if dead:
+            break
+        fe.sockets[0].poll(10)  # lets the ROUTER process the disconnect
+        fe.receive(0)
+    assert dead == [7]
+    assert fe.active() == 0 and fe.counters.dropped_clients == 1
+
+
+def _fill_until_blocked(fe: Frontend, rid: int) -> int:
+    n = 0
+    while not fe._blocked:
+        fe.emit(rid, [n % 200], None)
+        assert fe.flush() == []
+        n += 1
+        assert n < 100_000, "never blocked"
+    return n
+
+
+def test_a_slow_client_is_blocked_its_tokens_coalesce_and_none_are_lost(rig):
+    fe, client, _ = rig
+    s = client(rcvhwm=1)
+    conn = _request(fe, s, "e")
+    fe.open(1, conn, "e", True, False)
+    sent = _fill_until_blocked(fe, 1)
+    for i in range(50):  # while blocked, tokens accumulate instead of being sent
+        fe.emit(1, [i], None)
+        assert fe.flush() == []
+    fe.finish(1, "length", USAGE, TIMING)
+    assert fe.counters.blocked_clients == 1
+    toks: list[int] = []
+    evs: list[dict] = []
+    while True:  # the client reads again: everything arrives, in order, the tail coalesced
+        for ev in _events(s):
+            evs.append(ev)
+            toks += ev.get("tokens", [])
+        fe.flush()
+        if evs and evs[-1]["ev"] == "done":
+            break
+    assert toks == [n % 200 for n in range(sent)] + list(range(50))
+    assert not fe._blocked and fe.counters.dropped_clients == 0
+    assert max(len(e.get("tokens", [])) for e in evs) >= 50  # the blocked period left as one event
+
+
+def test_a_client_stalled_too_long_is_dropped(rig):
+    fe, client, clock = rig
+    s = client(rcvhwm=1)
+    conn = _request(fe, s, "f")
+    fe.open(1, conn, "f", True, False)
+    _fill_until_blocked(fe, 1)
+    clock.t += CLIENT_STALL_S / 2
+    assert fe.flush() == []
+    clock.t += CLIENT_STALL_S
+    assert fe.flush() == [1]
+    assert fe.counters.dropped_clients == 1 and fe.active() == 0
+
+
+def test_overflowing_terminal_events_drop_the_client(rig):
+    fe, client, _ = rig
+    s = client(rcvhwm=1)
+    conns = []
+    for i in range(8):
+        conns.append(_request(fe, s, f"g{i}"))
+        fe.open(i, conns[-1], f"g{i}", True, False)
+    _fill_until_blocked(fe, 0)
+    for i in range(1, 8):  # seven terminal events queue behind a full pipe; the overflow bound is 4
+        fe.finish(i, "length", USAGE, TIMING)
+    assert fe.flush() == [0]
+    assert fe.counters.dropped_clients == 1

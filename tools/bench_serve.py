@@ -1,0 +1,247 @@
+"""`npuserve bench-serve`: end-to-end serving benchmark through the client library.
+
+Starts a daemon subprocess (or uses `--endpoint`), then drives it closed-loop
+at `--concurrency` outstanding streamed requests from several client
+processes (so the client is not the bottleneck), with the simulator's
+synthetic workload (`engine.sim.make_workload`). Reports delivered generated
+tokens/s and TTFT / TPOT percentiles measured at the client; for the `sim`
+backend also what the in-process simulator predicts for the same workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import orjson
+
+DEFAULTS = {  # per backend: (requests per concurrency slot, prompt_mean, gen_mean)
+    "stub": (8, 64, 256),
+    "sim": (2, 128, 128),
+    "ref": (2, 32, 32),
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="npuserve bench-serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=("stub", "sim", "ref"), default="stub")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--requests", type=int, help="total requests (default: a few per concurrency slot)")
+    p.add_argument("--prompt-mean", type=int, help="mean prompt tokens")
+    p.add_argument("--gen-mean", type=int, help="mean generated tokens")
+    p.add_argument("--chips", type=int, default=2)
+    p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument("--endpoint", help="benchmark an already running daemon instead of starting one")
+    p.add_argument("--max-inflight", type=int, default=2,
+                   help="executor.max_inflight of the daemon (default 2: ping/pong hides the host round trip)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
+    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--_client", help=argparse.SUPPRESS)  # internal: run as a client process (spec on stdin)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- client side
+
+
+async def _drive(endpoint: str, concurrency: int, reqs: list[dict], start_at: float) -> list[list]:
+    from engine.async_client import AsyncClient
+    from engine.errors import ClientError
+
+    out: list[list] = []
+    async with AsyncClient(endpoint, timeout=600) as c:
+        await c.health()  # connected before the clock starts
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        it = iter(reqs)
+
+        async def worker() -> None:
+            for r in it:
+                t0 = time.time()
+                first = last = None
+                n = 0
+                err = None
+                try:
+                    async for chunk in c.stream(r["prompt"], max_tokens=r["max_tokens"], seed=r["seed"],
+                                                ignore_eos=True):
+                        last = time.time()
+                        if first is None:
+                            first = last
+                        n += len(chunk)
+                except ClientError as e:
+                    err = e.code
+                out.append([t0, first, last, n, err])
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+def _client_main() -> int:
+    spec = orjson.loads(sys.stdin.buffer.read())
+    res = asyncio.run(_drive(spec["endpoint"], spec["concurrency"], spec["requests"], spec["start_at"]))
+    sys.stdout.buffer.write(orjson.dumps(res))
+    return 0
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(len(xs) * q))], 3)
+
+
+def _start_daemon(a: argparse.Namespace, tmp: str) -> tuple[subprocess.Popen, str]:
+    endpoint = f"ipc://{tmp}/bench.sock"
+    cmd = [sys.executable, "-m", "engine.daemon.main", "--backend", a.backend, "--chips", str(a.chips),
+           "--runtime-dir", tmp, "--endpoint", endpoint, "--board", "bench",
+           "--set", "admission.max_waiting_requests=100000", "--set", "admission.max_waiting_prompt_tokens=1000000000"]
+    for kv in a.set:
+        cmd += ["--set", kv]
+    for kv in a.backend_option:
+        cmd += ["--backend-option", kv]
+    log = open(os.path.join(tmp, "daemon.log"), "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log.close()
+    return proc, endpoint
+
+
+def _wait_health(endpoint: str, proc: subprocess.Popen | None, tmp: str | None, timeout: float = 120) -> dict:
+    from engine.client import Client
+    from engine.errors import ClientError
+
+    deadline = time.monotonic() + timeout
+    with Client(endpoint, timeout=0.5) as c:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                tail = open(os.path.join(tmp, "daemon.log"), errors="replace").read()[-3000:] if tmp else ""
+                raise SystemExit(f"bench-serve: daemon exited with {proc.returncode}:\n{tail}")
+            try:
+                h = c.health()
+                if h.get("chips_up"):
+                    return h
+            except ClientError:
+                pass
+    raise SystemExit("bench-serve: daemon not healthy in time")
+
+
+def _predict(a: argparse.Namespace, n: int, prompt_mean: int, gen_mean: int, health: dict) -> float | None:
+    if a.backend != "sim":
+        return None
+    from engine.config import load_config
+    from engine.core.scheduler_config import scheduler_config_from
+    from engine.daemon.main import _pairs
+    from engine.sim import predict
+
+    cfg = load_config(None, {"board.backend": "sim", **_pairs(a.set, "--set")})
+    sc = scheduler_config_from(cfg)
+    m = health["model"]
+    r = predict(a.concurrency, requests=n, prompt_mean=prompt_mean, gen_mean=gen_mean, chips=a.chips,
+                profiles=tuple(m["profiles"]), max_seq=m["max_seq"], config=sc)
+    return round(r.throughput_tok_s, 1)
+
+
+def run(a: argparse.Namespace) -> dict:
+    from engine.sim import make_workload
+
+    a.set = [f"executor.max_inflight={a.max_inflight}", *a.set]
+
+    per_slot, pm, gm = DEFAULTS[a.backend]
+    prompt_mean = a.prompt_mean or pm
+    gen_mean = a.gen_mean or gm
+    n = a.requests or per_slot * a.concurrency
+    tmp = None
+    proc = None
+    rows: list[list] = []
+    try:
+        if a.endpoint:
+            endpoint = a.endpoint
+        else:
+            tmp = tempfile.mkdtemp(prefix="npsb-", dir="/tmp")
+            proc, endpoint = _start_daemon(a, tmp)
+        health = _wait_health(endpoint, proc, tmp)
+        m = health["model"]
+        # Exactly the simulator's workload (same lengths); ids folded into the model's vocabulary.
+        wl = make_workload(n, prompt_mean, gen_mean, max_seq=m["max_seq"], seed=42)
+        v = min(m["vocab_size"], 256)
+        reqs = [{"prompt": [t % v for t in r.prompt], "max_tokens": r.max_tokens, "seed": r.index} for r in wl]
+        k = max(1, min(a.clients, a.concurrency))
+        start_at = time.time() + 1.0 + 0.2 * k
+        procs = []
+        for i in range(k):
+            share = a.concurrency // k + (1 if i < a.concurrency % k else 0)
+            spec = {"endpoint": endpoint, "concurrency": share, "requests": reqs[i::k], "start_at": start_at}
+            p = subprocess.Popen([sys.executable, "-m", "tools.bench_serve", "--_client", "-"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            p.stdin.write(orjson.dumps(spec))
+            p.stdin.close()
+            procs.append(p)
+        for p in procs:
+            out = p.stdout.read()
+            p.wait()
+            if p.returncode != 0:
+                raise SystemExit(f"bench-serve: a client process failed ({p.returncode})")
+            rows += orjson.loads(out)
+        predicted = _predict(a, n, prompt_mean, gen_mean, health)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if tmp:
+            if rows and any(r[4] is not None for r in rows):
+                with open(os.path.join(tmp, "daemon.log"), errors="replace") as fh:
+                    sys.stderr.write("bench-serve: requests failed; daemon log tail:\n" + fh.read()[-3000:])
+            shutil.rmtree(tmp, ignore_errors=True)
+    ok = [r for r in rows if r[4] is None]
+    errors = len(rows) - len(ok)
+    tokens = sum(r[3] for r in ok)
+    t_begin = min(r[0] for r in rows)
+    t_end = max((r[2] or r[0]) for r in rows)
+    ttft = [(r[1] - r[0]) * 1000 for r in ok if r[1] is not None]
+    tpot = [(r[2] - r[1]) * 1000 / (r[3] - 1) for r in ok if r[3] > 1]
+    return {
+        "backend": a.backend, "concurrency": a.concurrency, "requests": len(rows), "errors": errors,
+        "tokens_per_s": round(tokens / max(t_end - t_begin, 1e-9), 1),
+        "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99),
+        "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p99_ms": _pct(tpot, 0.99),
+        "predicted_tokens_per_s": predicted,
+        "generated_tokens": tokens, "seconds": round(t_end - t_begin, 3), "chips": a.chips,
+        "prompt_mean": prompt_mean, "gen_mean": gen_mean, "client_processes": k, "settings": a.set,
+        "error_codes": {str(c): sum(1 for r in rows if r[4] == c) for c in sorted({r[4] for r in rows} - {None})},
+    }
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    if a._client:
+        return _client_main()
+    res = run(a)
+    if a.json:
+        sys.stdout.buffer.write(orjson.dumps(res) + b"\n")
+    else:
+        print(f"bench-serve: {res['backend']} backend, {res['chips']} chips, concurrency {res['concurrency']}, "
+              f"{res['requests']} requests ({res['errors']} errors), {res['generated_tokens']} tokens "
+              f"in {res['seconds']} s")
+        print(f"  generated tokens/s  {res['tokens_per_s']}")
+        if res["predicted_tokens_per_s"] is not None:
+            pct = 100 * res["tokens_per_s"] / res["predicted_tokens_per_s"]
+            print(f"  predicted tokens/s  {res['predicted_tokens_per_s']}  (delivered {pct:.1f} %)")
+        print(f"  TTFT p50/p99 ms     {res['ttft_p50_ms']} / {res['ttft_p99_ms']}")
+        print(f"  TPOT p50/p99 ms     {res['tpot_p50_ms']} / {res['tpot_p99_ms']}")
+    return 0 if res["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
