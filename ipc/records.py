@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,7 +50,7 @@ class JobStatus(enum.IntEnum):
 
 
 _META_LEN = 8
-_JOB_META_LEN = 24  # 4 scalars, 15 field sizes, spare
+_JOB_META_LEN = 24  # 4 scalars, 15 field sizes, submitted_ns, spare
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 
 
@@ -77,6 +78,10 @@ class Job:
     return_logits: bool = False
     src_blocks: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
     dst_blocks: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    # time.monotonic_ns() when the scheduler process handed the job to the chip
+    # (CLOCK_MONOTONIC is system-wide); 0 = unknown. A backend that models a
+    # device queue (sim) starts the job no earlier than this.
+    submitted_ns: int = 0
 
     @property
     def batch(self) -> int:
@@ -168,7 +173,7 @@ class Job:
             self.tokens.size, self.positions.size, self.query_start.size, self.context_lens.size,
             self.top_k.size, bt.shape[0], bt.shape[1], self.src_blocks.size, self.dst_blocks.size,
             self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
-            self.want_logprobs.size, self.seed.size, 0, 0, 0, 0, 0,
+            self.want_logprobs.size, self.seed.size, self.submitted_ns, 0, 0, 0, 0,
         )
         np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
                         bt.ravel(), self.src_blocks, self.dst_blocks), out=dst["i32"], casting="unsafe")
@@ -210,7 +215,7 @@ class Job:
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
             top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7], dst_blocks=i32[o7:],
             temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv], sample=u8[nlv:nlv + nsm],
-            want_logprobs=u8[nlv + nsm:], seed=u64,
+            want_logprobs=u8[nlv + nsm:], seed=u64, submitted_ns=m[19],
         )
 
     @classmethod
@@ -283,9 +288,12 @@ class JobResult:
         )
 
 
-@dataclass(frozen=True)
-class Lane:
-    """One active lane of a job: its new tokens starting at position `start`, and its block table."""
+class Lane(NamedTuple):
+    """One active lane of a job: its new tokens starting at position `start`, and its block table.
+
+    A NamedTuple, not a frozen dataclass: the scheduler builds one per
+    generated token, and a frozen dataclass costs twice as much to build.
+    """
 
     tokens: Sequence[int]
     start: int

@@ -36,3 +36,36 @@ def test_sim_bench_has_a_prediction():
     r = _bench("--backend", "sim", "--concurrency", "4", "--requests", "4", "--gen-mean", "16", "--prompt-mean", "16",
                "--chips", "1", "--clients", "1")
     assert r["errors"] == 0 and r["predicted_tokens_per_s"] > 0
+
+
+def test_sim_bench_reports_both_runs_for_the_gap_breakdown():
+    r = _bench("--backend", "sim", "--concurrency", "4", "--requests", "6", "--gen-mean", "16", "--prompt-mean", "16",
+               "--chips", "2", "--clients", "1")
+    d, p = r["daemon_run"], r["predicted_run"]
+    assert len(d["device_busy"]) == len(p["device_busy"]) == 2
+    # Every prompt is one prefill job (16 tokens < one chunk) and each request's other tokens are decode lanes.
+    assert d["prefill_jobs"] == p["prefill_jobs"] == 6
+    assert d["decode_lanes"] == p["decode_lanes"] == r["generated_tokens"] - 6
+    assert sum(d["jobs"]) == d["decode_jobs"] + d["prefill_jobs"]
+    assert all(0 < b <= 1.0 for b in d["device_busy"]) and max(p["device_busy"]) > 0.5
+
+
+def test_simulator_run_summary_matches_its_latency_model():
+    from engine.sim import make_workload, simulate
+    from tools.bench_serve import _sim_run
+    from workers.backends.sim_latency import LatencyModel
+
+    wl = make_workload(10, 64, 16, seed=7)
+    res = simulate("continuous", 4, wl, chips=2)
+    run = _sim_run(res)
+    lat = LatencyModel()
+    prompt_tokens = sum(len(w.prompt) for w in wl)
+    assert run["prefill_tokens"] == prompt_tokens and run["prefill_jobs"] == 10
+    assert run["decode_lanes"] == sum(w.max_tokens for w in wl) - 10
+    # Busy time is exactly the latency model over the jobs that ran.
+    busy = sum(c["busy_s"] for c in res.per_chip)
+    model = (prompt_tokens * lat.flops_per_token / lat.throughput_flops
+             + run["decode_jobs"] * lat.decode_base_ms / 1000 + run["decode_lanes"] * lat.decode_per_lane_ms / 1000)
+    assert abs(busy - model) < 1e-6
+    assert abs(busy - res.chip_busy * res.makespan_s * 2) < 1e-6
+    assert abs(sum(run["device_s"]) - busy) < 0.002  # reported rounded to ms

@@ -320,3 +320,68 @@ def test_concurrent_duplicate_prefix_keeps_first_and_stays_consistent() -> None:
     m.release(1)
     m.release(2)
     assert m.available_blocks() == 16
+
+
+def test_commit_reads_only_the_committed_prefix_of_a_longer_token_list() -> None:
+    m = mgr()
+    tokens = list(range(12))  # the scheduler passes all it holds, never a copy
+    m.reserve(1, 1, tokens, 12, K)
+    m.begin_update(1, 1, 6)
+    m.commit(1, 1, tokens)
+    assert m.sequence(1).committed_len == 6
+    assert m.stats()["blocks"]["cached"] == 1  # only the block below committed_len
+    assert m.cached_prefix_len(K, tokens) == 4
+
+
+def test_growing_sequence_caches_each_block_as_it_fills() -> None:
+    m = mgr(max_seq=32)
+    tokens = list(range(100, 103))
+    m.reserve(1, 1, tokens, 3, K)
+    m.begin_update(1, 1, 3)
+    m.commit(1, 1, tokens)
+    for job in range(2, 20):  # one decode step per job
+        n = len(tokens)
+        assert m.grow(1, min(32, -(-(n + 1) // BS) * BS))
+        tokens.append(200 + job)
+        m.begin_update(1, job, n + 1)
+        m.commit(1, job, tokens)
+        full = (n + 1) // BS
+        assert m.stats()["blocks"]["cached"] == full
+        assert m.cache.lookup(K, tokens) == m.block_table(1)[:full]
+
+
+def test_dropped_cache_path_is_rebuilt_from_the_root_on_the_next_full_block() -> None:
+    m = mgr()
+    prompt = list(range(8))
+    m.reserve(1, 1, prompt, 12, K)
+    m.begin_update(1, 1, 8)
+    m.commit(1, 1, prompt)
+    assert m.stats()["blocks"]["cached"] == 2
+    m.drop_generation(1)  # the live sequence's cached path disappears under it
+    assert m.stats()["blocks"]["cached"] == 0
+    tokens = prompt + [8, 9, 10, 11]
+    m.begin_update(1, 2, 12)
+    m.commit(1, 2, tokens)
+    assert m.cache.lookup(K, tokens) == m.block_table(1)[:3]
+    m.release(1)
+    assert m.available_blocks() == 16
+
+
+def test_per_token_kv_calls_skip_the_full_sweep_unless_paranoid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_invariants() is O(blocks): a normal manager must not run it on begin_update/commit."""
+    calls = {"n": 0}
+    real = KvManager.check_invariants
+
+    def counting(self: KvManager) -> None:
+        calls["n"] += 1
+        real(self)
+
+    monkeypatch.setattr(KvManager, "check_invariants", counting)
+    for paranoid, expect_sweeps in ((False, False), (True, True)):
+        m = KvManager(chip=0, num_blocks=16, block_size=BS, max_seq=64, prefix_cache=True, paranoid=paranoid)
+        m.reserve(1, 1, [1, 2, 3], 8, K)
+        calls["n"] = 0
+        for job, n in enumerate(range(3, 8), start=1):
+            m.begin_update(1, job, n + 1)
+            m.commit(1, job, list(range(8)))
+        assert (calls["n"] > 0) is expect_sweeps

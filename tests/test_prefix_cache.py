@@ -147,3 +147,57 @@ def test_clear_and_drop_key() -> None:
     assert sorted(c.clear()) == [1, 2]
     assert c.match(PrefixKey(1), toks((0, 8))) == [] and c.evictable() == 0
     c.check_invariants()
+
+
+def test_extend_adds_only_the_new_blocks_below_the_held_path() -> None:
+    c = PrefixCache(BS)
+    t = toks((0, 16))
+    assert c.extend(K, None, t, [1, 2, 3, 4], 0, 2) == 2  # a fresh sequence's first two full blocks
+    assert c.extend(K, 2, t, [1, 2, 3, 4], 2, 3) == 3  # one more block filled
+    assert c.match(K, t) == [1, 2, 3]
+    assert c.extend(K, 3, t, [1, 2, 3, 4], 3, 4) == 4
+    assert c.match(K, t) == [1, 2, 3, 4]
+    c.check_invariants()
+
+
+def test_extend_stops_at_a_concurrent_duplicate_like_insert() -> None:
+    c = PrefixCache(BS)
+    t = toks((0, 12))
+    fresh(c, K, t[:4], [1], unref=False)
+    fresh(c, K, t, [1, 2, 3], unref=False)  # another holder cached blocks 2, 3 below 1
+    # a holder of block 1 that computed positions 1..2 into its own blocks 7, 8
+    assert c.extend(K, 1, t, [1, 7, 8], 1, 3) == 1
+    assert not c.is_cached(7) and not c.is_cached(8)
+    assert c.match(K, t) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("grow", ["insert", "extend"])
+def test_a_path_grown_recently_counts_as_recently_used_as_a_whole(grow: str) -> None:
+    """`extend` does not touch the ancestors; an evicted leaf hands its age up, so LRU matches `insert`'s."""
+    c = PrefixCache(BS)
+    t = toks((0, 12))
+    assert c.insert(K, t[:8], [1, 2]) == 2  # old path 1 <- 2, held
+    assert c.insert(K, toks((100, 4)), [5]) == 1  # block 5: newer than the path's start, held
+    if grow == "insert":
+        assert c.insert(K, t, [1, 2, 4]) == 3
+    else:
+        assert c.extend(K, 2, t, [1, 2, 4], 2, 3) == 3
+    for b in (1, 2, 4):
+        c.mark_unreferenced(b)
+    assert c.evict(1) == [4]  # the only unreferenced leaf
+    c.mark_unreferenced(5)
+    # block 2 was used (through 4) after block 5: 5 is the least recently used leaf
+    assert c.evict(1) == [5]
+    assert c.evict(2) == [2, 1]
+
+
+def test_clear_and_drop_key_change_the_epoch() -> None:
+    c = PrefixCache(BS)
+    e0 = c.epoch
+    fresh(c, K, toks((0, 4)), [1])
+    c.evict(1)
+    assert c.epoch == e0  # eviction never removes a held path: extend stays valid
+    c.drop_key(K)
+    assert c.epoch == e0 + 1
+    c.clear()
+    assert c.epoch == e0 + 2

@@ -25,7 +25,8 @@ DTYPES = {"tokens": np.int32, "positions": np.int32, "query_start": np.int32, "l
 
 
 def assert_same_job(a: Job, b: Job) -> None:
-    assert (a.job_id, a.generation, a.kind, a.return_logits) == (b.job_id, b.generation, b.kind, b.return_logits)
+    assert (a.job_id, a.generation, a.kind, a.return_logits, a.submitted_ns) == \
+        (b.job_id, b.generation, b.kind, b.return_logits, b.submitted_ns)
     for name in FIELDS:
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype, name
@@ -107,6 +108,7 @@ def mutated_jobs(draw) -> Job:
     """Coherent jobs, and jobs with one thing broken (shapes kept 1-D/2-D so they can be sent)."""
     job = draw(coherent_jobs())
     b = job.batch
+    job.submitted_ns = draw(st.integers(0, 2**62))
     how = draw(st.sampled_from(MUTATIONS))
     lane = draw(st.integers(0, b - 1))
     if how == "ctx":

@@ -171,7 +171,7 @@ def test_latency_model_custom_constants():
 def _recorded_wait(monkeypatch, sim: SimBackend) -> list[float]:
     """Freeze the sim's clock at 100 s and record how long it would wait."""
     waits: list[float] = []
-    monkeypatch.setattr(sim_module.time, "perf_counter", lambda: 100.0)
+    monkeypatch.setattr(sim_module.time, "monotonic", lambda: 100.0)
     monkeypatch.setattr(sim, "_wait_until", lambda deadline: waits.append(deadline - 100.0))
     return waits
 
@@ -189,6 +189,35 @@ def test_sim_prefill_waits_for_its_token_count(monkeypatch):
     waits = _recorded_wait(monkeypatch, sim)
     sim.prefill(make_job(JobKind.PREFILL, [{"tokens": list(range(40)), "start": 16, "seed": 3}]))
     assert waits == [pytest.approx(0.001 + 40 * 1e-3)]
+
+
+def test_sim_device_queues_a_job_behind_the_previous_one(monkeypatch):
+    """Two jobs in flight (ping/pong): the second starts when the first ends on
+    the modelled device, not when the worker's host code picks it up."""
+    sim = loaded(SimBackend(decode_base_ms=10, decode_per_lane_ms=2))
+    waits = _recorded_wait(monkeypatch, sim)
+    first = make_job(JobKind.DECODE, [decode_lane(1, 1)])
+    second = make_job(JobKind.DECODE, [decode_lane(2, 2)])
+    first.submitted_ns = second.submitted_ns = 100_000_000_000  # both handed over at t=100 s
+    sim.decode(first)
+    sim.decode(second)
+    assert waits == [pytest.approx(0.012), pytest.approx(0.024)]
+
+
+def test_sim_idle_device_starts_a_job_at_its_submission(monkeypatch):
+    sim = loaded(SimBackend(decode_base_ms=10, decode_per_lane_ms=2))
+    waits = _recorded_wait(monkeypatch, sim)
+    job = make_job(JobKind.DECODE, [decode_lane(1, 1)])
+    job.submitted_ns = 99_995_000_000  # 5 ms before the worker called the backend
+    sim.decode(job)
+    assert waits == [pytest.approx(0.007)]
+
+
+def test_sim_job_without_submission_time_starts_when_called(monkeypatch):
+    sim = loaded(SimBackend(decode_base_ms=10, decode_per_lane_ms=2))
+    waits = _recorded_wait(monkeypatch, sim)
+    sim.decode(make_job(JobKind.DECODE, [decode_lane(1, 1)]))
+    assert waits == [pytest.approx(0.012)]
 
 
 @pytest.mark.parametrize("busy_wait", [False, True])

@@ -22,9 +22,12 @@ import time
 
 import orjson
 
+# sim runs 4 requests per slot: with 2, the ramp-up and the tail (where the last
+# long requests sit on one chip while the other idles) are a large share of a
+# ~15 s run, and how they fall varies from run to run by several per cent.
 DEFAULTS = {  # per backend: (requests per concurrency slot, prompt_mean, gen_mean)
     "stub": (8, 64, 256),
-    "sim": (2, 128, 128),
+    "sim": (4, 128, 128),
     "ref": (2, 32, 32),
 }
 
@@ -133,7 +136,8 @@ def _wait_health(endpoint: str, proc: subprocess.Popen | None, tmp: str | None, 
     raise SystemExit("bench-serve: daemon not healthy in time")
 
 
-def _predict(a: argparse.Namespace, n: int, prompt_mean: int, gen_mean: int, health: dict) -> float | None:
+def _predict(a: argparse.Namespace, n: int, prompt_mean: int, gen_mean: int, health: dict):
+    """The in-process simulator's run of the same workload and scheduler configuration (sim only)."""
     if a.backend != "sim":
         return None
     from engine.config import load_config
@@ -144,9 +148,46 @@ def _predict(a: argparse.Namespace, n: int, prompt_mean: int, gen_mean: int, hea
     cfg = load_config(None, {"board.backend": "sim", **_pairs(a.set, "--set")})
     sc = scheduler_config_from(cfg)
     m = health["model"]
-    r = predict(a.concurrency, requests=n, prompt_mean=prompt_mean, gen_mean=gen_mean, chips=a.chips,
-                profiles=tuple(m["profiles"]), max_seq=m["max_seq"], config=sc)
-    return round(r.throughput_tok_s, 1)
+    return predict(a.concurrency, requests=n, prompt_mean=prompt_mean, gen_mean=gen_mean, chips=a.chips,
+                   profiles=tuple(m["profiles"]), max_seq=m["max_seq"], config=sc)
+
+
+def _stats(endpoint: str) -> dict:
+    from engine.client import Client
+
+    with Client(endpoint, timeout=10) as c:
+        return c.stats()
+
+
+_COUNTERS = ("decode_jobs", "decode_lanes", "prefill_jobs", "prefill_tokens")
+
+
+def _daemon_run(before: dict, after: dict, window_s: float) -> dict:
+    """What the chips did during the run (stats deltas): device time per chip vs the window, job mix.
+
+    `device_busy` below 1 is time the chip ran no modelled work: host overhead
+    between jobs, start-up and the tail when the chip had nothing left to do.
+    """
+    b_c, a_c = before["scheduler"]["counters"], after["scheduler"]["counters"]
+    counters = {k: a_c.get(k, 0) - b_c.get(k, 0) for k in _COUNTERS}
+    b_chips = {c["chip"]: c for c in before["chips"]}
+    device = [round(c["device_s"] - b_chips[c["chip"]]["device_s"], 3) for c in after["chips"]]
+    worker = [round(c["worker_s"] - b_chips[c["chip"]]["worker_s"], 3) for c in after["chips"]]
+    jobs = [after["scheduler"]["chips"][str(c["chip"])]["jobs_submitted"]
+            - before["scheduler"]["chips"][str(c["chip"])]["jobs_submitted"] for c in after["chips"]]
+    return {"window_s": round(window_s, 3), "device_s": device, "worker_s": worker,
+            "device_busy": [round(d / max(window_s, 1e-9), 4) for d in device], "jobs": jobs, **counters,
+            "mean_decode_lanes": round(counters["decode_lanes"] / max(counters["decode_jobs"], 1), 2)}
+
+
+def _sim_run(r) -> dict:
+    """The simulator's run in the shape of `_daemon_run` (its window is its makespan from t = 0)."""
+    pc = r.per_chip
+    counters = {k: sum(c[k] for c in pc) for k in _COUNTERS}
+    return {"window_s": round(r.makespan_s, 3), "device_s": [round(c["busy_s"], 3) for c in pc],
+            "device_busy": [round(c["busy_s"] / max(r.makespan_s, 1e-9), 4) for c in pc],
+            "jobs": [c["decode_jobs"] + c["prefill_jobs"] for c in pc], **counters,
+            "mean_decode_lanes": round(counters["decode_lanes"] / max(counters["decode_jobs"], 1), 2)}
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -168,6 +209,7 @@ def run(a: argparse.Namespace) -> dict:
             tmp = tempfile.mkdtemp(prefix="npsb-", dir="/tmp")
             proc, endpoint = _start_daemon(a, tmp)
         health = _wait_health(endpoint, proc, tmp)
+        stats_before = _stats(endpoint)
         m = health["model"]
         # Exactly the simulator's workload (same lengths); ids folded into the model's vocabulary.
         wl = make_workload(n, prompt_mean, gen_mean, max_seq=m["max_seq"], seed=42)
@@ -190,7 +232,8 @@ def run(a: argparse.Namespace) -> dict:
             if p.returncode != 0:
                 raise SystemExit(f"bench-serve: a client process failed ({p.returncode})")
             rows += orjson.loads(out)
-        predicted = _predict(a, n, prompt_mean, gen_mean, health)
+        stats_after = _stats(endpoint)
+        sim = _predict(a, n, prompt_mean, gen_mean, health)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -211,6 +254,7 @@ def run(a: argparse.Namespace) -> dict:
     t_end = max((r[2] or r[0]) for r in rows)
     ttft = [(r[1] - r[0]) * 1000 for r in ok if r[1] is not None]
     tpot = [(r[2] - r[1]) * 1000 / (r[3] - 1) for r in ok if r[3] > 1]
+    predicted = None if sim is None else round(sim.throughput_tok_s, 1)
     return {
         "backend": a.backend, "concurrency": a.concurrency, "requests": len(rows), "errors": errors,
         "tokens_per_s": round(tokens / max(t_end - t_begin, 1e-9), 1),
@@ -220,6 +264,8 @@ def run(a: argparse.Namespace) -> dict:
         "generated_tokens": tokens, "seconds": round(t_end - t_begin, 3), "chips": a.chips,
         "prompt_mean": prompt_mean, "gen_mean": gen_mean, "client_processes": k, "settings": a.set,
         "error_codes": {str(c): sum(1 for r in rows if r[4] == c) for c in sorted({r[4] for r in rows} - {None})},
+        "daemon_run": _daemon_run(stats_before, stats_after, t_end - t_begin),
+        "predicted_run": None if sim is None else _sim_run(sim),
     }
 
 
@@ -240,6 +286,12 @@ def main(argv: list[str]) -> int:
             print(f"  predicted tokens/s  {res['predicted_tokens_per_s']}  (delivered {pct:.1f} %)")
         print(f"  TTFT p50/p99 ms     {res['ttft_p50_ms']} / {res['ttft_p99_ms']}")
         print(f"  TPOT p50/p99 ms     {res['tpot_p50_ms']} / {res['tpot_p99_ms']}")
+        for label, ran in (("daemon", res["daemon_run"]), ("simulator", res["predicted_run"])):
+            if ran is not None:
+                busy = ", ".join(f"{100 * b:.1f} %" for b in ran["device_busy"])
+                print(f"  {label + ':':<11} {ran['window_s']} s, device busy per chip {busy}; "
+                      f"{ran['decode_jobs']} decode jobs ({ran['mean_decode_lanes']} lanes), "
+                      f"{ran['prefill_jobs']} prefill jobs")
     return 0 if res["errors"] == 0 else 1
 
 

@@ -214,6 +214,7 @@ class ChipLink:
     def submit(self, job: Job) -> None:
         """Write the job record into the job ring and ring the doorbell. Raises ipc.ring.RingFull."""
         assert self._job_ring is not None and self.socket is not None, "submit() on a stopped ChipLink"
+        job.submitted_ns = time.monotonic_ns()
         spec = job.array_spec()
         spec["ctl"] = _CTL_SPEC
         with self._job_ring.reserve(spec, timeout=0.0) as w:  # packed straight into the ring: one copy

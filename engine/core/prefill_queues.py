@@ -43,16 +43,21 @@ class SmoothWeightedRoundRobin:
         self.picks = {c: 0 for c in weights}
 
     def pick(self, candidates: Iterable[WorkClass]) -> WorkClass | None:
-        wanted = set(candidates)
-        cands = [c for c in self.weights if c in wanted]
-        if not cands:
-            return None
+        """Once per job submitted: a plain loop over the (at most four) classes, no temporaries."""
+        wanted = candidates if isinstance(candidates, (list, tuple, set, frozenset)) else list(candidates)
+        current, weights = self._current, self.weights
         total = 0
-        for c in cands:
-            self._current[c] += self.weights[c]
-            total += self.weights[c]
-        best = max(cands, key=lambda c: self._current[c])
-        self._current[best] -= total
+        best: WorkClass | None = None
+        for c, w in weights.items():  # configuration order: ties go to the earlier class, as max() did
+            if c in wanted:
+                cur = current[c] + w
+                current[c] = cur
+                total += w
+                if best is None or cur > current[best]:
+                    best = c
+        if best is None:
+            return None
+        current[best] -= total
         self.picks[best] += 1
         return best
 

@@ -81,6 +81,11 @@ class Scheduler:
         self.config = config
         self.model = model
         self.profiles = resolve_profiles(config.profiles, model.profiles)
+        # Per decode job: the profile for n ready sequences, and the smallest profile holding n lanes,
+        # for n = 0..max profile (more ready than that picks the largest). Tables, not a search per job.
+        top = max(self.profiles)
+        self._profile_for_ready = [lanes_for(n, self.profiles, config.profile_fill_ratio)[0] for n in range(top + 1)]
+        self._profile_fitting = [min(b for b in self.profiles if b >= n) for n in range(top + 1)]
         self.chunked = bool(config.chunked_prefill and model.chunked_prefill)
         self._eos = tuple(model.eos_ids)
         weights = {
@@ -640,7 +645,8 @@ class Scheduler:
 
     def _submit_decode(self, ch: ChipState, now: float, out: list[Action]) -> None:
         cands = self._decode_candidates(ch)
-        batch, _ = lanes_for(len(cands), self.profiles, self.config.profile_fill_ratio)
+        table = self._profile_for_ready
+        batch = table[min(len(cands), len(table) - 1)]  # == lanes_for(len(cands), ...)[0]
         picked = self._pick_lanes(cands, batch)
         ready = ch.decode_ready
         chosen: list[RequestRecord] = []
@@ -650,7 +656,7 @@ class Scheduler:
                 chosen.append(r)
         if not chosen:
             return
-        batch = min(b for b in self.profiles if b >= len(chosen))
+        batch = self._profile_fitting[len(chosen)]
         job_id = next(self._job_ids)
         kv = ch.kv
         lanes = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
 from engine.core.requests import GenerateParams
@@ -42,9 +42,19 @@ class SimResult:
     itl_p99_ms: float  # inter-token latency P99: the stall a long prefill causes shows here
     makespan_s: float
     chip_busy: float  # fraction of the makespan the chips were computing
+    # Per chip: busy_s, decode_jobs, decode_lanes, prefill_jobs, prefill_tokens (VirtualChip.summary):
+    # what bench-serve compares a daemon's run with, to tell job-mix differences from idle time.
+    per_chip: list[dict] = field(default_factory=list)
 
     def row(self) -> dict:
-        return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        def r(v):
+            if isinstance(v, float):
+                return round(v, 2)
+            if isinstance(v, list):
+                return [{k: r(x) for k, x in d.items()} for d in v]
+            return v
+
+        return {k: r(v) for k, v in asdict(self).items()}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -159,7 +169,7 @@ def simulate(policy: str, concurrency: int, workload: list[SimRequest], *, chips
         throughput_tok_s=total_tokens / makespan,
         ttft_p50_ms=_pct(ttft, 0.50), ttft_p99_ms=_pct(ttft, 0.99),
         tpot_mean_ms=sum(tpot) / len(tpot) if tpot else 0.0, itl_p99_ms=_pct(gaps, 0.99),
-        makespan_s=makespan, chip_busy=busy,
+        makespan_s=makespan, chip_busy=busy, per_chip=[vchips[c].summary() for c in sorted(vchips)],
     )
 
 
@@ -192,6 +202,7 @@ def serial_table(concurrencies: list[int], workload: list[SimRequest], **kw) -> 
             policy="serial", concurrency=c, requests=len(workload), throughput_tok_s=base.throughput_tok_s,
             ttft_p50_ms=_pct(ttft, 0.50), ttft_p99_ms=_pct(ttft, 0.99), tpot_mean_ms=base.tpot_mean_ms,
             itl_p99_ms=base.itl_p99_ms, makespan_s=base.makespan_s, chip_busy=base.chip_busy,
+            per_chip=base.per_chip,
         ))
     return out
 

@@ -15,11 +15,30 @@ class VirtualChip:
         self.vocab = vocab
         self.busy_until = 0.0
         self.busy_time = 0.0
+        # What ran, to compare job mix and batch fill with a daemon's run of the same workload.
+        self.decode_jobs = 0
+        self.decode_lanes = 0
+        self.prefill_jobs = 0
+        self.prefill_tokens = 0
 
     def duration(self, job: Job) -> float:
         if job.kind is JobKind.DECODE:
             return self.latency.decode_seconds(int(np.count_nonzero(job.lane_valid)))
         return self.latency.prefill_seconds(int(job.tokens.shape[0]))
+
+    def _count(self, job: Job) -> None:
+        if job.kind is JobKind.DECODE:
+            self.decode_jobs += 1
+            self.decode_lanes += int(np.count_nonzero(job.lane_valid))
+        else:
+            self.prefill_jobs += 1
+            self.prefill_tokens += int(job.tokens.shape[0])
+
+    def summary(self) -> dict:
+        """Per-chip totals of the run (busy seconds, job counts, lanes), as SimResult.per_chip reports them."""
+        return {"chip": self.chip, "busy_s": self.busy_time, "decode_jobs": self.decode_jobs,
+                "decode_lanes": self.decode_lanes, "prefill_jobs": self.prefill_jobs,
+                "prefill_tokens": self.prefill_tokens}
 
     def run(self, job: Job, now: float) -> tuple[float, JobResult]:
         """(completion time, result): jobs queue behind each other on the device."""
@@ -27,6 +46,7 @@ class VirtualChip:
         d = self.duration(job)
         self.busy_until = start + d
         self.busy_time += d
+        self._count(job)
         # Tokens never equal EOS 0: generation length is governed by max_tokens.
         toks = (1 + (job.seed.astype(np.int64) * 7919 + job.context_lens) % (self.vocab - 1)).astype(np.int32)
         toks[job.sample == 0] = -1

@@ -7,6 +7,14 @@ holds the worker's CPU. By default the wait sleeps and then spins only its last
 `spin_ms`: a plain sleep overshoots by ~0.5-1 ms on a loaded machine, which
 would add 3-5 % to every 20 ms step and make the daemon look slower than the
 latency model it is compared with.
+
+The modelled device has a job queue, like an NPU with ping/pong engines (seed
+001 §14): a job starts at the later of its submission by the scheduler
+(`Job.submitted_ns`) and the modelled end of the previous job, not when the
+worker's host code gets round to it. So the worker's own per-job work
+(publishing the last result, reading the next job) overlaps the next job's
+device time when the scheduler keeps two jobs in flight, and adds to it when
+it keeps one -- as on hardware.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ class SimBackend(StubBackend):
             raise ValueError("spin_ms must be >= 0")
         self.busy_wait = bool(busy_wait)
         self.spin_s = spin_ms / 1000.0
+        self._device_free_at = 0.0  # time.monotonic() at which the modelled device finishes its queue
         self.time_scale = float(time_scale)
 
     def describe(self) -> BackendInfo:
@@ -77,29 +86,36 @@ class SimBackend(StubBackend):
         return self.latency.prefill_seconds(n_tokens)
 
     def prefill(self, job: Job) -> StepOutput:
-        start = time.perf_counter()
+        called = time.monotonic()
         self._check(job, JobKind.PREFILL)
         valid = np.asarray(job.lane_valid) != 0
         lens = np.diff(np.asarray(job.query_start, dtype=np.int64))
         n_tokens = int(lens[valid].sum()) if job.batch else 0
         out = StepOutput(tokens=self.sampled_tokens(job))
-        self._wait_until(start + self.prefill_seconds(n_tokens) * self.time_scale)
+        self._wait_until(self._device_end(job, called, self.prefill_seconds(n_tokens)))
         return out
 
     def decode(self, job: Job) -> StepOutput:
-        start = time.perf_counter()
+        called = time.monotonic()
         self._check(job, JobKind.DECODE)
         active = int(np.count_nonzero(job.lane_valid))
         out = StepOutput(tokens=self.sampled_tokens(job))
-        self._wait_until(start + self.decode_seconds(active) * self.time_scale)
+        self._wait_until(self._device_end(job, called, self.decode_seconds(active)))
         return out
+
+    def _device_end(self, job: Job, called: float, seconds: float) -> float:
+        """When the modelled device finishes `job`: queued behind the previous job, from its submission."""
+        arrived = min(job.submitted_ns / 1e9, called) if job.submitted_ns else called
+        end = max(arrived, self._device_free_at) + seconds * self.time_scale
+        self._device_free_at = end
+        return end
 
     def _wait_until(self, deadline: float) -> None:
         if self.busy_wait:
-            while time.perf_counter() < deadline:
+            while time.monotonic() < deadline:
                 pass
             return
-        while (left := deadline - time.perf_counter()) > self.spin_s:
+        while (left := deadline - time.monotonic()) > self.spin_s:
             time.sleep(left - self.spin_s)
-        while time.perf_counter() < deadline:
+        while time.monotonic() < deadline:
             pass

@@ -51,6 +51,11 @@ class KvSequence:
 
 
 _LIVE = (S.RESERVED, S.ACTIVE, S.UPDATING)
+# The per-token transitions (begin_update, commit) start from states checked
+# in place, so their legality is a property of the table: check it once here
+# instead of on every token.
+for _old, _new in ((S.RESERVED, S.UPDATING), (S.ACTIVE, S.UPDATING), (S.UPDATING, S.ACTIVE)):
+    check_transition(_old, _new)
 
 
 class KvManager:
@@ -197,11 +202,12 @@ class KvManager:
             raise ValueError(
                 f"seq {seq_id}: need committed_len={seq.committed_len} < new_len={new_len} <= reserved_len={seq.reserved_len}"
             )
-        check_transition(seq.state, S.UPDATING)
-        seq.state = S.UPDATING
+        seq.state = S.UPDATING  # legal from RESERVED / ACTIVE (checked at import)
         seq.pending_job = job_id
         seq.pending_len = new_len
-        self._after_seq(seq)
+        assert seq.committed_len <= seq.reserved_len <= self.max_seq, seq
+        if self.paranoid:
+            self.check_invariants()
 
     def commit(self, seq_id: int, job_id: int, tokens: Sequence[int]) -> None:
         """`tokens`: the sequence's tokens, at least its first pending_len (longer is fine; never copied).
@@ -211,19 +217,20 @@ class KvManager:
         """
         seq = self._seqs.get(seq_id)
         if seq is None or seq.state is not S.UPDATING or seq.pending_job != job_id:
-            self._pending(seq_id, job_id)  # raises StaleJob with the details
+            seq = self._pending(seq_id, job_id)  # raises StaleJob with the details
         new_len = seq.pending_len
         assert new_len is not None
         if len(tokens) < new_len:
             raise ValueError(f"seq {seq_id}: commit of {new_len} tokens given only {len(tokens)}")
-        check_transition(S.UPDATING, S.ACTIVE)
         seq.committed_len = new_len
-        seq.state = S.ACTIVE
+        seq.state = S.ACTIVE  # legal from UPDATING (checked at import)
         seq.pending_job = None
         seq.pending_len = None
         if seq.key is not None and new_len // self.block_size > seq.cache_blocks:
             self._feed_cache(seq, tokens)
-        self._after_seq(seq)
+        assert seq.committed_len <= seq.reserved_len <= self.max_seq, seq
+        if self.paranoid:
+            self.check_invariants()
 
     def fail(self, seq_id: int, job_id: int) -> None:
         seq = self._seqs.get(seq_id)
