@@ -15,7 +15,15 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from engine.client import Result, ResultBuilder, build_generate, default_endpoint, reply_body
+from engine.client import (
+    Result,
+    ResultBuilder,
+    build_cancel,
+    build_generate,
+    default_endpoint,
+    open_dealer,
+    reply_body,
+)
 from engine.errors import ClientError, ClientTimeout, InvalidRequest
 from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_event, encode
 
@@ -33,11 +41,7 @@ class AsyncClient:
         self.timeout = timeout
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.connect(self.endpoint)
+        self._sock = open_dealer(self._ctx, self.endpoint)
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count(1)
         self._tag = f"{os.getpid():x}.{id(self) & 0xFFFFFF:x}"
@@ -79,7 +83,7 @@ class AsyncClient:
             while b.result is None:
                 b.feed(await self._get(q, rid, deadline))
         except ClientTimeout:
-            await self._send_quiet({"v": PROTOCOL_VERSION, "op": "cancel", "id": rid})
+            await self._send_quiet(build_cancel(rid))
             raise
         finally:
             self._queues.pop(rid, None)
@@ -107,11 +111,11 @@ class AsyncClient:
         finally:
             self._queues.pop(rid, None)
             if not finished and not self._closed:
-                await self._send_quiet({"v": PROTOCOL_VERSION, "op": "cancel", "id": rid})
+                await self._send_quiet(build_cancel(rid))
 
     async def cancel(self, id: str) -> None:
         """Ask the server to cancel request `id` (idempotent; its stream ends with done/cancelled)."""
-        await self._send({"v": PROTOCOL_VERSION, "op": "cancel", "id": id})
+        await self._send(build_cancel(id))
 
     async def health(self, *, timeout: float | None = ...) -> dict:
         return await self.call("health", timeout=timeout)

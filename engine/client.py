@@ -69,6 +69,25 @@ def build_generate(rid: str, prompt: list[int], stream: bool, sampling: dict) ->
     return msg
 
 
+def build_cancel(rid: str) -> dict:
+    """The `cancel` request message for request `rid`."""
+    return {"v": PROTOCOL_VERSION, "op": "cancel", "id": rid}
+
+
+def open_dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """The one DEALER socket of a client (sync or asyncio context), connected to `endpoint`.
+
+    LINGER 0: closing never waits for unsent messages. No high-water marks:
+    every in-flight request's events must be kept, however many there are.
+    """
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(endpoint)
+    return sock
+
+
 class ResultBuilder:
     """Folds a request's events into a `Result` (streamed tokens or the final `done`)."""
 
@@ -125,11 +144,7 @@ class Client:
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.connect(self.endpoint)
+        self._sock = open_dealer(self._ctx, self.endpoint)
         self._sock_lock = threading.Lock()
         self._cv = threading.Condition()
         self._queues: dict[str, collections.deque] = {}
@@ -205,7 +220,7 @@ class Client:
 
     def cancel(self, id: str) -> None:
         """Ask the server to cancel request `id` (idempotent; its stream ends with done/cancelled)."""
-        self._send({"v": PROTOCOL_VERSION, "op": "cancel", "id": id})
+        self._send(build_cancel(id))
 
     def health(self, *, timeout: float | None = ...) -> dict:
         return self.call("health", timeout=timeout)

@@ -71,9 +71,11 @@ class ClientTimeout(ClientError, TimeoutError):
     code = 0
 
 
+# Keyed by each class's own `code`, so a code is written in one place only.
 _BY_CODE: dict[int, type[ClientError]] = {
-    400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: ModelNotFound,
-    429: Overloaded, 500: ServerError, 501: NotSupported, 503: Unavailable, 504: DeadlineExceeded,
+    cls.code: cls
+    for cls in (InvalidRequest, Unauthorized, Forbidden, ModelNotFound, Overloaded, ServerError,
+                NotSupported, Unavailable, DeadlineExceeded)
 }
 
 

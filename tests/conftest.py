@@ -37,6 +37,24 @@ def shm_objects_of(pid: int) -> list[str]:
     return sorted(n for n in names if "npuserve" in n and parse_owner_pid(n) == pid)
 
 
+def sweep_shm(prefix: str) -> None:
+    """Unlink every segment and semaphore named with `prefix`, then fail if there was any.
+
+    The teardown of the shm/doorbell tests' autouse fixtures: a test that
+    leaves an object behind fails, and the object is removed either way.
+    """
+    import posix_ipc
+
+    from ipc.shm import list_segments, list_semaphores
+
+    segs, sems = list_segments(prefix), list_semaphores(prefix)
+    for name in segs:
+        posix_ipc.unlink_shared_memory(name)
+    for name in sems:
+        posix_ipc.unlink_semaphore(name)
+    assert (segs, sems) == ([], [])
+
+
 @dataclass
 class DaemonProc:
     proc: subprocess.Popen

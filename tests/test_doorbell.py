@@ -9,14 +9,14 @@ import sys
 import time
 
 import numpy as np
-import posix_ipc
 import psutil
 import pytest
 import zmq
 
+from conftest import sweep_shm
 from ipc.doorbell import Doorbell, SemaphoreDoorbell, ZmqDoorbell
 from ipc.ring import Ring
-from ipc.shm import list_segments, list_semaphores
+from ipc.shm import list_semaphores
 
 PREFIX = f"nptbell{os.getpid()}"
 
@@ -25,12 +25,7 @@ PREFIX = f"nptbell{os.getpid()}"
 def no_leaks():
     """Fail a test that leaves an object behind, and remove it either way."""
     yield
-    segs, sems = list_segments(PREFIX), list_semaphores(PREFIX)
-    for name in segs:
-        posix_ipc.unlink_shared_memory(name)
-    for name in sems:
-        posix_ipc.unlink_semaphore(name)
-    assert (segs, sems) == ([], [])
+    sweep_shm(PREFIX)
 
 
 @pytest.fixture(params=["semaphore", "zmq"])

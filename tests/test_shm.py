@@ -12,6 +12,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
+from conftest import sweep_shm
 from ipc.doorbell import SemaphoreDoorbell
 from ipc.naming import make_name, parse_owner_pid
 from ipc.shm import SHM_PREFIX, Segment, list_segments, list_semaphores, parse_owner_pid as shm_parse, reap_stale
@@ -23,12 +24,7 @@ PREFIX = f"nptshm{os.getpid()}"
 def no_leaks():
     """Fail a test that leaves an object behind, and remove it either way."""
     yield
-    segs, sems = list_segments(PREFIX), list_semaphores(PREFIX)
-    for name in segs:
-        posix_ipc.unlink_shared_memory(name)
-    for name in sems:
-        posix_ipc.unlink_semaphore(name)
-    assert (segs, sems) == ([], [])
+    sweep_shm(PREFIX)
 
 
 def test_default_prefix_is_npuserve():

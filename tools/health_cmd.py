@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
-
-import orjson
-
-from engine.client import Client, default_endpoint
-from engine.errors import ClientError
+from engine.client import Client
+from tools.query_cmd import run_query
 
 
 def format_health(h: dict) -> str:
@@ -34,19 +29,5 @@ def format_health(h: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="npuserve health", description="Show a daemon's health.")
-    p.add_argument("--endpoint", default=None)
-    p.add_argument("--timeout", type=float, default=5.0)
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    try:
-        with Client(a.endpoint or default_endpoint(), timeout=a.timeout) as c:
-            h = c.health()
-    except ClientError as e:
-        print(f"npuserve health: {e}", file=sys.stderr)
-        return 2
-    if a.json:
-        sys.stdout.buffer.write(orjson.dumps(h) + b"\n")
-    else:
-        print(format_health(h))
-    return 0 if h.get("ok") else 1
+    return run_query(argv, name="health", description="Show a daemon's health.", ask=Client.health,
+                     render=format_health, verdict=lambda h: 0 if h.get("ok") else 1)

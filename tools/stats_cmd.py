@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
-
-import orjson
-
-from engine.client import Client, default_endpoint
-from engine.errors import ClientError
+from engine.client import Client
+from tools.query_cmd import run_query
 
 
 def flatten(d: object, prefix: str = "") -> list[tuple[str, object]]:
@@ -45,19 +40,5 @@ def format_stats(stats: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="npuserve stats", description="Show a daemon's statistics.")
-    p.add_argument("--endpoint", default=None)
-    p.add_argument("--timeout", type=float, default=5.0)
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    try:
-        with Client(a.endpoint or default_endpoint(), timeout=a.timeout) as c:
-            s = c.stats()
-    except ClientError as e:
-        print(f"npuserve stats: {e}", file=sys.stderr)
-        return 2
-    if a.json:
-        sys.stdout.buffer.write(orjson.dumps(s) + b"\n")
-    else:
-        print(format_stats(s))
-    return 0
+    return run_query(argv, name="stats", description="Show a daemon's statistics.", ask=Client.stats,
+                     render=format_stats, verdict=lambda _: 0)

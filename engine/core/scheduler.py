@@ -212,14 +212,8 @@ class Scheduler:
         ch.kv.chip_fault()
         for rid in inflight_lanes:
             r = self._requests.get(rid)
-            if r is None:
-                continue
-            r.job_id = None
-            self._unbind(r, released=False)
-            if r.terminal:
-                self._forget_if_done(r)
-                continue
-            self._retry_or_fail(r, "worker_died", "the chip's worker died with this request in flight", now, out)
+            if r is not None:
+                self._lane_lost(r, "worker_died", "the chip's worker died with this request in flight", now, out)
         # Sequences between jobs lost their KV too, but nothing was in doubt:
         # they are recomputed elsewhere from the tokens the scheduler holds.
         for rid in list(ch.bound):
@@ -466,13 +460,16 @@ class Scheduler:
             except StaleJob:
                 pass
             ch.kv.release(seq_id)  # drops the UNKNOWN entry; its blocks stay quarantined until recovery
-            if r is None:
-                continue
-            r.job_id = None
-            self._unbind(r, released=False)
-            if r.terminal:
-                self._forget_if_done(r)
-                continue
+            if r is not None:
+                self._lane_lost(r, reason, message, now, out)
+
+    def _lane_lost(self, r: RequestRecord, reason: str, message: str, now: float, out: list[Action]) -> None:
+        """A lane of a job that will never complete (job failed, chip down): unbind; retry or fail unless ended."""
+        r.job_id = None
+        self._unbind(r, released=False)
+        if r.terminal:
+            self._forget_if_done(r)
+        else:
             self._retry_or_fail(r, reason, message, now, out)
 
     def _complete_job(self, ch: ChipState, job: InflightJob, result: JobResult, now: float,

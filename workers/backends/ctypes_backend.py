@@ -34,6 +34,7 @@ from workers.backends.base import (
     KvLayout,
     StepOutput,
 )
+from workers.backends.block_ids import check_block_ids, check_copy_pair
 
 ABI_VERSION = 1  # must equal SIMPLER_ABI_VERSION in npuserve_chip.h
 NATIVE_DIR = Path(__file__).resolve().parent.parent / "native"
@@ -285,25 +286,17 @@ class CtypesBackend(ChipBackend):
 
     # -- KV block ops ------------------------------------------------------------------
 
-    def _blocks(self, blocks: np.ndarray) -> np.ndarray:
-        blocks = np.asarray(blocks, dtype=np.int64).reshape(-1)
-        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
-            raise ValueError(f"block id out of range [0, {self.num_blocks})")
-        return blocks
-
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
-        src, dst = self._blocks(src), self._blocks(dst)
-        if src.shape != dst.shape:
-            raise ValueError("src and dst differ in length")
+        src, dst = check_copy_pair(src, dst, self.num_blocks)
         cache = self._kv_cache()
         cache[dst] = cache[src]
 
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
         """Copy of the blocks' bytes, shaped [n, block_size, kv_bytes_per_token] uint8."""
-        return self._kv_cache()[self._blocks(blocks)].copy()
+        return self._kv_cache()[check_block_ids(blocks, self.num_blocks)].copy()
 
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
-        blocks = self._blocks(blocks)
+        blocks = check_block_ids(blocks, self.num_blocks)
         cache = self._kv_cache()
         want = (blocks.size, self.block_size, self.kv_bytes_per_token)
         if np.shape(data) != want:

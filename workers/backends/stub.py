@@ -24,6 +24,7 @@ from workers.backends.base import (
     KvLayout,
     StepOutput,
 )
+from workers.backends.block_ids import check_block_ids, check_copy_pair
 
 # The stub keeps no KV, but declares a nominal one-float-per-token layout so
 # that host-tier code sizing its pools from the layout never sees zero bytes.
@@ -144,23 +145,15 @@ class StubBackend(ChipBackend):
         # the ref backend's host swap format (workers/paged_kv.py): [2 (k/v), layers, block, kv_heads, head_dim]
         return (2, _STUB_KV["num_layers"], self.block_size, _STUB_KV["num_kv_heads"], _STUB_KV["head_dim"])
 
-    def _check_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        blocks = np.asarray(blocks, dtype=np.int64).reshape(-1)
-        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
-            raise ValueError(f"block id out of range [0, {self.num_blocks})")
-        return blocks
-
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
-        src, dst = self._check_blocks(src), self._check_blocks(dst)
-        if src.shape != dst.shape:
-            raise ValueError("src and dst differ in length")
+        check_copy_pair(src, dst, self.num_blocks)
 
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
         """Zeros shaped [n, 2 (k/v), layers, block_size, kv_heads, head_dim] of the nominal layout."""
-        blocks = self._check_blocks(blocks)
+        blocks = check_block_ids(blocks, self.num_blocks)
         return np.zeros((blocks.size, *self._block_shape()), dtype=np.float32)
 
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
-        blocks = self._check_blocks(blocks)
+        blocks = check_block_ids(blocks, self.num_blocks)
         if np.shape(data) != (blocks.size, *self._block_shape()):
             raise ValueError(f"swap_in data shape {np.shape(data)} does not match {blocks.size} blocks")

@@ -121,38 +121,17 @@ class PrefixCache:
         insert there, so a node is never attached below a block its inserter
         does not hold. New nodes start referenced (the inserter holds them).
         """
-        bs = self.block_size
-        n_full = len(tokens) // bs
+        n_full = len(tokens) // self.block_size
         if len(blocks) < n_full:
             raise ValueError(f"{n_full} full blocks of tokens but only {len(blocks)} block ids")
-        self._tick += 1
-        level = self._roots.setdefault(key, {})
-        parent: _Node | None = None
-        done = 0
-        for i in range(n_full):
-            edge = tuple(tokens[i * bs : (i + 1) * bs])
-            block = blocks[i]
-            node = level.get(edge)
-            if node is None:
-                if block in self._by_block:
-                    raise AssertionError(f"block {block} already cached at another position")
-                node = _Node(block=block, key=key, edge=edge, parent=parent, last_used=self._tick)
-                level[edge] = node
-                self._by_block[block] = node
-            elif node.block != block:
-                break
-            else:
-                self._touch(node)
-            done += 1
-            parent = node
-            level = node.children
-        if not self._roots[key]:
-            del self._roots[key]
-        return done
+        return self.extend(key, None, tokens, blocks, 0, n_full)
 
     def extend(self, key: PrefixKey, after_block: int | None, tokens: Sequence[int], blocks: Sequence[int],
                start: int, n_full: int) -> int:
         """`insert` of blocks start..n_full-1 for a holder whose first `start` blocks are on the cached path.
+
+        `insert` is this from the root (start 0, after_block None): one walk
+        serves both.
 
         `after_block` is the cached block at position start-1 (None when
         start == 0) and `tokens` the holder's whole sequence (not copied).
