@@ -65,7 +65,8 @@ def test_encode_refuses_a_message_missing_fields():
 def test_worker_config_round_trips_through_json():
     cfg = WorkerConfig(board="b0", chip=3, backend="ref", job_ring="/a", result_ring="/b",
                        control_endpoint="ipc:///tmp/x.sock", parent_pid=1234,
-                       backend_options={"num_blocks": 64}, package_path="/pkg", heartbeat_interval_s=0.1)
+                       backend_options={"num_blocks": 64}, package_path="/pkg", heartbeat_interval_s=0.1,
+                       result_bell_fd=7)
     assert WorkerConfig.from_json(cfg.to_json()) == cfg
 
 
@@ -115,7 +116,10 @@ def events_until(link: ChipLink, until, timeout: float = 20.0) -> list:
     while not until(events):
         assert time.monotonic() < deadline, f"timed out; events: {events[-5:]}"
         if link.socket is not None:
-            link.socket.poll(50)
+            poller = zmq.Poller()
+            poller.register(link.socket, zmq.POLLIN)
+            poller.register(link.result_fd, zmq.POLLIN)
+            poller.poll(50)
         else:
             time.sleep(0.05)
         events.extend(link.handle_events())

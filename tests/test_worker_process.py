@@ -69,11 +69,18 @@ def make_link(ctx, board, runtime_dir, backend="stub", **kw) -> ChipLink:
                     heartbeat_interval_s=HB, **kw)
 
 
-def collect(link: ChipLink, until, timeout: float = 20.0) -> list:
-    """Poll the link's socket, gathering events until `until(events)` holds."""
-    events: list = []
+def link_poller(link: ChipLink) -> zmq.Poller:
+    """A poller on what the daemon polls for a link: its socket and its result doorbell."""
     poller = zmq.Poller()
     poller.register(link.socket, zmq.POLLIN)
+    poller.register(link.result_fd, zmq.POLLIN)
+    return poller
+
+
+def collect(link: ChipLink, until, timeout: float = 20.0) -> list:
+    """Poll the link, gathering events until `until(events)` holds."""
+    events: list = []
+    poller = link_poller(link)
     deadline = time.monotonic() + timeout
     while not until(events):
         left = deadline - time.monotonic()
@@ -95,8 +102,7 @@ def start_ready(link: ChipLink) -> Ready:
 def run_jobs(link: ChipLink, jobs: list[Job]) -> dict[int, JobResult]:
     """Submit every job (waiting for room when the ring is full); return results by job id."""
     results: dict[int, JobResult] = {}
-    poller = zmq.Poller()
-    poller.register(link.socket, zmq.POLLIN)
+    poller = link_poller(link)
     pending = list(jobs)
     deadline = time.monotonic() + 60
     while len(results) < len(jobs):
@@ -286,6 +292,7 @@ def test_worker_exits_when_its_parent_dies(board, runtime_dir):
                         runtime_dir={runtime_dir!r}, heartbeat_interval_s={HB})
         link.start()
         poller = zmq.Poller(); poller.register(link.socket, zmq.POLLIN)
+        poller.register(link.result_fd, zmq.POLLIN)
         while not any(isinstance(e, Ready) for e in link.handle_events()):
             poller.poll(100)
         print(link.pid, flush=True)
@@ -477,3 +484,74 @@ def test_logits_too_large_for_the_result_ring_fail_that_job_only(ctx, board, run
     assert results[prefill.job_id].status == JobStatus.OK
     assert results[big.job_id].status == JobStatus.FAILED and results[big.job_id].logits is None
     assert results[small.job_id].status == JobStatus.OK and results[small.job_id].tokens[0] >= 0
+
+
+# -- the result doorbell ----------------------------------------------------------
+
+def test_result_doorbell_alone_wakes_a_poller_for_every_result(ctx, board, runtime_dir):
+    """The daemon's hot path waits on `result_fd`: each batch of results must wake it, none may be lost."""
+    rng = np.random.default_rng(8)
+    with make_link(ctx, board, runtime_dir) as link:
+        collect(link, lambda ev: any(isinstance(e, Ready) for e in ev))
+        assert not os.get_inheritable(link.result_fd)  # no other child of ours inherits it
+        assert os.readlink(f"/proc/{link.pid}/fd/{link.result_fd}") == "anon_inode:[eventfd]"
+        bell = zmq.Poller()
+        bell.register(link.result_fd, zmq.POLLIN)
+        assert bell.poll(0) == [], "the doorbell rang with no result"
+        next_id = 0
+        for in_flight in (1, 1, 2, 3, 5, 8) * 6:
+            jobs = [random_stub_job(rng, next_id + i) for i in range(in_flight)]
+            next_id += in_flight
+            for job in jobs:
+                link.submit(job)
+            got: set[int] = set()
+            while len(got) < in_flight:
+                assert bell.poll(5000), f"no wake-up for results {sorted({j.job_id for j in jobs} - got)}"
+                got |= {e.result.job_id for e in link.handle_events() if isinstance(e, Result)}
+            assert got == {j.job_id for j in jobs}
+            # A ring that came before its last bell may leave one wake-up behind; handling it drains the fd.
+            link.handle_events()
+            assert bell.poll(0) == [], "handle_events left the doorbell readable"
+
+
+def test_no_fd_outlives_start_stop_restart_or_a_crash(ctx, board, runtime_dir):
+    proc = psutil.Process()
+
+    def fds_settle_to(limit: int) -> int:
+        deadline = time.monotonic() + 5.0  # ZeroMQ's reaper thread closes socket fds asynchronously
+        while proc.num_fds() > limit and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return proc.num_fds()
+
+    def settled_fds() -> int:
+        n, deadline = proc.num_fds(), time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            if (m := proc.num_fds()) == n:
+                break
+            n = m
+        return n
+
+    rng = np.random.default_rng(9)
+    link = make_link(ctx, board, runtime_dir)
+    try:
+        start_ready(link)  # warm-up: the context's I/O thread opens its own fds on first use
+        link.stop()
+        baseline = settled_fds()
+        start_ready(link)
+        running = proc.num_fds()
+        first_fd = link.result_fd
+        link.restart()
+        assert link.result_fd is not None
+        collect(link, lambda ev: any(isinstance(e, Ready) for e in ev))
+        assert fds_settle_to(running) == running, "restart kept the old link's fds"
+        assert run_jobs(link, [random_stub_job(rng, i) for i in range(20)]).keys() == set(range(20))
+        link.kill()
+        link.restart()
+        collect(link, lambda ev: any(isinstance(e, Ready) for e in ev))
+        assert fds_settle_to(running) == running, "restart after a crash kept the old link's fds"
+        link.stop()
+        assert link.result_fd is None and first_fd is not None
+        assert fds_settle_to(baseline) == baseline, "stop left an fd open"
+    finally:
+        link.stop()

@@ -3,8 +3,9 @@
 Both modes run the very same job sequence through the same job code
 (`workers.main.execute_job`: backend call + sampling); the worker mode adds
 exactly what a daemon pays per job: the job record into the ring, the
-doorbell, the worker's loop, the result record back and the notification,
-with one job in flight. The ratio worker/in-process is the worker overhead.
+doorbell, the worker's loop, the result record back and the result
+doorbell (polled beside the link's socket, as the daemon does), with one job
+in flight. The ratio worker/in-process is the worker overhead.
 Both modes run with the worker's BLAS thread count (see
 `workers.control.worker_environ`), so the ratio compares like with like.
 """
@@ -198,7 +199,8 @@ class WorkerRunner:
         from workers.chip_link import Ready, WorkerFailed
 
         self.link.start()
-        self.poller.register(self.link.socket, self._zmq.POLLIN)
+        self.poller.register(self.link.socket, self._zmq.POLLIN)  # READY, FAILED, heartbeats
+        self.poller.register(self.link.result_fd, self._zmq.POLLIN)  # results, as the daemon waits for them
         while True:
             if not self.poller.poll(30_000):
                 raise SystemExit("bench-backend: the worker did not start within 30 s")

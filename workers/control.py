@@ -14,7 +14,11 @@ job record carries `ctl` = the number of control messages the link had sent
 before it; the worker reads that many before it runs the job, so "slow" or
 "hang" always applies to the jobs submitted after it.
 Worker -> link: READY (BackendInfo.to_dict()), FAILED (start-up failure),
-HEARTBEAT, RESULT (doorbell: records are waiting in the result ring), BYE.
+HEARTBEAT, RESULT (doorbell: records are waiting in the result ring; only
+used when the link passed no result doorbell fd), BYE. The hot path back, a
+finished job, writes to an eventfd instead (`WorkerConfig.result_bell_fd`):
+one syscall that the link's zmq.Poller sees directly, instead of a ZeroMQ
+send, an I/O-thread hop and a recv.
 
 The worker's launch configuration (`WorkerConfig`) is also defined here: it is
 the one message that travels on the command line instead of the socket, and
@@ -125,6 +129,9 @@ class WorkerConfig:
     # (bench-backend, 7 paired runs, 5 better), about equal total CPU when quiet;
     # under heavy load the gain vanishes. Lower it on hosts with no spare core.
     job_spin_s: float = 200e-6
+    # An eventfd inherited from the link (same number in the worker): the worker
+    # adds 1 to it after each result record. None: send a RESULT message instead.
+    result_bell_fd: int | None = None
 
     def to_json(self) -> str:
         return orjson.dumps(asdict(self)).decode()

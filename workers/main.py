@@ -5,7 +5,7 @@ It attaches the chip's two rings (jobs in, results out), loads the backend,
 announces READY, then serves: job records are read as zero-copy ring views,
 run through the backend (and sampling, when the backend returns logits), and
 answered with a JobResult record written straight into reserved result-ring
-space. A failing backend call fails that job only; the worker stays up.
+space, then a write to the link's result doorbell (an eventfd). A failing backend call fails that job only; the worker stays up.
 
 It exits on a SHUTDOWN message, on SIGTERM, and on its parent's death (which
 it notices through PR_SET_PDEATHSIG and by polling its parent pid every loop
@@ -35,6 +35,7 @@ from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode
 from workers.sampling import sample
 
 _PR_SET_PDEATHSIG = 1
+_BELL_ONE = (1).to_bytes(8, "little")  # an eventfd takes one native u64 per write (a pipe takes any bytes)
 _FAILED_SEND_LINGER_MS = 2000
 
 
@@ -122,13 +123,14 @@ class WorkerProcess:
     """The serve loop of one worker; owns its socket, rings and backend."""
 
     def __init__(self, config: WorkerConfig, sock: zmq.Socket, job_ring: Ring, result_ring: Ring, backend: ChipBackend,
-                 bell: SemaphoreDoorbell | None = None):
+                 bell: SemaphoreDoorbell | None = None, result_fd: int | None = None):
         self.config = config
         self.sock = sock
         self.job_ring = job_ring
         self.result_ring = result_ring
         self.backend = backend
         self.bell = bell
+        self.result_fd = result_fd  # the link's result doorbell (an eventfd); None: RESULT messages
         self.jobs_done = 0
         self.ctl_seen = 0  # control messages received (jobs carry how many precede them)
         self.slow_s = 0.0
@@ -146,6 +148,17 @@ class WorkerProcess:
             # The link is not reading. Dropping is safe: the link drains the
             # whole result ring on any wake-up, and a full queue wakes it.
             pass
+
+    def ring_result_bell(self, job_id: int) -> None:
+        """Wake the link after a result record is committed (never before: the ring is the truth)."""
+        fd = self.result_fd
+        if fd is None:
+            self.send(encode(Msg.RESULT, job_id=job_id))
+            return
+        try:
+            os.write(fd, _BELL_ONE)
+        except BlockingIOError:
+            pass  # the counter (or pipe) is full of unread wake-ups: the link is already woken
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.config.parent_pid
@@ -210,7 +223,7 @@ class WorkerProcess:
             outcome = execute_job(self.backend, job, self.slow_s)
             self.write_result(job, outcome, t0)
             # Wake the link first: the bookkeeping below overlaps its wake-up.
-            self.send(encode(Msg.RESULT, job_id=job.job_id))
+            self.ring_result_bell(job.job_id)
             self.jobs_done += 1
             if outcome.error:
                 _log("worker.job_failed", job_id=job.job_id, status=outcome.status.name, error=outcome.error)
@@ -329,7 +342,7 @@ def run(config: WorkerConfig) -> int:
             sock.send(encode(Msg.FAILED, message=message))
             return 1
         sock.send(encode(Msg.READY, info=info.to_dict(), pid=os.getpid()))
-        worker = WorkerProcess(config, sock, rings[0], rings[1], backend, bell)
+        worker = WorkerProcess(config, sock, rings[0], rings[1], backend, bell, config.result_bell_fd)
         try:
             worker.serve()
         finally:
@@ -356,6 +369,11 @@ def run(config: WorkerConfig) -> int:
             if parent_died:
                 bell.unlink()
             bell.close()
+        if config.result_bell_fd is not None:
+            try:
+                os.close(config.result_bell_fd)
+            except OSError:
+                pass
         sock.close()
         ctx.term()
 

@@ -1,11 +1,11 @@
 """The daemon's single-threaded event loop: sockets in, core actions out.
 
 Everything that changes state happens here, on one thread (DESIGN §2): the
-zmq.Poller waits on the client ROUTER sockets, one control socket per chip
-and a self-pipe that signals write to; each wake-up feeds what arrived into
-the sans-I/O scheduler core, calls `tick`, and carries out the actions it
-returns. The poll timeout is the core's `next_wakeup` bounded by the
-supervision period, so an idle daemon sleeps.
+zmq.Poller waits on the client ROUTER sockets, one control socket and one
+result doorbell fd per chip and a self-pipe that signals write to; each
+wake-up feeds what arrived into the sans-I/O scheduler core, calls `tick`,
+and carries out the actions it returns. The poll timeout is the core's
+`next_wakeup` bounded by the supervision period, so an idle daemon sleeps.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Daemon:
         self._device_us = [0] * cfg.board.chips  # time the backend calls took, per chip
         self._worker_us = [0] * cfg.board.chips  # job read -> result written in the worker, per chip
         self._poller = zmq.Poller()
-        self._link_socks: dict[zmq.Socket, int] = {}
+        self._link_socks: dict[zmq.Socket | int, int] = {}  # each link's socket and result doorbell fd
         self._front_socks: dict[zmq.Socket, int] = {}
         self._sig_r = self._sig_w = -1
         self._old_handlers: dict[int, object] = {}
@@ -186,10 +186,11 @@ class Daemon:
         return [infos[c] for c in range(len(self.links))]
 
     def _register_link(self, chip: int) -> None:
-        s = self.links[chip].socket
-        assert s is not None
-        self._link_socks[s] = chip
-        self._poller.register(s, zmq.POLLIN)
+        lk = self.links[chip]
+        assert lk.socket is not None and lk.result_fd is not None
+        for s in (lk.socket, lk.result_fd):  # a restarted link has a new socket and a new fd
+            self._link_socks[s] = chip
+            self._poller.register(s, zmq.POLLIN)
 
     def _unregister_link(self, chip: int) -> None:
         for s, c in list(self._link_socks.items()):
