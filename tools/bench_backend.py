@@ -250,6 +250,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="npuserve bench-backend", description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="ref", help="stub | sim | ref | ctypes (default ref)")
     p.add_argument("--package", default=None, help="model package dir (ref; default: the tiny default package)")
+    p.add_argument("--library", default=None,
+                   help="vendor shared library (ctypes; default: the reference C library, compiled into a temp dir)")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=64, help="prefill tokens per lane")
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps per round")
@@ -275,7 +277,24 @@ def main(argv: list[str]) -> int:
         from workers.model_package import ensure_default_package
 
         package = ensure_default_package()
-    backend = make_backend(args.backend)
+    options: dict = {}
+    scratch = None
+    if args.backend == "ctypes":
+        library = args.library
+        if library is None:
+            from workers.backends.ctypes_backend import build_reference_library
+
+            scratch = tempfile.mkdtemp(prefix="npuserve-bench-")
+            library = str(build_reference_library(scratch))
+        options["library"] = library
+    try:
+        return _run(args, make_backend(args.backend, **options), options, package, batches, worker_blas)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(args, backend, options: dict, package: str | None, batches: tuple[int, ...], worker_blas) -> int:
     loaded = None
     if package is not None:
         from workers.model_package import load_package
@@ -288,7 +307,7 @@ def main(argv: list[str]) -> int:
         print(f"bench-backend: batch sizes {bad} are not profiles of this model", file=sys.stderr)
         return 2
     workload = Workload(prompt_len=args.prompt_len, decode_steps=args.decode_steps, min_seconds=args.seconds)
-    worker = WorkerRunner(args.backend, {}, package)
+    worker = WorkerRunner(args.backend, options, package)
     rows: list[Row] = []
     try:
         worker.start()
@@ -308,7 +327,7 @@ def main(argv: list[str]) -> int:
               f"BLAS threads {worker_blas or 'default'} in both modes, one job in flight")
         print(format_table(rows))
     rat = ratios(rows)
-    if ("decode", 16) in rat:
+    if args.backend == "ref" and ("decode", 16) in rat:  # the target is about the ref model's compute
         r = rat[("decode", 16)]
         verdict = "ok" if r >= TARGET_RATIO else "BELOW TARGET"
         print(f"worker/in-process decode tokens/s at B=16: {r:.1%} (target >= {TARGET_RATIO:.0%}: {verdict})",

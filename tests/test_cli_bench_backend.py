@@ -1,0 +1,27 @@
+"""`npuserve bench-backend` end to end: both modes, every phase, the JSON row format, for each backend kind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("backend", ["stub", "ref", "ctypes"])
+def test_bench_backend_json_rows_cover_both_modes(backend):
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "bench-backend", "--backend", backend, "--batches", "1,4",
+         "--prompt-len", "8", "--decode-steps", "2", "--seconds", "0.02", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    assert {(r["mode"], r["phase"], r["batch"]) for r in rows} == {
+        (m, p, b) for m in ("in-process", "worker") for p in ("prefill", "decode") for b in (1, 4)
+    }
+    assert all(set(r) == {"mode", "phase", "batch", "tokens_per_s"} and r["tokens_per_s"] > 0 for r in rows)
