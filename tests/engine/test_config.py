@@ -15,7 +15,7 @@ from engine.config import (
     SECTIONS, Config, ConfigError, TenantConfig, load_config, section_keys, validate_against_model,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "engine" / "config_example.toml"
 BAD = sorted((ROOT / "tests" / "configs").glob("bad_*.toml"))
 ENV = {"XDG_RUNTIME_DIR": "/run/user/1000"}
