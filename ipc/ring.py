@@ -25,6 +25,14 @@ offset 0 of the next lap; a reader whose tail reaches `wrap_from` jumps to
 the next lap. No padding is written into the data region, so a record of up
 to `capacity` bytes always fits once the reader has caught up.
 
+The writer also starts a new lap early, the same way, when the head is past
+`REWIND_AFTER` bytes into the lap and the reader has caught up. Why: every
+page of a shared-memory segment the head has passed over stays resident, so
+a mostly empty ring that kept marching through its whole capacity would grow
+both processes' RSS by `capacity` bytes (64 MiB per ring in a daemon) before
+levelling off, which under steady load looks exactly like a leak (issue 13).
+Rewinding keeps the resident part of a ring near its peak occupancy.
+
 No torn record is ever visible: the writer fills the record, issues a fence
 (`ipc.fence`) and only then stores the new head, a single aligned 8-byte
 store. A writer killed before that store leaves the head where it was, so a
@@ -66,6 +74,7 @@ _TAIL, _READ = 16, 17
 _REC_HDR = struct.Struct("<IIQQ")  # magic, descriptor length, total length, seq
 _ARR_HDR = struct.Struct("<HHBxxxQ")  # name length, dtype length, ndim, offset in record
 _MAX_LAYOUT_CACHE = 512
+REWIND_AFTER = 1 << 20  # bytes into a lap past which an empty ring restarts at offset 0 (at most capacity/2)
 
 Spec = Mapping[str, tuple[tuple[int, ...], "np.dtype[Any] | str"]]
 
@@ -265,6 +274,7 @@ class Ring:
         self._pending: RecordWriter | None = None
         self._peeked: Record | None = None
         self._peeked_end = 0
+        self._rewind_at = min(REWIND_AFTER, self.capacity // 2)
         self._sync()
 
     def _sync(self) -> None:
@@ -417,6 +427,11 @@ class Ring:
         head = self._head
         pos = head % cap
         wrap = cap - pos < total
+        if not wrap and pos >= self._rewind_at:
+            if self._tail != head:
+                self._tail = int(self._h[_TAIL])
+                fence()  # our payload stores must not overtake the tail load
+            wrap = self._tail == head  # the reader caught up: restart the lap, touch no new pages
         start = head - pos + cap if wrap else head
 
         def fits(tail: int) -> bool:
