@@ -190,14 +190,28 @@ class MixedLoad:
 # ---------------------------------------------------------------- the RSS table
 
 
-def rss_mib(pid: int) -> dict:
-    """RSS in MiB of the daemon (scheduler process) `pid` and of each of its workers."""
+_STATUS_FIELDS = ("VmRSS", "RssAnon", "RssShmem")
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """KiB of resident memory of one process: all (VmRSS), heap and other private memory (RssAnon), and
+    shared-memory pages (RssShmem: the rings), from /proc/PID/status."""
+    out = {}
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in _STATUS_FIELDS:
+                out[key] = int(value.split()[0])
+    return out
+
+
+def daemon_memory(pid: int) -> dict[str, dict[str, int]]:
+    """`process_memory` of the daemon's scheduler process `pid` and of each of its workers (by pid order)."""
     import psutil
 
-    p = psutil.Process(pid)
-    out = {"scheduler": round(p.memory_info().rss / 2**20, 1)}
-    for i, c in enumerate(sorted(p.children(), key=lambda c: c.pid)):
-        out[f"worker{i}"] = round(c.memory_info().rss / 2**20, 1)
+    out = {"scheduler": process_memory(pid)}
+    for i, child in enumerate(sorted(psutil.Process(pid).children(), key=lambda c: c.pid)):
+        out[f"worker{i}"] = process_memory(child.pid)
     return out
 
 
@@ -209,6 +223,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chips", type=int, default=2)
     p.add_argument("--backend", default="ref")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -221,6 +236,8 @@ def main(argv: list[str]) -> int:
     endpoint = f"ipc://{tmp}/d.sock"
     cmd = [sys.executable, "-m", "engine.daemon.main", "--backend", a.backend, "--chips", str(a.chips),
            "--runtime-dir", tmp, "--endpoint", endpoint, "--board", "mixed"]
+    for kv in a.set:
+        cmd += ["--set", kv]
     with open(f"{tmp}/daemon.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     lost = 0
@@ -243,22 +260,34 @@ async def _rounds(a: argparse.Namespace, endpoint: str, pid: int) -> int:
     async with MixedLoad(endpoint, mix) as load:
         if a.warmup_s > 0:
             w = await load.run(duration_s=a.warmup_s)
-            print(f"warm-up: {w.requests} requests, {rss_mib(pid)}", file=sys.stderr)
+            print(f"warm-up: {w.requests} requests", file=sys.stderr)
+        mem = daemon_memory(pid)
+        names = list(mem)
         if not a.json:
-            print(f"{'round':>5} {'requests':>9} {'total':>8} {'scheduler MiB':>14} {'workers MiB':>20}  outcomes")
+            print("RSS in MiB (of it: shared-memory rings)")
+            print(f"{'round':>5} {'requests':>9} {'total':>7}  " + "  ".join(f"{n:>16}" for n in names) + "  outcomes")
+            print(f"{0:>5} {'':>9} {load.total.requests:>7}  " + _mem_cells(mem, names))
         for i in range(1, a.rounds + 1):
             t = await load.run(duration_s=a.round_s)
-            rss = rss_mib(pid)
-            row = {"round": i, "requests": t.requests, "total_requests": load.total.requests, "rss_mib": rss,
+            mem = daemon_memory(pid)
+            row = {"round": i, "requests": t.requests, "total_requests": load.total.requests, "memory_kib": mem,
                    **t.as_dict(), "mix": asdict(mix)}
             if a.json:
                 sys.stdout.buffer.write(orjson.dumps(row) + b"\n")
                 sys.stdout.flush()
             else:
-                workers = " ".join(str(v) for k, v in rss.items() if k != "scheduler")
-                print(f"{i:>5} {t.requests:>9} {load.total.requests:>8} {rss['scheduler']:>14} {workers:>20}  "
+                print(f"{i:>5} {t.requests:>9} {load.total.requests:>7}  {_mem_cells(mem, names)}  "
                       f"{dict(sorted(t.outcomes.items()))}", flush=True)
         return load.total.lost
+
+
+def _mem_cells(mem: dict, names: list[str]) -> str:
+    cells = []
+    for n in names:
+        m = mem.get(n)
+        cells.append(f"{'gone':>16}" if m is None else
+                     f"{m['VmRSS'] / 1024:>8.1f} ({m['RssShmem'] / 1024:>4.1f})")
+    return "  ".join(cells)
 
 
 if __name__ == "__main__":
