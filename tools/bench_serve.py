@@ -117,6 +117,16 @@ def _start_daemon(a: argparse.Namespace, tmp: str) -> tuple[subprocess.Popen, st
     return proc, endpoint
 
 
+def stop_daemon(proc: subprocess.Popen) -> None:
+    """SIGTERM the daemon started by `_start_daemon`; SIGKILL when it does not exit within 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _wait_health(endpoint: str, proc: subprocess.Popen | None, tmp: str | None, timeout: float = 120) -> dict:
     from engine.client import Client
     from engine.errors import ClientError
@@ -236,12 +246,7 @@ def run(a: argparse.Namespace) -> dict:
         sim = _predict(a, n, prompt_mean, gen_mean, health)
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_daemon(proc)
         if tmp:
             if rows and any(r[4] is not None for r in rows):
                 with open(os.path.join(tmp, "daemon.log"), errors="replace") as fh:

@@ -21,8 +21,6 @@ import asyncio
 import contextlib
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -224,33 +222,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backend", default="ref")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
+    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
-    from tools.bench_serve import _wait_health
+    from tools.bench_serve import _start_daemon, _wait_health, stop_daemon
 
     a = parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="npml-", dir="/tmp")
-    endpoint = f"ipc://{tmp}/d.sock"
-    cmd = [sys.executable, "-m", "engine.daemon.main", "--backend", a.backend, "--chips", str(a.chips),
-           "--runtime-dir", tmp, "--endpoint", endpoint, "--board", "mixed"]
-    for kv in a.set:
-        cmd += ["--set", kv]
-    with open(f"{tmp}/daemon.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     lost = 0
     try:
-        _wait_health(endpoint, proc, tmp)
-        lost = asyncio.run(_rounds(a, endpoint, proc.pid))
-    finally:
-        proc.send_signal(signal.SIGTERM)
+        proc, endpoint = _start_daemon(a, tmp)
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            _wait_health(endpoint, proc, tmp)
+            lost = asyncio.run(_rounds(a, endpoint, proc.pid))
+        finally:
+            stop_daemon(proc)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 1 if lost else 0
 
