@@ -35,7 +35,9 @@ def test_idle_tenant_does_not_bank_credit():
         rid, tenant = q.peek()
         q.pop(rid)
         served.append(tenant)
-    assert served.count("b") <= 6  # alternates with a, does not get 10 in a row
+    # Equal weights, both backlogged: they alternate. b neither gets 10 in a
+    # row (banked credit) nor is starved behind a's 10 remaining requests.
+    assert 4 <= served.count("b") <= 6, served
 
 
 def test_measured_service_share_follows_tenant_weights_over_a_long_run():
