@@ -26,6 +26,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 90.0
 
 
+def wait_until(pred, timeout: float = 10.0, interval: float = 0.01, what: str = "the condition") -> None:
+    """Poll `pred()` until it holds; fail after a deadline generous enough for a loaded 2-core machine."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        time.sleep(interval)
+
+
 def shm_objects_of(pid: int) -> list[str]:
     """Entries in /dev/shm (segments and semaphores) whose name says `pid` owns them."""
     from ipc.naming import parse_owner_pid

@@ -272,9 +272,11 @@ def test_sigkill_mid_job_leaves_no_shm_after_stop(ctx, board, runtime_dir):
     start_ready(link)
     assert len(shm_entries(board)) == 3  # both rings and the doorbell exist while the worker runs
     link.chaos("slow", 30.0)
-    link.submit(random_stub_job(rng, 1))
-    time.sleep(0.5)  # the doorbell wakes the worker at once; it is now inside the 30 s job
-    assert not any(isinstance(e, Result) for e in link.handle_events())
+    job = random_stub_job(rng, 1)
+    link.submit(job)
+    # Observed, not assumed: the worker reports the job it has started under "slow".
+    events = collect(link, lambda ev: any(isinstance(e, Heartbeat) and e.busy_job == job.job_id for e in ev))
+    assert not any(isinstance(e, Result) for e in events)
     pid = link.pid
     link.kill()
     psutil.Process(pid).wait(10)
@@ -328,7 +330,7 @@ def test_worker_exits_when_its_parent_dies(board, runtime_dir):
             time.sleep(0.05)
         err = parent.stderr.read()  # the worker inherited the pipe; EOF once it has exited
         assert "Traceback" not in err, err
-        assert shm_entries(board) == set(), "the orphaned worker left its rings or doorbell behind"
+        assert shm_entries(board) == set(), f"the orphaned worker left its rings or doorbell behind; its log: {err}"
     finally:
         if parent.poll() is None:
             parent.kill()
