@@ -138,6 +138,11 @@ class SemaphoreDoorbell:
             self._s.acquire(timeout)
         except posix_ipc.BusyError:
             return False
+        except posix_ipc.SignalError:
+            # EINTR: report "not rung" (callers re-check) so that the Python
+            # signal handler runs on return, in the caller, not lost under a
+            # SignalError (a worker's SIGTERM on its parent's death was).
+            return False
         self._drain()
         return True
 

@@ -26,6 +26,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 90.0
 
 
+def wait_until(pred, timeout: float = 10.0, interval: float = 0.01, what: str = "the condition") -> None:
+    """Poll `pred()` until it holds; fail after a deadline generous enough for a loaded 2-core machine."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        time.sleep(interval)
+
+
+def idle_cpu_share(procs, bound: float, window_s: float = 2.0, tries: int = 3) -> float:
+    """CPU used by `procs` per wall second, the lowest of up to `tries` windows.
+
+    Stops at the first window under `bound`. On a loaded machine one window can
+    catch a burst of cache-cold wake-ups; a process that really busy-waits is
+    over the bound in every window.
+    """
+    best = float("inf")
+    for _ in range(tries):
+        before = [p.cpu_times() for p in procs]
+        t0 = time.monotonic()
+        time.sleep(window_s)
+        elapsed = time.monotonic() - t0
+        after = [p.cpu_times() for p in procs]
+        used = sum((a.user + a.system) - (b.user + b.system) for a, b in zip(after, before))
+        best = min(best, used / elapsed)
+        if best < bound:
+            break
+    return best
+
+
 def shm_objects_of(pid: int) -> list[str]:
     """Entries in /dev/shm (segments and semaphores) whose name says `pid` owns them."""
     from ipc.naming import parse_owner_pid
@@ -146,6 +176,13 @@ def _toml(v) -> str:
     return str(v)
 
 
+_RUN_DAEMON_MAIN = """
+import sys as _sys
+from engine.daemon.main import main as _main
+_sys.exit(_main(_sys.argv[1:]))
+"""
+
+
 @pytest.fixture
 def short_dir():
     """A private directory with a short path (for unix sockets)."""
@@ -156,18 +193,25 @@ def short_dir():
 
 @pytest.fixture
 def daemon(short_dir):
-    """Factory: `daemon(backend="stub", chips=1, settings={...}, backend_options={...})` -> DaemonProc."""
+    """Factory: `daemon(backend="stub", chips=1, settings={...}, backend_options={...})` -> DaemonProc.
+
+    `prelude`: Python source the daemon process runs before its main(), to
+    inject a fault where no real one can be provoked from outside (a core bug).
+    """
     started: list[DaemonProc] = []
 
     def start(*, backend: str = "stub", chips: int = 1, config: str | None = None, settings: dict | None = None,
               backend_options: dict | None = None, extra: list[str] | None = None,
-              wait: bool = True) -> DaemonProc:
+              wait: bool = True, prelude: str | None = None) -> DaemonProc:
         rt = os.path.join(short_dir, f"r{len(started)}")
         os.makedirs(rt, mode=0o700)
         endpoint = f"ipc://{rt}/d.sock"
         log_path = os.path.join(short_dir, f"daemon{len(started)}.log")
         cmd = daemon_command(endpoint, rt, backend=backend, chips=chips, config=config, settings=settings,
                              backend_options=backend_options, extra=extra)
+        if prelude is not None:  # Python run in the daemon process before its main(): fault injection
+            assert cmd[1:3] == ["-m", "engine.daemon.main"]
+            cmd = [sys.executable, "-c", prelude + _RUN_DAEMON_MAIN] + cmd[3:]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         d = DaemonProc(proc, endpoint, rt, log_path)

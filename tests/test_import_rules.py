@@ -15,14 +15,38 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+def _package_of(path: Path) -> list[str]:
+    """The dotted package a module under ROOT belongs to, as parts."""
+    rel = path.resolve().relative_to(ROOT)
+    return list(rel.parent.parts)
+
+
+def _imports(path: Path, source: str | None = None) -> set[str]:
+    """Absolute names of every module `path` imports: plain and relative
+    imports, and `importlib.import_module` / `__import__` of a literal name."""
+    tree = ast.parse(path.read_text() if source is None else source, filename=str(path))
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                names.add(node.module)
+                continue
+            base = _package_of(path)
+            if node.level - 1 > len(base):
+                raise AssertionError(f"{path}: relative import beyond the top-level package")
+            base = base[:len(base) - (node.level - 1)]
+            if node.module:
+                names.add(".".join(base + node.module.split(".")))
+            else:  # from . import x: x is a module of that package (or a name in it)
+                names.update(".".join(base + [alias.name]) for alias in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if fname in ("import_module", "__import__"):
+                names.add(node.args[0].value)
     return names
 
 
@@ -33,7 +57,8 @@ def _modules(package: str) -> list[Path]:
 RULES = [
     ("ipc", ("engine", "workers", "tools")),
     ("workers", ("engine", "tools")),
-    ("engine/core", ("zmq", "posix_ipc", "signal", "time", "threading", "asyncio", "socket", "mmap", "datetime")),
+    ("engine/core", ("zmq", "posix_ipc", "signal", "time", "threading", "asyncio", "socket", "mmap", "datetime",
+                     "http", "urllib", "h11", "httpx", "aiohttp", "starlette", "uvicorn", "engine.daemon")),
 ]
 
 
@@ -44,7 +69,7 @@ def test_layering(package: str, forbidden: tuple[str, ...]) -> None:
     offenders = []
     for path in files:
         for name in _imports(path):
-            if name.split(".")[0] in forbidden:
+            if any(name == f or name.startswith(f + ".") for f in forbidden):
                 offenders.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not offenders, "\n".join(offenders)
 
@@ -53,3 +78,11 @@ def test_rule_checker_sees_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("import zmq\nfrom engine.core import scheduler\n")
     assert {"zmq", "engine.core"} <= _imports(bad)
+
+
+def test_rule_checker_resolves_relative_and_dynamic_imports() -> None:
+    # A module placed inside the tree (relative imports resolve against its path), given as a string.
+    path = ROOT / "ipc" / "_probe_not_a_module.py"
+    src = ("from ..engine.core import scheduler\nfrom . import ring\nfrom .records import Job\n"
+           "import importlib\nimportlib.import_module('engine.daemon.loop')\n__import__('workers.main')\n")
+    assert {"engine.core", "ipc.ring", "ipc.records", "engine.daemon.loop", "workers.main"} <= _imports(path, src)

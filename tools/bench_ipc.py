@@ -290,7 +290,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="npuserve bench-ipc", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per row, one per line")
     ap.add_argument("--iters", type=int, default=None, help="handoffs per payload size (default: 2000 / 300 / 40 by size)")
     ap.add_argument(
         "--spin-us", type=float, default=None,
@@ -305,7 +305,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         import orjson
 
-        sys.stdout.write(orjson.dumps(rows).decode() + "\n")
+        sys.stdout.write("".join(orjson.dumps(r).decode() + "\n" for r in rows))
     else:
         print(format_table(rows))
         print(f"\n({time.monotonic() - t:.1f} s, {os.cpu_count()} CPUs; one-way handoff = writer's array -> reader's usable array)")

@@ -56,6 +56,7 @@ class Result:
 class Heartbeat:
     at: float  # the worker's time.monotonic() (CLOCK_MONOTONIC is system-wide)
     jobs_done: int
+    busy_job: int = -1  # under chaos "slow": the job it has just started (tests observe "mid-job" by it)
 
 
 @dataclass(frozen=True)
@@ -279,7 +280,7 @@ class ChipLink:
                 self._failure_reported = True
                 events.append(WorkerFailed(str(msg["message"])))
             elif kind is Msg.HEARTBEAT:
-                heartbeat = Heartbeat(float(msg["at"]), int(msg["jobs_done"]))
+                heartbeat = Heartbeat(float(msg["at"]), int(msg["jobs_done"]), int(msg.get("busy_job", -1)))
             # RESULT and BYE only wake us; results are read from the ring below.
         # The doorbell is emptied BEFORE the ring is read: the worker commits a record before it
         # rings, so a record this drain misses rang after the read below and leaves the fd readable.

@@ -8,7 +8,7 @@ answered with a JobResult record written straight into reserved result-ring
 space, then a write to the link's result doorbell (an eventfd). A failing backend call fails that job only; the worker stays up.
 
 It exits on a SHUTDOWN message, on SIGTERM, and on its parent's death (which
-it notices through PR_SET_PDEATHSIG and by polling its parent pid every loop
+it notices through PR_SET_PDEATHSIG (SIGUSR1) and by polling its parent pid every loop
 turn); when the parent is gone it also unlinks the rings, since nobody else
 will.
 """
@@ -35,6 +35,7 @@ from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode
 from workers.sampling import sample
 
 _PR_SET_PDEATHSIG = 1
+_PARENT_DEATH_SIGNAL = signal.SIGUSR1
 _BELL_ONE = (1).to_bytes(8, "little")  # an eventfd takes one native u64 per write (a pipe takes any bytes)
 _FAILED_SEND_LINGER_MS = 2000
 
@@ -117,6 +118,15 @@ def _set_parent_death_signal(sig: int) -> None:
 
 class _Terminate(BaseException):
     """Raised by the SIGTERM handler; BaseException so no job handler swallows it."""
+
+
+class _ParentDied(_Terminate):
+    """Raised on PR_SET_PDEATHSIG's own signal: the thread that started us died.
+
+    A signal of its own, not SIGTERM: while the dying parent still has live
+    threads (ZeroMQ's I/O threads), getppid() does not change yet, so only the
+    signal itself says the parent is going and the rings are ours to unlink.
+    """
 
 
 class WorkerProcess:
@@ -220,6 +230,8 @@ class WorkerProcess:
                     return
             t0 = time.perf_counter_ns()
             job = Job.from_arrays(rec, copy=False)  # read-only ring views: the backend keeps none
+            if self.slow_s > 0:  # chaos only: say which job is now on the "device", so a test can act mid-job
+                self.send(encode(Msg.HEARTBEAT, at=time.monotonic(), jobs_done=self.jobs_done, busy_job=job.job_id))
             outcome = execute_job(self.backend, job, self.slow_s)
             self.write_result(job, outcome, t0)
             # Wake the link first: the bookkeeping below overlaps its wake-up.
@@ -311,9 +323,14 @@ def _on_sigterm(signum, frame) -> None:
     raise _Terminate()
 
 
+def _on_parent_death(signum, frame) -> None:
+    raise _ParentDied()
+
+
 def run(config: WorkerConfig) -> int:
-    _set_parent_death_signal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(_PARENT_DEATH_SIGNAL, _on_parent_death)
+    _set_parent_death_signal(_PARENT_DEATH_SIGNAL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the daemon, which stops us
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
@@ -348,11 +365,12 @@ def run(config: WorkerConfig) -> int:
         finally:
             parent_died = not worker.parent_alive()
         return 0
-    except _Terminate:
-        parent_died = os.getppid() != config.parent_pid
+    except _Terminate as exc:
+        parent_died = isinstance(exc, _ParentDied) or os.getppid() != config.parent_pid
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(_PARENT_DEATH_SIGNAL, signal.SIG_IGN)
         if backend is not None:
             try:
                 backend.unload()

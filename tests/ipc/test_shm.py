@@ -27,10 +27,6 @@ def no_leaks():
     sweep_shm(PREFIX)
 
 
-def test_default_prefix_is_npuserve():
-    assert SHM_PREFIX == "npuserve"
-
-
 def test_create_names_segment_with_prefix_board_pid_tag_and_mode_0600():
     with Segment.create(PREFIX, "b7", 4096, "jobs") as seg:
         assert seg.name.startswith(f"/{PREFIX}-b7-{os.getpid()}-jobs")

@@ -32,6 +32,7 @@ from workers.chip_link import SHM_PREFIX, ChipLink, Heartbeat, Ready, Result, Wo
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 HB = 0.05  # heartbeat interval used by these tests
+ORPHAN_PREFIX = "nptorphan"
 _boards = itertools.count()
 
 
@@ -271,9 +272,11 @@ def test_sigkill_mid_job_leaves_no_shm_after_stop(ctx, board, runtime_dir):
     start_ready(link)
     assert len(shm_entries(board)) == 3  # both rings and the doorbell exist while the worker runs
     link.chaos("slow", 30.0)
-    link.submit(random_stub_job(rng, 1))
-    time.sleep(0.5)  # the doorbell wakes the worker at once; it is now inside the 30 s job
-    assert not any(isinstance(e, Result) for e in link.handle_events())
+    job = random_stub_job(rng, 1)
+    link.submit(job)
+    # Observed, not assumed: the worker reports the job it has started under "slow".
+    events = collect(link, lambda ev: any(isinstance(e, Heartbeat) and e.busy_job == job.job_id for e in ev))
+    assert not any(isinstance(e, Result) for e in events)
     pid = link.pid
     link.kill()
     psutil.Process(pid).wait(10)
@@ -287,7 +290,10 @@ def test_sigkill_mid_job_leaves_no_shm_after_stop(ctx, board, runtime_dir):
 def test_worker_exits_when_its_parent_dies(board, runtime_dir):
     script = textwrap.dedent(f"""
         import sys, time, zmq
+        import workers.chip_link
         from workers.chip_link import ChipLink, Ready
+        # A prefix no daemon's start-up reap_stale sweeps: only the worker may unlink these.
+        workers.chip_link.SHM_PREFIX = {ORPHAN_PREFIX!r}
         link = ChipLink(ctx=zmq.Context(), board={board!r}, chip=0, backend="stub",
                         runtime_dir={runtime_dir!r}, heartbeat_interval_s={HB})
         link.start()
@@ -298,7 +304,8 @@ def test_worker_exits_when_its_parent_dies(board, runtime_dir):
         print(link.pid, flush=True)
         time.sleep(600)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
     try:
         worker_pid = int(parent.stdout.readline())
         assert len(shm_entries(board)) == 3
@@ -316,14 +323,23 @@ def test_worker_exits_when_its_parent_dies(board, runtime_dir):
         else:
             worker.kill()
             pytest.fail("worker outlived its parent by 5 s")
+        # Nobody else will clean up after the dead parent: the orphaned worker
+        # itself unlinks both rings and the job doorbell. Checked before any reaping.
+        deadline = time.monotonic() + 10
+        while shm_entries(board) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        err = parent.stderr.read()  # the worker inherited the pipe; EOF once it has exited
+        assert "Traceback" not in err, err
+        assert shm_entries(board) == set(), f"the orphaned worker left its rings or doorbell behind; its log: {err}"
     finally:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
         parent.stdout.close()
-    reap_stale(SHM_PREFIX)
-    for entry in os.listdir(runtime_dir):  # the dead parent's socket file
-        os.unlink(os.path.join(runtime_dir, entry))
+        parent.stderr.close()
+        reap_stale(ORPHAN_PREFIX)  # only matters when the assertion above failed
+        for entry in os.listdir(runtime_dir):  # the dead parent's socket file
+            os.unlink(os.path.join(runtime_dir, entry))
 
 
 def test_chaos_crash_kills_the_worker_and_stop_cleans_up(ctx, board, runtime_dir):

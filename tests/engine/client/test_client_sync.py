@@ -9,7 +9,7 @@ import pytest
 
 from engine import errors
 from engine.client import Client
-from conftest import CODES, done_ev, echo_server as _echo, error_ev, tokens_ev
+from conftest import CODES, done_ev, echo_server as _echo, error_ev, tokens_ev, wait_until
 
 @pytest.mark.parametrize("code,cls", CODES)
 def test_server_error_codes_become_their_exception(fake_server, code, cls):
@@ -48,10 +48,8 @@ def test_timeout_raises_and_cancels_on_the_server(fake_server):
         t0 = time.monotonic()
         with pytest.raises(errors.ClientTimeout):
             c.generate([1], timeout=0.2, id="slow")
-        assert time.monotonic() - t0 < 2.0
-        deadline = time.monotonic() + 2
-        while "slow" not in srv.cancels() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert time.monotonic() - t0 < 10.0  # 0.2 s asked; generous for a loaded machine
+        wait_until(lambda: "slow" in srv.cancels(), what="the cancel reaching the server")
     assert srv.cancels() == ["slow"]
 
 
@@ -61,9 +59,7 @@ def test_leaving_a_stream_early_cancels_it(fake_server):
         it = c.stream([1], id="s1")
         assert next(it) == [1]
         it.close()
-        deadline = time.monotonic() + 2
-        while not srv.cancels() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: srv.cancels(), what="the cancel reaching the server")
     assert srv.cancels() == ["s1"]
 
 

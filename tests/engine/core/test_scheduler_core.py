@@ -202,6 +202,31 @@ def test_chip_down_requeues_unstarted_fails_streaming_and_chip_up_restores_servi
     assert kv_fully_free(s)
 
 
+def test_in_flight_lane_that_emitted_no_token_is_requeued_on_chip_failure():
+    """The lanes of prefill jobs on the chip when it dies, none of which has
+    emitted a token: each is requeued (no 500), recomputed on the other chip,
+    and streams exactly the tokens of a run without the fault."""
+    s = make_scheduler(chips=2, profiles=(1, 4))
+    ex = FakeExecutor(s)
+    ps = {i: params(n_prompt=20, max_tokens=5, seed=i) for i in range(4)}
+    for i, p in ps.items():
+        ex.submit(i, p)
+    ex.handle(s.tick(0.0))  # prefill jobs submitted, none answered
+    on_chip0 = {rid for c, j in ex.pending if c == 0 for rid in s.chips[0].inflight[j.job_id].lanes}
+    assert on_chip0 and not ex.tokens, "the chip must go down with unanswered lanes that emitted nothing"
+    assert all(j.kind == JobKind.PREFILL for c, j in ex.pending if c == 0)
+    before = len(ex.jobs)
+    ex.handle(s.on_chip_down(0, 0.01))
+    assert ex.terminal == {}, "a lane that emitted no token must be requeued, not failed"
+    assert s.stats()["counters"]["requeued"] >= len(on_chip0)
+    ex.pending = [(c, j) for c, j in ex.pending if c != 0]  # the dead worker never answers
+    ex.run(now=0.02)
+    for i, p in ps.items():
+        assert isinstance(ex.terminal[i], FinishRequest) and ex.terminal[i].finish_reason == "length"
+        assert ex.tokens[i] == expected_tokens(p, 5)
+    assert {c for c, _ in ex.jobs[before:]} == {1}  # recomputed on the chip still in service
+
+
 def test_chip_down_requeues_idle_sequences_with_their_tokens():
     s = make_scheduler(chips=2, profiles=(1,))
     ex = FakeExecutor(s)

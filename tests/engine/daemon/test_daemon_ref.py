@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import threading
+import time
 
+import numpy as np
 import pytest
 
 from engine.async_client import AsyncClient
@@ -28,7 +31,9 @@ class Oracle:
         self.block_size = info.kv.block_size
 
     def run(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-            top_k: int = 0, seed: int = 0, ignore_eos: bool = False) -> tuple[list[int], str]:
+            top_k: int = 0, seed: int = 0, ignore_eos: bool = False,
+            logits_out: list | None = None) -> tuple[list[int], str]:
+        """Tokens and finish reason; `logits_out` receives each step's logits row."""
         table = list(range(math.ceil((len(prompt) + max_tokens + 1) / self.block_size)))
         params = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         job = build_job(JobKind.PREFILL, [Lane(prompt, 0, table, **params)])
@@ -37,6 +42,8 @@ class Oracle:
         while True:
             step = self.backend.prefill(job) if job.kind == JobKind.PREFILL else self.backend.decode(job)
             tok, _ = sample(step.logits, job.temperature, job.top_p, job.top_k, job.seed, job.context_lens)
+            if logits_out is not None:
+                logits_out.append(np.array(step.logits[0], dtype=np.float64))
             t = int(tok[0])
             if t in self.eos and not ignore_eos:
                 return out, "eos"
@@ -69,7 +76,31 @@ def _workload(n: int) -> list[dict]:
 
 def test_200_concurrent_streams_match_the_ref_backend_alone(daemon, oracle):
     d = daemon(backend="ref", chips=2, settings={"admission.max_waiting_requests": 512})
-    reqs = _workload(200)
+    _streams_match_the_oracle(d, oracle, _workload(200))
+
+
+def test_two_jobs_in_flight_per_chip_still_match_the_ref_backend_alone(daemon, oracle):
+    d = daemon(backend="ref", chips=2, settings={"admission.max_waiting_requests": 512, "executor.max_inflight": 2})
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # the setting must really put two jobs on a chip at once
+        with d.client(timeout=10) as c:
+            while not stop.is_set():
+                seen.extend(ch["inflight"] for ch in c.stats()["scheduler"]["chips"].values())
+                time.sleep(0.01)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        _streams_match_the_oracle(d, oracle, _workload(80))
+    finally:
+        stop.set()
+        t.join(30)
+    assert max(seen) == 2, f"never two jobs in flight on a chip: {sorted(set(seen))}"
+
+
+def _streams_match_the_oracle(d, oracle, reqs: list[dict]) -> None:
 
     async def one(c: AsyncClient, r: dict):
         sink: list = []
@@ -114,3 +145,42 @@ def test_prefix_sharing_requests_report_cached_tokens_and_same_output(daemon, or
         assert r.usage["cached_tokens"] == 48, (i, r.usage)
         assert r.usage["prompt_tokens"] == len(prefix) + len(t)
         assert r.tokens == oracle.run(prefix + t, 8, 0.8, seed=6 + i)[0], i
+
+
+def _log_softmax64(row: np.ndarray) -> np.ndarray:
+    z = row - row.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def test_logprobs_stop_token_ids_and_stop_sequences_through_the_daemon(daemon, oracle):
+    """The generate fields that change what comes back, end to end on `ref`:
+    greedy logprobs equal a float64 log-softmax of the oracle's logits; a stop
+    token id or stop sequence ends the output just before it (never shown),
+    streamed or not, with finish_reason "stop"."""
+    d = daemon(backend="ref", chips=1)
+    prompt = [72, 101, 108, 108, 111, 44, 32]
+    logits: list[np.ndarray] = []
+    ref, reason = oracle.run(prompt, 24, logits_out=logits, ignore_eos=True)
+    assert len(ref) == 24
+    want_lp = [float(_log_softmax64(row)[t]) for row, t in zip(logits, ref)]
+    k = next(i for i in range(2, 24) if ref[i] not in ref[:i])  # a token first generated at step k
+    j = next(i for i in range(2, 23) if all(ref[m:m + 2] != ref[i:i + 2] for m in range(i)))
+    with d.client(timeout=60) as c:
+        whole = c.generate(prompt, max_tokens=24, logprobs=True, ignore_eos=True)
+        chunks: list = []
+        sink: list = []
+        for ch in c.stream(prompt, max_tokens=24, logprobs=True, ignore_eos=True, result=sink):
+            chunks.append(ch)
+        by_id = c.generate(prompt, max_tokens=24, ignore_eos=True, stop_token_ids=[ref[k]])
+        s2: list = []
+        by_seq = [t for ch in c.stream(prompt, max_tokens=24, ignore_eos=True, stop=[ref[j:j + 2]], result=s2)
+                  for t in ch]
+        sampled = c.generate(prompt, max_tokens=12, logprobs=True, temperature=0.9, seed=4, ignore_eos=True)
+    assert whole.tokens == ref and whole.finish_reason == "length"
+    np.testing.assert_allclose(whole.logprobs, want_lp, rtol=1e-4, atol=1e-4)
+    assert [t for ch in chunks for t in ch] == ref
+    np.testing.assert_allclose(sink[0].logprobs, want_lp, rtol=1e-4, atol=1e-4)
+    assert (by_id.tokens, by_id.finish_reason) == (ref[:k], "stop")
+    assert (by_seq, s2[0].finish_reason) == (ref[:j], "stop")
+    assert by_id.usage["completion_tokens"] == k + 1  # the stop token was generated, not shown
+    assert len(sampled.logprobs) == len(sampled.tokens) == 12 and all(lp <= 0 for lp in sampled.logprobs)
