@@ -130,3 +130,20 @@ def test_stub_multibyte_output_is_never_split_and_cli_prints_text(daemon):
     out = subprocess.run(base + ["--stop", stop], cwd=ROOT, capture_output=True, timeout=60, env=env)
     assert out.returncode == 0 and out.stdout.decode("utf-8") == r.text + "\n"
     assert b"[stop;" in out.stderr
+
+
+def test_package_without_tokenizer_serves_ids_and_refuses_text(daemon, tmp_path):
+    from workers.model_maker import make_model
+
+    pkg = make_model(str(tmp_path / "ids-only"), vocab=100, golden_cases=1, golden_max_tokens=2)
+    d = daemon(backend="ref", chips=1, extra=["--package", pkg])
+    with d.client(timeout=60) as c:
+        assert c.health()["model"]["text"] is False
+        (err,) = raw_events(c, {"text": "hello"})
+        assert (err["code"], err["reason"]) == (400, "no_tokenizer") and err["message"].startswith("text:")
+        (err,) = raw_events(c, {"prompt": [1, 2], "stop": ["x"]})
+        assert (err["code"], err["reason"]) == (400, "no_tokenizer") and "stop" in err["message"]
+        evs = raw_events(c, {"prompt": [1, 2], "max_tokens": 4, "ignore_eos": True})
+        assert all("text" not in ev for ev in evs) and sum(len(ev["tokens"]) for ev in evs[:-1]) == 4
+        r = c.generate([1, 2], max_tokens=4, ignore_eos=True)
+        assert r.text is None and len(r.tokens) == 4
