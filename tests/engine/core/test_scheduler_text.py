@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import codecs
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from engine.core.actions import EmitTokens, FailRequest
 from test_scheduler_fakes import EOS, FakeExecutor, default_token, kv_fully_free, make_scheduler, params
 
@@ -139,3 +144,29 @@ def test_logprobs_stay_aligned_with_the_emitted_tokens_on_a_stop_string():
     ex.run()
     assert all(len(a.logprobs) == len(a.tokens) for a in emitted)
     assert sum(len(a.tokens) for a in emitted) == 3
+
+
+_ALPHABET = "ab\n é€"
+
+
+@settings(max_examples=120, deadline=None)
+@given(text=st.text(alphabet=_ALPHABET, min_size=1, max_size=24), junk=st.binary(max_size=3),
+       stops=st.lists(st.text(alphabet=_ALPHABET, min_size=1, max_size=3), max_size=3))
+def test_scheduler_text_matches_the_oracle(text, junk, stops):
+    """Through the scheduler: text = decode(output) cut at the first stop; ids up to the completing token."""
+    data = text.encode() + junk
+    data = bytes(b if b else 1 for b in data)  # byte 0 is this model's EOS
+    ex = FakeExecutor(make_scheduler(piece=piece), token_fn=says(data))
+    ex.submit(1, params(n_prompt=N_PROMPT, max_tokens=len(data), stop_strings=stops))
+    ex.run()
+    full = data.decode("utf-8", "replace")
+    hits = [(full.find(s) + len(s), full.find(s)) for s in stops if s in full]
+    want = full[:min(hits)[1]] if hits else full
+    assert "".join(ex.texts.get(1, [])) == want
+    assert ex.terminal[1].finish_reason == ("stop" if hits else "length")
+    ids = ex.tokens.get(1, [])
+    assert bytes(ids) == data[:len(ids)]
+    if hits:  # stopped at the token that completed the stop string, not later
+        seen = codecs.getincrementaldecoder("utf-8")("replace").decode(bytes(ids[:-1]))
+        assert not any(s in seen for s in stops)
+    assert kv_fully_free(ex.sched)
