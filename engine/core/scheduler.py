@@ -41,7 +41,7 @@ from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin, 
 from engine.core.request_record import RequestRecord
 from engine.core.requests import TERMINAL_STATES, GenerateParams, RequestState
 from engine.core.scheduler_config import SchedulerConfig
-from engine.core.stop_conditions import StopChecker, StopReason
+from engine.core.stop_conditions import StepVerdict, StopChecker, StopReason
 from engine.core.text_stream import TextStream
 from ipc.records import JobKind, JobResult, JobStatus, Lane, build_job
 
@@ -560,7 +560,7 @@ class Scheduler:
         r.ready_since = now
         ch.decode_ready[r.request_id] = None
 
-    def _detokenize(self, ts: TextStream, verdict, stop: StopReason | None
+    def _detokenize(self, ts: TextStream, verdict: StepVerdict, stop: StopReason | None
                     ) -> tuple[list[int], str, StopReason | None]:
         """Feed the released tokens' bytes to the text stream: (tokens to emit, text delta, stop reason).
 
