@@ -8,6 +8,7 @@ one socket and one task.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 from typing import AsyncIterator
@@ -16,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from engine.client import (
+    Prompt,
     Result,
     ResultBuilder,
     build_cancel,
@@ -72,9 +74,11 @@ class AsyncClient:
         return f"{self._tag}.{next(self._ids)}"
 
     # -- public API --------------------------------------------------------
-    async def generate(self, prompt: list[int], *, timeout: float | None = ..., id: str | None = None,
+    async def generate(self, prompt: Prompt, *, timeout: float | None = ..., id: str | None = None,
                        **sampling) -> Result:
-        """Run one request to completion (non-streamed on the wire: one `done` carries all tokens)."""
+        """Run one request to completion (non-streamed on the wire: one `done` carries all tokens and text).
+
+        `prompt`: token ids, or a `str` the server tokenizes."""
         rid = id or self.new_id()
         deadline = self._deadline(timeout)
         q = await self._start(rid, build_generate(rid, prompt, False, sampling))
@@ -89,9 +93,22 @@ class AsyncClient:
             self._queues.pop(rid, None)
         return b.result
 
-    async def stream(self, prompt: list[int], *, timeout: float | None = ..., id: str | None = None,
+    async def stream(self, prompt: Prompt, *, timeout: float | None = ..., id: str | None = None,
                      result: list | None = None, **sampling) -> AsyncIterator[list[int]]:
         """Yield token chunks; leaving the loop early cancels the request on the server."""
+        async with contextlib.aclosing(self._stream(prompt, timeout, id, result, sampling, text=False)) as it:
+            async for chunk in it:
+                yield chunk
+
+    async def stream_text(self, prompt: Prompt, *, timeout: float | None = ..., id: str | None = None,
+                          result: list | None = None, **sampling) -> AsyncIterator[str]:
+        """Yield the decoded text deltas (non-empty, never half a character); like `stream`."""
+        async with contextlib.aclosing(self._stream(prompt, timeout, id, result, sampling, text=True)) as it:
+            async for delta in it:
+                yield delta
+
+    async def _stream(self, prompt: Prompt, timeout, id: str | None, result: list | None, sampling: dict,
+                      text: bool) -> AsyncIterator:
         rid = id or self.new_id()
         deadline = self._deadline(timeout)
         q = await self._start(rid, build_generate(rid, prompt, True, sampling))
@@ -100,7 +117,10 @@ class AsyncClient:
         try:
             while b.result is None:
                 toks = b.feed(await self._get(q, rid, deadline))
-                if toks:
+                if text:
+                    if b.delta:
+                        yield b.delta
+                elif toks:
                     yield toks
             finished = True
             if result is not None:

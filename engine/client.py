@@ -55,14 +55,26 @@ class Result:
     timing: dict = field(default_factory=dict)
     logprobs: list[float] | None = None
     id: str = ""
+    text: str | None = None  # the decoded output (None when the served model has no tokenizer)
 
 
-def build_generate(rid: str, prompt: list[int], stream: bool, sampling: dict) -> dict:
-    """The `generate` request message; unknown keyword arguments are a caller bug."""
+Prompt = list[int] | str  # token ids, or text the server tokenizes
+
+
+def build_generate(rid: str, prompt: Prompt, stream: bool, sampling: dict) -> dict:
+    """The `generate` request message; unknown keyword arguments are a caller bug.
+
+    A `str` prompt is sent as `text` (the server tokenizes it), a list as `prompt` token ids.
+    """
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown generate argument(s): {', '.join(sorted(unknown))}")
-    msg = {"v": PROTOCOL_VERSION, "op": "generate", "id": rid, "prompt": [int(t) for t in prompt], "stream": stream}
+    msg = {"v": PROTOCOL_VERSION, "op": "generate", "id": rid}
+    if isinstance(prompt, str):
+        msg["text"] = prompt
+    else:
+        msg["prompt"] = [int(t) for t in prompt]
+    msg["stream"] = stream
     for k, v in sampling.items():
         if v is not None:
             msg[k] = v
@@ -89,33 +101,48 @@ def open_dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
 
 
 class ResultBuilder:
-    """Folds a request's events into a `Result` (streamed tokens or the final `done`)."""
+    """Folds a request's events into a `Result` (streamed tokens and text, or the final `done`)."""
 
-    __slots__ = ("tokens", "logprobs", "result")
+    __slots__ = ("tokens", "logprobs", "texts", "delta", "result")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = None
+        self.texts: list[str] | None = None  # text deltas so far (None: the server sends no text)
+        self.delta = ""  # the text delta of the last event fed
         self.result: Result | None = None
 
     def feed(self, ev: dict) -> list[int] | None:
-        """Consume one event; returns new tokens (tokens event), None otherwise. Raises on error."""
+        """Consume one event; returns new tokens (tokens event), None otherwise. Raises on error.
+
+        The event's text delta (possibly "") is left in `delta`."""
         kind = ev.get("ev")
+        self.delta = ""
         if kind == "tokens":
             toks = ev.get("tokens") or []
             self.tokens.extend(toks)
             self._add_logprobs(ev.get("logprobs"))
+            self._add_text(ev.get("text"))
             return toks
         if kind == "done":
             if ev.get("tokens"):
                 self.tokens.extend(ev["tokens"])
             self._add_logprobs(ev.get("logprobs"))
+            self._add_text(ev.get("text"))
+            text = None if self.texts is None else "".join(self.texts)
             self.result = Result(self.tokens, ev.get("finish_reason", ""), ev.get("usage") or {},
-                                 ev.get("timing") or {}, self.logprobs, ev.get("id", ""))
+                                 ev.get("timing") or {}, self.logprobs, ev.get("id", ""), text)
             return None
         if kind == "error":
             raise error_from_event(ev)
         raise ClientError(f"unexpected event {kind!r}", code=500, reason="protocol")
+
+    def _add_text(self, text: str | None) -> None:
+        if isinstance(text, str):
+            if self.texts is None:
+                self.texts = []
+            self.texts.append(text)
+            self.delta = text
 
     def _add_logprobs(self, lp: list[float] | None) -> None:
         if lp:
@@ -170,9 +197,11 @@ class Client:
     def new_id(self) -> str:
         return f"{self._tag}.{next(self._ids)}"
 
-    def generate(self, prompt: list[int], *, timeout: float | None = ..., id: str | None = None,
+    def generate(self, prompt: Prompt, *, timeout: float | None = ..., id: str | None = None,
                  **sampling) -> Result:
-        """Run one request to completion (non-streamed on the wire: one `done` carries all tokens)."""
+        """Run one request to completion (non-streamed on the wire: one `done` carries all tokens and text).
+
+        `prompt`: token ids, or a `str` the server tokenizes."""
         rid = id or self.new_id()
         deadline = self._deadline(timeout)
         self._start(rid, build_generate(rid, prompt, False, sampling))
@@ -187,25 +216,38 @@ class Client:
             self._forget(rid)
         return b.result
 
-    def stream(self, prompt: list[int], *, timeout: float | None = ..., id: str | None = None,
+    def stream(self, prompt: Prompt, *, timeout: float | None = ..., id: str | None = None,
                result: list | None = None, **sampling) -> Iterator[list[int]]:
         """Yield token chunks as the server streams them.
 
         Closing the iterator early cancels the request. Pass a list as
-        `result` to receive the final `Result` (usage, timing) appended to it.
+        `result` to receive the final `Result` (usage, timing, text) appended to it.
         """
         rid = id or self.new_id()
         deadline = self._deadline(timeout)
         self._start(rid, build_generate(rid, prompt, True, sampling))
-        return self._stream_iter(rid, deadline, result)
+        return self._stream_iter(rid, deadline, result, text=False)
 
-    def _stream_iter(self, rid: str, deadline: float | None, sink: list | None) -> Iterator[list[int]]:
+    def stream_text(self, prompt: Prompt, *, timeout: float | None = ..., id: str | None = None,
+                    result: list | None = None, **sampling) -> Iterator[str]:
+        """Yield the decoded text as the server streams it (non-empty deltas; never half a character).
+
+        Like `stream`; the token ids are in the final `Result` (`result=`)."""
+        rid = id or self.new_id()
+        deadline = self._deadline(timeout)
+        self._start(rid, build_generate(rid, prompt, True, sampling))
+        return self._stream_iter(rid, deadline, result, text=True)
+
+    def _stream_iter(self, rid: str, deadline: float | None, sink: list | None, text: bool) -> Iterator:
         b = ResultBuilder()
         finished = False
         try:
             while b.result is None:
                 toks = b.feed(self._next(rid, deadline))
-                if toks:
+                if text:
+                    if b.delta:
+                        yield b.delta
+                elif toks:
                     yield toks
             finished = True
             if sink is not None:

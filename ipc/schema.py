@@ -46,6 +46,8 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_TOKEN_IDS = 256
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_TOKENS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_TEXT_CHARS = 1 << 20  # the message size limit (server.max_message_bytes) usually binds first
 MAX_DEADLINE_MS = 86_400_000
 PRIORITY_MIN, PRIORITY_MAX = -100, 100
 MAX_AUTH_CHARS = 256
@@ -56,7 +58,7 @@ REASON_RE = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
 
 # Reasons the codec produces (all with code 400).
 CODEC_REASONS = ("bad_json", "not_an_object", "too_large", "bad_version", "unknown_op", "unknown_field",
-                 "missing_field", "bad_type", "out_of_range")
+                 "missing_field", "conflicting_fields", "bad_type", "out_of_range")
 
 
 class ProtocolError(Exception):
@@ -87,6 +89,7 @@ class _FieldError(Exception):
 
 
 _REQUIRED = object()
+_ABSENT = object()  # optional field without a default: absent from the validated request when not sent
 Checker = Callable[[str, Any], Any]
 
 
@@ -160,14 +163,26 @@ def _tokens(min_len: int, max_len: int) -> Checker:
 
 
 _stop_sequence = _tokens(1, MAX_STOP_SEQUENCE_TOKENS)
+_stop_string = _text(1, MAX_STOP_STRING_CHARS)
 
 
-def _stop(name: str, value: Any) -> list[list[int]]:
+def _stop(name: str, value: Any) -> list[list[int] | str]:
+    """Stop sequences: token-id lists (matched on ids) and strings (matched on the output text), mixed."""
     if type(value) is not list:
-        raise _FieldError("bad_type", f"{name}: must be a list of token-id lists, got {_type_name(value)}")
+        raise _FieldError("bad_type", f"{name}: must be a list of strings and token-id lists, "
+                                      f"got {_type_name(value)}")
     if len(value) > MAX_STOP_SEQUENCES:
         raise _FieldError("out_of_range", f"{name}: at most {MAX_STOP_SEQUENCES} stop sequences, got {len(value)}")
-    return [_stop_sequence(f"{name}[{i}]", seq) for i, seq in enumerate(value)]
+    out: list[list[int] | str] = []
+    for i, seq in enumerate(value):
+        if type(seq) is str:
+            out.append(_stop_string(f"{name}[{i}]", seq))
+        elif type(seq) is list:
+            out.append(_stop_sequence(f"{name}[{i}]", seq))
+        else:
+            raise _FieldError("bad_type", f"{name}[{i}]: must be a string or a list of token ids, "
+                                          f"got {_type_name(seq)}")
+    return out
 
 
 def _nullable(check: Checker) -> Checker:
@@ -183,7 +198,8 @@ _AUTH = {"auth": (_nullable(_text(1, MAX_AUTH_CHARS)), None)}
 OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
     "generate": {
         "model": (_nullable(_name), None),
-        "prompt": (_tokens(1, MAX_PROMPT_TOKENS), _REQUIRED),
+        "prompt": (_tokens(1, MAX_PROMPT_TOKENS), _ABSENT),
+        "text": (_text(0, MAX_TEXT_CHARS), _ABSENT),
         "max_tokens": (_int(1, MAX_NEW_TOKENS), DEFAULT_MAX_TOKENS),
         "temperature": (_float(0.0, MAX_TEMPERATURE), 0.0),
         "top_p": (_float(0.0, 1.0, lo_open=True), 1.0),
@@ -211,6 +227,8 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
     "resume": dict(_AUTH),
 }
 assert set(OP_FIELDS) == set(REQUEST_OPS)
+# Fields of which a request must carry exactly one: the prompt as token ids or as text.
+ONE_OF: dict[str, tuple[str, ...]] = {"generate": ("prompt", "text")}
 _ENVELOPE = ("v", "op", "id")
 
 
@@ -257,8 +275,16 @@ def validate_request(obj: Any) -> dict:
                 raise ProtocolError(e.reason, e.message, rid) from None
         elif default is _REQUIRED:
             raise ProtocolError("missing_field", f"{name}: required for op {op!r}", rid)
-        else:
+        elif default is not _ABSENT:
             out[name] = list(default) if isinstance(default, list) else default
+    one_of = ONE_OF.get(op)
+    if one_of:
+        given = [k for k in one_of if k in out]
+        if not given:
+            raise ProtocolError("missing_field", f"{' or '.join(one_of)}: op {op!r} needs one of them", rid)
+        if len(given) > 1:
+            raise ProtocolError("conflicting_fields", f"{', '.join(given)}: op {op!r} takes exactly one of "
+                                                      f"them, got both", rid)
     return out
 
 
@@ -290,10 +316,18 @@ def _logprob_list(logprobs: Any, n: int) -> list[float]:
     return out
 
 
-def tokens_event(id: str, tokens: Any, logprobs: Any = None) -> dict:
-    """New tokens of a streamed generate; `logprobs` only when the request asked for them."""
+def tokens_event(id: str, tokens: Any, logprobs: Any = None, text: str | None = None) -> dict:
+    """New tokens of a streamed generate; `logprobs` only when the request asked for them.
+
+    `text` is the decoded delta when the model has a tokenizer; it may lag the
+    tokens (half a character, a possible stop-string start), so an event may
+    carry tokens and no text, or (at the end) text and no tokens.
+    """
     ev = {**_event("tokens", id), "tokens": _int_list(tokens)}
-    assert ev["tokens"], "a tokens event carries at least one token"
+    if text is not None:
+        assert type(text) is str
+        ev["text"] = text
+    assert ev["tokens"] or text, "a tokens event carries at least one token or some text"
     if logprobs is not None:
         ev["logprobs"] = _logprob_list(logprobs, len(ev["tokens"]))
     return ev
@@ -304,8 +338,8 @@ TIMING_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
 def done_event(id: str, finish_reason: str, usage: Mapping, timing: Mapping,
-               tokens: Any = None, logprobs: Any = None) -> dict:
-    """The terminal event of a generate. With `stream: false` it also carries every generated token."""
+               tokens: Any = None, logprobs: Any = None, text: str | None = None) -> dict:
+    """The terminal event of a generate. With `stream: false` it also carries every token (and the text)."""
     assert finish_reason in FINISH_REASONS, finish_reason
     assert all(k in usage for k in USAGE_KEYS), f"usage needs {USAGE_KEYS}"
     assert all(k in timing for k in TIMING_KEYS), f"timing needs {TIMING_KEYS}"
@@ -316,6 +350,9 @@ def done_event(id: str, finish_reason: str, usage: Mapping, timing: Mapping,
         ev["tokens"] = _int_list(tokens)
         if logprobs is not None:
             ev["logprobs"] = _logprob_list(logprobs, len(ev["tokens"]))
+    if text is not None:
+        assert type(text) is str
+        ev["text"] = text
     return ev
 
 
@@ -347,7 +384,10 @@ def validate_event(obj: Any) -> dict:
         raise ProtocolError("missing_field", f"id: required in a {ev!r} event")
     try:
         if ev == "tokens":
-            _tokens(1, MAX_NEW_TOKENS)("tokens", obj.get("tokens"))
+            _tokens(0, MAX_NEW_TOKENS)("tokens", obj.get("tokens"))
+            _event_text(obj)
+            if not obj["tokens"] and not obj.get("text"):
+                raise _FieldError("out_of_range", "tokens: a tokens event carries at least one token or some text")
             _event_logprobs(obj)
         elif ev == "done":
             if obj.get("finish_reason") not in FINISH_REASONS:
@@ -364,6 +404,7 @@ def validate_event(obj: Any) -> dict:
             if "tokens" in obj:
                 _tokens(0, MAX_NEW_TOKENS)("tokens", obj["tokens"])
                 _event_logprobs(obj)
+            _event_text(obj)
         elif ev == "error":
             code = obj.get("code")
             if type(code) is not int or not 100 <= code <= 599:
@@ -385,3 +426,8 @@ def _event_logprobs(obj: dict) -> None:
         raise _FieldError("bad_type", "logprobs: must be a list with one number per token")
     if not all(type(x) in (int, float) for x in lp):
         raise _FieldError("bad_type", "logprobs: must be numbers")
+
+
+def _event_text(obj: dict) -> None:
+    if "text" in obj and type(obj["text"]) is not str:
+        raise _FieldError("bad_type", f"text: must be a string, got {_type_name(obj['text'])}")

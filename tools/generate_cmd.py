@@ -1,8 +1,9 @@
-"""`npuserve generate`: send one generate request and print the tokens.
+"""`npuserve generate`: send one generate request and print the answer.
 
-Text is byte-level (the tiny model's vocabulary): the UTF-8 bytes of `--text`
-are the prompt token ids, and generated ids below 256 are decoded back to
-bytes; other ids (EOS, specials) are shown as <id>.
+`--text` sends text and prints the text the daemon decodes with the model's
+own tokenizer (streamed as it comes, never half a character); `--prompt-tokens`
+sends token ids and prints the generated ids. `--stop` ends the answer at a
+string (repeatable).
 """
 
 from __future__ import annotations
@@ -14,27 +15,6 @@ import orjson
 
 from engine.client import Client, default_endpoint
 from engine.errors import ClientError
-
-
-def text_to_tokens(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def tokens_to_text(tokens: list[int]) -> str:
-    """Bytes < 256 decoded as UTF-8 (invalid sequences replaced); other ids as <id>."""
-    out: list[str] = []
-    run = bytearray()
-    for t in tokens:
-        if 0 <= t < 256:
-            run.append(t)
-            continue
-        if run:
-            out.append(run.decode("utf-8", "replace"))
-            run.clear()
-        out.append(f"<{t}>")
-    if run:
-        out.append(run.decode("utf-8", "replace"))
-    return "".join(out)
 
 
 def _int_list(text: str) -> list[int]:
@@ -49,13 +29,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--endpoint", default=None, help="daemon or balancer endpoint (default: the `make run` one)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-tokens", type=_int_list, help="comma-separated token ids")
-    src.add_argument("--text", help="prompt text (its UTF-8 bytes are the token ids)")
+    src.add_argument("--text", help="prompt text (the daemon tokenizes it; the answer is printed as text)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop-token-ids", type=_int_list)
+    p.add_argument("--stop", action="append", metavar="STRING",
+                   help="end the answer before this string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", default=None)
     p.add_argument("--deadline-ms", type=int)
     p.add_argument("--tenant")
@@ -69,9 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
-    prompt = a.prompt_tokens if a.prompt_tokens is not None else text_to_tokens(a.text)
+    prompt = a.prompt_tokens if a.prompt_tokens is not None else a.text
     sampling = {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
-                "seed": a.seed, "stop_token_ids": a.stop_token_ids, "ignore_eos": a.ignore_eos,
+                "seed": a.seed, "stop_token_ids": a.stop_token_ids, "stop": a.stop, "ignore_eos": a.ignore_eos,
                 "deadline_ms": a.deadline_ms, "tenant": a.tenant, "model": a.model, "logprobs": a.logprobs}
     sampling = {k: v for k, v in sampling.items() if v is not None}
     as_text = a.text is not None
@@ -80,15 +62,19 @@ def main(argv: list[str]) -> int:
             if a.json or a.no_stream:
                 r = c.generate(prompt, **sampling)
                 if not a.json:
-                    print(tokens_to_text(r.tokens) if as_text else ",".join(map(str, r.tokens)))
-            else:
+                    print(r.text or "" if as_text else ",".join(map(str, r.tokens)))
+            elif as_text:
                 sink: list = []
+                for delta in c.stream_text(prompt, result=sink, **sampling):
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+                r = sink[0]
+            else:
+                sink = []
                 first = True
                 for chunk in c.stream(prompt, result=sink, **sampling):
-                    if as_text:
-                        sys.stdout.write(tokens_to_text(chunk))
-                    else:
-                        sys.stdout.write(("" if first else ",") + ",".join(map(str, chunk)))
+                    sys.stdout.write(("" if first else ",") + ",".join(map(str, chunk)))
                     first = False
                     sys.stdout.flush()
                 sys.stdout.write("\n")
@@ -97,7 +83,7 @@ def main(argv: list[str]) -> int:
         print(f"npuserve generate: {e}", file=sys.stderr)
         return 1
     if a.json:
-        out = {"tokens": r.tokens, "text": tokens_to_text(r.tokens), "finish_reason": r.finish_reason,
+        out = {"tokens": r.tokens, "text": r.text, "finish_reason": r.finish_reason,
                "usage": r.usage, "timing": r.timing}
         if r.logprobs is not None:
             out["logprobs"] = r.logprobs

@@ -173,7 +173,7 @@ def make_model(
             "bos_id": bos,
             "eos_ids": eos_ids,
             "pad_id": pad,
-            "tokenizer": "bytes" if vocab >= 259 else "none",
+            "tokenizer": {"kind": "bytes" if vocab >= 259 else "none"},
             "max_seq": max_seq,
             "block_size": block_size,
             "kv_num_blocks": kv_num_blocks,

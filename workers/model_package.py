@@ -30,7 +30,7 @@ GOLDEN = "golden.json"
 REQUIRED_FILES = (WEIGHTS, GOLDEN)
 # Bump when model_maker changes what a given default_model.json produces, so
 # cached default packages built by older code are not reused.
-MAKER_VERSION = 1
+MAKER_VERSION = 2  # 2: the manifest's tokenizer section is {"kind": ...}
 
 
 class PackageError(Exception):

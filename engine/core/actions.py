@@ -20,8 +20,9 @@ class SubmitJob:
 @dataclass
 class EmitTokens:
     request_id: int
-    tokens: list[int]
+    tokens: list[int]  # may be empty when `text` releases held text at the end
     logprobs: list[float] | None = None
+    text: str | None = None  # decoded delta (None: the scheduler has no tokenizer)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine.core.requests import LEGAL_MOVES, TERMINAL_STATES, GenerateParams, RequestState, check_transition
 from engine.core.stop_conditions import StopChecker
+from engine.core.text_stream import TextStream
 
 
 @dataclass(eq=False)
@@ -37,6 +38,7 @@ class RequestRecord:
     t_first_token: float | None = None
     t_last_token: float | None = None
     terminal_emitted: bool = False
+    text: TextStream | None = None  # output text and stop strings (None: no tokenizer)
 
     @property
     def tenant(self) -> str:

@@ -75,6 +75,7 @@ class GenerateParams:
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[list[int]] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)  # matched on the output text (engine.core.text_stream)
     ignore_eos: bool = False
     deadline_ms: int | None = None  # relative to submission; None = the configured default
     tenant: str = "default"

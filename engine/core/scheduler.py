@@ -20,7 +20,7 @@ import heapq
 import itertools
 import math
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -41,7 +41,8 @@ from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin, 
 from engine.core.request_record import RequestRecord
 from engine.core.requests import TERMINAL_STATES, GenerateParams, RequestState
 from engine.core.scheduler_config import SchedulerConfig
-from engine.core.stop_conditions import StopChecker, StopReason
+from engine.core.stop_conditions import StepVerdict, StopChecker, StopReason
+from engine.core.text_stream import TextStream
 from ipc.records import JobKind, JobResult, JobStatus, Lane, build_job
 
 __all__ = ["ChipSpec", "ConfigurationError", "ModelSpec", "Scheduler", "SchedulerConfig"]
@@ -68,7 +69,10 @@ class ModelSpec:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, model: ModelSpec, chips: list[ChipSpec]) -> None:
+    def __init__(self, config: SchedulerConfig, model: ModelSpec, chips: list[ChipSpec], *,
+                 piece: Callable[[int], bytes] | None = None) -> None:
+        """`piece(token_id)` is the tokenizer's bytes of a token: with it every request's output is also
+        decoded to text (and may stop on strings); without it (no tokenizer) requests get token ids only."""
         if not chips:
             raise ConfigurationError("at least one chip is required")
         if len({c.chip for c in chips}) != len(chips):
@@ -88,6 +92,7 @@ class Scheduler:
         self._profile_fitting = [min(b for b in self.profiles if b >= n) for n in range(top + 1)]
         self.chunked = bool(config.chunked_prefill and model.chunked_prefill)
         self._eos = tuple(model.eos_ids)
+        self._piece = piece
         weights = {
             WorkClass.DECODE: config.decode_weight,
             WorkClass.SHORT: config.short_prefill_weight,
@@ -147,6 +152,11 @@ class Scheduler:
             self.counters[f"rejected_{decision.reason}"] += 1
             self.counters["rejected"] += 1
             return [FailRequest(request_id, decision.code, decision.reason, decision.message, decision.retryable)]
+        if params.stop_strings and self._piece is None:
+            self.counters["rejected_no_tokenizer"] += 1
+            self.counters["rejected"] += 1
+            return [FailRequest(request_id, 400, "no_tokenizer", "stop: string stops need the model's tokenizer "
+                                "and this model has none; use token-id stop sequences", False)]
         stop = StopChecker.build(params.max_tokens, self._eos, params.ignore_eos, params.stop_token_ids,
                                  params.stop, params.continuation)
         deadline_s = params.deadline_ms / 1000.0 if params.deadline_ms is not None else self.config.default_deadline_s
@@ -156,6 +166,11 @@ class Scheduler:
             stop=stop, tokens=[int(t) for t in params.prompt] + [int(t) for t in params.continuation],
         )
         self.counters["accepted"] += 1
+        if self._piece is not None:
+            r.text = TextStream(params.stop_strings)
+            # The continuation was shown by another server: replay it so held text carries over.
+            if r.text.prime(self._piece(int(t)) for t in params.continuation):
+                return self._finish_now(r, StopReason.STOP.value, now)
         if stop.exhausted():  # the continuation already used up max_tokens: nothing to compute
             return self._finish_now(r, StopReason.LENGTH.value, now)
         r.move(S.WAITING_ADMISSION)
@@ -518,16 +533,21 @@ class Scheduler:
         r.generated += 1
         verdict = r.stop.feed(token, logprob)
         emit = verdict.emit
-        if emit:
+        stop = verdict.stop
+        text = None
+        if r.text is not None:
+            emit, text, stop = self._detokenize(r.text, verdict, stop)
+        if emit or text:
             if r.t_first_token is None:
                 r.t_first_token = now
             r.t_last_token = now
             r.emitted += len(emit)
-            out.append(EmitTokens(r.request_id, emit, verdict.emit_logprobs if r.params.logprobs else None))
-        if verdict.stop is not None:
+            out.append(EmitTokens(r.request_id, emit,
+                                  verdict.emit_logprobs[:len(emit)] if r.params.logprobs else None, text))
+        if stop is not None:
             if r.t_first_token is None:
                 r.t_first_token = r.t_last_token = now
-            reason = verdict.stop.value
+            reason = stop.value
             self.counters[f"finished_{reason}"] += 1
             self._unbind(r, released=True)
             r.move(S.FINISHING)
@@ -539,6 +559,32 @@ class Scheduler:
         r.move(S.DECODE_READY)
         r.ready_since = now
         ch.decode_ready[r.request_id] = None
+
+    def _detokenize(self, ts: TextStream, verdict: StepVerdict, stop: StopReason | None
+                    ) -> tuple[list[int], str, StopReason | None]:
+        """Feed the released tokens' bytes to the text stream: (tokens to emit, text delta, stop reason).
+
+        A stop string ends the request at the token that completes it; that
+        token and the ones before it are emitted (ids are the raw output), the
+        text ends before the stop string. When generation ends for another
+        reason the held text is flushed.
+        """
+        piece = self._piece
+        emit = verdict.emit
+        parts: list[str] = []
+        for i, tok in enumerate(emit):
+            step = ts.feed(piece(tok))
+            if step.text:
+                parts.append(step.text)
+            if step.stopped:
+                return emit[:i + 1], "".join(parts), StopReason.STOP
+        if stop is not None:
+            step = ts.finish()
+            if step.text:
+                parts.append(step.text)
+            if step.stopped:
+                stop = StopReason.STOP
+        return emit, "".join(parts), stop
 
     # -------------------------------------------------------------- dispatch
     def _dispatch(self, ch: ChipState, now: float, out: list[Action]) -> None:

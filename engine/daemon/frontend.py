@@ -12,7 +12,9 @@ requests of dropped clients are handed back to the loop to be cancelled.
 Token events are coalesced: tokens emitted for one request during one loop
 turn leave as one `tokens` event (`flush()`), which keeps the per-token cost
 out of the socket path. A request with `stream: false` gets no `tokens`
-events; its `done` carries every token.
+events; its `done` carries every token. When the model has a tokenizer the
+core's decoded text deltas ride along: `text` in each `tokens` event (and the
+whole text in a non-streamed `done`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class Stream:
     stream: bool
     pending: list[int] = field(default_factory=list)  # tokens not yet sent (stream) / all tokens (non-stream)
     pending_lp: list[float] | None = None
+    pending_text: list[str] | None = None  # text deltas not yet sent / all text (None: no tokenizer)
     tokens_prefix: bytes = b""  # the encoded tokens-event envelope up to the token list (hot path)
 
     def __post_init__(self) -> None:
@@ -146,14 +149,16 @@ class Frontend:
         return out
 
     # -- request bookkeeping -----------------------------------------------------
-    def open(self, rid: int, conn: Conn, cid: str, stream: bool, logprobs: bool) -> bool:
-        """Register a generate; False when `cid` is already in flight on this connection."""
+    def open(self, rid: int, conn: Conn, cid: str, stream: bool, logprobs: bool, text: bool = False) -> bool:
+        """Register a generate; False when `cid` is already in flight on this connection.
+
+        `text`: the model has a tokenizer, so the request's events carry text."""
         key = (conn, cid)
         if key in self._by_key:
             self.counters.duplicate_ids += 1
             return False
         assert rid not in self._by_rid
-        st = Stream(rid, conn, cid, stream, pending_lp=[] if logprobs else None)
+        st = Stream(rid, conn, cid, stream, pending_lp=[] if logprobs else None, pending_text=[] if text else None)
         self._by_rid[rid] = st
         self._by_key[key] = rid
         self.counters.requests += 1
@@ -171,11 +176,13 @@ class Frontend:
         self._dirty.pop(st.rid, None)
 
     # -- outbound ----------------------------------------------------------------
-    def emit(self, rid: int, tokens: list[int], logprobs: list[float] | None) -> None:
+    def emit(self, rid: int, tokens: list[int], logprobs: list[float] | None, text: str | None = None) -> None:
         st = self._by_rid.get(rid)
         if st is None:
             return  # request of a dropped client
         st.pending.extend(tokens)
+        if text is not None and st.pending_text is not None:
+            st.pending_text.append(text)
         if st.pending_lp is not None:
             st.pending_lp.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
         if st.stream:
@@ -190,7 +197,8 @@ class Frontend:
             ev = done_event(st.cid, finish_reason, usage, _timing(timing))
         else:
             ev = done_event(st.cid, finish_reason, usage, _timing(timing), tokens=st.pending,
-                            logprobs=st.pending_lp)
+                            logprobs=st.pending_lp,
+                            text=None if st.pending_text is None else "".join(st.pending_text))
             self.counters.tokens_out += len(st.pending)
         self._close(st)
         self.send(st.conn, ev)
@@ -224,7 +232,7 @@ class Frontend:
         return self.take_dead()
 
     def _flush_one(self, st: Stream, final: bool = False) -> None:
-        if not st.pending:
+        if not st.pending and not st.pending_text:
             return
         if not final and self._blocked and st.conn in self._blocked:
             return  # keep coalescing until the client drains its queue
@@ -233,13 +241,20 @@ class Frontend:
         st.pending = []
         if lp is not None:
             st.pending_lp = []
+        text = None
+        if st.pending_text is not None:
+            text = "".join(st.pending_text)
+            st.pending_text = []
+            if not toks and not text:
+                return
         self.counters.tokens_out += len(toks)
         if lp is None:
             # Same bytes as encode(tokens_event(...)) without building the dict: one event per token is
             # the daemon's hottest path.
-            self.send_bytes(st.conn, st.tokens_prefix + orjson.dumps(toks, option=_NUMPY) + b"}")
+            tail = b"}" if text is None else b',"text":' + orjson.dumps(text) + b"}"
+            self.send_bytes(st.conn, st.tokens_prefix + orjson.dumps(toks, option=_NUMPY) + tail)
         else:
-            self.send(st.conn, tokens_event(st.cid, toks, lp))
+            self.send(st.conn, tokens_event(st.cid, toks, lp, text))
 
     def send(self, conn: Conn, event: dict) -> None:
         self.send_bytes(conn, encode(event))
@@ -291,7 +306,7 @@ class Frontend:
             if not b.queue:
                 del self._blocked[conn]
                 for st in self._by_rid.values():
-                    if st.conn == conn and st.pending and st.stream:
+                    if st.conn == conn and (st.pending or st.pending_text) and st.stream:
                         self._dirty[st.rid] = st
             elif now - b.since > CLIENT_STALL_S:
                 self._mark_dead(conn)

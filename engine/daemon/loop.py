@@ -30,6 +30,7 @@ from engine.daemon.frontend import Frontend
 from engine.daemon.liveness import LoopLiveness
 from engine.daemon.log import log
 from engine.daemon.supervisor import ChipState, Decision, Supervisor
+from engine.daemon.text_io import piece_function, served_tokenizer
 from ipc.records import Job
 from ipc.ring import RingFull
 from ipc.stale import reap_stale
@@ -77,6 +78,7 @@ class Daemon:
         self.supervisor: Supervisor | None = None
         self.liveness = LoopLiveness(cfg.server.loop_stall_ms / 1000.0)
         self.info: BackendInfo | None = None
+        self.tokenizer = None  # the served model's tokenizer (workers.tokenizer), None when it has none
         self.accepting = True
         self.started_at = clock()
         self.exit_code = 0
@@ -131,7 +133,12 @@ class Daemon:
         chips = [ChipSpec(chip=c, num_blocks=i.kv.num_blocks, block_size=i.kv.block_size)
                  for c, i in enumerate(infos)]
         try:
-            self.scheduler = Scheduler(scheduler_config_from(cfg), model, chips)
+            self.tokenizer = served_tokenizer(self.package_path, info)
+        except Exception as e:  # noqa: BLE001 - any failure to load it is a start-up failure worth naming
+            raise StartupError(f"cannot load the model's tokenizer: {e}") from None
+        piece = None if self.tokenizer is None else piece_function(self.tokenizer)
+        try:
+            self.scheduler = Scheduler(scheduler_config_from(cfg), model, chips, piece=piece)
         except ConfigurationError as e:
             raise StartupError(f"configuration does not fit the model: {e}") from None
         now = self.clock()
@@ -298,7 +305,7 @@ class Daemon:
         for a in actions:
             t = type(a)
             if t is EmitTokens:
-                fe.emit(a.request_id, a.tokens, a.logprobs)
+                fe.emit(a.request_id, a.tokens, a.logprobs, a.text)
             elif t is SubmitJob:
                 self._submit(a.chip, a.job)
             elif t is FinishRequest:
@@ -399,7 +406,8 @@ class Daemon:
         i = self.info
         return {"alias": self.model_alias, "backend": self.cfg.board.backend, "generation": 1,
                 "vocab_size": i.vocab_size, "max_seq": i.max_seq, "eos_ids": list(i.eos_ids),
-                "profiles": [p.batch for p in i.profiles], "sha256": i.model_sha256}
+                "profiles": [p.batch for p in i.profiles], "sha256": i.model_sha256,
+                "text": self.tokenizer is not None}
 
     def chips_info(self, now: float) -> list[dict]:
         snap = self.supervisor.snapshot(now)

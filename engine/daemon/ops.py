@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.actions import Action
 from engine.core.requests import GenerateParams
+from engine.daemon.text_io import TextRejected, prompt_of, split_stop
 
 if TYPE_CHECKING:
     from engine.daemon.frontend import Conn
@@ -26,8 +27,14 @@ _PARAM_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed"
 NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback"})
 
 
-def params_from(msg: dict) -> GenerateParams:
-    return GenerateParams(**{k: msg[k] for k in _PARAM_FIELDS if k in msg})
+def params_from(msg: dict, tokenizer=None) -> GenerateParams:
+    """Scheduler parameters of a validated generate: a `text` prompt is tokenized, string stops split off.
+
+    Raises TextRejected when the text cannot be tokenized for this model."""
+    fields = {k: msg[k] for k in _PARAM_FIELDS if k in msg}
+    fields["prompt"] = prompt_of(msg, tokenizer)
+    fields["stop"], fields["stop_strings"] = split_stop(msg.get("stop", []))
+    return GenerateParams(**fields)
 
 
 def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
@@ -41,11 +48,17 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
             fe.error(conn, cid, 404, "model_not_found", f"model {model!r} is not served here "
                                                          f"(this board serves {d.model_alias!r})")
             return []
+        try:
+            params = params_from(msg, d.tokenizer)
+        except TextRejected as e:
+            fe.error(conn, cid, 400, e.reason, e.message)
+            return []
         rid = d.next_request_id()
-        if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False))):
+        if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False)),
+                       text=d.tokenizer is not None):
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
-        return d.scheduler.submit(rid, params_from(msg), now)
+        return d.scheduler.submit(rid, params, now)
     if op == "cancel":
         rid = fe.lookup(conn, cid)
         return [] if rid is None else d.scheduler.cancel(rid, now)

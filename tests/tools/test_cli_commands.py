@@ -1,4 +1,4 @@
-"""The CLI: byte-level text, generate/health/stats against a real daemon, and `npuserve serve` with no args."""
+"""The CLI: generate/health/stats against a real daemon, and `npuserve serve` with no args."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import orjson
 import pytest
 
 from conftest import ROOT, shm_objects_of
-from tools.generate_cmd import text_to_tokens, tokens_to_text
 from tools.stats_cmd import flatten, format_stats
 
 NPUSERVE = [sys.executable, "-m", "tools.cli"]
@@ -20,13 +19,6 @@ NPUSERVE = [sys.executable, "-m", "tools.cli"]
 
 def npuserve(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([*NPUSERVE, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def test_text_is_utf8_bytes_and_back():
-    assert text_to_tokens("hé") == [104, 195, 169]
-    assert tokens_to_text([104, 195, 169]) == "hé"
-    assert tokens_to_text([104, 257, 105]) == "h<257>i"
-    assert tokens_to_text([0xFF]) == "\ufffd"
 
 
 def test_stats_table_flattens_nested_sections():

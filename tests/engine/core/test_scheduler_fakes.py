@@ -36,9 +36,9 @@ def make_model(profiles=(1, 4, 8, 16), max_seq=2048, chunked=True, generation=1)
 
 
 def make_scheduler(config: SchedulerConfig | None = None, *, chips=1, num_blocks=512, block_size=16,
-                   **model_kw) -> Scheduler:
+                   piece=None, **model_kw) -> Scheduler:
     return Scheduler(config or SchedulerConfig(), make_model(**model_kw),
-                     [ChipSpec(c, num_blocks, block_size) for c in range(chips)])
+                     [ChipSpec(c, num_blocks, block_size) for c in range(chips)], piece=piece)
 
 
 def params(n_prompt=8, max_tokens=4, seed=0, **kw) -> GenerateParams:
@@ -57,6 +57,7 @@ class FakeExecutor:
     tokens: dict[int, list[int]] = field(default_factory=dict)
     terminal: dict[int, FinishRequest | FailRequest] = field(default_factory=dict)
     order: list[tuple[str, int]] = field(default_factory=list)  # ("tokens"|"done", request id)
+    texts: dict[int, list[str]] = field(default_factory=dict)  # text deltas (schedulers with a tokenizer)
 
     def handle(self, actions) -> None:
         for a in actions:
@@ -67,8 +68,10 @@ class FakeExecutor:
                 self.jobs.append((a.chip, a.job))
             elif isinstance(a, EmitTokens):
                 assert a.request_id not in self.terminal, f"tokens after the terminal event of {a.request_id}"
-                assert a.tokens, "empty EmitTokens"
+                assert a.tokens or a.text, "EmitTokens with neither tokens nor text"
                 self.tokens.setdefault(a.request_id, []).extend(a.tokens)
+                if a.text is not None:
+                    self.texts.setdefault(a.request_id, []).append(a.text)
                 self.order.append(("tokens", a.request_id))
             elif isinstance(a, (FinishRequest, FailRequest)):
                 assert a.request_id not in self.terminal, f"second terminal event for {a.request_id}"

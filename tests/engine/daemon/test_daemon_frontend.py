@@ -193,3 +193,41 @@ def test_overflowing_terminal_events_drop_the_client(rig):
         fe.finish(i, "length", USAGE, TIMING)
     assert fe.flush() == [0]
     assert fe.counters.dropped_clients == 1
+
+
+def test_text_deltas_coalesce_with_their_tokens_and_a_text_only_tail_is_sent(rig):
+    fe, client, _ = rig
+    s = client()
+    conn = _request(fe, s, "t")
+    assert fe.open(1, conn, "t", stream=True, logprobs=False, text=True)
+    fe.emit(1, [104], None, "h")
+    fe.emit(1, [195], None, "")  # a lead byte: the id now, the character later
+    assert fe.flush() == []
+    fe.emit(1, [169], None, "é")
+    fe.flush()
+    fe.emit(1, [], None, "EN")  # held stop-string prefix released at the end
+    fe.finish(1, "eos", USAGE, TIMING)
+    evs = _events(s)
+    assert [(e["ev"], e.get("tokens"), e.get("text")) for e in evs] == [
+        ("tokens", [104, 195], "h"), ("tokens", [169], "é"), ("tokens", [], "EN"), ("done", None, None)]
+
+
+def test_non_streamed_done_carries_the_whole_text_even_when_empty(rig):
+    fe, client, _ = rig
+    s = client()
+    for rid, cid in ((1, "n1"), (2, "n2")):
+        conn = _request(fe, s, cid, stream=False)
+        assert fe.open(rid, conn, cid, stream=False, logprobs=True, text=True)
+    fe.emit(1, [104, 105], [-0.5, -0.25], "hi")
+    fe.emit(1, [], None, "!")
+    fe.finish(1, "stop", USAGE, TIMING)
+    fe.finish(2, "eos", USAGE, TIMING)  # EOS first: no tokens, empty text
+    a, b = _events(s)
+    assert (a["tokens"], a["logprobs"], a["text"]) == ([104, 105], [-0.5, -0.25], "hi!")
+    assert (b["tokens"], b["text"]) == ([], "")
+    conn = _request(fe, s, "plain", stream=False)
+    assert fe.open(3, conn, "plain", stream=False, logprobs=False)  # no tokenizer: no text field
+    fe.emit(3, [1], None)
+    fe.finish(3, "length", USAGE, TIMING)
+    (c,) = _events(s)
+    assert "text" not in c and c["tokens"] == [1]
