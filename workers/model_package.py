@@ -181,7 +181,10 @@ def _check_golden(cases, where: str, vocab: int, max_seq: int) -> None:
 
 
 def load_package(path: str) -> ModelPackage:
-    """Verify and describe the package at `path`; raises PackageError naming the bad file."""
+    """Verify and describe the package at `path`; raises PackageError naming the bad file.
+
+    A manifest with `"format": "gguf"` is a GGUF package (`workers.gguf_package.GgufPackage`).
+    """
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise PackageError(f"{path}: not a model package directory")
@@ -195,6 +198,10 @@ def load_package(path: str) -> ModelPackage:
         manifest = json.loads(raw)
     except ValueError as e:
         raise PackageError(f"{mpath}: not valid JSON ({e})") from e
+    if isinstance(manifest, dict) and manifest.get("format") == "gguf":
+        from workers.gguf_package import load_gguf_package  # imports this module
+
+        return load_gguf_package(path, manifest, raw)
     _check_manifest(manifest, mpath)
     files: dict[str, str] = manifest["files"]
 
