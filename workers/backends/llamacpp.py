@@ -58,6 +58,7 @@ def default_threads(chips: int = 1) -> int:
 
 class LlamacppBackend(ChipBackend):
     name = "llamacpp"
+    holds_thread_in_calls = True  # a llama_decode can take seconds: the worker heartbeats from a thread
 
     def __init__(self, *, num_blocks: int | None = None, block_size: int | None = None, chip_id: int = 0,
                  threads: int = 0, chips: int = 1, max_sequences: int = 0, n_ubatch: int = 512) -> None:
