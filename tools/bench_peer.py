@@ -10,7 +10,8 @@ server per run. TTFT and TPOT are measured at the caller for both.
 
 Workloads: `plain` (distinct prompts) and, with `--shared-prefix`,
 `shared-prefix` (a few long system prompts, each followed by a short
-per-user question), where npuserve's radix prefix cache should cut TTFT.
+per-user question; each engine sees every system prompt once before the
+timed run), where npuserve's radix prefix cache should cut TTFT.
 """
 
 from __future__ import annotations
@@ -60,25 +61,28 @@ def _summarise(engine: str, c: int, workload: str, rnd: int, wall: float, ttfts:
                ms(tpots, 0.99), rnd)
 
 
-def make_prompts(tok, workload: str, n: int, prompt_tokens: int) -> list[list[int]]:
-    """Token-id prompts of `prompt_tokens` (plain) or a 4-way shared system prompt + a short question."""
+def make_prompts(tok, workload: str, n: int, prompt_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, warm-up prompts): `prompt_tokens` distinct tokens (plain, no warm-up), or one of 4 shared
+    system prompts + a short question (shared-prefix; each engine sees every system prompt once, untimed)."""
     body = tok.encode(_TEXT * (2 + 3 * prompt_tokens // 40))[1:]
     bos = [tok.bos_id] if tok.add_bos else []
     if workload == "plain":
-        return [bos + [body[(i * 7) % 50]] + body[i % 40: i % 40 + prompt_tokens - 1 - len(bos)] for i in range(n)]
+        return [bos + [body[(i * 7) % 50]] + body[i % 40: i % 40 + prompt_tokens - 1 - len(bos)] for i in range(n)], []
     systems = [bos + tok.encode(f"System prompt {k}. ")[1:] + body[k * 13: k * 13 + prompt_tokens] for k in range(4)]
-    return [systems[i % 4] + tok.encode(f" User {i} asks: what happened in year {1000 + i}?")[1:] for i in range(n)]
+    return [systems[i % 4] + tok.encode(f" User {i} asks: what happened in year {1000 + i}?")[1:] for i in range(n)], \
+        systems
 
 
 # ---------------------------------------------------------------- npuserve
 
-def run_npuserve(a, package: str, prompts: list[list[int]], out_tokens: int, c: int, workload: str, rnd: int) -> Row:
+def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]], out_tokens: int, c: int,
+                 workload: str, rnd: int) -> Row:
     from engine.async_client import AsyncClient
 
     tmp = tempfile.mkdtemp(prefix="npb-", dir="/tmp")
     ns = argparse.Namespace(backend="llamacpp", chips=a.chips, backend_option=[],
                             set=[f"model.package=\"{package}\"", f"board.threads_per_chip={max(1, a.threads // a.chips)}",
-                                 "executor.max_inflight=1"])
+                                 "executor.max_inflight=1", *a.set])
     proc, endpoint = _start_daemon(ns, tmp)
     try:
         _wait_health(endpoint, proc, tmp, timeout=300)
@@ -100,6 +104,12 @@ def run_npuserve(a, package: str, prompts: list[list[int]], out_tokens: int, c: 
                         return await one(cl, p)
                 return await asyncio.gather(*(gated(p) for p in prompts))
 
+        async def warm_up():
+            async with AsyncClient(endpoint, timeout=900) as cl:
+                for p in warm:
+                    await cl.generate(p, max_tokens=1, temperature=0.0)
+
+        asyncio.run(warm_up())
         t0 = time.perf_counter()
         res = asyncio.run(drive())
         wall = time.perf_counter() - t0
@@ -120,8 +130,8 @@ def run_npuserve(a, package: str, prompts: list[list[int]], out_tokens: int, c: 
 
 # ---------------------------------------------------------------- llama.cpp's server engine
 
-def run_llamacpp_server(a, gguf: str, prompts: list[list[int]], out_tokens: int, c: int, workload: str,
-                        rnd: int) -> Row:
+def run_llamacpp_server(a, gguf: str, prompts: list[list[int]], warm: list[list[int]], out_tokens: int, c: int,
+                        workload: str, rnd: int) -> Row:
     import xllamacpp as xlc
 
     p = xlc.CommonParams()
@@ -156,6 +166,8 @@ def run_llamacpp_server(a, gguf: str, prompts: list[list[int]], out_tokens: int,
                 results.append((t, stamps))
 
     try:
+        for w in warm:
+            server.handle_completions({"prompt": w, "n_predict": 1, "temperature": 0.0, "stream": False})
         threads = [threading.Thread(target=stream_worker) for _ in range(c)]
         t0 = time.perf_counter()
         for th in threads:
@@ -164,7 +176,7 @@ def run_llamacpp_server(a, gguf: str, prompts: list[list[int]], out_tokens: int,
             th.join()
         wall = time.perf_counter() - t0
     finally:
-        del server
+        server = None  # stops llama.cpp's server loop and frees the model
     ttfts = [s[0] - t for t, s in results if s]
     tpots = [(s[-1] - s[0]) / (len(s) - 1) for _, s in results if len(s) > 1]
     return _summarise("llama.cpp", c, workload, rnd, wall, ttfts, tpots, len(prompts) * out_tokens)
@@ -234,8 +246,14 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C, so the running daemon is stopped
+
+
 def main(argv: list[str]) -> int:
     from workers.backends.llamacpp import default_threads
+
+    signal.signal(signal.SIGTERM, _interrupt)
 
     ap = argparse.ArgumentParser(prog="npuserve bench-peer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--package", help="GGUF package (default: Gemma 3 270M, imported on first use)")
@@ -249,6 +267,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=default_threads(), help="total CPU threads of each engine")
     ap.add_argument("--chips", type=int, default=1, help="npuserve chip workers (threads are split over them)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (the order flips every round)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="npuserve daemon config override, e.g. --set queues.decode_weight=2")
     ap.add_argument("--json", action="store_true", help="one JSON object per line: rows, then ratios")
     a = ap.parse_args(argv)
 
@@ -269,14 +289,14 @@ def main(argv: list[str]) -> int:
             for c in a.concurrency:
                 n = c * a.requests_per_stream
                 plen = a.prompt_tokens if workload == "plain" else a.system_tokens
-                prompts = make_prompts(tok, workload, n, plen)
+                prompts, warm = make_prompts(tok, workload, n, plen)
                 order = ("npuserve", "llama.cpp") if (rnd + c) % 2 == 0 else ("llama.cpp", "npuserve")
                 for engine in order:
                     print(f"round {rnd + 1}/{a.rounds}: {engine} c={c} {workload} ...", file=sys.stderr, flush=True)
                     if engine == "npuserve":
-                        row = run_npuserve(a, pkg.path, prompts, a.output_tokens, c, workload, rnd)
+                        row = run_npuserve(a, pkg.path, prompts, warm, a.output_tokens, c, workload, rnd)
                     else:
-                        row = run_llamacpp_server(a, pkg.gguf_path, prompts, a.output_tokens, c, workload, rnd)
+                        row = run_llamacpp_server(a, pkg.gguf_path, prompts, warm, a.output_tokens, c, workload, rnd)
                     rows.append(row)
                     if a.json:
                         print(json.dumps(asdict(row)), flush=True)

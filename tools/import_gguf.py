@@ -19,6 +19,7 @@ import sys
 import tempfile
 
 from workers.gguf_package import FORMAT, GGUF_FILE, write_manifest
+from workers.model_maker import _profiles
 from workers.model_package import GOLDEN, MANIFEST, SCHEMA, PackageError, file_sha256, load_package
 
 GOLDEN_PROMPTS = (
@@ -61,7 +62,7 @@ def _place_gguf(src: str, dst: str) -> str:
 
 
 def import_gguf(path: str, out_dir: str, *, name: str | None = None, max_seq: int = 4096, block_size: int = 16,
-                kv_num_blocks: int = 1024, profiles=DEFAULT_PROFILES, golden_max_tokens: int = 8,
+                kv_num_blocks: int = 512, profiles=DEFAULT_PROFILES, golden_max_tokens: int = 8,
                 threads: int = 0, progress=print) -> tuple[str, bool]:
     """Import `path` into `out_dir`; returns (package path, whether anything was written)."""
     from workers.backends.llamacpp import default_threads
@@ -132,13 +133,6 @@ def import_gguf(path: str, out_dir: str, *, name: str | None = None, max_seq: in
     return out_dir, True
 
 
-def _profiles(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"bad profile list {text!r}") from e
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="npuserve import-gguf", description=__doc__.splitlines()[0])
     ap.add_argument("file", help="the .gguf file")
@@ -146,7 +140,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--name", help="model name (default: the GGUF's general.name)")
     ap.add_argument("--max-seq", type=int, default=4096, help="longest sequence served (capped by the model's context)")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-blocks", type=int, default=1024, help="default KV pool per chip, in blocks")
+    ap.add_argument("--kv-blocks", type=int, default=512, help="default KV pool per chip, in blocks")
     ap.add_argument("--profiles", type=_profiles, default=list(DEFAULT_PROFILES), help="batch sizes, e.g. 1,4,8,16,32")
     ap.add_argument("--golden-max-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="llama.cpp threads for the golden run (0 = all cores)")

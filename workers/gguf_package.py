@@ -26,6 +26,7 @@ from workers.model_package import (
     _is_int,
     _need,
     file_sha256,
+    verify_listed_files,
 )
 
 FORMAT = "gguf"
@@ -100,19 +101,7 @@ def load_gguf_package(path: str, manifest: dict, raw: bytes) -> GgufPackage:
     """Verify a GGUF package whose manifest.json (`raw`, parsed as `manifest`) was read already."""
     mpath = os.path.join(path, MANIFEST)
     _check_manifest(manifest, mpath)
-    files: dict[str, str] = manifest["files"]
-    present = set(os.listdir(path))
-    extra = sorted(present - set(files) - {MANIFEST})
-    if extra:
-        raise PackageError(f"{os.path.join(path, extra[0])}: file not listed in the manifest")
-    for name, digest in sorted(files.items()):
-        fpath = os.path.join(path, name)
-        if name not in present:
-            raise PackageError(f"{fpath}: missing (listed in the manifest)")
-        if os.path.islink(fpath) or not os.path.isfile(fpath):
-            raise PackageError(f"{fpath}: not a regular file")
-        if file_sha256(fpath) != digest:
-            raise PackageError(f"{fpath}: sha256 does not match the manifest")
+    verify_listed_files(path, manifest["files"])
     gpath = os.path.join(path, GOLDEN)
     try:
         with open(gpath, "rb") as f:

@@ -180,6 +180,22 @@ def _check_golden(cases, where: str, vocab: int, max_seq: int) -> None:
         _need(bool(ok), where, f"case {i} is malformed (prompt, max_tokens == len(tokens), ids in vocab)")
 
 
+def verify_listed_files(path: str, files: dict[str, str]) -> None:
+    """Every listed file present, regular and matching its sha256; nothing unlisted beside the manifest."""
+    present = set(os.listdir(path))
+    extra = sorted(present - set(files) - {MANIFEST})
+    if extra:
+        raise PackageError(f"{os.path.join(path, extra[0])}: file not listed in the manifest")
+    for name, digest in sorted(files.items()):
+        fpath = os.path.join(path, name)
+        if name not in present:
+            raise PackageError(f"{fpath}: missing (listed in the manifest)")
+        if os.path.islink(fpath) or not os.path.isfile(fpath):
+            raise PackageError(f"{fpath}: not a regular file")
+        if file_sha256(fpath) != digest:
+            raise PackageError(f"{fpath}: sha256 does not match the manifest")
+
+
 def load_package(path: str) -> ModelPackage:
     """Verify and describe the package at `path`; raises PackageError naming the bad file.
 
@@ -204,19 +220,7 @@ def load_package(path: str) -> ModelPackage:
         return load_gguf_package(path, manifest, raw)
     _check_manifest(manifest, mpath)
     files: dict[str, str] = manifest["files"]
-
-    present = set(os.listdir(path))
-    extra = sorted(present - set(files) - {MANIFEST})
-    if extra:
-        raise PackageError(f"{os.path.join(path, extra[0])}: file not listed in the manifest")
-    for name, digest in sorted(files.items()):
-        fpath = os.path.join(path, name)
-        if name not in present:
-            raise PackageError(f"{fpath}: missing (listed in the manifest)")
-        if os.path.islink(fpath) or not os.path.isfile(fpath):
-            raise PackageError(f"{fpath}: not a regular file")
-        if file_sha256(fpath) != digest:
-            raise PackageError(f"{fpath}: sha256 does not match the manifest")
+    verify_listed_files(path, files)
 
     gpath = os.path.join(path, GOLDEN)
     try:
@@ -279,17 +283,28 @@ def ensure_default_package() -> str:
     a reader never sees a half-written package and two racing builders both
     end up with the one that won the rename.
     """
-    final = default_package_dir()
+    def build(out: str) -> None:
+        from workers.model_maker import make_model  # the maker imports this module
+
+        make_model(out, **default_model_params())
+
+    return build_package_once(default_package_dir(), build)
+
+
+def build_package_once(final: str, build) -> str:
+    """`build(dir)` a package into a temp dir beside `final` and rename it there, unless one is there already.
+
+    A reader never sees a half-written package, and racing builders all end up
+    with the one that won the rename.
+    """
     if os.path.isfile(os.path.join(final, MANIFEST)):
         return final
-    from workers.model_maker import make_model  # the maker imports this module
-
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".build-", dir=parent)
     try:
         built = os.path.join(tmp, "pkg")
-        make_model(built, **default_model_params())
+        build(built)
         try:
             os.rename(built, final)
         except OSError:

@@ -14,8 +14,8 @@ import shutil
 import tempfile
 
 from workers.gguf_package import FORMAT, GGUF_FILE, write_manifest
-from workers.model_package import GOLDEN, MANIFEST, SCHEMA, cache_root, default_model_params, default_package_dir, \
-    load_package
+from workers.model_package import GOLDEN, SCHEMA, build_package_once, cache_root, default_model_params, \
+    default_package_dir, load_package
 
 GGUF_MAKER_VERSION = 1
 
@@ -64,20 +64,5 @@ def default_gguf_package_dir() -> str:
 
 
 def ensure_default_gguf_package() -> str:
-    """Build the tiny model's GGUF package once (temp dir + rename: race-safe) and return its path."""
-    final = default_gguf_package_dir()
-    if os.path.isfile(os.path.join(final, MANIFEST)):
-        return final
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".build-gguf-", dir=parent)
-    try:
-        built = make_gguf_model(os.path.join(tmp, "pkg"), **default_model_params())
-        try:
-            os.rename(built, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, MANIFEST)):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    """Build the tiny model's GGUF package once (race-safe, as the `.npz` one) and return its path."""
+    return build_package_once(default_gguf_package_dir(), lambda out: make_gguf_model(out, **default_model_params()))
