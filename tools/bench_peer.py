@@ -82,7 +82,7 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
     tmp = tempfile.mkdtemp(prefix="npb-", dir="/tmp")
     ns = argparse.Namespace(backend="llamacpp", chips=a.chips, backend_option=[],
                             set=[f"model.package=\"{package}\"", f"board.threads_per_chip={max(1, a.threads // a.chips)}",
-                                 "executor.max_inflight=1", *a.set])
+                                 "executor.max_inflight=1", "admission.deadline_default_ms=3600000", *a.set])
     proc, endpoint = _start_daemon(ns, tmp)
     try:
         _wait_health(endpoint, proc, tmp, timeout=300)
