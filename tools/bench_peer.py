@@ -113,6 +113,10 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
         t0 = time.perf_counter()
         res = asyncio.run(drive())
         wall = time.perf_counter() - t0
+    except BaseException:
+        with open(os.path.join(tmp, "daemon.log"), errors="replace") as f:
+            print(f"npuserve daemon log (tail):\n{f.read()[-3000:]}", file=sys.stderr)
+        raise
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

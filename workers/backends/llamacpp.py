@@ -109,6 +109,9 @@ class LlamacppBackend(ChipBackend):
         if model.info["n_ctx"] < nb * bs:
             model.close()
             raise BackendError(f"llamacpp backend: llama.cpp gave {model.info['n_ctx']} KV cells, need {nb * bs}")
+        key_length = model.meta(f"{package.architecture}.attention.key_length")  # Gemma: not n_embd / n_head
+        self._head_dim = int(key_length) if key_length and key_length.isdigit() else \
+            model.info["n_embd"] // max(1, model.info["n_head"])
         self.unload()
         self.package, self.model = package, model
         self.block_size, self.num_blocks, self.n_seq_max = bs, nb, model.info["n_seq_max"]
@@ -136,7 +139,7 @@ class LlamacppBackend(ChipBackend):
     def describe(self) -> BackendInfo:
         pkg, model = self._loaded()
         info = model.info
-        head_dim = info["n_embd"] // max(1, info["n_head"])
+        head_dim = self._head_dim
         return BackendInfo(
             name=self.name,
             vocab_size=pkg.vocab_size,
