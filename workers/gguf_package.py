@@ -12,7 +12,6 @@ batch profiles). `load_package` dispatches here when the manifest says
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -21,8 +20,7 @@ from workers.model_package import (
     GOLDEN,
     MANIFEST,
     SCHEMA,
-    PackageError,
-    _check_golden,
+    common_fields,
     _is_int,
     _need,
     file_sha256,
@@ -102,31 +100,8 @@ def load_gguf_package(path: str, manifest: dict, raw: bytes) -> GgufPackage:
     mpath = os.path.join(path, MANIFEST)
     _check_manifest(manifest, mpath)
     verify_listed_files(path, manifest["files"])
-    gpath = os.path.join(path, GOLDEN)
-    try:
-        with open(gpath, "rb") as f:
-            cases = json.loads(f.read())
-    except ValueError as e:
-        raise PackageError(f"{gpath}: not valid JSON ({e})") from e
-    _check_golden(cases, gpath, manifest["vocab_size"], manifest["max_seq"])
-    return GgufPackage(
-        path=path,
-        manifest=manifest,
-        sha256=hashlib.sha256(raw).hexdigest(),
-        name=str(manifest.get("name", os.path.basename(path))),
-        architecture=manifest["architecture"],
-        vocab_size=manifest["vocab_size"],
-        eos_ids=tuple(manifest["eos_ids"]),
-        bos_id=manifest["bos_id"],
-        pad_id=manifest["pad_id"],
-        max_seq=manifest["max_seq"],
-        block_size=manifest["block_size"],
-        profiles=[p["batch"] for p in manifest["profiles"]],
-        kv_num_blocks=manifest["kv_num_blocks"],
-        context_length=manifest["context_length"],
-        tokenizer=dict(manifest["tokenizer"]),
-        golden_cases=cases,
-    )
+    return GgufPackage(**common_fields(path, manifest, raw), architecture=manifest["architecture"],
+                       context_length=manifest["context_length"], tokenizer=dict(manifest["tokenizer"]))
 
 
 def write_manifest(dir_: str, manifest: dict) -> None:

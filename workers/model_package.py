@@ -222,18 +222,27 @@ def load_package(path: str) -> ModelPackage:
     files: dict[str, str] = manifest["files"]
     verify_listed_files(path, files)
 
+    return ModelPackage(**common_fields(path, manifest, raw), dims=ModelDims.from_dict(manifest["dims"]))
+
+
+def read_golden(path: str, manifest: dict) -> list[dict]:
+    """golden.json, re-hashed against the manifest and checked case by case."""
     gpath = os.path.join(path, GOLDEN)
     try:
         with open(gpath, "rb") as f:
             gdata = f.read()
-        if hashlib.sha256(gdata).hexdigest() != files[GOLDEN]:
+        if hashlib.sha256(gdata).hexdigest() != manifest["files"][GOLDEN]:
             raise PackageError(f"{gpath}: sha256 does not match the manifest")
         cases = json.loads(gdata)
     except ValueError as e:
         raise PackageError(f"{gpath}: not valid JSON ({e})") from e
     _check_golden(cases, gpath, manifest["vocab_size"], manifest["max_seq"])
+    return cases
 
-    return ModelPackage(
+
+def common_fields(path: str, manifest: dict, raw: bytes) -> dict:
+    """The fields every package kind shares, from a verified manifest (`raw` = its bytes)."""
+    return dict(
         path=path,
         manifest=manifest,
         sha256=hashlib.sha256(raw).hexdigest(),
@@ -246,8 +255,7 @@ def load_package(path: str) -> ModelPackage:
         block_size=manifest["block_size"],
         profiles=[p["batch"] for p in manifest["profiles"]],
         kv_num_blocks=manifest["kv_num_blocks"],
-        dims=ModelDims.from_dict(manifest["dims"]),
-        golden_cases=cases,
+        golden_cases=read_golden(path, manifest),
     )
 
 
