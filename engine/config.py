@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA = "npuserve/v1"
-BACKENDS = ("stub", "sim", "ref", "ctypes")
+BACKENDS = ("stub", "sim", "ref", "ctypes", "llamacpp")
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}\Z")  # same rule as wire aliases/tenants
 _BOARD_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,32}\Z")  # ends up in shm names and socket paths
 _UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
@@ -140,9 +140,11 @@ class BoardConfig:
     id: str = key("0", _str(_BOARD_ID_RE, "1-32 characters of [A-Za-z0-9_-]"),
                   "board id: names the socket, shared-memory segments and metrics of this daemon")
     chips: int = key(2, _int(1, 64), "chips (worker processes) on this board")
-    backend: str = key("ref", _str(choices=BACKENDS), "chip runtime: stub | sim | ref | ctypes")
+    backend: str = key("ref", _str(choices=BACKENDS), "chip runtime: stub | sim | ref | ctypes | llamacpp")
     runtime_dir: str = key("", _abs_path_or_empty,
                            "sockets and state; \"\" = $XDG_RUNTIME_DIR/npuserve, else /tmp/npuserve-$UID")
+    threads_per_chip: int = key(0, _int(0, 1024), "CPU threads of each chip worker (backend llamacpp); "
+                                                  "0 = the machine's cores split over the chips")
 
 
 @dataclass(frozen=True)

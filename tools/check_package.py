@@ -3,7 +3,8 @@
 The golden tokens were produced by the cache-free full recompute; here they
 are replayed through the serving path (paged prefill, then one decode job per
 token on the `ref` backend, greedy), so a pass means the package is intact
-and the paged implementation agrees with the oracle on it.
+and the paged implementation agrees with the oracle on it. A GGUF package
+replays them through llama.cpp (the `llamacpp` backend) instead.
 """
 
 from __future__ import annotations
@@ -52,13 +53,22 @@ def greedy_generate(backend: RefBackend, prompt: list[int], max_tokens: int, blo
     return tokens
 
 
+def _backend_for(package):
+    """`ref` for an .npz package, `llamacpp` (one thread per core) for a GGUF package."""
+    if getattr(package, "gguf_path", None):
+        from workers.backends.llamacpp import LlamacppBackend
+
+        return LlamacppBackend()
+    return RefBackend()
+
+
 def check_package(path: str) -> CheckReport:
     try:
         package: ModelPackage = load_package(path)
     except PackageError as e:
         return CheckReport(False, 0, 0, str(e))
     cases = package.golden()
-    backend = RefBackend()
+    backend = _backend_for(package)
     try:
         backend.load(package)
         passed, failures = 0, []

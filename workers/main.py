@@ -20,6 +20,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -149,6 +150,13 @@ class WorkerProcess:
         self.poller.register(sock, zmq.POLLIN)
         self.interval = config.heartbeat_interval_s
         self.next_heartbeat = 0.0
+        # A runtime that holds this thread for seconds (llama.cpp prefill on a busy CPU) would look dead:
+        # while a job runs, a helper thread heartbeats instead. It uses the socket only while `_in_job`
+        # is set under `_sock_lock`, and the main thread does not touch the socket during a job.
+        self._in_job = False
+        self._sock_lock = threading.Lock()
+        if getattr(backend, "holds_thread_in_calls", False):
+            threading.Thread(target=self._job_heartbeats, name="job-heartbeat", daemon=True).start()
 
     # -- messaging -------------------------------------------------------
     def send(self, data: bytes) -> None:
@@ -178,6 +186,17 @@ class WorkerProcess:
         if now >= self.next_heartbeat:
             self.send(encode(Msg.HEARTBEAT, at=now, jobs_done=self.jobs_done))
             self.next_heartbeat = now + self.interval
+
+    def _job_heartbeats(self) -> None:
+        while self.running:
+            time.sleep(self.interval)
+            with self._sock_lock:
+                if self._in_job:
+                    self.send(encode(Msg.HEARTBEAT, at=time.monotonic(), jobs_done=self.jobs_done))
+
+    def _set_in_job(self, value: bool) -> None:
+        with self._sock_lock:
+            self._in_job = value
 
     def drain_control(self) -> None:
         sock = self.sock
@@ -232,7 +251,11 @@ class WorkerProcess:
             job = Job.from_arrays(rec, copy=False)  # read-only ring views: the backend keeps none
             if self.slow_s > 0:  # chaos only: say which job is now on the "device", so a test can act mid-job
                 self.send(encode(Msg.HEARTBEAT, at=time.monotonic(), jobs_done=self.jobs_done, busy_job=job.job_id))
-            outcome = execute_job(self.backend, job, self.slow_s)
+            self._set_in_job(True)
+            try:
+                outcome = execute_job(self.backend, job, self.slow_s)
+            finally:
+                self._set_in_job(False)
             self.write_result(job, outcome, t0)
             # Wake the link first: the bookkeeping below overlaps its wake-up.
             self.ring_result_bell(job.job_id)

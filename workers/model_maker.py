@@ -218,16 +218,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--golden-cases", type=int)
     ap.add_argument("--golden-max-tokens", type=int)
     ap.add_argument("--tied", action="store_true", default=None, dest="tie_embeddings", help="tie the LM head to the embedding")
+    ap.add_argument("--format", choices=("npz", "gguf"), default="npz",
+                    help="npz: weights.npz for the ref backend; gguf: the same weights as a Llama GGUF (llamacpp)")
     args = vars(ap.parse_args(argv))
-    out, use_default = args.pop("out"), args.pop("default")
+    out, use_default, fmt = args.pop("out"), args.pop("default"), args.pop("format")
     params: dict = {}
     if use_default:
         from workers.model_package import default_model_params
 
         params.update(default_model_params())
     params.update({k: v for k, v in args.items() if v is not None})
+    if fmt == "gguf":
+        from workers.tiny_gguf_package import make_gguf_model as maker
+    else:
+        maker = make_model
     try:
-        path = make_model(out, **params)
+        path = maker(out, **params)
     except (ValueError, OSError, PackageError) as e:
         print(f"npuserve make-model: {e}", file=sys.stderr)
         return 1

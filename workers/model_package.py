@@ -180,24 +180,8 @@ def _check_golden(cases, where: str, vocab: int, max_seq: int) -> None:
         _need(bool(ok), where, f"case {i} is malformed (prompt, max_tokens == len(tokens), ids in vocab)")
 
 
-def load_package(path: str) -> ModelPackage:
-    """Verify and describe the package at `path`; raises PackageError naming the bad file."""
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise PackageError(f"{path}: not a model package directory")
-    mpath = os.path.join(path, MANIFEST)
-    try:
-        with open(mpath, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise PackageError(f"{mpath}: cannot read ({e.strerror})") from e
-    try:
-        manifest = json.loads(raw)
-    except ValueError as e:
-        raise PackageError(f"{mpath}: not valid JSON ({e})") from e
-    _check_manifest(manifest, mpath)
-    files: dict[str, str] = manifest["files"]
-
+def verify_listed_files(path: str, files: dict[str, str]) -> None:
+    """Every listed file present, regular and matching its sha256; nothing unlisted beside the manifest."""
     present = set(os.listdir(path))
     extra = sorted(present - set(files) - {MANIFEST})
     if extra:
@@ -211,18 +195,54 @@ def load_package(path: str) -> ModelPackage:
         if file_sha256(fpath) != digest:
             raise PackageError(f"{fpath}: sha256 does not match the manifest")
 
+
+def load_package(path: str) -> ModelPackage:
+    """Verify and describe the package at `path`; raises PackageError naming the bad file.
+
+    A manifest with `"format": "gguf"` is a GGUF package (`workers.gguf_package.GgufPackage`).
+    """
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise PackageError(f"{path}: not a model package directory")
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise PackageError(f"{mpath}: cannot read ({e.strerror})") from e
+    try:
+        manifest = json.loads(raw)
+    except ValueError as e:
+        raise PackageError(f"{mpath}: not valid JSON ({e})") from e
+    if isinstance(manifest, dict) and manifest.get("format") == "gguf":
+        from workers.gguf_package import load_gguf_package  # imports this module
+
+        return load_gguf_package(path, manifest, raw)
+    _check_manifest(manifest, mpath)
+    files: dict[str, str] = manifest["files"]
+    verify_listed_files(path, files)
+
+    return ModelPackage(**common_fields(path, manifest, raw), dims=ModelDims.from_dict(manifest["dims"]))
+
+
+def read_golden(path: str, manifest: dict) -> list[dict]:
+    """golden.json, re-hashed against the manifest and checked case by case."""
     gpath = os.path.join(path, GOLDEN)
     try:
         with open(gpath, "rb") as f:
             gdata = f.read()
-        if hashlib.sha256(gdata).hexdigest() != files[GOLDEN]:
+        if hashlib.sha256(gdata).hexdigest() != manifest["files"][GOLDEN]:
             raise PackageError(f"{gpath}: sha256 does not match the manifest")
         cases = json.loads(gdata)
     except ValueError as e:
         raise PackageError(f"{gpath}: not valid JSON ({e})") from e
     _check_golden(cases, gpath, manifest["vocab_size"], manifest["max_seq"])
+    return cases
 
-    return ModelPackage(
+
+def common_fields(path: str, manifest: dict, raw: bytes) -> dict:
+    """The fields every package kind shares, from a verified manifest (`raw` = its bytes)."""
+    return dict(
         path=path,
         manifest=manifest,
         sha256=hashlib.sha256(raw).hexdigest(),
@@ -235,8 +255,7 @@ def load_package(path: str) -> ModelPackage:
         block_size=manifest["block_size"],
         profiles=[p["batch"] for p in manifest["profiles"]],
         kv_num_blocks=manifest["kv_num_blocks"],
-        dims=ModelDims.from_dict(manifest["dims"]),
-        golden_cases=cases,
+        golden_cases=read_golden(path, manifest),
     )
 
 
@@ -272,17 +291,28 @@ def ensure_default_package() -> str:
     a reader never sees a half-written package and two racing builders both
     end up with the one that won the rename.
     """
-    final = default_package_dir()
+    def build(out: str) -> None:
+        from workers.model_maker import make_model  # the maker imports this module
+
+        make_model(out, **default_model_params())
+
+    return build_package_once(default_package_dir(), build)
+
+
+def build_package_once(final: str, build) -> str:
+    """`build(dir)` a package into a temp dir beside `final` and rename it there, unless one is there already.
+
+    A reader never sees a half-written package, and racing builders all end up
+    with the one that won the rename.
+    """
     if os.path.isfile(os.path.join(final, MANIFEST)):
         return final
-    from workers.model_maker import make_model  # the maker imports this module
-
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".build-", dir=parent)
     try:
         built = os.path.join(tmp, "pkg")
-        make_model(built, **default_model_params())
+        build(built)
         try:
             os.rename(built, final)
         except OSError:

@@ -57,6 +57,8 @@ def backend_options(cfg: Config, chip: int) -> dict:
         wanted["num_blocks"] = cfg.kv.num_blocks
     if cfg.board.backend == "ctypes" and cfg.model.ctypes_library:
         wanted["library"] = cfg.model.ctypes_library
+    if cfg.board.backend == "llamacpp":
+        wanted.update(chips=cfg.board.chips, threads=cfg.board.threads_per_chip)
     params = inspect.signature(backend_class(cfg.board.backend).__init__).parameters
     return {k: v for k, v in wanted.items() if k in params}
 

@@ -41,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", help="TOML config file (schema = \"npuserve/v1\")")
     p.add_argument("--endpoint", action="append", default=[], metavar="E",
                    help="ipc:///path or tcp://host:port to listen on (repeatable; replaces server.endpoints)")
-    p.add_argument("--backend", choices=("stub", "sim", "ref", "ctypes"), help="chip runtime (board.backend)")
+    p.add_argument("--backend", choices=("stub", "sim", "ref", "ctypes", "llamacpp"), help="chip runtime (board.backend)")
     p.add_argument("--chips", type=int, help="worker processes (board.chips)")
     p.add_argument("--board", help="board id (board.id)")
     p.add_argument("--runtime-dir", help="sockets and state (board.runtime_dir)")
@@ -64,13 +64,17 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
 
 
 def resolve_package(cfg: Config) -> str | None:
-    """The package path the workers load: the configured one, or the built-in tiny model for `ref`."""
+    """The package path the workers load: the configured one, or the built-in tiny model for `ref`/`llamacpp`."""
     if cfg.model.package:
         return cfg.model.package
     if cfg.board.backend == "ref":
         from workers.model_package import ensure_default_package
 
         return ensure_default_package()
+    if cfg.board.backend == "llamacpp":
+        from workers.tiny_gguf_package import ensure_default_gguf_package
+
+        return ensure_default_gguf_package()
     return None
 
 

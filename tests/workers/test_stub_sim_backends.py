@@ -262,7 +262,7 @@ def test_registry_unknown_name_lists_the_valid_ones():
         make_backend("gpu")
     for name in BACKENDS:
         assert name in str(exc.value)
-    assert BACKENDS == ("stub", "sim", "ref", "ctypes")
+    assert BACKENDS == ("stub", "sim", "ref", "ctypes", "llamacpp")
 
 
 def test_registry_maps_ref_to_the_ref_module():

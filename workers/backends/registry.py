@@ -7,13 +7,14 @@ import importlib
 
 from workers.backends.base import ChipBackend
 
-BACKENDS = ("stub", "sim", "ref", "ctypes")
+BACKENDS = ("stub", "sim", "ref", "ctypes", "llamacpp")
 
 _CLASSES: dict[str, tuple[str, str]] = {
     "stub": ("workers.backends.stub", "StubBackend"),
     "sim": ("workers.backends.sim", "SimBackend"),
     "ref": ("workers.backends.ref", "RefBackend"),
     "ctypes": ("workers.backends.ctypes_backend", "CtypesBackend"),
+    "llamacpp": ("workers.backends.llamacpp", "LlamacppBackend"),
 }
 assert tuple(_CLASSES) == BACKENDS
 

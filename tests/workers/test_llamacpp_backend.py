@@ -1,0 +1,177 @@
+"""The `llamacpp` backend in-process, on the tiny model written as a Llama GGUF.
+
+The tiny model's `.npz` (the `ref` oracle's weights) and its GGUF hold the
+same weights, so llama.cpp's logits are checked against the oracle's full
+recompute, and every KV operation the scheduler can cause (continuation,
+prefix reuse, block reuse after release, retry inside a partial block,
+chunked prefill) against recomputing the same sequence from scratch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from ipc.records import JobKind, Lane, build_job
+from tools.check_package import check_package
+from workers.backends.base import BackendError
+from workers.backends.llamacpp import LlamacppBackend
+from workers.backends.ref import full_recompute_logits
+from workers.llamacpp import binding
+from workers.model_package import ensure_default_package, load_package
+from workers.tiny_gguf_package import ensure_default_gguf_package
+
+# The pinned llama.h of xllamacpp==2026.10.11549 (sdist: thirdparty/llama.cpp/include/llama.h).
+LLAMA_H_SHA256 = "579f0ef6ff30c70bba5216e1822edfc63ccf7d70e833695bef1ae34319cfa63d"
+ATOL = 2e-2  # llama.cpp keeps K/V in float16; the oracle in float32 (observed max |diff| about 3e-3)
+
+
+@pytest.fixture(scope="module")
+def gguf_pkg():
+    return load_package(ensure_default_gguf_package())
+
+
+@pytest.fixture
+def backend(gguf_pkg):
+    b = LlamacppBackend(threads=1, max_sequences=8)
+    b.load(gguf_pkg)
+    yield b
+    b.unload()
+
+
+def _prefill(b, tokens, table, start=0, sample=True):
+    return b.prefill(build_job(JobKind.PREFILL, [Lane(list(tokens), start, table, sample=sample)])).logits[0].copy()
+
+
+def _decode(b, lanes):
+    return b.decode(build_job(JobKind.DECODE, lanes)).logits.copy()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [256] + np.random.default_rng(seed).integers(0, 256, n - 1).tolist()
+
+
+def test_headers_are_the_pinned_ones():
+    binding.check_headers()
+    with open(os.path.join(binding.INCLUDE_DIR, "llama.h"), "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == LLAMA_H_SHA256
+
+
+def test_shim_build_is_cached_and_race_safe(tmp_path):
+    paths, errors = [], []
+
+    def build():
+        try:
+            paths.append(binding.build_shim(str(tmp_path)))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(paths)) == 1
+    assert os.listdir(tmp_path) == [os.path.basename(paths[0])]  # no temp file left behind
+    assert binding.build_shim(str(tmp_path)) == paths[0]
+
+
+def test_gguf_logits_match_the_ref_oracle(gguf_pkg):
+    npz = load_package(ensure_default_package())
+    model = binding.LlamaModel(gguf_pkg.gguf_path, n_ctx=256, n_batch=256, n_seq_max=1, n_threads=1)
+    try:
+        toks = _prompt(1, 40)
+        rc, got = model.decode(np.array(toks), np.arange(40), np.zeros(40), np.ones(40))
+        assert rc == 0
+    finally:
+        model.close()
+    want = full_recompute_logits(npz, toks)
+    assert np.abs(got - want).max() < ATOL
+    top2 = np.sort(want, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * ATOL
+    assert clear.sum() > 30 and np.array_equal(got.argmax(1)[clear], want.argmax(1)[clear])
+
+
+def test_check_package_replays_the_ref_golden_cases_through_llamacpp(gguf_pkg):
+    report = check_package(gguf_pkg.path)
+    assert report.ok and report.passed == report.cases == 4, report
+
+
+def test_describe_says_what_the_runtime_supports(backend, gguf_pkg):
+    info = backend.describe()
+    assert info.name == "llamacpp" and info.vocab_size == 320 and info.chunked_prefill
+    assert info.kv.num_blocks == gguf_pkg.kv_num_blocks and info.extra["kv_cells"] >= info.kv.num_blocks * 16
+    assert info.extra["supports"] == {"prefix_reuse": True, "truncate": True, "chunked_prefill": True,
+                                      "copy_blocks": False, "swap": False}
+    with pytest.raises(BackendError, match="not supported"):
+        backend.copy_blocks(np.array([0]), np.array([1]))
+    with pytest.raises(BackendError, match="not supported"):
+        backend.swap_out(np.array([0]))
+
+
+def test_decode_continues_and_batches_like_recompute(backend, gguf_pkg):
+    npz = load_package(ensure_default_package())
+    a, b = _prompt(2, 20), _prompt(3, 35)
+    _prefill(backend, a, [0, 1])
+    _prefill(backend, b, [4, 5, 6])
+    logits = _decode(backend, [Lane([7], 20, [0, 1]), Lane([9], 35, [4, 5, 6])])
+    assert np.abs(logits[0] - full_recompute_logits(npz, a + [7])[-1]).max() < ATOL
+    assert np.abs(logits[1] - full_recompute_logits(npz, b + [9])[-1]).max() < ATOL
+
+
+def test_prefix_reuse_copies_the_cached_prefix(backend):
+    shared, tail_a, tail_b = _prompt(4, 32), [1, 2, 3], [40, 41, 42, 43]
+    _prefill(backend, shared + tail_a, [0, 1, 2])
+    # B hits the two full cached blocks 0 and 1 and prefills only its tail into its own block 7
+    reused = _prefill(backend, tail_b, [0, 1, 7], start=32)
+    fresh = _prefill(backend, shared + tail_b, [20, 21, 22])
+    assert np.abs(reused - fresh).max() < 1e-3
+    # and A's own continuation is untouched by B
+    cont = _decode(backend, [Lane([5], 35, [0, 1, 2])])[0]
+    again = _prefill(backend, shared + tail_a + [5], [30, 31, 32])
+    assert np.abs(cont - again).max() < 1e-3
+
+
+def test_reused_blocks_drop_the_stale_sequence(backend):
+    # Many sequences one after another on the same blocks: each is released (never told) and its
+    # blocks reused; more sequences than llama.cpp sequence ids (8 here) must not run out of anything.
+    first = None
+    for i in range(20):
+        table = [i % 3, (i + 1) % 3, 3 + i % 2]
+        logits = _prefill(backend, _prompt(100, 40), table)
+        first = logits if first is None else first
+        assert np.abs(logits - first).max() < 1e-3
+    assert backend.health()["sequences"] <= 2
+
+
+def test_retry_inside_a_partial_block_truncates(backend):
+    p = _prompt(5, 20)
+    _prefill(backend, p, [0, 1])
+    one = _decode(backend, [Lane([7], 20, [0, 1])])[0]
+    _decode(backend, [Lane([8], 21, [0, 1])])
+    again = _decode(backend, [Lane([7], 20, [0, 1])])[0]  # the scheduler retries position 20
+    assert np.abs(one - again).max() < 1e-4
+
+
+def test_chunked_prefill_equals_one_shot(backend):
+    p = _prompt(6, 50)
+    _prefill(backend, p[:16], [0, 1, 2, 3], sample=False)
+    _prefill(backend, p[16:33], [0, 1, 2, 3], start=16, sample=False)
+    chunked = _prefill(backend, p[33:], [0, 1, 2, 3], start=33)
+    whole = _prefill(backend, p, [8, 9, 10, 11])
+    assert np.abs(chunked - whole).max() < 1e-3
+
+
+def test_missing_prefix_and_bad_jobs_are_refused(backend):
+    with pytest.raises(BackendError, match="not on this chip"):
+        _prefill(backend, [1, 2], [50, 51], start=16)
+    with pytest.raises(ValueError, match="token id"):
+        _prefill(backend, [1, 999], [0])
+    with pytest.raises(ValueError, match="block table"):
+        _prefill(backend, _prompt(7, 20), [0])
+    p = _prompt(8, 10)  # the backend still serves after refusals
+    assert np.abs(_prefill(backend, p, [0]) - _prefill(backend, p, [1])).max() < 1e-4

@@ -1,0 +1,317 @@
+"""The `llamacpp` backend: llama.cpp as the chip runtime of a CPU "chip".
+
+One llama.cpp model and context per worker process. The scheduler keeps its
+paged-KV view (block ids, block tables) and stays the authority for
+admission; llama.cpp keeps the real KV in one unified cell pool of exactly
+`num_blocks * block_size` cells, organised in sequences. This module maps
+the one onto the other without any message from the scheduler beyond the
+jobs themselves:
+
+* Each llama.cpp sequence id remembers the npuserve block ids that hold its
+  positions. A lane of a job names its block table and its first new
+  position p0; the sequence that holds blocks `table[:ceil(p0/bs)]` for
+  positions `[0, p0)` holds exactly the KV the scheduler means.
+* Continuing a sequence appends to it. A prefix-cache hit (the prefix is
+  held by another sequence) copies the prefix's cells into a fresh sequence
+  id (`llama_memory_seq_cp`: the cells are shared, not duplicated). A lane
+  that restarts inside its own last partial block (a retry) truncates it
+  (`llama_memory_seq_rm` of the tail).
+* When a job writes into a block, that block was just handed to the lane,
+  so any other sequence still holding it is stale from there on (released,
+  preempted or cancelled by the scheduler): its cells from that block on
+  are removed. So llama.cpp holds at most one cell per npuserve KV slot and
+  can never run out of cells while the scheduler believes blocks are free.
+
+A decode job is one `llama_decode` over all valid lanes; a prefill job is
+one `llama_decode` over its lane's tokens (chunked when the scheduler
+chunks). Sampling stays npuserve's (the worker samples the logits returned
+here). Block copies and host swap are not supported: `describe()` says so.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from ipc.records import Job, JobKind
+from workers.backends.base import BackendError, BackendInfo, BatchProfile, ChipBackend, KvLayout, StepOutput
+
+SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": False}
+
+
+@dataclass
+class _Seq:
+    sid: int
+    blocks: list[int] = field(default_factory=list)  # block ids covering positions [0, length)
+    length: int = 0
+    used: int = 0  # job counter at last use (LRU eviction of stale sequences)
+
+
+def default_threads(chips: int = 1) -> int:
+    """The machine's cores split over the chip workers (at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, chips))
+
+
+class LlamacppBackend(ChipBackend):
+    name = "llamacpp"
+    holds_thread_in_calls = True  # a llama_decode can take seconds: the worker heartbeats from a thread
+
+    def __init__(self, *, num_blocks: int | None = None, block_size: int | None = None, chip_id: int = 0,
+                 threads: int = 0, chips: int = 1, max_sequences: int = 0, n_ubatch: int = 512) -> None:
+        if num_blocks is not None and num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if block_size is not None and block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if threads < 0 or max_sequences < 0 or n_ubatch <= 0:
+            raise ValueError("threads and max_sequences must be >= 0, n_ubatch > 0")
+        self._num_blocks, self._block_size = num_blocks, block_size
+        self.chip_id = chip_id
+        self.threads = threads or default_threads(chips)
+        self._max_sequences = max_sequences
+        self._n_ubatch = n_ubatch
+        self.package = None
+        self.model = None
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def load(self, package) -> None:
+        """Load a GGUF package (a `GgufPackage`, its path, or None for the tiny model as GGUF)."""
+        from workers.gguf_package import GgufPackage
+        from workers.llamacpp.binding import LlamaModel, LlamaCppUnavailable
+        from workers.model_package import load_package
+
+        if package is None:
+            from workers.tiny_gguf_package import ensure_default_gguf_package
+
+            package = ensure_default_gguf_package()
+        if isinstance(package, str):
+            package = load_package(package)
+        if not isinstance(package, GgufPackage):
+            raise BackendError(f"llamacpp backend: {getattr(package, 'path', package)} is not a GGUF package "
+                               f"(make one with `npuserve import-gguf` or `npuserve make-model --format gguf`)")
+        bs = self._block_size or package.block_size
+        nb = self._num_blocks or package.kv_num_blocks
+        n_seq = self._max_sequences or min(256, max(64, 4 * max(package.profiles)))
+        n_batch = max(package.max_seq, 512)
+        try:
+            model = LlamaModel(package.gguf_path, n_ctx=nb * bs, n_batch=n_batch, n_ubatch=min(self._n_ubatch, n_batch),
+                               n_seq_max=n_seq, n_threads=self.threads)
+        except LlamaCppUnavailable as e:
+            raise BackendError(f"llamacpp backend: {e}") from e
+        if model.n_vocab != package.vocab_size:
+            model.close()
+            raise BackendError(f"llamacpp backend: {package.gguf_path} has {model.n_vocab} tokens, "
+                               f"the manifest says {package.vocab_size}")
+        if model.info["n_ctx"] < nb * bs:
+            model.close()
+            raise BackendError(f"llamacpp backend: llama.cpp gave {model.info['n_ctx']} KV cells, need {nb * bs}")
+        key_length = model.meta(f"{package.architecture}.attention.key_length")  # Gemma: not n_embd / n_head
+        self._head_dim = int(key_length) if key_length and key_length.isdigit() else \
+            model.info["n_embd"] // max(1, model.info["n_head"])
+        self.unload()
+        self.package, self.model = package, model
+        self.block_size, self.num_blocks, self.n_seq_max = bs, nb, model.info["n_seq_max"]
+        self._limits = SimpleNamespace(vocab_size=package.vocab_size, max_seq=package.max_seq, block_size=bs,
+                                       num_blocks=nb)
+        self._reset_maps()
+        self._out = np.zeros((max(package.profiles), model.n_vocab), np.float32)
+
+    def _reset_maps(self) -> None:
+        self._seqs: dict[int, _Seq] = {}
+        self._free: list[int] = list(range(self.n_seq_max - 1, -1, -1))
+        self._holders: dict[int, set[int]] = {}
+        self._clock = 0
+
+    def unload(self) -> None:
+        if self.model is not None:
+            self.model.close()
+        self.package = self.model = None
+
+    def _loaded(self):
+        if self.model is None:
+            raise BackendError("llamacpp backend: no model loaded")
+        return self.package, self.model
+
+    def describe(self) -> BackendInfo:
+        pkg, model = self._loaded()
+        info = model.info
+        head_dim = self._head_dim
+        return BackendInfo(
+            name=self.name,
+            vocab_size=pkg.vocab_size,
+            eos_ids=tuple(pkg.eos_ids),
+            max_seq=pkg.max_seq,
+            profiles=tuple(BatchProfile(b) for b in sorted(pkg.profiles)),
+            kv=KvLayout(block_size=self.block_size, num_blocks=self.num_blocks, num_layers=info["n_layer"],
+                        num_kv_heads=info["n_head_kv"], head_dim=head_dim, dtype="float16"),
+            chunked_prefill=True,
+            model_sha256=pkg.sha256,
+            extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
+                   "architecture": pkg.architecture, "bos_id": pkg.bos_id, "pad_id": pkg.pad_id,
+                   "threads": self.threads, "n_seq_max": self.n_seq_max, "kv_cells": info["n_ctx"],
+                   "supports": dict(SUPPORTS), "tokenizer": dict(pkg.tokenizer)},
+        )
+
+    def health(self) -> dict:
+        return {"ok": self.model is not None, "backend": self.name, "chip_id": self.chip_id,
+                "model_sha256": self.package.sha256 if self.package else "",
+                "sequences": len(self._seqs) if self.model is not None else 0}
+
+    # ---- compute -------------------------------------------------------------------
+
+    def prefill(self, job: Job) -> StepOutput:
+        if job.kind != JobKind.PREFILL:
+            raise ValueError(f"prefill called with a {job.kind.name} job")
+        return self._run(job)
+
+    def decode(self, job: Job) -> StepOutput:
+        if job.kind != JobKind.DECODE:
+            raise ValueError(f"decode called with a {job.kind.name} job")
+        return self._run(job)
+
+    def _run(self, job: Job) -> StepOutput:
+        from workers.backends.ref import RefBackend
+
+        _, model = self._loaded()
+        lanes = RefBackend._validate(job, self._limits, self._limits)  # the same checks as the oracle
+        b = job.batch
+        if self._out.shape[0] < b:
+            self._out = np.zeros((b, model.n_vocab), np.float32)
+        logits = self._out[:b]
+        if len(lanes) == 0:
+            logits[:] = 0
+            return StepOutput(logits=logits)
+        self._clock += 1
+        bs = self.block_size
+        lane_list = lanes.tolist()
+        plans = []  # (lane, seq, p0, ctx, table)
+        busy: set[int] = set()
+        for lane in lane_list:
+            ctx = int(job.context_lens[lane])
+            p0 = ctx - int(job.query_start[lane + 1] - job.query_start[lane])
+            need = -(-ctx // bs)
+            table = job.block_tables[lane, :need].tolist()
+            seq = self._resolve(lane, table, p0, busy)
+            busy.add(seq.sid)
+            plans.append((lane, seq, p0, ctx, table))
+        for lane, seq, p0, ctx, table in plans:
+            self._claim(seq, table, p0, ctx)
+        # one llama_decode over every valid lane's new tokens
+        qs = job.query_start
+        counts = [int(qs[lane + 1] - qs[lane]) for lane in lane_list]
+        rows = np.concatenate([np.arange(qs[lane], qs[lane + 1]) for lane in lane_list]) if job.kind == JobKind.PREFILL \
+            else qs[lanes].astype(np.int64)
+        seq_ids = np.repeat(np.array([p[1].sid for p in plans], np.int32), counts)
+        want = np.zeros(len(rows), np.int8)
+        out_rows = np.zeros(len(rows), np.int32)
+        last = np.cumsum(counts) - 1
+        emit = (job.sample[lanes] != 0) | bool(job.return_logits)
+        want[last[emit]] = 1
+        out_rows[last] = lanes
+        rc, _ = model.decode(job.tokens[rows], job.positions[rows], seq_ids, want, out_rows, self._out)
+        if rc != 0:
+            for _, seq, p0, _, _ in plans:  # the new cells are in an unknown state: forget them
+                self._truncate(seq, p0)
+            raise BackendError(f"llamacpp backend: llama_decode returned {rc}")
+        for _, seq, _, ctx, _ in plans:
+            seq.length = ctx
+        quiet = np.ones(b, bool)
+        quiet[lanes[emit]] = False
+        if quiet.any():
+            logits[quiet] = 0
+        return StepOutput(logits=logits)
+
+    # ---- the block-table <-> sequence map --------------------------------------------
+
+    def _resolve(self, lane: int, table: list[int], p0: int, busy: set[int]) -> _Seq:
+        """The sequence that holds this lane's positions [0, p0), made ready to take position p0."""
+        bs = self.block_size
+        if p0 == 0:
+            return self._new_seq(busy)
+        n = -(-p0 // bs)
+        best = None
+        for sid in self._holders.get(table[n - 1], ()):
+            s = self._seqs[sid]
+            if s.length >= p0 and s.blocks[:n] == table[:n]:
+                if s.length == p0 and sid not in busy:
+                    s.used = self._clock
+                    return s  # the lane's own sequence, continued
+                best = s
+        if best is None:
+            raise BackendError(f"llamacpp backend: lane {lane}: the KV of positions 0..{p0 - 1} is not on this chip "
+                               f"(never written, or evicted); the request must be recomputed")
+        best.used = self._clock
+        if p0 % bs and best.sid not in busy:
+            self._truncate(best, p0)  # a retry inside the lane's own partial block
+            return best
+        if p0 % bs:
+            raise BackendError(f"llamacpp backend: lane {lane}: partial block {table[n - 1]} used by two lanes")
+        seq = self._new_seq(busy | {best.sid})
+        self.model.seq_cp(best.sid, seq.sid, 0, p0)  # prefix reuse: cells are shared, not copied
+        seq.blocks, seq.length = table[:n], p0
+        for blk in seq.blocks:
+            self._holders.setdefault(blk, set()).add(seq.sid)
+        return seq
+
+    def _claim(self, seq: _Seq, table: list[int], p0: int, ctx: int) -> None:
+        """Record that `seq` writes positions [p0, ctx): blocks it newly enters are its own from now on."""
+        bs = self.block_size
+        for k in range(p0 // bs, len(table)):
+            blk = table[k]
+            if k < len(seq.blocks):
+                if seq.blocks[k] != blk:
+                    raise BackendError(f"llamacpp backend: block {blk} replaces {seq.blocks[k]} inside a sequence")
+                continue
+            for other in list(self._holders.get(blk, ())):
+                if other != seq.sid:
+                    o = self._seqs[other]
+                    self._truncate(o, o.blocks.index(blk) * bs)
+            seq.blocks.append(blk)
+            self._holders.setdefault(blk, set()).add(seq.sid)
+
+    def _truncate(self, seq: _Seq, p: int) -> None:
+        """Remove the sequence's positions >= p (the whole sequence when p is 0)."""
+        bs = self.block_size
+        keep = -(-p // bs)
+        for blk in seq.blocks[keep:]:
+            holders = self._holders.get(blk)
+            if holders is not None:
+                holders.discard(seq.sid)
+                if not holders:
+                    del self._holders[blk]
+        seq.blocks = seq.blocks[:keep]
+        seq.length = min(seq.length, p)
+        if p == 0:
+            self.model.seq_rm(seq.sid, -1, -1)
+            del self._seqs[seq.sid]
+            self._free.append(seq.sid)
+        elif not self.model.seq_rm(seq.sid, p, -1):
+            raise BackendError(f"llamacpp backend: llama.cpp cannot cut sequence {seq.sid} at {p}")
+
+    def _new_seq(self, busy: set[int]) -> _Seq:
+        if not self._free:
+            # Every id is taken: drop the least recently used sequence outside this job. If the scheduler
+            # still meant to use it, that request's next job fails cleanly (its KV is gone).
+            victims = [s for s in self._seqs.values() if s.sid not in busy]
+            if not victims:
+                raise BackendError(f"llamacpp backend: more than {self.n_seq_max} sequences in one job")
+            self._truncate(min(victims, key=lambda s: s.used), 0)
+        sid = self._free.pop()
+        seq = _Seq(sid, used=self._clock)
+        self._seqs[sid] = seq
+        return seq
+
+    # ---- block ops the runtime does not have ---------------------------------------
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        raise BackendError("llamacpp backend: copy_blocks is not supported (prefix reuse is done by sequence copy)")
+
+    def swap_out(self, blocks: np.ndarray) -> np.ndarray:
+        raise BackendError("llamacpp backend: swap to host memory is not supported")
+
+    def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
+        raise BackendError("llamacpp backend: swap from host memory is not supported")

@@ -1,0 +1,43 @@
+"""llama.cpp's own tokenizer for GGUF packages (a vocab-only load: no weights, no context).
+
+`encode` is `llama_tokenize` with `add_special` as the model's metadata says
+(BOS for Gemma and Llama), and special-token text in the input is treated as
+plain text, so a user cannot forge control tokens. `piece` is
+`llama_token_to_piece` without special tokens: the bytes a token adds to
+the output text (b"" for BOS/EOS/control tokens). No hand-written BPE.
+"""
+
+from __future__ import annotations
+
+from workers.llamacpp.binding import LlamaModel
+
+
+class GgufTokenizer:
+    """The `workers.tokenizer.Tokenizer` protocol over a GGUF's vocabulary. Not thread-safe."""
+
+    def __init__(self, gguf_path: str) -> None:
+        self._model = LlamaModel(gguf_path, vocab_only=True)
+        info = self._model.info
+        self.vocab_size: int = info["n_vocab"]
+        self.bos_id: int = info["bos"]
+        self.eos_id: int = info["eos"]
+        self.add_bos: bool = bool(info["add_bos"])
+        self._pieces: dict[int, bytes] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return self._model.tokenize(text, add_special=True, parse_special=False)
+
+    def piece(self, token_id: int) -> bytes:
+        p = self._pieces.get(token_id)
+        if p is None:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"token id {token_id} outside 0..{self.vocab_size - 1}")
+            p = self._pieces[token_id] = self._model.piece(token_id, special=False)
+        return p
+
+    def decode(self, token_ids) -> str:
+        """All pieces joined and decoded (invalid UTF-8 replaced): for tests and tools."""
+        return b"".join(self.piece(int(t)) for t in token_ids).decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        self._model.close()
