@@ -53,9 +53,9 @@ class Drain:
         return SignalOutcome.IGNORED
 
     def check(self, now: float, in_flight: int) -> StopCause | None:
-        """While draining: the cause to stop now, or None to keep serving what is in flight."""
+        """The cause to stop now (it stays once decided), or None to keep serving what is in flight."""
         if self.state is not DrainState.DRAINING:
-            return None
+            return self.cause
         assert self.deadline is not None and in_flight >= 0
         if in_flight == 0:
             self._stop(StopCause.DRAINED)
