@@ -141,7 +141,8 @@ def main(argv: list[str]) -> int:
     except BaseException:
         daemon.close()
         raise
-    print(banner(cfg), flush=True)
+    if not daemon.service.notify.enabled:  # under systemd, STATUS= and the journal say it instead
+        print(banner(cfg), flush=True)
     try:
         return daemon.run()
     finally:
