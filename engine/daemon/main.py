@@ -92,7 +92,8 @@ def banner(cfg: Config) -> str:
         "try:",
         f"  npuserve generate --endpoint {shlex.quote(ep)} --text \"hello\"",
         f"  npuserve health --endpoint {shlex.quote(ep)}",
-        "stop with Ctrl-C (SIGINT) or SIGTERM",
+        "stop with Ctrl-C (SIGINT) or SIGTERM: requests in flight finish first (server.drain_timeout_s); "
+        "a second one stops at once",
     ]
     return "\n".join(lines)
 
