@@ -26,8 +26,8 @@ from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJo
 from engine.core.scheduler import ChipSpec, ConfigurationError, ModelSpec, Scheduler
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon import ops
-from engine.daemon.frontend import Frontend
 from engine.daemon.drain import DrainState
+from engine.daemon.frontend import Frontend
 from engine.daemon.liveness import LoopLiveness
 from engine.daemon.log import log
 from engine.daemon.sd_notify import Notifier
@@ -466,7 +466,7 @@ class Daemon:
         now = self.clock()
         reason = "signal" if self._stop_signal is not None else "fatal"
         log("stopping", reason=reason, signal=self._stop_signal, active_requests=self.frontend.active())
-        self.service.stopping(reason if self.service.drain.cause is None else f"drain {self.service.drain.cause.value}")
+        self.service.stopping(reason)
         self.accepting = False
         if not self._core_broken:
             try:

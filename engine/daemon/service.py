@@ -51,6 +51,7 @@ class Service:
         self.stall_s = float(os.environ.get(TEST_STALL_ENV, "3"))
         self._status_text = ""
         self._stopping_sent = False
+        self._stop_signal: int = signal.SIGTERM  # the signal that started the drain
         self.counters = {"watchdog_pings": 0, "reloads": 0, "reload_failures": 0}
 
     def extra_signals(self) -> tuple[int, ...]:
@@ -102,6 +103,8 @@ class Service:
 
     def stopping(self, reason: str) -> None:
         """The loop has ended: STOPPING=1 (unless the drain already said so) and a last STATUS."""
+        if self.drain.cause is not None:
+            reason = f"drain ended ({self.drain.cause.value})"
         lines = [f"STATUS=stopping: {reason}"]
         if not self._stopping_sent:
             self._stopping_sent = True
@@ -112,16 +115,13 @@ class Service:
         self.notify.close()
 
     # -- signals ---------------------------------------------------------------------------
-    _stop_signal = signal.SIGTERM
-
     def _on_signal(self, signum: int, now: float) -> None:
         if signum in STOP_SIGNALS:
             budget = self.d.cfg.server.drain_timeout_s
             outcome = self.drain.on_stop_signal(now, budget)
             if outcome is SignalOutcome.BEGIN_DRAIN:
                 self._stop_signal = signum
-                self.d.scheduler.set_accepting(False, "draining")
-                self.d.accepting = False
+                self.d.set_accepting(False)  # 503 draining, as the admin `drain` op answers
                 active = self.d.frontend.active()
                 log("drain_started", signal=signal.Signals(signum).name, active_requests=active,
                     drain_timeout_s=budget)
