@@ -30,6 +30,10 @@ def test_ready_status_watchdog_and_stopping_reach_the_notify_socket(daemon, noti
     assert ready["STATUS"].startswith("serving model 'tiny'") and "2/2 chips up" in ready["STATUS"]
     assert ready["MAINPID"] == str(d.pid)
     t_ready = n.times("READY", "1")[0]
+    # while the workers loaded, systemd's start timeout was extended past the daemon's own start-up limit
+    [(t_ext, loading)] = [(t, m) for t, m in n.snapshot() if "EXTEND_TIMEOUT_USEC" in m][:1]
+    assert t_ext <= t_ready and loading["STATUS"].startswith("starting: loading the model on 2 chip workers")
+    assert int(loading["EXTEND_TIMEOUT_USEC"]) > 120_000_000
     n.wait_for("WATCHDOG", "1", after=t_ready + 2.0, timeout=30)
     pings = [t for t in n.times("WATCHDOG", "1") if t > t_ready]
     gaps = [b - a for a, b in zip(pings, pings[1:])]
@@ -41,7 +45,9 @@ def test_ready_status_watchdog_and_stopping_reach_the_notify_socket(daemon, noti
     t_term = time.monotonic()
     assert d.stop(signal.SIGTERM) == 0
     stopping = n.wait_for("STOPPING", "1", after=t_term, timeout=5)
-    assert "STATUS" in stopping
+    assert stopping["STATUS"].startswith("draining: 0 requests in flight")
+    assert int(stopping["EXTEND_TIMEOUT_USEC"]) == (30 + 15) * 1_000_000  # drain budget + stop grace
+    n.wait_for("STATUS", "stopping: drain ended (drained)", after=t_term, timeout=5)
     assert shm_objects_of(d.pid) == []
     events = [e["event"] for e in log_events(d.log())]
     assert events.index("serving") < events.index("drain_started") < events.index("stopped")
