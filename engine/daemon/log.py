@@ -32,6 +32,7 @@ EVENTS: dict[str, str] = {
     "request_failed": "error",
     # stop, drain
     "drain_started": "info",
+    "drain_progress": "info",
     "drain_ended": "info",
     "stopping": "info",
     "stopped": "info",

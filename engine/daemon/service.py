@@ -87,7 +87,9 @@ class Service:
                     drain_s=round(now - (self.drain.started_at or now), 3))
                 self.d.request_stop(self._stop_signal)
             elif self.extend.due(now):
-                self.notify.send(f"EXTEND_TIMEOUT_USEC={_usec(self.drain.remaining_s(now) + STOP_GRACE_S)}")
+                left = self.drain.remaining_s(now)
+                log("drain_progress", active_requests=self.d.frontend.active(), remaining_s=round(left, 1))
+                self.notify.send(f"EXTEND_TIMEOUT_USEC={_usec(left + STOP_GRACE_S)}")
         if self.watchdog.due(now):
             self.counters["watchdog_pings"] += 1
             self.notify.send("WATCHDOG=1")
@@ -124,7 +126,7 @@ class Service:
                 self.d.set_accepting(False)  # 503 draining, as the admin `drain` op answers
                 active = self.d.frontend.active()
                 log("drain_started", signal=signal.Signals(signum).name, active_requests=active,
-                    drain_timeout_s=budget)
+                    drain_timeout_s=budget, note="a second SIGTERM/SIGINT stops at once")
                 self.extend = Pacer(EXTEND_EVERY_S)
                 self.extend.due(now)
                 self._status_text = self._draining_status(now)
