@@ -240,11 +240,32 @@ class MetricsConfig:
                     "address the metrics server binds")
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "human")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = key("info", _str(choices=LOG_LEVELS), "lowest level written: debug | info | warning | error")
+    format: str = key("auto", _str(choices=LOG_FORMATS), "json = one JSON object per line; human = for "
+                                                         "terminals; auto = human on a tty, else json")
+
+
 SECTIONS: dict[str, type] = {
     "board": BoardConfig, "model": ModelConfig, "admission": AdmissionConfig, "queues": QueuesConfig,
     "batch": BatchConfig, "executor": ExecutorConfig, "kv": KvConfig, "recovery": RecoveryConfig,
     "server": ServerConfig, "metrics": MetricsConfig,
+    "log": LogConfig,
 }
+
+# Keys SIGHUP applies to a running daemon (fnmatch patterns over dotted keys).
+# A change to any other key is logged as needing a restart and not applied.
+RELOADABLE: tuple[str, ...] = (
+    "admission.max_sequences", "admission.max_waiting_requests", "admission.max_waiting_prompt_tokens",
+    "admission.deadline_default_ms", "queues.decode_cost_weight", "queues.tenants.*",
+    "batch.batching_window_us", "executor.job_timeout_ms", "server.drain_timeout_s", "server.loop_stall_ms",
+    "log.level", "log.format",
+)
 
 
 @dataclass(frozen=True)
@@ -260,6 +281,7 @@ class Config:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 def section_keys(cls: type) -> dict[str, dataclasses.Field]:

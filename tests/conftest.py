@@ -193,7 +193,7 @@ def short_dir():
 
 @pytest.fixture
 def daemon(short_dir):
-    """Factory: `daemon(backend="stub", chips=1, settings={...}, backend_options={...})` -> DaemonProc.
+    """Factory: `daemon(backend="stub", chips=1, settings={...}, backend_options={...}, env={...})` -> DaemonProc.
 
     `prelude`: Python source the daemon process runs before its main(), to
     inject a fault where no real one can be provoked from outside (a core bug).
@@ -202,7 +202,7 @@ def daemon(short_dir):
 
     def start(*, backend: str = "stub", chips: int = 1, config: str | None = None, settings: dict | None = None,
               backend_options: dict | None = None, extra: list[str] | None = None,
-              wait: bool = True, prelude: str | None = None) -> DaemonProc:
+              wait: bool = True, prelude: str | None = None, env: dict | None = None) -> DaemonProc:
         rt = os.path.join(short_dir, f"r{len(started)}")
         os.makedirs(rt, mode=0o700)
         endpoint = f"ipc://{rt}/d.sock"
@@ -213,7 +213,8 @@ def daemon(short_dir):
             assert cmd[1:3] == ["-m", "engine.daemon.main"]
             cmd = [sys.executable, "-c", prelude + _RUN_DAEMON_MAIN] + cmd[3:]
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=None if env is None else {**os.environ, **env})
         d = DaemonProc(proc, endpoint, rt, log_path)
         started.append(d)
         if wait:
@@ -353,3 +354,101 @@ def gemma_package(tmp_path_factory):
                               kv_num_blocks=256, profiles=(1, 2, 4, 8), progress=lambda _msg: None)
     assert wrote
     return path
+
+
+class NotifyListener:
+    """A test-owned NOTIFY_SOCKET (plain path or abstract name) recording every datagram with its arrival time."""
+
+    def __init__(self, short_dir: str, abstract: bool = False) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if abstract:
+            name = f"npuserve-test-notify-{os.getpid()}-{id(self)}"
+            self.sock.bind(b"\0" + name.encode())
+            self.address = "@" + name
+        else:
+            self.address = os.path.join(short_dir, "notify.sock")
+            self.sock.bind(self.address)
+        self.sock.settimeout(0.1)
+        self.messages: list[tuple[float, dict[str, str]]] = []
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import socket
+
+        while not self._stop:
+            try:
+                data = self.sock.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().split("\n") if "=" in line)
+            with self._lock:
+                self.messages.append((time.monotonic(), fields))
+
+    def snapshot(self) -> list[tuple[float, dict[str, str]]]:
+        with self._lock:
+            return list(self.messages)
+
+    def times(self, key: str, value: str | None = None) -> list[float]:
+        return [t for t, m in self.snapshot() if key in m and (value is None or m[key] == value)]
+
+    def wait_for(self, key: str, value: str | None = None, timeout: float = START_TIMEOUT_S,
+                 after: float = 0.0) -> dict[str, str]:
+        """The first message after `after` carrying `key` (= `value`), waiting up to `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, m in self.snapshot():
+                if t >= after and key in m and (value is None or m[key] == value):
+                    return m
+            time.sleep(0.02)
+        raise AssertionError(f"no {key}={value} on the notify socket within {timeout} s: {self.snapshot()}")
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(2)
+        self.sock.close()
+
+
+@pytest.fixture
+def notify_listener(short_dir):
+    """Factory: `notify_listener(abstract=False)` -> NotifyListener, closed on teardown."""
+    made: list[NotifyListener] = []
+
+    def make(abstract: bool = False) -> NotifyListener:
+        n = NotifyListener(short_dir, abstract)
+        made.append(n)
+        return n
+
+    yield make
+    for n in made:
+        n.close()
+
+
+def log_events(text: str) -> list[dict]:
+    """The JSON log lines of a daemon's output (banner and other lines skipped)."""
+    import orjson
+
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            out.append(orjson.loads(line))
+    return out
+
+
+def wait_for_log(d: "DaemonProc", event: str, timeout: float = 30.0, count: int = 1) -> list[dict]:
+    """Poll the daemon's log until `count` lines of `event` are there; returns them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [e for e in log_events(d.log()) if e.get("event") == event]
+        if len(found) >= count:
+            return found
+        if time.monotonic() > deadline or d.proc.poll() is not None and len(found) < count:
+            raise AssertionError(f"no {event!r} log line within {timeout} s:\n{d.log()[-3000:]}")
+        time.sleep(0.05)

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-ipc": ("tools.bench_ipc", "benchmark shared-memory rings against other transports"),
     "bench-backend": ("tools.bench_backend", "benchmark a chip backend in-process and through a worker"),
     "bench-serve": ("tools.bench_serve", "benchmark a daemon end to end through the client library"),
+    "install-systemd": ("tools.install_systemd_cmd", "install the npuserve@.service unit and a board config"),
 }
 
 

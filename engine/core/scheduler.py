@@ -16,6 +16,7 @@ job drains (seed 001 §4: the job drains, the lane's result is dropped).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -282,6 +283,25 @@ class Scheduler:
     def set_accepting(self, accepting: bool, reason: str = "draining") -> None:
         self._accepting = bool(accepting)
         self._unavailable_reason = reason
+
+    # Settings baked into per-chip state at construction; a reload must leave them alone.
+    _FIXED_SETTINGS = ("profiles", "profile_fill_ratio", "chunked_prefill", "max_inflight", "prefix_cache",
+                       "decode_weight", "short_prefill_weight", "medium_prefill_weight", "long_prefill_weight",
+                       "short_prefill_max_tokens", "medium_prefill_max_tokens", "static_batching")
+
+    def reconfigure(self, config: SchedulerConfig) -> None:
+        """Take new admission budgets, tenant policies, deadlines and windows (a SIGHUP reload).
+
+        Applies to what happens next: requests already admitted keep their
+        deadline and lanes; a lower `max_sequences` only stops new admissions.
+        """
+        for name in self._FIXED_SETTINGS:
+            assert getattr(config, name) == getattr(self.config, name), f"{name} cannot change without a restart"
+        self.config = config
+        self.budget = dataclasses.replace(
+            self.budget, max_sequences=config.max_sequences, max_waiting_requests=config.max_waiting_requests,
+            max_waiting_prompt_tokens=config.max_waiting_prompt_tokens)
+        self._dirty = True
 
     def shutdown(self, now: float) -> list[Action]:
         """Every live request gets 503 "shutdown" (retryable: a balancer resumes it elsewhere).

@@ -1,4 +1,11 @@
-"""One JSON object per line on stderr: what the daemon did, for humans and journald."""
+"""The daemon's log: one line per thing that happened, on stderr (journald under systemd).
+
+Two formats: `json` (one JSON object per line, `{"ts", "level", "event", ...}`,
+what journald and log shippers read) and `human` (a time, the level, the
+event and `key=value` pairs, for a terminal). Every kind of line has a stable
+`event` name from `EVENTS`, which also fixes its level; docs/operations.md
+lists them, and a test holds the code, this table and that page together.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +14,95 @@ import time
 
 import orjson
 
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+EVENTS: dict[str, str] = {
+    # start-up and serving
+    "starting": "info",
+    "reaped_stale_shm": "info",
+    "metrics_not_served": "warning",
+    "serving": "info",
+    "startup_failed": "error",
+    # chips
+    "chip_up": "info",
+    "chip_down": "warning",
+    "restart_failed": "error",
+    "stop_failed": "warning",
+    # requests
+    "request_failed": "error",
+    # stop, drain
+    "drain_started": "info",
+    "drain_progress": "info",
+    "drain_ended": "info",
+    "stopping": "info",
+    "stopped": "info",
+    "fatal": "error",
+    # reload
+    "reload_started": "info",
+    "config_reloaded": "info",
+    "reload_needs_restart": "warning",
+    "reload_failed": "error",
+    # systemd
+    "notify_socket_invalid": "warning",
+    "watchdog_enabled": "info",
+    "test_hook_stall": "warning",
+}
+
+_state = {"min_level": LEVELS["info"], "human": False}
+
+
+def configure(level: str = "info", fmt: str = "auto", stream=None) -> None:
+    """Set the lowest level written and the format (`auto` = human when stderr is a terminal)."""
+    assert level in LEVELS and fmt in ("auto", "json", "human"), (level, fmt)
+    stream = sys.stderr if stream is None else stream
+    _state["min_level"] = LEVELS[level]
+    if fmt == "auto":
+        try:
+            _state["human"] = stream.isatty()
+        except (AttributeError, ValueError):
+            _state["human"] = False
+    else:
+        _state["human"] = fmt == "human"
+
 
 def log(event: str, **fields) -> None:
-    rec = {"ts": round(time.time(), 3), "event": event, **fields}
-    try:
-        line = orjson.dumps(rec, default=str)
-    except TypeError:
-        line = orjson.dumps({"ts": rec["ts"], "event": event, "fields": repr(fields)})
+    level = EVENTS.get(event, "info")
+    if LEVELS[level] < _state["min_level"]:
+        return
+    ts = time.time()
+    line = human_line(ts, level, event, fields) if _state["human"] else json_line(ts, level, event, fields)
     try:
         sys.stderr.buffer.write(line + b"\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
+
+
+def json_line(ts: float, level: str, event: str, fields: dict) -> bytes:
+    rec = {"ts": round(ts, 3), "level": level, "event": event, **fields}
+    try:
+        return orjson.dumps(rec, default=str)
+    except TypeError:
+        return orjson.dumps({"ts": rec["ts"], "level": level, "event": event, "fields": repr(fields)})
+
+
+def human_line(ts: float, level: str, event: str, fields: dict) -> bytes:
+    """`20:44:37.123 WARN  chip_down chip=1 reason="..."`; a traceback follows on its own lines."""
+    clock = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts * 1000) % 1000:03d}"
+    parts = [clock, level.upper()[:5].ljust(5), event]
+    tail = ""
+    for k, v in fields.items():
+        if k == "traceback" and isinstance(v, str):
+            tail = "\n" + v.rstrip("\n")
+            continue
+        parts.append(f"{k}={_human_value(v)}")
+    return (" ".join(parts) + tail).encode("utf-8", "replace")
+
+
+def _human_value(v) -> str:
+    if isinstance(v, str):
+        return v if v and all(c.isalnum() or c in "._-/:@" for c in v) else orjson.dumps(v).decode()
+    try:
+        return orjson.dumps(v, default=str).decode()
+    except TypeError:
+        return repr(v)

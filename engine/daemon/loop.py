@@ -26,9 +26,12 @@ from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJo
 from engine.core.scheduler import ChipSpec, ConfigurationError, ModelSpec, Scheduler
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon import ops
+from engine.daemon.drain import DrainState
 from engine.daemon.frontend import Frontend
 from engine.daemon.liveness import LoopLiveness
 from engine.daemon.log import log
+from engine.daemon.sd_notify import Notifier
+from engine.daemon.service import STOP_SIGNALS, Service
 from engine.daemon.supervisor import ChipState, Decision, Supervisor
 from engine.daemon.text_io import piece_function, served_tokenizer
 from ipc.records import Job
@@ -67,7 +70,8 @@ class Daemon:
     """One board: workers, scheduler core, frontend. `start()`, then `run()` until a signal."""
 
     def __init__(self, cfg: Config, *, package_path: str | None = None,
-                 extra_backend_options: dict | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 extra_backend_options: dict | None = None, clock: Callable[[], float] = time.monotonic,
+                 notifier: Notifier | None = None, config_loader: Callable[[], Config] | None = None) -> None:
         self.cfg = cfg
         self.package_path = package_path
         self.extra_backend_options = dict(extra_backend_options or {})
@@ -87,6 +91,8 @@ class Daemon:
         self._core_broken = False
         self._next_rid = 0
         self._stop_signal: int | None = None
+        self._serving = False  # from run(): stop signals drain instead of stopping at once
+        self.service = Service(self, notifier, config_loader)  # systemd notify, drain, reload
         self._backlog: list[deque[Job]] = []
         self._device_us = [0] * cfg.board.chips  # time the backend calls took, per chip
         self._worker_us = [0] * cfg.board.chips  # job read -> result written in the worker, per chip
@@ -171,6 +177,7 @@ class Daemon:
                 note="the Prometheus endpoint belongs to the operations layer, not started by this daemon")
         log("serving", board=cfg.board.id, endpoints=list(cfg.server.endpoints), backend=cfg.board.backend,
             chips=cfg.board.chips, model=self.model_alias, pids=[lk.pid for lk in self.links])
+        self.service.ready(self.clock())
 
     def _wait_ready(self, timeout_s: float) -> list[BackendInfo]:
         poller = zmq.Poller()
@@ -185,6 +192,7 @@ class Daemon:
             if left <= 0:
                 missing = [c for c in range(len(self.links)) if c not in infos]
                 raise StartupError(f"workers of chips {missing} not ready within {timeout_s:.0f} s")
+            self.service.starting(time.monotonic(), len(infos), len(self.links), deadline)
             poller.poll(min(left, 0.2) * 1000)
             for chip, lk in enumerate(self.links):
                 for ev in lk.handle_events():
@@ -213,12 +221,19 @@ class Daemon:
         os.set_blocking(w, False)
         self._sig_r, self._sig_w = r, w
         self._old_wakeup_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS + self.service.extra_signals():
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         self._poller.register(r, zmq.POLLIN)
 
     def _on_signal(self, signum, frame) -> None:
-        self._stop_signal = signum
+        if self._serving:
+            self.service.pending.append(signum)  # handled on the loop thread: drain, reload
+        elif signum in STOP_SIGNALS:
+            self._stop_signal = signum  # interrupts start-up
+
+    def request_stop(self, signum: int | None) -> None:
+        """End the loop after this turn (the drain is over); shutdown ends what is left."""
+        self._stop_signal = signum if signum is not None else signal.SIGTERM
 
     @property
     def stop_requested(self) -> bool:
@@ -228,6 +243,7 @@ class Daemon:
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (exit 0) or an unrecoverable failure (non-zero)."""
         assert self.scheduler is not None and self.frontend is not None
+        self._serving = True
         try:
             self._serve(self.clock())
         except Exception as e:  # a core or shell bug: the state can no longer be trusted
@@ -238,11 +254,14 @@ class Daemon:
 
     def _serve(self, next_supervise: float) -> None:
         sched, fe, live = self.scheduler, self.frontend, self.liveness
-        front_socks, link_socks = self._front_socks, self._link_socks
+        front_socks, link_socks, service = self._front_socks, self._link_socks, self.service
         while self._stop_signal is None and self.exit_code == 0:
             now = self.clock()
             wake = sched.next_wakeup(now)
             until = next_supervise if wake is None else min(wake, next_supervise)
+            ping = service.wake_by()
+            if ping is not None and ping < until:
+                until = ping
             timeout_ms = max(0, math.ceil((until - now) * 1000))
             live.sleeping(now)
             events = self._poller.poll(timeout_ms)
@@ -257,6 +276,7 @@ class Daemon:
                         actions += self._handle_request(conn, msg, now)
                 elif sock == self._sig_r:
                     _drain_fd(self._sig_r)
+            service.turn(now)
             if now >= next_supervise:
                 actions += self._supervise(now)
                 next_supervise = now + SUPERVISE_INTERVAL_S
@@ -401,6 +421,8 @@ class Daemon:
         return self._next_rid
 
     def set_accepting(self, accepting: bool) -> None:
+        if self.service.drain.state is not DrainState.SERVING:
+            accepting = False  # an admin `resume` cannot undo a SIGTERM drain
         self.accepting = accepting
         self.scheduler.set_accepting(accepting, "draining")
 
@@ -454,6 +476,7 @@ class Daemon:
         now = self.clock()
         reason = "signal" if self._stop_signal is not None else "fatal"
         log("stopping", reason=reason, signal=self._stop_signal, active_requests=self.frontend.active())
+        self.service.stopping(reason)
         self.accepting = False
         if not self._core_broken:
             try:
@@ -495,6 +518,7 @@ class Daemon:
             os.close(self._sig_r)
             os.close(self._sig_w)
             self._sig_r = self._sig_w = -1
+        self.service.close()
         if self.ctx is not None:
             for ep in self.cfg.server.endpoints:
                 if ep.startswith("ipc://"):

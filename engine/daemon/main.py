@@ -2,7 +2,9 @@
 
 Flags override the config file, so one line starts a daemon for a test or a
 demo. Exit status: 0 after SIGTERM/SIGINT, 2 for a configuration error, 1 when
-start-up fails, 3 when serving becomes impossible (every chip out of service).
+start-up fails, 3 when serving becomes impossible (every chip out of service),
+4 on an internal error. A daemon that cannot start says why in one
+`startup_failed` log line before it exits (and before systemd hears READY=1).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import sys
 import tomllib
 
 from engine.config import Config, ConfigError, load_config
+from engine.daemon.log import configure as configure_log
+from engine.daemon.log import log
 
 EXIT_CONFIG = 2
 EXIT_STARTUP = 1
@@ -47,6 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--runtime-dir", help="sockets and state (board.runtime_dir)")
     p.add_argument("--package", help="model package folder (model.package)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (metrics.port)")
+    p.add_argument("--log-format", choices=("auto", "json", "human"),
+                   help="log lines on stderr: json (one object per line), human, or auto = human on a terminal "
+                        "(log.format)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key as a dotted override, e.g. --set admission.max_waiting_requests=4")
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
@@ -58,7 +65,8 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
     ov = _pairs(args.set, "--set")
     flags = {"board.backend": args.backend, "board.chips": args.chips, "board.id": args.board,
              "board.runtime_dir": args.runtime_dir, "model.package": args.package,
-             "metrics.port": args.metrics_port, "server.endpoints": args.endpoint or None}
+             "metrics.port": args.metrics_port, "server.endpoints": args.endpoint or None,
+             "log.format": args.log_format}
     ov.update({k: v for k, v in flags.items() if v is not None})
     return ov
 
@@ -88,44 +96,58 @@ def banner(cfg: Config) -> str:
         "try:",
         f"  npuserve generate --endpoint {shlex.quote(ep)} --text \"hello\"",
         f"  npuserve health --endpoint {shlex.quote(ep)}",
-        "stop with Ctrl-C (SIGINT) or SIGTERM",
+        "stop with Ctrl-C (SIGINT) or SIGTERM: requests in flight finish first (server.drain_timeout_s); "
+        "a second one stops at once",
     ]
     return "\n".join(lines)
 
 
+def _startup_failed(exit_code: int, message: str, errors: list[str] | None = None) -> int:
+    """The one log line of a daemon that cannot start: its cause, then the exit status systemd sees."""
+    fields = {"errors": errors} if errors else {}
+    log("startup_failed", exit_code=exit_code, message=message, **fields)
+    return exit_code
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    configure_log("info", args.log_format or "auto")
+    overrides: dict[str, object] = {}
     try:
         backend_extra = _pairs(args.backend_option, "--backend-option")
-        cfg = load_config(args.config, overrides_from(args))
+        overrides = overrides_from(args)
+        cfg = load_config(args.config, overrides)
     except ConfigError as e:
-        print(f"npuserve serve: configuration error:\n  " + "\n  ".join(e.errors), file=sys.stderr)
-        return EXIT_CONFIG
+        return _startup_failed(EXIT_CONFIG, "configuration error: " + "; ".join(e.errors), e.errors)
+    configure_log(cfg.log.level, cfg.log.format)
 
     from engine.daemon.loop import Daemon, StartupError
 
+    log("starting", board=cfg.board.id, backend=cfg.board.backend, chips=cfg.board.chips, config=args.config)
     try:
         package = resolve_package(cfg)
     except Exception as e:  # a broken cache dir, an unwritable home: say so, do not trace back
-        print(f"npuserve serve: cannot prepare the model package: {e}", file=sys.stderr)
-        return EXIT_STARTUP
-    daemon = Daemon(cfg, package_path=package, extra_backend_options=backend_extra)
+        return _startup_failed(EXIT_STARTUP, f"cannot prepare the model package: {e}")
+    daemon = Daemon(cfg, package_path=package, extra_backend_options=backend_extra,
+                    config_loader=lambda: load_config(args.config, overrides))
     try:
         daemon.start()
     except ConfigError as e:
         daemon.close()
-        print(f"npuserve serve: configuration error:\n  " + "\n  ".join(e.errors), file=sys.stderr)
-        return EXIT_CONFIG
+        return _startup_failed(EXIT_CONFIG, "configuration error: " + "; ".join(e.errors), e.errors)
     except StartupError as e:
         daemon.close()
         if daemon.stop_requested:
             return 0  # SIGTERM/SIGINT while starting: a clean stop
-        print(f"npuserve serve: cannot start: {e}", file=sys.stderr)
-        return EXIT_STARTUP
+        return _startup_failed(EXIT_STARTUP, f"cannot start: {e}")
+    except OSError as e:  # e.g. a runtime directory we may not create
+        daemon.close()
+        return _startup_failed(EXIT_STARTUP, f"cannot start: {e}")
     except BaseException:
         daemon.close()
         raise
-    print(banner(cfg), flush=True)
+    if not daemon.service.notify.enabled:  # under systemd, STATUS= and the journal say it instead
+        print(banner(cfg), flush=True)
     try:
         return daemon.run()
     finally:

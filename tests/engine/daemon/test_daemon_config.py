@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, shm_objects_of
+from conftest import ROOT, log_events, shm_objects_of
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,9 @@ def test_each_bad_config_fails_start_up_with_its_message(short_dir):
         out, err = p.communicate(timeout=120)
         text = (out + err).decode(errors="replace")
         want = _expectation(path)
-        if p.returncode != 2 or want not in text:  # docs/configuration.md: a configuration error exits 2
+        failed = [e for e in log_events(text) if e["event"] == "startup_failed"]  # the one line naming the cause
+        # docs/configuration.md: a configuration error exits 2
+        if p.returncode != 2 or len(failed) != 1 or want not in failed[0]["message"]:
             failures.append(f"{os.path.basename(path)}: exit {p.returncode}, wanted {want!r} in:\n{text[-800:]}")
         if "Traceback" in text:
             failures.append(f"{os.path.basename(path)}: printed a traceback:\n{text[-800:]}")

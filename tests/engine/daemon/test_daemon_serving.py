@@ -113,7 +113,8 @@ def test_drain_gives_503_until_resume(daemon):
 
 
 def test_sigterm_under_load_gives_every_request_its_terminal_event_and_exits_0(daemon):
-    d = daemon(backend="sim", chips=2, backend_options=SLOW)
+    # drain budget 0: SIGTERM ends every stream at once (test_daemon_drain_reload covers a real drain)
+    d = daemon(backend="sim", chips=2, backend_options=SLOW, settings={"server.drain_timeout_s": 0})
     started = threading.Event()
     outcome: dict[str, list] = {"done": [], "error": [], "timeout": [], "other": []}
 
