@@ -47,6 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--runtime-dir", help="sockets and state (board.runtime_dir)")
     p.add_argument("--package", help="model package folder (model.package)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (metrics.port)")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON of jobs, request phases "
+                                                   "and loop turns to FILE (open it in ui.perfetto.dev)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key as a dotted override, e.g. --set admission.max_waiting_requests=4")
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
@@ -105,7 +107,7 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # a broken cache dir, an unwritable home: say so, do not trace back
         print(f"npuserve serve: cannot prepare the model package: {e}", file=sys.stderr)
         return EXIT_STARTUP
-    daemon = Daemon(cfg, package_path=package, extra_backend_options=backend_extra)
+    daemon = Daemon(cfg, package_path=package, extra_backend_options=backend_extra, trace_path=args.trace)
     try:
         daemon.start()
     except ConfigError as e:
