@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tools.generate_cmd", "send one generate request and print the tokens"),
     "health": ("tools.health_cmd", "ask a daemon or balancer for its health"),
     "stats": ("tools.stats_cmd", "print a daemon's statistics"),
+    "top": ("tools.top_cmd", "watch a daemon's metrics live"),
     "make-model": ("workers.model_maker", "write a random-weight model package"),
     "check-package": ("tools.check_package", "verify a model package and run its golden cases"),
     "simulate": ("tools.simulate", "run the scheduler core against a virtual clock"),

@@ -448,7 +448,7 @@ class Daemon:
     def stats(self, now: float) -> dict:
         return {
             "scheduler": self.scheduler.stats(now),
-            "metrics": self.observe.metrics.families(),
+            "metrics": self.observe.families(self, now),
             "frontend": self.frontend.counters.as_dict(),
             "daemon": dict(self.counters, active_requests=self.frontend.active(),
                            loop_turns=self.liveness.turns,

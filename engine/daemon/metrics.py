@@ -301,9 +301,9 @@ class MetricsRecorder:
         for job_id in [j for j, s in self._job_start.items() if s[1] == chip]:
             del self._job_start[job_id]
 
-    def publish(self, d: "Daemon", now: float) -> None:
-        """Swap in a fresh snapshot (at most every PUBLISH_INTERVAL_S)."""
-        if now < self.next_publish:
+    def publish(self, d: "Daemon", now: float, force: bool = False) -> None:
+        """Swap in a fresh snapshot (at most every PUBLISH_INTERVAL_S unless forced)."""
+        if now < self.next_publish and not force:
             return
         self.next_publish = now + PUBLISH_INTERVAL_S
         self.collector.snapshot = build_snapshot(d, now, self.bounded_tenants)

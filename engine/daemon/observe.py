@@ -55,6 +55,11 @@ class Observers:
     def publish(self, d: "Daemon", now: float) -> None:
         self.metrics.publish(d, now)
 
+    def families(self, d: "Daemon", now: float) -> list[dict]:
+        """The metric families as of now (for the stats op, which runs on the loop thread)."""
+        self.metrics.publish(d, now, force=True)
+        return self.metrics.families()
+
     def close(self) -> None:
         self.metrics.close()
         if self.trace is not None:
