@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import threading
 import time
@@ -10,6 +12,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import ROOT
 from engine.errors import InvalidRequest
 
 pytestmark = pytest.mark.integration
@@ -71,6 +74,11 @@ def test_metrics_scraped_during_load(daemon):
     first = scrape(port)
     for name in VLLM_NAMED + SEED_NAMED:
         assert name in first, f"{name} missing from /metrics"
+    # docs/observability.md lists exactly what is exposed
+    with open(os.path.join(ROOT, "docs", "observability.md")) as fh:
+        documented = set(re.findall(r"^\| `(npuserve:[a-z0-9_]+)` \|", fh.read(), re.M))
+    exposed = {n + ("_total" if f.type == "counter" else "") for n, f in first.items()}
+    assert documented == exposed
     assert first["npuserve:e2e_request_latency_seconds"].type == "histogram"
     assert first["npuserve:request_success"].type == "counter"
     assert first["npuserve:num_requests_running"].type == "gauge"
