@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-ipc": ("tools.bench_ipc", "benchmark shared-memory rings against other transports"),
     "bench-backend": ("tools.bench_backend", "benchmark a chip backend in-process and through a worker"),
     "bench-serve": ("tools.bench_serve", "benchmark a daemon end to end through the client library"),
+    "bench-observe": ("tools.bench_observe", "what metrics and tracing cost the daemon, side by side"),
 }
 
 
