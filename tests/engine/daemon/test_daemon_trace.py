@@ -150,3 +150,12 @@ def test_trace_overlapping_jobs_get_their_own_slot_and_lost_jobs_end(tmp_path):
     # a request that failed before its first token: queued, then prefill until the end, no decode
     assert spans["r12"] == {"request": [1_000_000, 2_000_000], "queued": [1_000_000, 1_050_000],
                             "prefill": [1_050_000, 2_000_000]}
+
+
+@pytest.mark.integration
+def test_unwritable_trace_file_fails_startup(daemon, short_dir):
+    path = os.path.join(short_dir, "no-such-dir", "t.json")
+    d = daemon(backend="stub", extra=["--trace", path], wait=False)
+    d.expect_exit = 1
+    assert d.proc.wait(60) == 1
+    assert f"cannot write the trace file {path}" in d.log()
