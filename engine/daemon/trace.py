@@ -154,7 +154,7 @@ class TraceWriter:
         if first_token is not None and first_token < end:
             phases.append(("decode", first_token, end))
         ident = f"r{rid}"
-        base = {"cat": "request", "id": ident, "pid": self.pid}
+        base = {"cat": "request", "id": ident, "pid": self.pid, "tid": LOOP_TID}
         # chronological, an end before a begin at the same instant: phases nest in the request, not in each other
         self._write({"name": "request", "ph": "b", "ts": arrival, "args": {"request": rid, **args}, **base})
         for name, b, e in phases:

@@ -26,7 +26,7 @@ def check_chrome_trace(events: list) -> None:
         if ev["ph"] == "M":
             assert isinstance(ev["args"], dict) and "tid" in ev
             continue
-        assert isinstance(ev["ts"], int) and ev["ts"] >= 0, ev
+        assert isinstance(ev["ts"], int) and ev["ts"] >= 0 and isinstance(ev["tid"], int), ev
         if ev["ph"] == "X":
             assert isinstance(ev["dur"], int) and ev["dur"] >= 0 and isinstance(ev["tid"], int), ev
         if ev["ph"] in "be":
