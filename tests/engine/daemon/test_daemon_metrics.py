@@ -119,9 +119,12 @@ def test_metrics_scraped_during_load(daemon):
                  what="generation_tokens_total to move again")
         wait_for(lambda: any(v > 0 for v in seen_running) or seen_running.append(
             value(scrape(port), "npuserve:num_requests_running")), what="a running request in a scrape")
-        with pytest.raises(InvalidRequest):
-            with d.client(timeout=10) as c:
+        with d.client(timeout=10) as c:
+            with pytest.raises(InvalidRequest):
                 c.generate([1, 100000], max_tokens=2)
+            r = c.generate([1, 2], max_tokens=2, tenant="unconfigured-tenant-7")
+            with lock:
+                results.append(([1, 2], r))
     finally:
         stop.set()
         for t in threads:
@@ -158,6 +161,9 @@ def test_metrics_scraped_during_load(daemon):
         for s in f.samples:
             assert not ID_LABELS & set(s.labels), s
             assert not set(s.labels.values()) & set(ids), s
+    # a tenant the configuration does not name is summed as "other": tenants cannot grow the series
+    tenants = {s.labels["tenant"] for s in end["npuserve:tenant_service_tokens"].samples}
+    assert tenants == {"default", "other"}
     before = series(end)
     with d.client(timeout=30) as c:
         for i in range(5):
