@@ -46,6 +46,8 @@ def format_stats(stats: dict) -> str:
 
 def format_report(stats: dict) -> str:
     """The dashboard, then the details (the metric families themselves are only in --json)."""
+    if "metrics" not in stats:  # not a board daemon (or an older one): the details are all there is
+        return format_stats(stats)
     rest = {k: v for k, v in stats.items() if k != "metrics"}
     return render(stats) + "\n\ndetails\n\n" + format_stats(rest)
 

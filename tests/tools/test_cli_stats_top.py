@@ -14,6 +14,7 @@ import pytest
 
 from conftest import ROOT
 from test_cli_commands import NPUSERVE, npuserve
+from tools.stats_cmd import format_report
 from tools.stats_view import Figures, render
 
 
@@ -40,6 +41,10 @@ def test_render_shows_rates_against_a_previous_reply():
                                               "samples": [["npuserve:generation_tokens_total", {}, tokens]]}]}
     out = render(reply(300), previous=(10.0, reply(100)), now=12.0)
     assert "generated 300 (100.0/s)" in out
+
+
+def test_a_reply_without_metrics_is_shown_as_details_only():
+    assert format_report({"balancer": {"boards": 2}}) == "balancer.boards  2"
 
 
 @pytest.mark.integration
