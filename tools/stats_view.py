@@ -107,8 +107,10 @@ def render(stats: dict, previous: tuple[float, dict] | None = None, now: float |
     def detail(d: dict[str, float]) -> str:
         return "" if not d else " (" + ", ".join(f"{k} {_num(v)}" for k, v in sorted(d.items())) + ")"
 
+    blocked = [r for r, v in f.by("admission_blocked", "reason").items() if v]
+    why = f" (held by {blocked[0]})" if blocked else ""
     lines.append(f"requests   running {_num(f.total('num_requests_running'))}   waiting "
-                 f"{_num(f.total('num_requests_waiting'))}   accepted {_num(f.total('requests_accepted_total'))}"
+                 f"{_num(f.total('num_requests_waiting'))}{why}   accepted {_num(f.total('requests_accepted_total'))}"
                  f"{rate('requests_accepted_total')}")
     lines.append(f"           success {_num(sum(success.values()))}{detail(success)}   failed "
                  f"{_num(sum(failed.values()))}{detail(failed)}   rejected {_num(sum(rejected.values()))}"

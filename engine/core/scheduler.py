@@ -132,6 +132,10 @@ class Scheduler:
         self.counters: Counter[str] = Counter()
         self.generation_tokens = 0  # tokens sampled (plain ints: bumped once per generated token)
         self.prompt_tokens = 0  # prompt tokens of requests that sampled their first token
+        # why the waiting queue's head was not admitted at the last tick: None (nobody waits),
+        # "kv" (no chip has room), "max_sequences", "tenant_cap" (every waiting tenant at its cap),
+        # "static_batching"
+        self.admission_blocked: str | None = None
         self.tenant_service: Counter[str] = Counter()  # tokens computed per tenant (prefill + decode)
         # per decode profile (compiled batch): [jobs, active lanes]; slots - lanes is the lane waste
         self.decode_by_profile: dict[int, list[int]] = {b: [0, 0] for b in self.profiles}
@@ -299,15 +303,21 @@ class Scheduler:
         assert self._waiting_tokens >= 0
 
     def _admit(self, now: float) -> None:
+        self.admission_blocked = self._admit_until_blocked(now)
+
+    def _admit_until_blocked(self, now: float) -> str | None:
+        """Admit while possible; returns why requests are still waiting (None: nobody waits)."""
+        if not (self._requeue or self._wfq):
+            return None
         if self.config.static_batching and self._n_bound:
-            return  # static batching: the running batch must drain completely first
+            return "static_batching"  # the running batch must drain completely first
         while self._n_bound < self.config.max_sequences:
             rid, from_requeue = self._next_candidate()
             if rid is None:
-                return
+                return "tenant_cap" if self._wfq else None
             r = self._requests[rid]
             if not self._reserve(r):
-                return  # head of line waits for KV (keeps fairness order; no starvation of big prompts)
+                return "kv"  # head of line waits for KV (keeps fairness order; no starvation of big prompts)
             if from_requeue:
                 self._requeue.popleft()
             else:
@@ -319,6 +329,7 @@ class Scheduler:
             self.chips[r.chip].prefill.push(rid, r.prefill_target - r.committed)
             r.ready_since = now
             self.counters["admitted"] += 1
+        return "max_sequences" if self._requeue or self._wfq else None
 
     def _next_candidate(self) -> tuple[int | None, bool]:
         if self._requeue:
@@ -770,6 +781,7 @@ class Scheduler:
         extra = {} if now is None else {"queue_waits": self.queue_stats(now)}
         return {
             "accepting": self._accepting,
+            "admission_blocked": self.admission_blocked,
             "profiles": list(self.profiles),
             "chunked_prefill": self.chunked,
             "waiting_requests": len(self._wfq) + len(self._requeue),

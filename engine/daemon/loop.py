@@ -270,7 +270,7 @@ class Daemon:
             if dead:
                 self._cancel_dead(dead, now)
             if trace is not None:
-                trace.turn(now, self.clock(), len(events), len(actions))
+                trace.turn(now, self.clock(), len(events), len(actions), sched.admission_blocked)
 
     def _handle_request(self, conn, msg: dict, now: float) -> list:
         """One client request; a bug it triggers costs that request a 500, not the daemon."""

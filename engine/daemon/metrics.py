@@ -52,6 +52,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 JOB_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                        2.5, 5.0, 10.0, 30.0)
 KV_BLOCK_STATES = ("free", "used", "evictable", "quarantined")  # a partition of every chip's blocks
+ADMISSION_BLOCK_REASONS = ("kv", "max_sequences", "tenant_cap", "static_batching")  # Scheduler.admission_blocked
 
 
 class MetricsPortBusy(RuntimeError):
@@ -150,6 +151,10 @@ def build_snapshot(d: "Daemon", now: float, bounded_tenants: frozenset[str]) -> 
         for q, e in queues.items():
             qd.append(((chip, q), e["depth"]))
             qw.append(((chip, q), e["oldest_wait_s"]))
+    blocked = st["admission_blocked"]
+    b.add("gauge", "admission_blocked", "1 for the reason the head of the waiting queue was not admitted at "
+          "the last tick (kv, max_sequences, tenant_cap, static_batching); all 0 when nobody waits.",
+          ("reason",), [((r,), 1 if blocked == r else 0) for r in ADMISSION_BLOCK_REASONS])
     b.add("gauge", "queue_depth", "Requests in each queue: admission (chip=\"board\"), decode and the "
           "short/medium/long prefill classes per chip.", ("chip", "queue"), qd)
     b.add("gauge", "queue_oldest_wait_seconds", "How long the oldest request of each queue has waited.",

@@ -80,10 +80,14 @@ class TraceWriter:
         self._write({"name": name, "ph": "M", "pid": self.pid, "tid": tid, "args": args})
 
     # -- the loop's hooks -------------------------------------------------------------------
-    def turn(self, start: float, end: float, n_events: int, n_actions: int) -> None:
+    def turn(self, start: float, end: float, n_events: int, n_actions: int, blocked: str | None = None) -> None:
+        """One loop turn; `blocked`: why admission left requests waiting (Scheduler.admission_blocked)."""
         ts = self.us(start)
+        args = {"events": n_events, "actions": n_actions}
+        if blocked is not None:
+            args["admission_blocked"] = blocked
         self._write({"name": "turn", "ph": "X", "pid": self.pid, "tid": LOOP_TID, "ts": ts,
-                     "dur": max(0, self.us(end) - ts), "args": {"events": n_events, "actions": n_actions}})
+                     "dur": max(0, self.us(end) - ts), "args": args})
 
     def on_actions(self, actions: list, now: float) -> None:
         for a in actions:

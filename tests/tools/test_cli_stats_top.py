@@ -41,6 +41,11 @@ def test_render_shows_rates_against_a_previous_reply():
                                               "samples": [["npuserve:generation_tokens_total", {}, tokens]]}]}
     out = render(reply(300), previous=(10.0, reply(100)), now=12.0)
     assert "generated 300 (100.0/s)" in out
+    held = reply(0)
+    held["metrics"].append({"name": "npuserve:admission_blocked", "type": "gauge", "help": "",
+                            "samples": [["npuserve:admission_blocked", {"reason": "kv"}, 1.0],
+                                        ["npuserve:admission_blocked", {"reason": "max_sequences"}, 0.0]]})
+    assert "waiting 0 (held by kv)" in render(held)
 
 
 def test_a_reply_without_metrics_is_shown_as_details_only():

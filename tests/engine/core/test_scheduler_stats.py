@@ -89,3 +89,32 @@ def test_submit_job_names_its_lanes_and_failures_carry_timing():
     assert fail.timing["ttft_ms"] == 500.0
     rejected = s.submit(6, params(n_prompt=0), 2.0)
     assert isinstance(rejected[0], FailRequest) and rejected[0].timing is None
+
+
+def test_admission_blocked_says_why_requests_wait():
+    from engine.core.scheduler_config import TenantPolicy
+
+    s = make_scheduler(SchedulerConfig(max_inflight=4, max_sequences=1))
+    ex = FakeExecutor(s)
+    ex.handle(s.tick(0.0))
+    assert s.admission_blocked is None  # nobody waits
+    ex.submit(1, params(seed=1))
+    ex.submit(2, params(seed=2))
+    ex.handle(s.tick(0.1))
+    assert s.admission_blocked == "max_sequences" and s.stats()["admission_blocked"] == "max_sequences"
+    ex.run(0.2)
+    assert s.admission_blocked is None
+
+    kv = make_scheduler(SchedulerConfig(max_inflight=4), num_blocks=4, block_size=16)  # 64 tokens of KV
+    ex = FakeExecutor(kv)
+    ex.submit(1, params(n_prompt=40, max_tokens=8, seed=1))
+    ex.submit(2, params(n_prompt=40, max_tokens=8, seed=2))
+    ex.handle(kv.tick(0.0))
+    assert kv.admission_blocked == "kv"
+
+    capped = make_scheduler(SchedulerConfig(max_inflight=4, tenants={"t": TenantPolicy(max_active_sequences=1)}))
+    ex = FakeExecutor(capped)
+    ex.submit(1, params(seed=1, tenant="t"))
+    ex.submit(2, params(seed=2, tenant="t"))
+    ex.handle(capped.tick(0.0))
+    assert capped.admission_blocked == "tenant_cap"

@@ -129,6 +129,7 @@ def test_trace_overlapping_jobs_get_their_own_slot_and_lost_jobs_end(tmp_path):
     tw.on_result(0, _result(1), 1.5)
     tw.on_actions([SubmitJob(0, _job(3), [13])], 1.6)  # reuses the freed slot 0
     tw.on_chip_down(0, 2.0)  # jobs 2 and 3 never answer
+    tw.turn(2.0, 2.001, 1, 2, "kv")
     tw.on_actions([FinishRequest(11, "length", {"prompt_tokens": 1},
                                  {"e2e_ms": 1000.0, "queue_ms": 100.0, "ttft_ms": 300.0}),
                    FailRequest(12, 500, "worker_died", "x", True, {"e2e_ms": 1000.0, "queue_ms": 50.0,
@@ -137,7 +138,9 @@ def test_trace_overlapping_jobs_get_their_own_slot_and_lost_jobs_end(tmp_path):
     with open(path) as fh:
         events = json.load(fh)
     check_chrome_trace(events)
-    jobs = {e["args"]["job"]: e for e in events if e["ph"] == "X"}
+    (turn,) = [e for e in events if e["name"] == "turn"]
+    assert turn["args"] == {"events": 1, "actions": 2, "admission_blocked": "kv"} and turn["dur"] == 1000
+    jobs = {e["args"]["job"]: e for e in events if e["ph"] == "X" and e["name"] != "turn"}
     assert jobs[1]["tid"] == jobs[3]["tid"] != jobs[2]["tid"]
     assert jobs[1]["dur"] == 500_000 and jobs[1]["args"]["device_ms"] == 0.1
     assert jobs[2]["args"]["status"] == jobs[3]["args"]["status"] == "lost"
