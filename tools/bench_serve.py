@@ -46,6 +46,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="executor.max_inflight of the daemon (default 2: ping/pong hides the host round trip)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `npuserve serve`, e.g. --daemon-arg=--trace=/tmp/t.json")
     p.add_argument("--json", action="store_true")
     p.add_argument("--_client", help=argparse.SUPPRESS)  # internal: run as a client process (spec on stdin)
     return p.parse_args(argv)
@@ -111,6 +113,7 @@ def _start_daemon(a: argparse.Namespace, tmp: str) -> tuple[subprocess.Popen, st
         cmd += ["--set", kv]
     for kv in a.backend_option:
         cmd += ["--backend-option", kv]
+    cmd += a.daemon_arg
     log = open(os.path.join(tmp, "daemon.log"), "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log.close()

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tools.generate_cmd", "send one generate request and print the tokens"),
     "health": ("tools.health_cmd", "ask a daemon or balancer for its health"),
     "stats": ("tools.stats_cmd", "print a daemon's statistics"),
+    "top": ("tools.top_cmd", "watch a daemon's metrics live"),
     "make-model": ("workers.model_maker", "write a random-weight model package"),
     "check-package": ("tools.check_package", "verify a model package and run its golden cases"),
     "import-gguf": ("tools.import_gguf", "make a model package around a GGUF file (llamacpp backend)"),
@@ -25,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-backend": ("tools.bench_backend", "benchmark a chip backend in-process and through a worker"),
     "bench-serve": ("tools.bench_serve", "benchmark a daemon end to end through the client library"),
     "install-systemd": ("tools.install_systemd_cmd", "install the npuserve@.service unit and a board config"),
+    "bench-observe": ("tools.bench_observe", "what metrics and tracing cost the daemon, side by side"),
 }
 
 

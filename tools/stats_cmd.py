@@ -1,9 +1,14 @@
-"""`npuserve stats`: print a daemon's statistics as a readable table (or `--json`)."""
+"""`npuserve stats`: print a daemon's statistics as a readable table (or `--json`).
+
+First the dashboard of its metrics (tools/stats_view.py, the figures /metrics
+exposes), then every other figure of the reply as `section.key value` rows.
+"""
 
 from __future__ import annotations
 
 from engine.client import Client
 from tools.query_cmd import run_query
+from tools.stats_view import render
 
 
 def flatten(d: object, prefix: str = "") -> list[tuple[str, object]]:
@@ -39,6 +44,14 @@ def format_stats(stats: dict) -> str:
     return "\n".join(out)
 
 
+def format_report(stats: dict) -> str:
+    """The dashboard, then the details (the metric families themselves are only in --json)."""
+    if "metrics" not in stats:  # not a board daemon (or an older one): the details are all there is
+        return format_stats(stats)
+    rest = {k: v for k, v in stats.items() if k != "metrics"}
+    return render(stats) + "\n\ndetails\n\n" + format_stats(rest)
+
+
 def main(argv: list[str]) -> int:
     return run_query(argv, name="stats", description="Show a daemon's statistics.", ask=Client.stats,
-                     render=format_stats, verdict=lambda _: 0)
+                     render=format_report, verdict=lambda _: 0)

@@ -15,6 +15,7 @@ from ipc.records import Job
 class SubmitJob:
     chip: int
     job: Job
+    request_ids: list[int] = field(default_factory=list)  # lane order; for traces, never for metric labels
 
 
 @dataclass
@@ -40,6 +41,7 @@ class FailRequest:
     reason: str
     message: str
     retryable: bool
+    timing: dict | None = None  # as FinishRequest's, when the request was accepted (None: rejected at submit)
 
 
 Action = SubmitJob | EmitTokens | FinishRequest | FailRequest

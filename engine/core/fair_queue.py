@@ -45,6 +45,10 @@ class WeightedFairQueue:
     def __contains__(self, item_id: int) -> bool:
         return item_id in self._where
 
+    def ids(self) -> list[int]:
+        """Every queued item id, in no particular order (for statistics)."""
+        return list(self._where)
+
     @property
     def virtual_time(self) -> float:
         return self._vtime

@@ -97,6 +97,10 @@ class PrefillQueues:
         del self._cls[rid]
         return rid
 
+    def members(self, c: WorkClass) -> deque[int]:
+        """The request ids queued in class `c`, oldest first (read only: for statistics)."""
+        return self._q[c]
+
     def depths(self) -> dict[str, int]:
         return {c.value: len(self._q[c]) for c in PREFILL_CLASSES}
 

@@ -38,7 +38,7 @@ from engine.core.chip_state import ChipState, InflightJob
 from engine.core.dispatch import ChipCandidate, choose_chip
 from engine.core.fair_queue import WeightedFairQueue
 from engine.core.kv import KvManager, OutOfBlocks, PrefixKey, StaleJob
-from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin, WorkClass
+from engine.core.prefill_queues import PREFILL_CLASSES, PrefillQueues, SmoothWeightedRoundRobin, WorkClass
 from engine.core.request_record import RequestRecord
 from engine.core.requests import TERMINAL_STATES, GenerateParams, RequestState
 from engine.core.scheduler_config import SchedulerConfig
@@ -136,7 +136,15 @@ class Scheduler:
         self._dirty = False
         self._window_wakeup: float | None = None
         self.counters: Counter[str] = Counter()
+        self.generation_tokens = 0  # tokens sampled (plain ints: bumped once per generated token)
+        self.prompt_tokens = 0  # prompt tokens of requests that sampled their first token
+        # why the waiting queue's head was not admitted at the last tick: None (nobody waits),
+        # "kv" (no chip has room), "max_sequences", "tenant_cap" (every waiting tenant at its cap),
+        # "static_batching"
+        self.admission_blocked: str | None = None
         self.tenant_service: Counter[str] = Counter()  # tokens computed per tenant (prefill + decode)
+        # per decode profile (compiled batch): [jobs, active lanes]; slots - lanes is the lane waste
+        self.decode_by_profile: dict[int, list[int]] = {b: [0, 0] for b in self.profiles}
 
     # ------------------------------------------------------------------ events
     def submit(self, request_id: int, params: GenerateParams, now: float) -> list[Action]:
@@ -315,7 +323,7 @@ class Scheduler:
             if r.terminal:
                 continue
             self.counters["failed_shutdown"] += 1
-            out.append(FailRequest(r.request_id, 503, "shutdown", "the server is shutting down", True))
+            out.append(FailRequest(r.request_id, 503, "shutdown", "the server is shutting down", True, r.timing(now)))
             self._terminate(r, S.FAILED)
         return out
 
@@ -330,15 +338,21 @@ class Scheduler:
         assert self._waiting_tokens >= 0
 
     def _admit(self, now: float) -> None:
+        self.admission_blocked = self._admit_until_blocked(now)
+
+    def _admit_until_blocked(self, now: float) -> str | None:
+        """Admit while possible; returns why requests are still waiting (None: nobody waits)."""
+        if not (self._requeue or self._wfq):
+            return None
         if self.config.static_batching and self._n_bound:
-            return  # static batching: the running batch must drain completely first
+            return "static_batching"  # the running batch must drain completely first
         while self._n_bound < self.config.max_sequences:
             rid, from_requeue = self._next_candidate()
             if rid is None:
-                return
+                return "tenant_cap" if self._wfq else None
             r = self._requests[rid]
             if not self._reserve(r):
-                return  # head of line waits for KV (keeps fairness order; no starvation of big prompts)
+                return "kv"  # head of line waits for KV (keeps fairness order; no starvation of big prompts)
             if from_requeue:
                 self._requeue.popleft()
             else:
@@ -348,7 +362,9 @@ class Scheduler:
             r.move(S.PREFILL_READY)
             r.admit_order = next(self._admit_order)
             self.chips[r.chip].prefill.push(rid, r.prefill_target - r.committed)
+            r.ready_since = now
             self.counters["admitted"] += 1
+        return "max_sequences" if self._requeue or self._wfq else None
 
     def _next_candidate(self) -> tuple[int | None, bool]:
         if self._requeue:
@@ -399,6 +415,8 @@ class Scheduler:
         r.committed, r.reserved, r.prefill_target = cached, reserve_len, n
         if r.retries == 0 and r.t_first_sched is None:
             r.cached_tokens = cached
+        if key is not None:
+            self.counters["prefix_query_tokens"] += n
         if cached:
             self.counters["prefix_hit_tokens"] += cached
         ch.bound.add(r.request_id)
@@ -432,7 +450,7 @@ class Scheduler:
             self._requeue_request(r)
             return
         self.counters[f"failed_{reason}"] += 1
-        out.append(FailRequest(r.request_id, 500, reason, message, True))
+        out.append(FailRequest(r.request_id, 500, reason, message, True, r.timing(now)))
         self._terminate(r, S.FAILED)
 
     # ------------------------------------------------------------- terminals
@@ -472,7 +490,7 @@ class Scheduler:
             if r is None or r.terminal or r.deadline != t:
                 continue
             self.counters["failed_deadline_exceeded"] += 1
-            out.append(FailRequest(rid, 504, "deadline_exceeded", "the request's deadline passed", False))
+            out.append(FailRequest(rid, 504, "deadline_exceeded", "the request's deadline passed", False, r.timing(now)))
             self._terminate(r, S.FAILED)
 
     def _expire_jobs(self, now: float, out: list[Action]) -> None:
@@ -533,11 +551,13 @@ class Scheduler:
             if not sampled:
                 r.move(S.PREFILL_READY)
                 ch.prefill.push(rid, r.prefill_target, front=True)
+                r.ready_since = now
                 continue
             token = toks[lane]
             if not 0 <= token < vocab:
                 self.counters["failed_bad_token"] += 1
-                out.append(FailRequest(rid, 500, "bad_token", f"the chip returned token {token}", False))
+                out.append(FailRequest(rid, 500, "bad_token", f"the chip returned token {token}", False,
+                                       r.timing(now)))
                 self._terminate_running(r, ch, S.FAILED)
                 continue
             self._accept_token(r, ch, token, lps[lane] if n_lps > lane else 0.0, now, out)
@@ -551,6 +571,9 @@ class Scheduler:
                       out: list[Action]) -> None:
         r.tokens.append(token)
         r.generated += 1
+        self.generation_tokens += 1
+        if r.generated == 1:  # the prompt counts once, when its first token is sampled (as vLLM counts it)
+            self.prompt_tokens += len(r.params.prompt)
         verdict = r.stop.feed(token, logprob)
         emit = verdict.emit
         stop = verdict.stop
@@ -742,11 +765,14 @@ class Scheduler:
             del ready[r.request_id]
             r.move(S.DECODE_RUNNING)
             r.job_id = job_id
-        self._record_job(ch, JobKind.DECODE, job_id, chosen, starts, ends, True, batch, now)
+        lanes_rids = self._record_job(ch, JobKind.DECODE, job_id, chosen, starts, ends, True, batch, now)
         self.counters["decode_jobs"] += 1
         self.counters["decode_lanes"] += len(chosen)
         self.counters["decode_lane_slots"] += batch
-        out.append(SubmitJob(ch.chip, job))
+        by_profile = self.decode_by_profile[batch]
+        by_profile[0] += 1
+        by_profile[1] += len(chosen)
+        out.append(SubmitJob(ch.chip, job, lanes_rids))
 
     def _submit_prefill(self, ch: ChipState, rid: int, now: float, out: list[Action]) -> None:
         r = self._requests[rid]
@@ -763,26 +789,65 @@ class Scheduler:
         r.job_id = job_id
         if r.t_first_sched is None:
             r.t_first_sched = now
-        self._record_job(ch, JobKind.PREFILL, job_id, [r], [start], [end], final, 1, now)
+        lanes_rids = self._record_job(ch, JobKind.PREFILL, job_id, [r], [start], [end], final, 1, now)
         self.counters["prefill_jobs"] += 1
         self.counters["prefill_tokens"] += end - start
-        out.append(SubmitJob(ch.chip, job))
+        out.append(SubmitJob(ch.chip, job, lanes_rids))
 
     def _record_job(self, ch: ChipState, kind: JobKind, job_id: int, rs: list[RequestRecord], starts: list[int],
-                    ends: list[int], final: bool, batch: int, now: float) -> None:
+                    ends: list[int], final: bool, batch: int, now: float) -> list[int]:
+        """Remember the job in flight; returns its lanes' request ids (lane order)."""
+        lanes = [r.request_id for r in rs]
         ch.inflight[job_id] = InflightJob(
-            job_id=job_id, kind=kind, lanes=[r.request_id for r in rs], seq_ids=[r.seq_id for r in rs],
+            job_id=job_id, kind=kind, lanes=lanes, seq_ids=[r.seq_id for r in rs],
             start_lens=starts, new_lens=ends, final=final, batch=batch, submitted_at=now,
             timeout_at=now + self.config.job_timeout_s,
         )
         ch.jobs_submitted += 1
+        return lanes
 
     # ----------------------------------------------------------------- stats
-    def stats(self) -> dict:
+    def queue_stats(self, now: float) -> dict[str, dict[str, dict[str, float]]]:
+        """Depth and oldest wait (seconds) of every queue (seed 001 §16), read-only.
+
+        "admission" is the board's waiting queue (fair queue + requeued, waiting since
+        arrival); per chip, "decode" and the prefill classes (waiting since the request
+        became ready for its next job). O(queued requests): for periodic snapshots.
+        """
+        requests = self._requests
+
+        def entry(rids, since) -> dict[str, float]:
+            oldest = min((since(requests[rid]) for rid in rids), default=None)
+            return {"depth": len(rids), "oldest_wait_s": 0.0 if oldest is None else max(0.0, now - oldest)}
+
+        out: dict[str, dict[str, dict[str, float]]] = {
+            "board": {"admission": entry(list(self._wfq.ids()) + list(self._requeue), attrgetter("arrival"))},
+        }
+        ready = attrgetter("ready_since")
+        for ch in self.chips.values():
+            q = {WorkClass.DECODE.value: entry(list(ch.decode_ready), ready)}
+            for c in PREFILL_CLASSES:
+                q[c.value] = entry(list(ch.prefill.members(c)), ready)
+            out[str(ch.chip)] = q
+        return out
+
+    def profile_stats(self) -> dict[int, dict[str, float | int | None]]:
+        """Per decode profile: jobs, active lanes, lane slots, lane waste (inactive lanes) and fill ratio."""
+        out: dict[int, dict[str, float | int | None]] = {}
+        for batch, (jobs, lanes) in sorted(self.decode_by_profile.items()):
+            slots = jobs * batch
+            out[batch] = {"jobs": jobs, "lanes": lanes, "slots": slots, "lane_waste": slots - lanes,
+                          "fill_ratio": lanes / slots if slots else None}
+        return out
+
+    def stats(self, now: float | None = None) -> dict:
+        """Everything an operator may want, as plain data; queue waits only when `now` is given."""
         states: Counter[str] = Counter(r.state.value for r in self._requests.values())
         slots = self.counters["decode_lane_slots"]
+        extra = {} if now is None else {"queue_waits": self.queue_stats(now)}
         return {
             "accepting": self._accepting,
+            "admission_blocked": self.admission_blocked,
             "profiles": list(self.profiles),
             "chunked_prefill": self.chunked,
             "waiting_requests": len(self._wfq) + len(self._requeue),
@@ -802,5 +867,8 @@ class Scheduler:
             "batch_fill_ratio": (self.counters["decode_lanes"] / slots) if slots else None,
             "tenant_active": {t: n for t, n in self._tenant_active.items() if n},
             "tenant_service_tokens": dict(self.tenant_service),
-            "counters": dict(self.counters),
+            "counters": dict(self.counters, generation_tokens=self.generation_tokens,
+                             prompt_tokens=self.prompt_tokens),
+            "decode_profiles": self.profile_stats(),
+            **extra,
         }

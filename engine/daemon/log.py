@@ -20,7 +20,7 @@ EVENTS: dict[str, str] = {
     # start-up and serving
     "starting": "info",
     "reaped_stale_shm": "info",
-    "metrics_not_served": "warning",
+    "metrics_serving": "info",
     "serving": "info",
     "startup_failed": "error",
     # chips

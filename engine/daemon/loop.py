@@ -32,6 +32,7 @@ from engine.daemon.liveness import LoopLiveness
 from engine.daemon.log import log
 from engine.daemon.sd_notify import Notifier
 from engine.daemon.service import STOP_SIGNALS, Service
+from engine.daemon.observe import MetricsPortBusy, Observers
 from engine.daemon.supervisor import ChipState, Decision, Supervisor
 from engine.daemon.text_io import piece_function, served_tokenizer
 from ipc.records import Job
@@ -71,8 +72,11 @@ class Daemon:
 
     def __init__(self, cfg: Config, *, package_path: str | None = None,
                  extra_backend_options: dict | None = None, clock: Callable[[], float] = time.monotonic,
-                 notifier: Notifier | None = None, config_loader: Callable[[], Config] | None = None) -> None:
+                 notifier: Notifier | None = None, config_loader: Callable[[], Config] | None = None,
+                 trace_path: str | None = None) -> None:
         self.cfg = cfg
+        self.trace_path = trace_path
+        self.observe: Observers | None = None  # metrics and trace (engine/daemon/observe.py)
         self.package_path = package_path
         self.extra_backend_options = dict(extra_backend_options or {})
         self.clock = clock
@@ -114,6 +118,12 @@ class Daemon:
         for ep in cfg.server.endpoints:
             if ep.startswith("ipc://") and _socket_in_use(ep[len("ipc://"):]):
                 raise StartupError(f"endpoint {ep} is in use by another running daemon")
+        try:  # before any worker starts: a busy metrics port fails fast
+            self.observe = Observers(cfg, trace_path=self.trace_path, t0=self.started_at)
+        except MetricsPortBusy as e:
+            raise StartupError(str(e)) from None
+        except OSError as e:
+            raise StartupError(f"cannot write the trace file {self.trace_path}: {e.strerror}") from None
         reaped = reap_stale(SHM_PREFIX)
         if reaped:
             log("reaped_stale_shm", count=len(reaped))
@@ -173,8 +183,7 @@ class Daemon:
                 os.chmod(ep[len("ipc://"):], 0o600)
         self.started_at = self.clock()
         if cfg.metrics.port:
-            log("metrics_not_served", port=cfg.metrics.port,
-                note="the Prometheus endpoint belongs to the operations layer, not started by this daemon")
+            log("metrics_serving", url=f"http://{cfg.metrics.host}:{self.observe.metrics.port}/metrics")
         log("serving", board=cfg.board.id, endpoints=list(cfg.server.endpoints), backend=cfg.board.backend,
             chips=cfg.board.chips, model=self.model_alias, pids=[lk.pid for lk in self.links])
         self.service.ready(self.clock())
@@ -255,6 +264,8 @@ class Daemon:
     def _serve(self, next_supervise: float) -> None:
         sched, fe, live = self.scheduler, self.frontend, self.liveness
         front_socks, link_socks, service = self._front_socks, self._link_socks, self.service
+        obs = self.observe
+        trace = obs.trace
         while self._stop_signal is None and self.exit_code == 0:
             now = self.clock()
             wake = sched.next_wakeup(now)
@@ -280,12 +291,15 @@ class Daemon:
             if now >= next_supervise:
                 actions += self._supervise(now)
                 next_supervise = now + SUPERVISE_INTERVAL_S
+                obs.publish(self, now)
             self._retry_backlog()
             actions += sched.tick(now)
-            self._apply(actions)
+            self._apply(actions, now)
             dead = fe.flush()
             if dead:
                 self._cancel_dead(dead, now)
+            if trace is not None:
+                trace.turn(now, self.clock(), len(events), len(actions), sched.admission_blocked)
 
     def _handle_request(self, conn, msg: dict, now: float) -> list:
         """One client request; a bug it triggers costs that request a 500, not the daemon."""
@@ -307,6 +321,7 @@ class Daemon:
             t = type(ev)
             if t is Result:
                 self.counters["results"] += 1
+                self.observe.on_result(chip, ev.result, now)
                 self._device_us[chip] += ev.result.device_us
                 self._worker_us[chip] += ev.result.worker_us
                 out += sched.on_result(chip, ev.result, now)
@@ -322,7 +337,9 @@ class Daemon:
                     out += self._chip_failed(chip, f"worker failed: {ev.message}", now)
         return out
 
-    def _apply(self, actions: list) -> None:
+    def _apply(self, actions: list, now: float | None = None) -> None:
+        if actions and self.observe is not None:
+            self.observe.on_actions(actions, self.clock() if now is None else now)
         fe = self.frontend
         for a in actions:
             t = type(a)
@@ -367,7 +384,7 @@ class Daemon:
         actions: list = []
         for rid in rids:
             actions += self.scheduler.cancel(rid, now)
-        self._apply(actions)  # their events go nowhere: the frontend forgot them
+        self._apply(actions, now)  # their events go nowhere: the frontend forgot them
         self.frontend.flush()
 
     # -- supervision -----------------------------------------------------------------
@@ -387,6 +404,7 @@ class Daemon:
         was_up = sup.state(chip) is ChipState.UP
         self.counters["chip_failures"] += 1
         out = self.scheduler.on_chip_down(chip, now) if was_up else []
+        self.observe.on_chip_down(chip, now)
         self._backlog[chip].clear()
         decision = sup.on_failure(chip, reason, now)
         lk = self.links[chip]
@@ -461,7 +479,8 @@ class Daemon:
 
     def stats(self, now: float) -> dict:
         return {
-            "scheduler": self.scheduler.stats(),
+            "scheduler": self.scheduler.stats(now),
+            "metrics": self.observe.families(self, now),
             "frontend": self.frontend.counters.as_dict(),
             "daemon": dict(self.counters, active_requests=self.frontend.active(),
                            loop_turns=self.liveness.turns,
@@ -481,7 +500,7 @@ class Daemon:
         if not self._core_broken:
             try:
                 self.scheduler.set_accepting(False, "shutdown")
-                self._apply(self.scheduler.shutdown(now))
+                self._apply(self.scheduler.shutdown(now), now)
             except Exception as e:
                 log("fatal", reason="shutdown of the core failed", error=repr(e))
                 self.exit_code = self.exit_code or EXIT_INTERNAL
@@ -519,6 +538,9 @@ class Daemon:
             os.close(self._sig_w)
             self._sig_r = self._sig_w = -1
         self.service.close()
+        if self.observe is not None:
+            self.observe.close()
+            self.observe = None
         if self.ctx is not None:
             for ep in self.cfg.server.endpoints:
                 if ep.startswith("ipc://"):

@@ -54,6 +54,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--log-format", choices=("auto", "json", "human"),
                    help="log lines on stderr: json (one object per line), human, or auto = human on a terminal "
                         "(log.format)")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON of jobs, request phases "
+                                                   "and loop turns to FILE (open it in ui.perfetto.dev)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key as a dotted override, e.g. --set admission.max_waiting_requests=4")
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
@@ -129,7 +131,7 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # a broken cache dir, an unwritable home: say so, do not trace back
         return _startup_failed(EXIT_STARTUP, f"cannot prepare the model package: {e}")
     daemon = Daemon(cfg, package_path=package, extra_backend_options=backend_extra,
-                    config_loader=lambda: load_config(args.config, overrides))
+                    config_loader=lambda: load_config(args.config, overrides), trace_path=args.trace)
     try:
         daemon.start()
     except ConfigError as e:

@@ -69,3 +69,17 @@ def test_simulator_run_summary_matches_its_latency_model():
     assert abs(busy - model) < 1e-6
     assert abs(busy - res.chip_busy * res.makespan_s * 2) < 1e-6
     assert abs(sum(run["device_s"]) - busy) < 0.002  # reported rounded to ms
+
+
+def test_bench_observe_compares_plain_metrics_and_trace():
+    p = subprocess.run([sys.executable, "-m", "tools.cli", "bench-observe", "--json", "--rounds", "1",
+                        "--requests", "8", "--concurrency", "4", "--scrape-interval", "0.2"],
+                       cwd=ROOT, capture_output=True, timeout=300)
+    rows = [orjson.loads(line) for line in p.stdout.splitlines()]
+    assert [r["variant"] for r in rows] == ["plain", "metrics", "trace", "in-process"], p.stderr.decode()[-3000:]
+    runs = rows[:3]
+    assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in runs), (rows, p.stderr.decode()[-3000:])
+    assert runs[0]["ratio_to_plain"] == 1.0 and runs[2]["trace_bytes"] > 0
+    assert rows[3]["metrics_us_per_token"] > 0 and rows[3]["trace_us_per_event"] > 0
+    # the verdict is the exit status (a timing result: either is possible on a loaded machine)
+    assert p.returncode == (0 if all(r["ok"] is not False for r in runs) else 1)

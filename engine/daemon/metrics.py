@@ -1,0 +1,324 @@
+"""Prometheus metrics of a board daemon: names and buckets mirror vLLM's (`vllm:` -> `npuserve:`).
+
+Two kinds of figures, two ways across the thread boundary:
+
+* Events (a request finished, a token was emitted, a job came back) are
+  observed by the loop thread into prometheus_client Histograms and Counters.
+  Those objects guard every value with their own lock, so the HTTP thread
+  can read them while the loop observes: no scheduler object is shared.
+* State (queue depths, KV blocks, chips) is read by the loop thread itself,
+  every PUBLISH_INTERVAL_S, into an immutable `Snapshot` (tuples of frozen
+  dataclasses) that replaces the previous one by a single reference
+  assignment (atomic under the GIL). `SnapshotCollector.collect()`, run by
+  the HTTP thread on a scrape, reads whichever snapshot is current and never
+  touches the scheduler, the frontend or the supervisor.
+
+Labels are bounded: model_name, chip, queue, kind, profile, state, reason
+(codes from the core, a fixed set) and tenant only for tenants named in the
+configuration (all others are summed as "other"). A request or job id never
+becomes a label; they go to traces (seed 001 §16).
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
+
+if TYPE_CHECKING:
+    from engine.daemon.loop import Daemon
+    from ipc.records import JobResult
+
+PREFIX = "npuserve:"
+PUBLISH_INTERVAL_S = 0.5  # how stale a scraped gauge may be; Prometheus scrapes every 15 s or so
+MAX_TRACKED_JOBS = 4096  # job start times kept for latency; jobs whose result never comes age out
+
+# vLLM v1's buckets (vllm/v1/metrics/loggers.py), so its dashboards and gateways read these as they are.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# npuserve's own: one chip job, from the loop handing it over to the loop seeing its result.
+JOB_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                       2.5, 5.0, 10.0, 30.0)
+KV_BLOCK_STATES = ("free", "used", "evictable", "quarantined")  # a partition of every chip's blocks
+ADMISSION_BLOCK_REASONS = ("kv", "max_sequences", "tenant_cap", "static_batching")  # Scheduler.admission_blocked
+
+
+class MetricsPortBusy(RuntimeError):
+    """The configured metrics port cannot be bound."""
+
+
+# -- the immutable snapshot -----------------------------------------------------------
+@dataclass(frozen=True)
+class Family:
+    kind: str  # "gauge" | "counter"
+    name: str  # without PREFIX; a counter without its _total
+    doc: str
+    labels: tuple[str, ...]
+    samples: tuple[tuple[tuple[str, ...], float], ...]
+
+
+Snapshot = tuple[Family, ...]
+
+
+class SnapshotCollector(Collector):
+    """Turns the current snapshot into metric families; runs on the HTTP thread."""
+
+    def __init__(self) -> None:
+        self.snapshot: Snapshot = ()
+
+    def collect(self) -> Iterator[Metric]:
+        for f in self.snapshot:  # one read of the reference: a consistent snapshot
+            cls = GaugeMetricFamily if f.kind == "gauge" else CounterMetricFamily
+            m = cls(PREFIX + f.name, f.doc, labels=f.labels)
+            for values, v in f.samples:
+                m.add_metric(values, v)
+            yield m
+
+
+class _Builder:
+    """Collects the families of one snapshot (loop thread)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.families: list[Family] = []
+
+    def add(self, kind: str, name: str, doc: str, labels: tuple[str, ...],
+            samples: Iterable[tuple[tuple[str, ...], float]]) -> None:
+        rows = tuple(((self.model, *vals), float(v)) for vals, v in samples if v is not None)
+        self.families.append(Family(kind, name, doc, ("model_name", *labels), rows))
+
+    def one(self, kind: str, name: str, doc: str, value: float) -> None:
+        self.add(kind, name, doc, (), [((), value)])
+
+
+def build_snapshot(d: "Daemon", now: float, bounded_tenants: frozenset[str]) -> Snapshot:
+    """Read the daemon's state into plain immutable families. Loop thread only."""
+    sched = d.scheduler
+    st = sched.stats(now)
+    counters = st["counters"]
+    b = _Builder(d.model_alias)
+    b.one("gauge", "num_requests_running", "Requests admitted: holding KV, prefilling or decoding.",
+          st["active_sequences"])
+    b.one("gauge", "num_requests_waiting", "Requests waiting for admission.", st["waiting_requests"])
+    b.one("gauge", "num_waiting_prompt_tokens", "Prompt tokens of the requests waiting for admission.",
+          st["waiting_prompt_tokens"])
+    total = used = 0
+    kv_blocks, kv_seqs = [], []
+    for chip, c in st["chips"].items():
+        blocks = c["kv"]["blocks"]
+        total += blocks["total"]
+        used += blocks["used"] + blocks["quarantined"]
+        kv_blocks += [((chip, s), blocks[s]) for s in KV_BLOCK_STATES]
+        kv_seqs += [((chip, s), n) for s, n in c["kv"]["sequences"].items()]
+    b.one("gauge", "kv_cache_usage_perc", "KV-cache usage of the board. 1 means 100 percent usage "
+          "(blocks held by sequences or quarantined; cached but unreferenced blocks count as free).",
+          used / total if total else 0.0)
+    b.add("gauge", "kv_blocks", "KV blocks by state; the states partition each chip's pool.",
+          ("chip", "state"), kv_blocks)
+    b.add("gauge", "kv_sequences", "KV sequences by state.", ("chip", "state"), kv_seqs)
+    b.add("gauge", "jobs_inflight", "Jobs handed to the chip and not answered yet.", ("chip",),
+          [((chip, ), c["inflight"]) for chip, c in st["chips"].items()])
+    b.one("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+          counters.get("prefix_query_tokens", 0))
+    b.one("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+          counters.get("prefix_hit_tokens", 0))
+    b.one("counter", "prompt_tokens", "Prompt tokens of requests that sampled their first token.",
+          counters["prompt_tokens"])
+    b.one("counter", "generation_tokens", "Tokens sampled.", counters["generation_tokens"])
+    b.one("counter", "num_preemptions", "Sequences preempted (KV released, recomputed later).",
+          counters.get("preemptions", 0))
+    # admission
+    b.one("counter", "requests_accepted", "Requests accepted into the waiting queue.", counters.get("accepted", 0))
+    b.one("counter", "requests_admitted", "Admissions to a chip (KV reserved); a requeued request counts again.",
+          counters.get("admitted", 0))
+    b.add("counter", "requests_rejected", "Requests refused at submit, by reason (400/429/503).", ("reason",),
+          [((k[len("rejected_"):],), v) for k, v in sorted(counters.items()) if k.startswith("rejected_")])
+    # queues
+    qd, qw = [], []
+    for chip, queues in st["queue_waits"].items():
+        for q, e in queues.items():
+            qd.append(((chip, q), e["depth"]))
+            qw.append(((chip, q), e["oldest_wait_s"]))
+    blocked = st["admission_blocked"]
+    b.add("gauge", "admission_blocked", "1 for the reason the head of the waiting queue was not admitted at "
+          "the last tick (kv, max_sequences, tenant_cap, static_batching); all 0 when nobody waits.",
+          ("reason",), [((r,), 1 if blocked == r else 0) for r in ADMISSION_BLOCK_REASONS])
+    b.add("gauge", "queue_depth", "Requests in each queue: admission (chip=\"board\"), decode and the "
+          "short/medium/long prefill classes per chip.", ("chip", "queue"), qd)
+    b.add("gauge", "queue_oldest_wait_seconds", "How long the oldest request of each queue has waited.",
+          ("chip", "queue"), qw)
+    # batches
+    prof = st["decode_profiles"]
+    b.add("counter", "decode_jobs", "Decode jobs by compiled batch profile.", ("profile",),
+          [((str(p),), e["jobs"]) for p, e in prof.items()])
+    b.add("counter", "decode_lanes", "Active lanes of decode jobs by profile.", ("profile",),
+          [((str(p),), e["lanes"]) for p, e in prof.items()])
+    b.add("counter", "decode_lane_waste", "Inactive (masked) lanes of decode jobs by profile.", ("profile",),
+          [((str(p),), e["lane_waste"]) for p, e in prof.items()])
+    b.add("gauge", "batch_fill_ratio", "Active lanes / lane slots of the decode jobs so far, by profile.",
+          ("profile",), [((str(p),), e["fill_ratio"]) for p, e in prof.items()])
+    # chips and workers
+    chips = d.chips_info(now)
+    b.add("gauge", "chip_up", "1 when the chip's worker is in service.", ("chip",),
+          [((str(c["chip"]),), 1 if c["state"] == "up" else 0) for c in chips])
+    b.add("counter", "worker_restarts", "Worker processes restarted after a failure.", ("chip",),
+          [((str(c["chip"]),), c["restarts_total"]) for c in chips])
+    b.add("counter", "chip_device_seconds", "Time the chip backend calls took.", ("chip",),
+          [((str(c["chip"]),), c["device_s"]) for c in chips])
+    # fairness, for the tenants the configuration names
+    service: dict[str, float] = {}
+    for t, n in st["tenant_service_tokens"].items():
+        key = t if t in bounded_tenants else "other"
+        service[key] = service.get(key, 0) + n
+    b.add("counter", "tenant_service_tokens", "Tokens computed per tenant (configured tenants; others as "
+          "\"other\").", ("tenant",), [((t,), n) for t, n in sorted(service.items())])
+    # the loop itself
+    b.one("gauge", "loop_lag_seconds", "Longest recent turn of the scheduler loop.", d.liveness.lag_s(now))
+    b.one("counter", "loop_turns", "Turns of the scheduler loop.", d.liveness.turns)
+    b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if d.accepting else 0)
+    return tuple(b.families)
+
+
+# -- the recorder (loop thread) ------------------------------------------------------------
+class MetricsRecorder:
+    """Observes the loop's actions and job results; publishes snapshots; optionally serves HTTP."""
+
+    def __init__(self, model: str, bounded_tenants: Iterable[str] = ()) -> None:
+        disable_created_metrics()  # the *_created series only add noise to every scrape
+        self.model = model
+        self.bounded_tenants = frozenset(bounded_tenants)
+        self.registry = CollectorRegistry()
+        self.collector = SnapshotCollector()
+        self.registry.register(self.collector)
+        r, m = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r).labels(model)
+
+        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Histogram of time spent waiting for the first job "
+                          "(seconds).", REQUEST_LATENCY_BUCKETS)
+        self.success = Counter(PREFIX + "request_success", "Count of successfully processed requests "
+                               "(a terminal `done` event), by finish reason.", ["model_name", "finished_reason"],
+                               registry=r)
+        self.failure = Counter(PREFIX + "request_failure", "Accepted requests that ended with an error event, "
+                               "by reason.", ["model_name", "reason"], registry=r)
+        self.job_latency = Histogram(PREFIX + "job_latency_seconds", "Chip jobs from hand-over to result, as "
+                                     "the scheduler loop sees them, by chip and kind.",
+                                     ["model_name", "chip", "kind"], buckets=JOB_LATENCY_BUCKETS, registry=r)
+        self._job_children: dict[tuple[int, str], object] = {}
+        self._success_children: dict[str, object] = {}
+        self._last_emit: dict[int, float] = {}  # request id -> time of its last tokens (loop thread only)
+        self._job_start: dict[int, tuple[float, int, str]] = {}  # job id -> (submitted, chip, kind)
+        self.next_publish = 0.0
+        self._server = None
+        self._server_thread: threading.Thread | None = None
+
+    # -- HTTP --------------------------------------------------------------------------
+    def serve(self, host: str, port: int) -> None:
+        """Start the /metrics HTTP server (a prometheus_client thread). Raises MetricsPortBusy."""
+        try:
+            self._server, self._server_thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            why = "is in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror}"
+            raise MetricsPortBusy(f"metrics port {host}:{port} {why}; choose another with --metrics-port "
+                                  f"or metrics.port (0 turns metrics serving off)") from None
+
+    @property
+    def port(self) -> int | None:
+        return None if self._server is None else self._server.server_address[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._server_thread is not None:
+            self._server_thread.join(5)
+            self._server_thread = None
+
+    # -- loop-thread hooks -----------------------------------------------------------------
+    def on_actions(self, actions: list, now: float) -> None:
+        last_emit = self._last_emit
+        for a in actions:
+            t = type(a)
+            if t is EmitTokens:
+                rid = a.request_id
+                prev = last_emit.get(rid)
+                if prev is not None:
+                    self.itl.observe(now - prev)
+                last_emit[rid] = now
+            elif t is SubmitJob:
+                jobs = self._job_start
+                if len(jobs) >= MAX_TRACKED_JOBS:
+                    del jobs[next(iter(jobs))]
+                jobs[a.job.job_id] = (now, a.chip, a.job.kind.name.lower())
+            elif t is FinishRequest:
+                last_emit.pop(a.request_id, None)
+                self._finished(a.finish_reason, a.timing)
+            elif t is FailRequest:
+                last_emit.pop(a.request_id, None)
+                if a.timing is not None:  # accepted, then failed (a rejection is counted by the core)
+                    self.failure.labels(self.model, a.reason).inc()
+
+    def _finished(self, reason: str, timing: dict) -> None:
+        child = self._success_children.get(reason)
+        if child is None:
+            child = self._success_children[reason] = self.success.labels(self.model, reason)
+        child.inc()
+        e2e = timing.get("e2e_ms")
+        if e2e is not None:
+            self.e2e.observe(e2e / 1000.0)
+        ttft = timing.get("ttft_ms")
+        if ttft is not None:
+            self.ttft.observe(ttft / 1000.0)
+        q = timing.get("queue_ms")
+        if q is not None:
+            self.queue.observe(q / 1000.0)
+
+    def on_result(self, chip: int, result: "JobResult", now: float) -> None:
+        start = self._job_start.pop(result.job_id, None)
+        if start is None or start[1] != chip:
+            return
+        key = (chip, start[2])
+        child = self._job_children.get(key)
+        if child is None:
+            child = self._job_children[key] = self.job_latency.labels(self.model, str(chip), start[2])
+        child.observe(now - start[0])
+
+    def on_chip_down(self, chip: int) -> None:
+        for job_id in [j for j, s in self._job_start.items() if s[1] == chip]:
+            del self._job_start[job_id]
+
+    def publish(self, d: "Daemon", now: float, force: bool = False) -> None:
+        """Swap in a fresh snapshot (at most every PUBLISH_INTERVAL_S unless forced)."""
+        if now < self.next_publish and not force:
+            return
+        self.next_publish = now + PUBLISH_INTERVAL_S
+        self.collector.snapshot = build_snapshot(d, now, self.bounded_tenants)
+
+    # -- for the stats op ------------------------------------------------------------------
+    def families(self) -> list[dict]:
+        """Every metric family as plain data: what /metrics would show now (loop thread)."""
+        out = []
+        for m in self.registry.collect():
+            out.append({"name": m.name, "type": m.type, "help": m.documentation,
+                        "samples": [[s.name, dict(s.labels), s.value] for s in m.samples
+                                    if not s.name.endswith("_created")]})
+        return out
