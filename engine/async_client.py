@@ -93,8 +93,20 @@ class AsyncClient:
                      result: list | None = None, **sampling) -> AsyncIterator[list[int]]:
         """Yield token chunks; leaving the loop early cancels the request on the server."""
         rid = id or self.new_id()
+        inner = self.stream_message(build_generate(rid, prompt, True, sampling), timeout=timeout, result=result)
+        try:
+            async for toks in inner:
+                yield toks
+        finally:
+            await inner.aclose()  # leaving early cancels now, not when the inner generator is collected
+
+    async def stream_message(self, msg: dict, *, timeout: float | None = ...,
+                             result: list | None = None) -> AsyncIterator[list[int]]:
+        """`stream` for a generate message built by the caller (fields this library does not know yet,
+        such as `text`); `msg["id"]` must be unique among this client's requests in flight."""
+        rid = msg["id"]
         deadline = self._deadline(timeout)
-        q = await self._start(rid, build_generate(rid, prompt, True, sampling))
+        q = await self._start(rid, msg)
         b = ResultBuilder()
         finished = False
         try:

@@ -1,0 +1,112 @@
+"""A daemon subprocess started by a load tool (bench, soak, chaos), and waiting for it.
+
+The daemon runs in a private short directory (unix socket paths are limited
+to 107 bytes) with admission limits raised so that the load tool, not the
+waiting-room size, decides the load; `stop()` sends SIGTERM and reports the
+exit status, and the directory goes with it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+# What the load tools start a daemon with unless told otherwise: the load
+# generator, not the waiting room, decides how much is queued.
+LOAD_SETTINGS = ("admission.max_waiting_requests=100000", "admission.max_waiting_prompt_tokens=1000000000")
+
+
+@dataclass
+class LocalDaemon:
+    proc: subprocess.Popen
+    endpoint: str
+    runtime_dir: str
+    log_path: str
+    exit_code: int | None = None
+    _tmp: str = field(default="", repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                return fh.read()[-n:]
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait, SIGKILL if it does not exit; returns the exit status (negative = signal)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.exit_code = self.proc.returncode
+        return self.exit_code
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def start(*, backend: str, chips: int, settings: list[str] | tuple[str, ...] = (),
+          backend_options: list[str] | tuple[str, ...] = (), prefix: str = "npl-",
+          env: dict | None = None, wrap: list[str] | None = None) -> LocalDaemon:
+    """Start `python -m engine.daemon.main` on an ipc:// endpoint in a fresh private directory.
+
+    `wrap` prefixes the command (e.g. a namespace launcher for the /dev/shm chaos scenario).
+    """
+    tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    endpoint = f"ipc://{tmp}/d.sock"
+    cmd = [sys.executable, "-m", "engine.daemon.main", "--backend", backend, "--chips", str(chips),
+           "--runtime-dir", tmp, "--endpoint", endpoint, "--board", f"l{os.getpid() % 100000}"]
+    for kv in (*LOAD_SETTINGS, *settings):
+        cmd += ["--set", kv]
+    for kv in backend_options:
+        cmd += ["--backend-option", kv]
+    log_path = os.path.join(tmp, "daemon.log")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([*(wrap or []), *cmd], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=root, env=env)
+    return LocalDaemon(proc, endpoint, tmp, log_path, _tmp=tmp)
+
+
+def wait_healthy(endpoint: str, daemon: LocalDaemon | None = None, timeout: float = 120.0,
+                 chips_up: int = 1) -> dict:
+    """Poll `health` until at least `chips_up` chips serve; raise SystemExit with the daemon's log otherwise."""
+    from engine.client import Client
+    from engine.errors import ClientError
+
+    deadline = time.monotonic() + timeout
+    with Client(endpoint, timeout=0.5) as c:
+        while time.monotonic() < deadline:
+            if daemon is not None and daemon.proc.poll() is not None:
+                raise SystemExit(f"daemon exited with {daemon.proc.returncode} during start-up:\n"
+                                 f"{daemon.log_tail()}")
+            try:
+                h = c.health()
+                if h.get("chips_up", 0) >= chips_up:
+                    return h
+            except ClientError:
+                pass
+    raise SystemExit(f"daemon at {endpoint} not healthy within {timeout:.0f} s"
+                     + (f":\n{daemon.log_tail()}" if daemon else "; is it running? try `npuserve health`"))
+
+
+def stats(endpoint: str) -> dict:
+    from engine.client import Client
+
+    with Client(endpoint, timeout=10) as c:
+        return c.stats()
