@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-backend": ("tools.bench_backend", "benchmark a chip backend in-process and through a worker"),
     "bench-serve": ("tools.bench_serve", "benchmark a daemon end to end through the client library"),
     "bench": ("tools.bench", "load generator: closed/open loop, sweeps, SLO goodput, Pareto frontier"),
-    "soak": ("tools.soak", "steady mixed load for a duration, checking invariants, leaks and errors"),
+    "soak": ("tools.soak.main", "steady mixed load for a duration, checking invariants, leaks and errors"),
     "chaos": ("tools.chaos.main", "named fault scenarios under load, each with its invariant checks"),
 }
 
