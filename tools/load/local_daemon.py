@@ -54,6 +54,45 @@ class LocalDaemon:
         self.exit_code = self.proc.returncode
         return self.exit_code
 
+    def process_tree(self) -> list[int]:
+        """The daemon's descendants now (its chip workers)."""
+        import psutil
+
+        try:
+            return [k.pid for k in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def stop_and_check(self, worker_pids: list[int] | None = None) -> list[str]:
+        """SIGTERM, then what a clean stop must leave: exit 0, no worker alive, nothing in /dev/shm.
+
+        Returns the violations (empty when clean); workers that outlived it are killed.
+        """
+        import psutil
+
+        workers = sorted({*(worker_pids or []), *self.process_tree()})
+        out = []
+        code = self.stop()
+        if code != 0:
+            out.append(f"daemon exited {code} after SIGTERM, expected 0")
+        deadline = time.monotonic() + 5
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in workers if alive_pid(p)]
+            if alive:
+                time.sleep(0.1)
+        if alive:
+            out.append(f"worker processes {alive} outlived the daemon")
+            for p in alive:
+                try:
+                    psutil.Process(p).kill()
+                except psutil.Error:
+                    pass
+        left, size = shm_of({self.pid, *workers})
+        if left:
+            out.append(f"{left} shared-memory objects ({size} bytes) of the daemon left in /dev/shm")
+        return out
+
     def cleanup(self) -> None:
         self.stop()
         if self._tmp:
@@ -103,6 +142,34 @@ def wait_healthy(endpoint: str, daemon: LocalDaemon | None = None, timeout: floa
                 pass
     raise SystemExit(f"daemon at {endpoint} not healthy within {timeout:.0f} s"
                      + (f":\n{daemon.log_tail()}" if daemon else "; is it running? try `npuserve health`"))
+
+
+def alive_pid(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def shm_of(pids: set[int]) -> tuple[int, int]:
+    """(count, allocated bytes) of /dev/shm objects whose name says one of `pids` owns them."""
+    from ipc.naming import parse_owner_pid
+
+    count = size = 0
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return 0, 0
+    for n in names:
+        if parse_owner_pid(n) in pids:
+            count += 1
+            try:
+                size += os.stat(os.path.join("/dev/shm", n)).st_size  # allocated, not merely touched
+            except FileNotFoundError:
+                pass
+    return count, size
 
 
 def stats(endpoint: str) -> dict:

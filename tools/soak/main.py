@@ -18,6 +18,7 @@ import re
 import sys
 import time
 
+from tools.load.local_daemon import alive_pid
 from tools.load.report import pct
 from tools.soak.resources import LeakThresholds, Sampler, leak_verdict
 
@@ -171,7 +172,7 @@ class Soak:
                 if err is not None:
                     self.violate(f"the soak's own client stopped receiving: {err!r}")
                     return
-                if self.daemon_pid is not None and not _alive(self.daemon_pid):
+                if self.daemon_pid is not None and not alive_pid(self.daemon_pid):
                     self.violate("the daemon process died")
                     return
                 if now >= next_print:
@@ -213,44 +214,6 @@ class Soak:
                 "timeline": self.timeline}
 
 
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def teardown_checks(d, worker_pids: list[int]) -> list[str]:
-    """A clean stop: exit 0, no worker left, no shared memory of the daemon or its workers left."""
-    import psutil
-
-    from tools.soak.resources import _shm
-
-    out = []
-    code = d.stop()
-    if code != 0:
-        out.append(f"daemon exited {code} after SIGTERM, expected 0")
-    deadline = time.monotonic() + 5
-    alive = worker_pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in worker_pids if _alive(p)]
-        if alive:
-            time.sleep(0.1)
-    if alive:
-        out.append(f"worker processes {alive} outlived the daemon")
-        for p in alive:
-            try:
-                psutil.Process(p).kill()
-            except psutil.Error:
-                pass
-    left, size = _shm({d.pid, *worker_pids})
-    if left:
-        out.append(f"{left} shared-memory objects ({size} bytes) of the daemon left in /dev/shm")
-    return out
-
-
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     if a.concurrency < 1 or a.chips < 1 or a.duration <= 0:
@@ -280,17 +243,11 @@ def main(argv: list[str]) -> int:
                 workers = [c["pid"] for c in local_daemon.wait_healthy(endpoint, d, timeout=10)["chips"] if c.get("pid")]
             except SystemExit:
                 pass
-            import psutil
-
-            try:
-                workers = sorted({*workers, *(k.pid for k in psutil.Process(d.pid).children(recursive=True))})
-            except psutil.Error:
-                pass
-        res = soak.verdict(teardown_checks(d, workers) if d is not None else [])
+        res = soak.verdict(d.stop_and_check(workers) if d is not None else [])
     finally:
         if d is not None:
-            if d.proc.poll() is None or (d.exit_code not in (None, 0)):
-                sys.stderr.write(f"daemon log tail:\n{d.log_tail()}\n") if d.exit_code not in (None, 0) else None
+            if d.exit_code not in (None, 0):
+                sys.stderr.write(f"daemon log tail:\n{d.log_tail()}\n")
             d.cleanup()
     if a.json:
         from tools.json_lines import emit

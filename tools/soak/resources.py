@@ -26,11 +26,12 @@ not move the way it moves a least-squares fit.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
 import psutil
+
+from tools.load.local_daemon import shm_of
 
 MEMORY_METRICS = ("daemon_anon_rss", "workers_anon_rss", "shm_bytes")
 COUNT_METRICS = ("daemon_fds", "workers_fds", "daemon_threads", "workers_threads", "children", "shm_objects")
@@ -49,24 +50,6 @@ class Sample:
     t: float  # seconds since the start
     requests: int  # requests finished so far
     values: dict = field(default_factory=dict)
-
-
-def _shm(pids: set[int]) -> tuple[int, int]:
-    from ipc.naming import parse_owner_pid
-
-    count = size = 0
-    try:
-        names = os.listdir("/dev/shm")
-    except FileNotFoundError:
-        return 0, 0
-    for n in names:
-        if parse_owner_pid(n) in pids:
-            count += 1
-            try:
-                size += os.stat(os.path.join("/dev/shm", n)).st_size  # allocated, not merely touched
-            except FileNotFoundError:
-                pass
-    return count, size
 
 
 def _anon(mem) -> int:
@@ -102,7 +85,7 @@ def measure(daemon_pid: int) -> dict:
             pids.add(k.pid)
         except psutil.Error:
             pass
-    v["shm_objects"], v["shm_bytes"] = _shm(pids)
+    v["shm_objects"], v["shm_bytes"] = shm_of(pids)
     return v
 
 
