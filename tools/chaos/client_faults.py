@@ -150,10 +150,11 @@ def _vanishing_client(endpoint: str, n: int) -> int:
 
     async def run():
         load = WireLoad(endpoint)
-        traces = [await load.start([9, 8, i], max_tokens=3000, seed=i, ignore_eos=True) for i in range(n)]
-        while any(t.first is None for t in traces):
+        traces = [await load.start([9, 8, i], max_tokens=1500, seed=i, ignore_eos=True) for i in range(n)]
+        while any(t.first is None and not t.terminals for t in traces):
             await asyncio.sleep(0.01)
-        sys.stdout.write("ready\n")
+        ended = [t.terminal for t in traces if t.terminals]
+        sys.stdout.write("ready\n" if not ended else f"ended early: {ended[0]}\n")
         sys.stdout.flush()
         await asyncio.sleep(3600)
 
@@ -172,7 +173,7 @@ def clients_vanish(res: ScenarioResult) -> None:
                 ready, _, _ = select.select([p.stdout], [], [], 60)
                 line = p.stdout.readline() if ready else b""
                 if line.strip() != b"ready":
-                    res.fail("a vanishing client did not get its streams going within 60 s")
+                    res.fail(f"a vanishing client did not get its streams going within 60 s: {line[:300]!r}")
                     return
             active = (health(d.endpoint) or {}).get("active_requests")
             res.details["active_before_kill"] = active
