@@ -13,7 +13,10 @@ not move the way it moves a least-squares fit.
 * Memory (daemon and summed worker anonymous RSS, shm bytes allocated) is a leak when its slope
   per request exceeds `rss_bytes_per_request` (default 512 B: half of the
   1 KB/request growth the soak must catch, so that leak is flagged with a 2x
-  margin) AND the fitted growth over the window exceeds `rss_floor_bytes`
+  margin), AND so does the slope over the second half of the window (growth
+  that is still going on: the ref backend's KV arrays and the rings are
+  touched page by page for a while and then stay flat, a leak does not stop),
+  AND the fitted growth over the window exceeds `rss_floor_bytes`
   (default 1 MiB: below that, CPython's allocator moves RSS in steps as large
   as the signal). A 1 KB/request leak is therefore flagged once about 1,000
   requests have run after warm-up: within the first minute of a stub or ref
@@ -118,12 +121,15 @@ def leak_verdict(samples: list[Sample], th: LeakThresholds = LeakThresholds()) -
         ys = [float(s.values.get(m, 0)) for s in post]
         slope = theil_sen(xs, ys)
         growth = slope * span
+        half = len(xs) // 2
+        late = theil_sen(xs[half:], ys[half:])
         if m in MEMORY_METRICS:
-            leak = slope > th.rss_bytes_per_request and growth > th.rss_floor_bytes
+            leak = (slope > th.rss_bytes_per_request and late > th.rss_bytes_per_request
+                    and growth > th.rss_floor_bytes)
         else:
             leak = growth >= th.count_growth and min(ys[-q:]) > max(ys[:q])
-        out[m] = {"start": ys[0], "end": ys[-1], "per_request": round(slope, 3), "growth": round(growth, 1),
-                  "leak": bool(leak)}
+        out[m] = {"start": ys[0], "end": ys[-1], "per_request": round(slope, 3),
+                  "late_per_request": round(late, 3), "growth": round(growth, 1), "leak": bool(leak)}
     out["leak"] = any(v["leak"] for k, v in out.items() if isinstance(v, dict))
     return out
 
