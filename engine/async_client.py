@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import zmq
 import zmq.asyncio
@@ -26,6 +26,19 @@ from engine.client import (
 )
 from engine.errors import ClientError, ClientTimeout, InvalidRequest
 from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_event, encode
+
+
+def drain_events(raw: zmq.Socket) -> Iterator[dict | None]:
+    """Every frame ready on `raw` (NOBLOCK receives), decoded; None for one that is not a valid event."""
+    while True:
+        try:
+            data = raw.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            yield decode_event(data)
+        except ProtocolError:
+            yield None
 
 
 class AsyncClient:
@@ -199,14 +212,8 @@ class AsyncClient:
         queues = self._queues
         while True:
             await sock.poll(flags=zmq.POLLIN)
-            while True:
-                try:
-                    data = raw.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    ev = decode_event(data)
-                except ProtocolError:
+            for ev in drain_events(raw):
+                if ev is None:
                     continue
                 q = queues.get(ev.get("id"))
                 if q is not None:

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from engine.async_client import drain_events
 from engine.client import build_cancel, build_generate, open_dealer
-from ipc.codec import ProtocolError, decode_event, encode
+from ipc.codec import encode
 
 
 @dataclass(slots=True)
@@ -150,17 +151,13 @@ class WireLoad:
                 await asyncio.sleep(0.05)
                 continue
             await sock.poll(flags=zmq.POLLIN)
-            while self.reading:
-                try:
-                    data = raw.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    ev = decode_event(data)
-                except ProtocolError:
+            for ev in drain_events(raw):
+                if ev is None:
                     self.undecodable += 1
-                    continue
-                self._on_event(ev, time.monotonic())
+                else:
+                    self._on_event(ev, time.monotonic())
+                if not self.reading:
+                    break
 
     def _on_event(self, ev: dict, now: float) -> None:
         rid = ev.get("id")
