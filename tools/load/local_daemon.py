@@ -99,6 +99,14 @@ class LocalDaemon:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM to a load tool runs its `finally` blocks (daemon stopped, directory removed), like Ctrl-C."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def start(*, backend: str, chips: int, settings: list[str] | tuple[str, ...] = (),
           backend_options: list[str] | tuple[str, ...] = (), prefix: str = "npl-",
           env: dict | None = None, wrap: list[str] | None = None) -> LocalDaemon:
@@ -106,6 +114,7 @@ def start(*, backend: str, chips: int, settings: list[str] | tuple[str, ...] = (
 
     `wrap` prefixes the command (e.g. a namespace launcher for the /dev/shm chaos scenario).
     """
+    _exit_on_sigterm()
     tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     endpoint = f"ipc://{tmp}/d.sock"
     cmd = [sys.executable, "-m", "engine.daemon.main", "--backend", backend, "--chips", str(chips),
