@@ -228,14 +228,17 @@ def run_variant(a: argparse.Namespace, v: Variant, progress: Progress) -> list[d
             reqs = workload(a, pt, i, model)
             label = v.name
             progress.point(f"{label} " + (f"c={pt['concurrency']}" if pt.get("concurrency") else f"rate={pt['rate']}"))
-            before = local_daemon.stats(endpoint)
+            before = _stats_or_none(endpoint)
             recs = runner.run(endpoint, reqs, concurrency=pt.get("concurrency"), clients=a.clients,
                               on_record=progress.record)
-            after = local_daemon.stats(endpoint)
+            after = _stats_or_none(endpoint)
             row = {"label": label, "backend": a.backend if not a.endpoint else None, "chips": a.chips,
                    "concurrency": pt.get("concurrency"), "rate": pt.get("rate"), **summarize(recs, a.slo),
                    "prompt": str(a.prompt_dist), "output": str(a.output_dist), "settings": settings}
-            row["daemon_run"] = daemon_run(before, after, row["seconds"])
+            try:  # a board daemon's stats; a balancer's may not have the per-chip counters
+                row["daemon_run"] = daemon_run(before, after, row["seconds"])
+            except (KeyError, TypeError):
+                row["daemon_run"] = None
             sim = predict(a, settings, pt, reqs, model)
             row["predicted_tokens_per_s"] = None if sim is None else round(sim.throughput_tok_s, 1)
             row["predicted_ttft_p99_ms"] = None if sim is None else round(sim.ttft_p99_ms, 1)
@@ -249,6 +252,16 @@ def run_variant(a: argparse.Namespace, v: Variant, progress: Progress) -> list[d
                 sys.stderr.write(f"bench: daemon exited {code}; log tail:\n{d.log_tail()}\n")
             d.cleanup()
     return rows
+
+
+def _stats_or_none(endpoint: str) -> dict | None:
+    from engine.errors import ClientError
+    from tools.load import local_daemon
+
+    try:
+        return local_daemon.stats(endpoint)
+    except ClientError:
+        return None
 
 
 def predicted_rows(rows: list[dict]) -> list[dict]:
@@ -320,6 +333,10 @@ def print_text(rows: list[dict], comparison: list[dict]) -> None:
     print("(latencies in ms; frontier * = on the throughput / TTFT-P99 Pareto frontier of its run label)")
     for r in rows:
         ran, pred = r.get("daemon_run"), r.get("predicted_run")
+        if r.get("errors"):
+            print(f"  {r['label']}: {r['errors']} requests failed, by code {r['error_codes']}"
+                  + (" (400 with --text: this daemon does not accept `text` prompts)" if "400" in r["error_codes"]
+                     and any("--text" in x for x in sys.argv) else ""))
         if r.get("predicted_tokens_per_s"):
             print(f"  {r['label']} c={r['concurrency']}: delivered {100 * r['tokens_per_s'] / r['predicted_tokens_per_s']:.1f} % "
                   f"of predicted; device busy {ran['device_busy']} (simulator {pred['device_busy']})")
