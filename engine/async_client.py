@@ -102,16 +102,11 @@ class AsyncClient:
             self._queues.pop(rid, None)
         return b.result
 
-    async def stream(self, prompt: list[int], *, timeout: float | None = ..., id: str | None = None,
-                     result: list | None = None, **sampling) -> AsyncIterator[list[int]]:
+    def stream(self, prompt: list[int], *, timeout: float | None = ..., id: str | None = None,
+               result: list | None = None, **sampling) -> AsyncIterator[list[int]]:
         """Yield token chunks; leaving the loop early cancels the request on the server."""
         rid = id or self.new_id()
-        inner = self.stream_message(build_generate(rid, prompt, True, sampling), timeout=timeout, result=result)
-        try:
-            async for toks in inner:
-                yield toks
-        finally:
-            await inner.aclose()  # leaving early cancels now, not when the inner generator is collected
+        return self.stream_message(build_generate(rid, prompt, True, sampling), timeout=timeout, result=result)
 
     async def stream_message(self, msg: dict, *, timeout: float | None = ...,
                              result: list | None = None) -> AsyncIterator[list[int]]:
