@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import os
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import zmq
 import zmq.asyncio
@@ -28,6 +28,19 @@ from engine.client import (
 )
 from engine.errors import ClientError, ClientTimeout, InvalidRequest
 from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_event, encode
+
+
+def drain_events(raw: zmq.Socket) -> Iterator[dict | None]:
+    """Every frame ready on `raw` (NOBLOCK receives), decoded; None for one that is not a valid event."""
+    while True:
+        try:
+            data = raw.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            yield decode_event(data)
+        except ProtocolError:
+            yield None
 
 
 class AsyncClient:
@@ -107,11 +120,21 @@ class AsyncClient:
             async for delta in it:
                 yield delta
 
-    async def _stream(self, prompt: Prompt, timeout, id: str | None, result: list | None, sampling: dict,
-                      text: bool) -> AsyncIterator:
+    def stream_message(self, msg: dict, *, timeout: float | None = ...,
+                       result: list | None = None) -> AsyncIterator[list[int]]:
+        """`stream` for a generate message built by the caller (fields this library has no keyword for);
+        `msg["id"]` must be unique among this client's requests in flight."""
+        return self._stream_message(msg, timeout, result, text=False)
+
+    def _stream(self, prompt: Prompt, timeout, id: str | None, result: list | None, sampling: dict,
+                text: bool) -> AsyncIterator:
         rid = id or self.new_id()
+        return self._stream_message(build_generate(rid, prompt, True, sampling), timeout, result, text)
+
+    async def _stream_message(self, msg: dict, timeout, result: list | None, text: bool) -> AsyncIterator:
+        rid = msg["id"]
         deadline = self._deadline(timeout)
-        q = await self._start(rid, build_generate(rid, prompt, True, sampling))
+        q = await self._start(rid, msg)
         b = ResultBuilder()
         finished = False
         try:
@@ -207,14 +230,8 @@ class AsyncClient:
         queues = self._queues
         while True:
             await sock.poll(flags=zmq.POLLIN)
-            while True:
-                try:
-                    data = raw.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    ev = decode_event(data)
-                except ProtocolError:
+            for ev in drain_events(raw):
+                if ev is None:
                     continue
                 q = queues.get(ev.get("id"))
                 if q is not None:

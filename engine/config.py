@@ -200,6 +200,8 @@ class BatchConfig:
     chunked_prefill: bool = key(True, _bool, "split long prefills into chunks, only if the backend declares "
                                              "chunked prefill equal to one-shot")
     prefill_chunk_tokens: int = key(512, _int(1), "tokens per prefill chunk")
+    static_batching: bool = key(False, _bool, "baseline for benchmarks: admit a new batch only once every "
+                                              "admitted sequence has finished (off = continuous batching)")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ process created is unlinked on exit; an attached one is only unmapped.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import warnings
@@ -24,11 +25,43 @@ SHM_MODE = 0o600
 __all__ = [
     "SHM_PREFIX",
     "Segment",
+    "ShmFull",
     "list_segments",
     "list_semaphores",
     "parse_owner_pid",
     "reap_stale",
 ]
+
+
+class ShmFull(OSError):
+    """/dev/shm has no room for a new segment (raised at creation, instead of SIGBUS on a later write)."""
+
+
+def _reserve(fd: int, size: int, name: str) -> None:
+    """Allocate the segment's pages now.
+
+    A tmpfs segment is sparse: ftruncate succeeds whatever the free space, and
+    the first write to a page that cannot be allocated kills the writer with
+    SIGBUS -- a daemon started on a nearly full /dev/shm would die under load.
+    Reserving at creation turns that into a clear error at start-up.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            free = _shm_free_bytes()
+            raise ShmFull(e.errno, f"/dev/shm has no room for shared-memory segment {name} of {size} bytes "
+                                   f"({free} bytes free): free space in /dev/shm (or enlarge it) and retry") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: stay sparse
+            raise
+
+
+def _shm_free_bytes() -> int | str:
+    try:
+        st = os.statvfs("/dev/shm")
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return "unknown"
 
 
 class Segment:
@@ -64,6 +97,7 @@ class Segment:
         try:
             # The umask can strip bits but never add them; enforce 0600 exactly.
             os.fchmod(shm.fd, SHM_MODE)
+            _reserve(shm.fd, size, name)
             mm = mmap.mmap(shm.fd, size)
         except BaseException:
             shm.close_fd()

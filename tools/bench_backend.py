@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import orjson
 
 from ipc.records import Job, JobKind, JobStatus
+from tools.json_lines import emit
 from workers.backends.base import BackendInfo
 
 BATCHES = (1, 4, 8, 16)
@@ -321,7 +321,7 @@ def _run(args, backend, options: dict, package: str | None, batches: tuple[int, 
     rows.sort(key=lambda r: (r.mode != "in-process", r.phase != "prefill", r.batch))
     if args.json:
         for r in rows:
-            print(orjson.dumps(r.to_dict()).decode())
+            emit("row", r.to_dict())
     else:
         print(f"backend {args.backend}, prompt {args.prompt_len} tokens/lane, {args.decode_steps} decode steps/round, "
               f"BLAS threads {worker_blas or 'default'} in both modes, one job in flight")
@@ -330,6 +330,9 @@ def _run(args, backend, options: dict, package: str | None, batches: tuple[int, 
     if args.backend == "ref" and ("decode", 16) in rat:  # the target is about the ref model's compute
         r = rat[("decode", 16)]
         verdict = "ok" if r >= TARGET_RATIO else "BELOW TARGET"
-        print(f"worker/in-process decode tokens/s at B=16: {r:.1%} (target >= {TARGET_RATIO:.0%}: {verdict})",
-              file=sys.stderr if args.json else sys.stdout)
+        if args.json:
+            emit("summary", {"decode_b16_worker_vs_in_process": round(r, 4), "target": TARGET_RATIO,
+                             "ok": r >= TARGET_RATIO})
+        else:
+            print(f"worker/in-process decode tokens/s at B=16: {r:.1%} (target >= {TARGET_RATIO:.0%}: {verdict})")
     return 0

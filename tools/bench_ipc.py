@@ -261,6 +261,19 @@ def _p50(rows: list[dict[str, Any]], transport: str, doorbell: str | None, size:
     raise KeyError((transport, doorbell, size))
 
 
+def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The three targets: big ring vs memcpy (<= 2x), zmq copy vs big ring (>= 4x), small ring p50 (< 30 µs)."""
+    big, small = PAYLOADS[-1], PAYLOADS[0]
+    ring_big = _p50(rows, "shm-ring", "semaphore", big)
+    vs_memcpy = ring_big / _p50(rows, "memcpy", None, big)
+    vs_zmq = _p50(rows, "zmq-copy", None, big) / ring_big
+    small_p50 = _p50(rows, "shm-ring", "semaphore", small)
+    return {"ring_vs_memcpy": round(vs_memcpy, 3), "ring_vs_memcpy_ok": vs_memcpy <= 2,
+            "zmq_copy_vs_ring": round(vs_zmq, 3), "zmq_copy_vs_ring_ok": vs_zmq >= 4,
+            "small_ring_p50_us": round(small_p50, 2), "small_ring_p50_ok": small_p50 < 30,
+            "big_payload_bytes": big, "small_payload_bytes": small}
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| transport | doorbell | payload | p50 (µs) | p99 (µs) |",
@@ -271,10 +284,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['transport']} | {r['doorbell'] or '-'} | {_fmt_size(r['payload_bytes'])} | {r['p50_us']:.1f} | {r['p99_us']:.1f} |"
         )
     big, small = PAYLOADS[-1], PAYLOADS[0]
-    ring_big = _p50(rows, "shm-ring", "semaphore", big)
-    vs_memcpy = ring_big / _p50(rows, "memcpy", None, big)
-    vs_zmq = _p50(rows, "zmq-copy", None, big) / ring_big
-    small_p50 = _p50(rows, "shm-ring", "semaphore", small)
+    t = targets(rows)
+    vs_memcpy, vs_zmq, small_p50 = t["ring_vs_memcpy"], t["zmq_copy_vs_ring"], t["small_ring_p50_us"]
 
     def verdict(ok: bool) -> str:
         return "ok" if ok else "MISSED"
@@ -290,7 +301,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="npuserve bench-ipc", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object per row, one per line")
+    ap.add_argument("--json", action="store_true", help="JSON Lines: one row per line, then the targets as a summary")
     ap.add_argument("--iters", type=int, default=None, help="handoffs per payload size (default: 2000 / 300 / 40 by size)")
     ap.add_argument(
         "--spin-us", type=float, default=None,
@@ -303,9 +314,11 @@ def main(argv: list[str]) -> int:
     t = time.monotonic()
     rows = run(iters, None if args.spin_us is None else args.spin_us * 1e-6)
     if args.json:
-        import orjson
+        from tools.json_lines import emit
 
-        sys.stdout.write("".join(orjson.dumps(r).decode() + "\n" for r in rows))
+        for r in rows:
+            emit("row", r)
+        emit("summary", targets(rows))
     else:
         print(format_table(rows))
         print(f"\n({time.monotonic() - t:.1f} s, {os.cpu_count()} CPUs; one-way handoff = writer's array -> reader's usable array)")

@@ -20,9 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import random
-import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -228,20 +226,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    from tools.bench_serve import _start_daemon, _wait_health, stop_daemon
+    from tools.load import local_daemon
 
     a = parse_args(argv)
-    tmp = tempfile.mkdtemp(prefix="npml-", dir="/tmp")
-    lost = 0
+    d = local_daemon.start(backend=a.backend, chips=a.chips, settings=a.set, backend_options=a.backend_option,
+                           prefix="npml-")
     try:
-        proc, endpoint = _start_daemon(a, tmp)
-        try:
-            _wait_health(endpoint, proc, tmp)
-            lost = asyncio.run(_rounds(a, endpoint, proc.pid))
-        finally:
-            stop_daemon(proc)
+        local_daemon.wait_healthy(d.endpoint, d)
+        lost = asyncio.run(_rounds(a, d.endpoint, d.pid))
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        d.cleanup()
     return 1 if lost else 0
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import orjson
-
 from engine.sim.runner import POLICIES, SIM_PROFILES, serial_table, simulate
 from engine.sim.workload import make_workload
+from tools.json_lines import emit
 from workers.backends.sim_latency import LatencyModel
 
 
@@ -67,7 +66,7 @@ def main(argv: list[str]) -> int:
         for r in rows:
             c = r.concurrency
             if args.json:
-                sys.stdout.write(orjson.dumps(r.row()).decode() + "\n")
+                emit("row", r.row())
             else:
                 print(f"{r.policy:<20}{c:>12}{r.throughput_tok_s:>10.1f}{r.ttft_p50_ms:>13.1f}"
                       f"{r.ttft_p99_ms:>13.1f}{r.tpot_mean_ms:>9.1f}{r.itl_p99_ms:>12.1f}")

@@ -138,4 +138,5 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         max_inflight=int(_get(ex, "max_inflight", d.max_inflight)),
         job_timeout_s=float(_get(ex, "job_timeout_ms", d.job_timeout_s * 1000)) / 1000.0,
         prefix_cache=bool(_get(kv, "prefix_cache", d.prefix_cache)),
+        static_batching=bool(_get(b, "static_batching", d.static_batching)),
     )

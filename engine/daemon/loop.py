@@ -37,6 +37,7 @@ from engine.daemon.supervisor import ChipState, Decision, Supervisor
 from engine.daemon.text_io import piece_function, served_tokenizer
 from ipc.records import Job
 from ipc.ring import RingFull
+from ipc.shm import ShmFull
 from ipc.stale import reap_stale
 from workers.backends.base import BackendInfo
 from workers.chip_link import SHM_PREFIX, ChipLink, Heartbeat, Ready, Result, WorkerFailed
@@ -137,7 +138,10 @@ class Daemon:
                             runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb)
             self.links.append(link)
             self._backlog.append(deque())
-            link.start()
+            try:
+                link.start()
+            except ShmFull as e:
+                raise StartupError(f"chip {chip}: {e.strerror}") from None
         infos = self._wait_ready(STARTUP_TIMEOUT_S)
         self.info = info = infos[0]
         for chip, other in enumerate(infos):

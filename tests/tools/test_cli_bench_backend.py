@@ -20,8 +20,10 @@ def test_bench_backend_json_rows_cover_both_modes(backend):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    lines = out.stdout.splitlines()
+    rows = [json.loads(line) for line in lines]  # the --json convention: every stdout line is one object
     assert {(r["mode"], r["phase"], r["batch"]) for r in rows} == {
         (m, p, b) for m in ("in-process", "worker") for p in ("prefill", "decode") for b in (1, 4)
     }
-    assert all(set(r) == {"mode", "phase", "batch", "tokens_per_s"} and r["tokens_per_s"] > 0 for r in rows)
+    assert all(set(r) == {"kind", "mode", "phase", "batch", "tokens_per_s"} and r["kind"] == "row"
+               and r["tokens_per_s"] > 0 for r in rows)

@@ -52,12 +52,12 @@ def test_sim_bench_reports_both_runs_for_the_gap_breakdown():
 
 def test_simulator_run_summary_matches_its_latency_model():
     from engine.sim import make_workload, simulate
-    from tools.bench_serve import _sim_run
+    from tools.load.chip_runs import sim_run
     from workers.backends.sim_latency import LatencyModel
 
     wl = make_workload(10, 64, 16, seed=7)
     res = simulate("continuous", 4, wl, chips=2)
-    run = _sim_run(res)
+    run = sim_run(res)
     lat = LatencyModel()
     prompt_tokens = sum(len(w.prompt) for w in wl)
     assert run["prefill_tokens"] == prompt_tokens and run["prefill_jobs"] == 10

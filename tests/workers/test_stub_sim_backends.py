@@ -269,3 +269,23 @@ def test_registry_maps_ref_to_the_ref_module():
     cls = backend_class("ref")
     assert cls.__name__ == "RefBackend" and cls.__module__ == "workers.backends.ref"
     assert issubclass(cls, ChipBackend)
+
+
+@pytest.mark.parametrize("cls", [StubBackend, SimBackend])
+def test_fail_job_raises_once_on_the_chosen_chip_only(cls):
+    """The chaos hook: the N-th compute job of chip `fail_chip` raises BackendError, every other job runs."""
+    opts = {"time_scale": 0.0} if cls is SimBackend else {}
+    victim = loaded(cls(fail_job=3, fail_chip=1, chip_id=1, **opts))
+    other = loaded(cls(fail_job=3, fail_chip=1, chip_id=0, **opts))
+    job = make_job(JobKind.DECODE, [decode_lane(5, 10)])
+    outcomes = []
+    for _ in range(6):
+        try:
+            victim.decode(job)
+            outcomes.append("ok")
+        except BackendError as e:
+            assert "injected failure of job 3" in str(e)
+            outcomes.append("raised")
+    assert outcomes == ["ok", "ok", "raised", "ok", "ok", "ok"]
+    for _ in range(6):
+        other.decode(job)

@@ -51,9 +51,12 @@ class SimBackend(StubBackend):
         num_blocks: int = 4096,
         profiles: tuple[int, ...] = (1, 4, 8, 16),
         chip_id: int = 0,
+        fail_job: int = 0,
+        fail_chip: int = 0,
     ) -> None:
         super().__init__(vocab_size=vocab_size, eos_ids=eos_ids, max_seq=max_seq, block_size=block_size,
-                         num_blocks=num_blocks, profiles=profiles, chip_id=chip_id)
+                         num_blocks=num_blocks, profiles=profiles, chip_id=chip_id, fail_job=fail_job,
+                         fail_chip=fail_chip)
         if time_scale < 0:
             raise ValueError("time_scale must be >= 0")
         self.latency = LatencyModel(

@@ -73,7 +73,10 @@ class StubBackend(ChipBackend):
         num_blocks: int = 4096,
         profiles: tuple[int, ...] = (1, 4, 8, 16),
         chip_id: int = 0,
+        fail_job: int = 0,
+        fail_chip: int = 0,
     ) -> None:
+        """`fail_job=N` (chaos): the N-th prefill/decode call of chip `fail_chip` raises BackendError, once."""
         if vocab_size <= len({e for e in eos_ids if 0 <= e < vocab_size}):
             raise ValueError("vocab_size must leave at least one non-EOS token")
         if not profiles or any(int(b) < 1 for b in profiles):
@@ -88,6 +91,8 @@ class StubBackend(ChipBackend):
         self.profiles = tuple(sorted(int(b) for b in profiles))
         self.chip_id = int(chip_id)
         self.loaded = False
+        self.fail_job = int(fail_job) if int(fail_chip) == self.chip_id else 0
+        self.jobs_run = 0
 
     # -- description and lifecycle -------------------------------------------------
 
@@ -134,6 +139,10 @@ class StubBackend(ChipBackend):
     def _check(self, job: Job, kind: JobKind) -> None:
         if not self.loaded:
             raise BackendError(f"{self.name} backend on chip {self.chip_id}: no model loaded")
+        self.jobs_run += 1
+        if self.jobs_run == self.fail_job:
+            raise BackendError(f"{self.name} backend on chip {self.chip_id}: injected failure of job "
+                               f"{self.jobs_run} (fail_job)")
         if job.kind != kind:
             raise ValueError(f"{kind.name.lower()} called with a {job.kind.name} job")
         if job.batch and int(np.max(job.context_lens)) > self.max_seq:

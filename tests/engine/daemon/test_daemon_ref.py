@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import threading
 import time
@@ -12,46 +11,9 @@ import numpy as np
 import pytest
 
 from engine.async_client import AsyncClient
-from ipc.records import JobKind, Lane, build_job
-from workers.backends.ref import RefBackend
-from workers.model_package import ensure_default_package
-from workers.sampling import sample
+from workers.oracle import Oracle
 
 pytestmark = pytest.mark.integration
-
-
-class Oracle:
-    """Prefill then one decode step at a time, B=1, fresh blocks: the plainest possible run."""
-
-    def __init__(self) -> None:
-        self.backend = RefBackend()
-        self.backend.load(ensure_default_package())
-        info = self.backend.describe()
-        self.eos = set(info.eos_ids)
-        self.block_size = info.kv.block_size
-
-    def run(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-            top_k: int = 0, seed: int = 0, ignore_eos: bool = False,
-            logits_out: list | None = None) -> tuple[list[int], str]:
-        """Tokens and finish reason; `logits_out` receives each step's logits row."""
-        table = list(range(math.ceil((len(prompt) + max_tokens + 1) / self.block_size)))
-        params = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        job = build_job(JobKind.PREFILL, [Lane(prompt, 0, table, **params)])
-        out: list[int] = []
-        pos = len(prompt)
-        while True:
-            step = self.backend.prefill(job) if job.kind == JobKind.PREFILL else self.backend.decode(job)
-            tok, _ = sample(step.logits, job.temperature, job.top_p, job.top_k, job.seed, job.context_lens)
-            if logits_out is not None:
-                logits_out.append(np.array(step.logits[0], dtype=np.float64))
-            t = int(tok[0])
-            if t in self.eos and not ignore_eos:
-                return out, "eos"
-            out.append(t)
-            if len(out) == max_tokens:
-                return out, "length"
-            job = build_job(JobKind.DECODE, [Lane([t], pos, table, **params)])
-            pos += 1
 
 
 @pytest.fixture(scope="module")

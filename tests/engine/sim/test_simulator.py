@@ -51,4 +51,5 @@ def test_predict_and_cli_json_rows(capsys):
     assert len(rows) == 8  # 4 policies x 2 concurrencies
     for row in rows:
         assert {"policy", "concurrency", "throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms"} <= set(row)
+        assert next(iter(row)) == "kind" and row["kind"] == "row"
     assert {row["policy"] for row in rows} == {"continuous", "continuous-nochunk", "static", "serial"}

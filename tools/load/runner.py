@@ -1,0 +1,176 @@
+"""Driving a workload against an endpoint from several client processes, through `AsyncClient`.
+
+Several processes, so the client is not the bottleneck; they connect first and
+start on a shared wall-clock instant (the measurement window starts like the
+simulator's t = 0). Closed loop: each process keeps its share of
+`concurrency` requests outstanding. Open loop: each request is sent at its
+arrival time (`Request.at`), however many are outstanding. Each process
+writes one JSON line per finished request as it finishes, which the parent
+folds into the live progress bar and the records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import orjson
+
+from tools.load.workload import Request
+
+
+@dataclass(slots=True)
+class Record:
+    """One request as the client saw it (wall-clock seconds)."""
+
+    index: int
+    tenant: str
+    sent: float
+    first: float | None
+    last: float | None
+    tokens: int
+    error: int | None  # the error code, None when it finished
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first is None else (self.first - self.sent) * 1000.0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.tokens < 2 or self.first is None:
+            return None
+        return (self.last - self.first) * 1000.0 / (self.tokens - 1)
+
+
+# ---------------------------------------------------------------- client process
+
+
+async def _one(c, r: dict, write) -> None:
+    from engine.client import build_generate
+    from engine.errors import ClientError
+
+    t0 = time.time()
+    first = last = None
+    n = 0
+    err = None
+    try:
+        if r.get("text") is not None:
+            rid = c.new_id()
+            msg = build_generate(rid, [0], True, r["fields"])
+            del msg["prompt"]
+            msg["text"] = r["text"]
+            chunks = c.stream_message(msg)
+        else:
+            chunks = c.stream(r["prompt"], **r["fields"])
+        async for chunk in chunks:
+            last = time.time()
+            if first is None:
+                first = last
+            n += len(chunk)
+    except ClientError as e:
+        err = e.code or 0
+    write([r["index"], r["tenant"], t0, first, last, n, err])
+
+
+async def _drive(spec: dict) -> None:
+    from engine.async_client import AsyncClient
+
+    out = sys.stdout.buffer
+
+    def write(row: list) -> None:
+        out.write(orjson.dumps(row) + b"\n")
+        out.flush()
+
+    reqs = spec["requests"]
+    async with AsyncClient(spec["endpoint"], timeout=spec.get("timeout", 600)) as c:
+        await c.health()  # connected before the clock starts
+        start = spec["start_at"]
+        await asyncio.sleep(max(0.0, start - time.time()))
+        if spec["concurrency"]:  # closed loop
+            it = iter(reqs)
+
+            async def slot() -> None:
+                for r in it:
+                    await _one(c, r, write)
+
+            await asyncio.gather(*(slot() for _ in range(spec["concurrency"])))
+        else:  # open loop
+            tasks = []
+            for r in reqs:
+                await asyncio.sleep(max(0.0, start + r["at"] - time.time()))
+                tasks.append(asyncio.create_task(_one(c, r, write)))
+            await asyncio.gather(*tasks)
+
+
+def client_main() -> int:
+    asyncio.run(_drive(orjson.loads(sys.stdin.buffer.read())))
+    return 0
+
+
+# ---------------------------------------------------------------- parent
+
+
+def _wire(r: Request) -> dict:
+    return {"index": r.index, "tenant": r.tenant, "prompt": r.prompt, "text": r.text, "fields": r.wire(),
+            "at": r.at}
+
+
+def run(endpoint: str, requests: list[Request], *, concurrency: int | None, clients: int = 2,
+        on_record: Callable[[Record], None] | None = None, timeout: float = 600.0) -> list[Record]:
+    """Send `requests` (closed loop at `concurrency`, or open loop when it is None); one Record each."""
+    k = max(1, min(clients, concurrency or clients, len(requests)))
+    start_at = time.time() + 1.0 + 0.2 * k
+    procs = []
+    for i in range(k):
+        share = None
+        if concurrency:
+            share = concurrency // k + (1 if i < concurrency % k else 0)
+        spec = {"endpoint": endpoint, "concurrency": share, "start_at": start_at, "timeout": timeout,
+                "requests": [_wire(r) for r in requests[i::k]]}
+        p = subprocess.Popen([sys.executable, "-m", "tools.load.runner"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+        p.stdin.write(orjson.dumps(spec))
+        p.stdin.close()
+        procs.append(p)
+    records: list[Record] = []
+    sel = selectors.DefaultSelector()
+    buf: dict[int, bytes] = {}
+    for p in procs:
+        sel.register(p.stdout, selectors.EVENT_READ, p)
+        buf[p.pid] = b""
+    try:
+        open_ = len(procs)
+        while open_:
+            for key, _ in sel.select(timeout=1.0):
+                p = key.data
+                chunk = p.stdout.read1(1 << 16)
+                if not chunk:
+                    sel.unregister(p.stdout)
+                    open_ -= 1
+                    continue
+                data = buf[p.pid] + chunk
+                *lines, buf[p.pid] = data.split(b"\n")
+                for line in lines:
+                    rec = Record(*orjson.loads(line))
+                    records.append(rec)
+                    if on_record is not None:
+                        on_record(rec)
+    finally:
+        sel.close()
+        for p in procs:
+            if p.poll() is None and open_:
+                p.kill()
+            p.wait()
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    if bad:
+        raise SystemExit(f"a load client process failed (exit {bad[0]}); see its traceback above")
+    return records
+
+
+if __name__ == "__main__":
+    sys.exit(client_main())
