@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-ipc": ("tools.bench_ipc", "benchmark shared-memory rings against other transports"),
     "bench-backend": ("tools.bench_backend", "benchmark a chip backend in-process and through a worker"),
     "bench-serve": ("tools.bench_serve", "benchmark a daemon end to end through the client library"),
+    "balance": ("engine.balancer.main", "run a balancer in front of daemons or balancers"),
+    "keygen": ("tools.keygen_cmd", "write a CURVE key pair (NAME.key, NAME.key_secret; 0600)"),
 }
 
 
