@@ -391,7 +391,10 @@ class BalancerCore:
             cands = [b for b in cands if b.spec.pool == r.pool] or cands
         fresh = [b for b in cands if not b.stale(now, self.config.health)]
         cands = fresh or cands
-        return [b for b in cands if b.name not in r.tried] or cands
+        cands = [b for b in cands if b.name not in r.tried] or cands
+        if not r.streamed:  # a recovering backend's one probe: a fresh request, retried elsewhere if it fails
+            cands = [b for b in cands if b.health is Health.HALF_OPEN] or cands
+        return cands
 
     def _dispatch(self, r: BRequest, now: float) -> list:
         cands = self.candidates(r, now)
@@ -485,7 +488,7 @@ class BalancerCore:
         self._detach(r)
         self._reqs.pop(r.rid, None)
 
-    def _fail(self, r: BRequest, code: int, reason: str, message: str, retryable: bool) -> list:
+    def _fail(self, r: BRequest, code: int, reason: str, message: str, retryable: bool = False) -> list:
         self.counters["failed"] += 1
         self._drop(r)
         return [FailRequest(r.rid, code, reason, message, retryable)]
