@@ -81,7 +81,7 @@ class Balancer:
                 os.makedirs(os.path.dirname(ep[len("ipc://"):]), mode=0o700, exist_ok=True)
         self.frontend = Frontend(self.ctx, eps, max_message_bytes=self.settings.balancer.max_message_bytes,
                                  max_send_queue=self.settings.balancer.max_send_queue,
-                                 secure=None if self.security is None else self.security.server_socket_options)
+                                 secure=self.security)
         for i, s in enumerate(self.frontend.sockets):
             self._front_socks[s] = i
             self._poller.register(s, zmq.POLLIN)

@@ -31,6 +31,22 @@ class CurveClientKeys:
     server_public: bytes
 
 
+SECRET_KEY_ENV = "NPUSERVE_CURVE_SECRET_KEY"
+SERVER_KEY_ENV = "NPUSERVE_CURVE_SERVER_KEY"
+
+
+def client_keys(secret_key_file: str, server_key_file: str) -> CurveClientKeys:
+    """A client's keys: its own pair (NAME.key_secret) and the server's public key (SERVER.key)."""
+    public, secret = read_key_pair(secret_key_file)
+    return CurveClientKeys(public, secret, read_public_key(server_key_file))
+
+
+def curve_keys_from_env() -> CurveClientKeys | None:
+    """Client keys from $NPUSERVE_CURVE_SECRET_KEY and $NPUSERVE_CURVE_SERVER_KEY (the CLI's way), if both set."""
+    sec, srv = os.environ.get(SECRET_KEY_ENV), os.environ.get(SERVER_KEY_ENV)
+    return client_keys(sec, srv) if sec and srv else None
+
+
 class _NamingAuthenticator(ThreadAuthenticator):
     """The allow-list check is pyzmq's; the User-Id is the key file's name instead of the z85 key."""
 
@@ -79,7 +95,7 @@ class CurveSetup:
             names: dict[bytes, str] = {}
             for path in sorted(glob.glob(os.path.join(client_keys_dir, "*.key"))):
                 name = os.path.basename(path)[:-len(".key")]
-                names[z85.encode(read_public_key(path))] = name
+                names[read_public_key(path)] = name  # load_certificate gives z85 already
                 self._peers[name] = Peer(name, admin=name in self.admins, forwarder=name in self.forwarders)
             self.auth = _NamingAuthenticator(ctx, names)
             self.auth.start()
@@ -104,6 +120,7 @@ class CurveSetup:
             raise ValueError(f"backend {endpoint} has a server_key but security.client_secret_key is not set")
         public, secret = self.client_keys
         return CurveClientKeys(public, secret, read_public_key(server_key_file))
+
 
     def stop(self) -> None:
         if self.auth is not None:

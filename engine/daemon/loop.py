@@ -73,6 +73,7 @@ class Daemon:
         self.ctx: zmq.Context | None = None
         self.links: list[ChipLink] = []
         self.frontend: Frontend | None = None
+        self.security = None  # engine.daemon.curve.CurveSetup when security.server_secret_key is set
         self.scheduler: Scheduler | None = None
         self.supervisor: Supervisor | None = None
         self.liveness = LoopLiveness(cfg.server.loop_stall_ms / 1000.0)
@@ -144,10 +145,19 @@ class Daemon:
         for ep in cfg.server.endpoints:
             if ep.startswith("ipc://"):
                 _remove_stale_socket(ep[len("ipc://"):])
+        if cfg.security.server_secret_key:
+            from engine.daemon.curve import CurveSetup
+
+            try:
+                self.security = CurveSetup(self.ctx, server_secret_key=cfg.security.server_secret_key,
+                                           client_keys_dir=cfg.security.client_keys_dir,
+                                           admins=cfg.security.admins, forwarders=cfg.security.forwarders)
+            except ValueError as e:
+                raise StartupError(f"security: {e}") from None
         try:
             self.frontend = Frontend(self.ctx, list(cfg.server.endpoints),
                                      max_message_bytes=cfg.server.max_message_bytes,
-                                     max_send_queue=cfg.server.max_send_queue)
+                                     max_send_queue=cfg.server.max_send_queue, secure=self.security)
         except zmq.ZMQError as e:
             raise StartupError(f"cannot listen on {', '.join(cfg.server.endpoints)}: {e}") from None
         for i, s in enumerate(self.frontend.sockets):
@@ -485,6 +495,9 @@ class Daemon:
             os.close(self._sig_r)
             os.close(self._sig_w)
             self._sig_r = self._sig_w = -1
+        if self.security is not None:
+            self.security.stop()
+            self.security = None
         if self.ctx is not None:
             for ep in self.cfg.server.endpoints:
                 if ep.startswith("ipc://"):

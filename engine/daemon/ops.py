@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.actions import Action
 from engine.core.requests import GenerateParams
+from engine.daemon.auth import is_admin, tenant_for
 
 if TYPE_CHECKING:
     from engine.daemon.frontend import Conn
@@ -45,6 +46,7 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
         if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False))):
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
+        msg["tenant"] = tenant_for(conn, msg["tenant"])
         return d.scheduler.submit(rid, params_from(msg), now)
     if op == "cancel":
         rid = fe.lookup(conn, cid)
@@ -59,8 +61,12 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
         fe.reply(conn, cid, "models", {"models": [d.model_info()]})
         return []
     if op in ("drain", "resume"):
-        if not conn.local:
-            fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (an ipc:// endpoint)")
+        if not is_admin(conn):
+            fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc://, or an admin key)")
+            return []
+        if msg.get("backend") is not None:
+            fe.error(conn, cid, 404, "backend_not_found", f"{op}: a board daemon has no backends; "
+                                                          "send it without `backend`")
             return []
         d.set_accepting(op == "resume")
         fe.reply(conn, cid, op, {"accepting": d.accepting})
