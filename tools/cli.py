@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-backend": ("tools.bench_backend", "benchmark a chip backend in-process and through a worker"),
     "bench-serve": ("tools.bench_serve", "benchmark a daemon end to end through the client library"),
     "balance": ("engine.balancer.main", "run a balancer in front of daemons or balancers"),
+    "bench-balancer": ("tools.bench_balancer", "benchmark a balancer against direct daemon access"),
     "keygen": ("tools.keygen_cmd", "write a CURVE key pair (NAME.key, NAME.key_secret; 0600)"),
 }
 
