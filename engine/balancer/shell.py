@@ -29,6 +29,7 @@ from engine.balancer.core import BalancerCore
 from engine.balancer.settings import BalancerSettings
 from engine.balancer.upstream import UpstreamLink
 from engine.config import ConfigError
+from engine.daemon.auth import visible_stats
 from engine.daemon.frontend import Frontend
 from engine.daemon.log import log
 from ipc.codec import ProtocolError, decode_event
@@ -227,7 +228,7 @@ class Balancer:
                 fe.fail(a.request_id, a.code, a.reason, a.message, a.retryable)
             elif t is Reply:
                 conn, cid = a.token
-                fe.reply(conn, cid, a.ev, a.body)
+                fe.reply(conn, cid, a.ev, visible_stats(conn, a.body) if a.ev == "stats" else a.body)
             elif t is ReplyError:
                 conn, cid = a.token
                 fe.error(conn, cid, a.code, a.reason, a.message, a.retryable)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import zmq
@@ -43,3 +43,24 @@ def tenant_for(conn: "Conn", requested: str) -> str:
 def is_admin(conn: "Conn") -> bool:
     peer = getattr(conn, "peer", None)
     return bool(conn.local or (peer is not None and peer.admin))
+
+
+# Stats keys that name tenants; a tenant's key sees only its own entry in them.
+TENANT_KEYED_STATS = ("tenant_active", "tenant_service_tokens")
+
+
+def visible_stats(conn: "Conn", body: Any) -> Any:
+    """What a connection may see of a stats tree: other tenants' entries are removed for a tenant key."""
+    peer = getattr(conn, "peer", None)
+    if peer is None or peer.admin or peer.forwarder:
+        return body
+    return _only_tenant(body, peer.name)
+
+
+def _only_tenant(x: Any, tenant: str) -> Any:
+    if isinstance(x, dict):
+        return {k: ({t: v for t, v in x[k].items() if t == tenant} if k in TENANT_KEYED_STATS and isinstance(v, dict)
+                    else _only_tenant(v, tenant)) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_only_tenant(v, tenant) for v in x]
+    return x

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.actions import Action
 from engine.core.requests import GenerateParams
-from engine.daemon.auth import is_admin, tenant_for
+from engine.daemon.auth import is_admin, tenant_for, visible_stats
 
 if TYPE_CHECKING:
     from engine.daemon.frontend import Conn
@@ -55,7 +55,7 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
         fe.reply(conn, cid, "health", d.health(now))
         return []
     if op == "stats":
-        fe.reply(conn, cid, "stats", jsonable(d.stats(now)))
+        fe.reply(conn, cid, "stats", visible_stats(conn, jsonable(d.stats(now))))
         return []
     if op == "models":
         fe.reply(conn, cid, "models", {"models": [d.model_info()]})

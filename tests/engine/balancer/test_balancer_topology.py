@@ -118,6 +118,8 @@ def test_two_level_balancers_with_curve(daemon, balancer, keys):
     assert total["scheduler"]["counters"]["cancelled"] >= 1
     assert "alice" in total["scheduler"]["tenant_service_tokens"]
     assert "bob" not in total["scheduler"]["tenant_service_tokens"]
+    with l2.client(timeout=10, curve=as_["bob"]) as c:  # bob sees no other tenant in the stats
+        assert c.stats()["total"]["scheduler"]["tenant_service_tokens"] == {}
     with l2.client(timeout=10, curve=as_["ops"]) as c:
         assert c.call("drain", backend=l1[0].endpoint) == {"backend": l1[0].endpoint, "drained": True}
         for _ in range(3):
