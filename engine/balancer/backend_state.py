@@ -143,4 +143,5 @@ class Backend:
             "stale": self.stale(now, policy),
             "heartbeat_age_s": None if self.last_reply is None else round(now - self.last_reply, 3),
             "model": None if model is None else model.get("alias"),
+            "reported_load": self.reported.get("load"),
         }

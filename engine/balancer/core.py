@@ -556,6 +556,7 @@ class BalancerCore:
             "backends_total": len([b for b in self.backends.values() if not b.removed]),
             "active_requests": len(self._reqs) + sum(b.others_load for b in routable),
             "model": model,
+            "load": _sum_load([b.reported.get("load") for b in routable]),
             "balancer": {"policy": self.config.routing.policy.value,
                          "imbalanced": bool(len(cands) > 1 and imbalanced(cands, self.config.routing)),
                          "backends": snaps},
@@ -574,6 +575,15 @@ def _body(ev: dict) -> dict:
 def _alias(b: Backend) -> str | None:
     m = b.reported.get("model")
     return m.get("alias") if isinstance(m, dict) else None
+
+
+def _sum_load(loads: list) -> dict:
+    """The backends' heartbeat load figures as one: queue and running summed, KV use averaged."""
+    loads = [x for x in loads if isinstance(x, dict)]
+    kv = [x["kv_used"] for x in loads if isinstance(x.get("kv_used"), (int, float))]
+    return {"waiting": sum(int(x.get("waiting") or 0) for x in loads),
+            "running": sum(int(x.get("running") or 0) for x in loads),
+            "kv_used": round(sum(kv) / len(kv), 4) if kv else None}
 
 
 def _own_total(body: dict) -> dict:

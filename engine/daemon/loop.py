@@ -28,6 +28,7 @@ from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon import ops
 from engine.daemon.frontend import Frontend
 from engine.daemon.liveness import LoopLiveness
+from engine.daemon.load_report import load_report
 from engine.daemon.log import log
 from engine.daemon.supervisor import ChipState, Decision, Supervisor
 from ipc.records import Job
@@ -435,6 +436,7 @@ class Daemon:
             "pid": os.getpid(),
             "uptime_s": round(now - self.started_at, 3),
             "active_requests": self.frontend.active(),
+            "load": load_report(self.scheduler.stats()),
         }
 
     def stats(self, now: float) -> dict:

@@ -21,7 +21,7 @@ def gen(prompt=(1, 2, 3), **kw) -> dict:
 
 def health_body(active=0, accepting=True, chips=1, alias="tiny"):
     return {"ok": accepting, "accepting": accepting, "chips_up": chips, "active_requests": active,
-            "model": {"alias": alias}}
+            "model": {"alias": alias}, "load": {"waiting": active, "running": 0, "kv_used": 0.25}}
 
 
 def make(policy=Policy.ROUND_ROBIN, names=(A, B), now=0.0, **kw) -> BalancerCore:
@@ -85,6 +85,18 @@ def test_missed_heartbeats_take_a_backend_out_after_three_intervals_and_it_comes
     assert probe.backend == A
     core.on_event(A, tokens(probe.msg["id"], [5]), 4.4)
     assert core.backends[A].health is Health.UP
+
+
+def test_health_aggregates_the_backends_and_says_which_are_out():
+    core = make(names=(A, B, C))
+    beat(core, 1.0, only={A, C}, active=2)
+    beat(core, 2.0, only={A, C}, active=2)
+    beat(core, 3.5, only={A, C}, active=2)
+    h = core.health(3.5)
+    assert (h["ok"], h["backends_up"], h["backends_total"], h["chips_up"]) == (True, 2, 3, 2)
+    assert h["load"] == {"waiting": 4, "running": 0, "kv_used": 0.25} and h["active_requests"] == 4
+    (out,) = [b for b in h["balancer"]["backends"] if b["state"] == "out"]
+    assert out["endpoint"] == B and "missed heartbeats" in out["reason"]
 
 
 def test_stale_load_figure_counts_as_saturated():
