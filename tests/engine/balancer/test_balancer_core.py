@@ -302,3 +302,17 @@ def test_shutdown_ends_every_request_once_and_cancels_upstream():
     out = core.shutdown(0.2)
     assert [type(a) for a in out] == [SendUpstream, FailRequest] and out[1].code == 503
     assert core.submit(2, gen(), 0.3)[0].reason == "draining"
+
+
+def test_the_shells_fast_tokens_check_passes_only_well_formed_events():
+    import orjson
+
+    from engine.balancer.shell import _tokens_fast
+
+    ok = {"v": 1, "ev": "tokens", "id": "g1", "tokens": [1, 2]}
+    assert _tokens_fast(orjson.dumps(ok)) == ok
+    for bad in ({**ok, "tokens": []}, {**ok, "tokens": [True]}, {**ok, "tokens": [-1]}, {**ok, "tokens": ["1"]},
+                {**ok, "tokens": [1 << 31]}, {**ok, "id": None}, {**ok, "v": 2}, {**ok, "logprobs": [0.0, 0.0]},
+                {**ok, "ev": "done"}, [1]):
+        assert _tokens_fast(orjson.dumps(bad)) is None, bad  # these go through the full decode_event check
+    assert _tokens_fast(b"{nope") is None
