@@ -207,11 +207,7 @@ class Balancer:
             return ops.handle(self, conn, msg, now)
         except Exception as e:
             log("request_failed", op=msg.get("op"), error=repr(e), traceback=traceback.format_exc())
-            rid = self.frontend.lookup(conn, msg["id"])
-            if rid is not None:
-                self.frontend.fail(rid, 500, "internal", f"internal error: {type(e).__name__}", False)
-            else:
-                self.frontend.error(conn, msg["id"], 500, "internal", f"internal error: {type(e).__name__}")
+            self.frontend.internal_error(conn, msg["id"], e)
             return []
 
     def _apply(self, actions: list, now: float) -> None:

@@ -222,6 +222,15 @@ class Frontend:
               retryable: bool = False) -> None:
         self.send(conn, error_event(cid, code, reason, message, retryable))
 
+    def internal_error(self, conn: Conn, cid: str, exc: BaseException) -> None:
+        """A request that tripped a bug gets its 500 (as its terminal event if it was opened)."""
+        message = f"internal error: {type(exc).__name__}"
+        rid = self.lookup(conn, cid)
+        if rid is not None:
+            self.fail(rid, 500, "internal", message, False)
+        else:
+            self.error(conn, cid, 500, "internal", message)
+
     def flush(self) -> list[int]:
         """Send this turn's coalesced tokens; return request ids of clients found dead (to cancel)."""
         if self._blocked:

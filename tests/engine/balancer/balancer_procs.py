@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, DaemonProc
 
 START_TIMEOUT_S = 60.0
 
@@ -27,32 +27,10 @@ def tcp_endpoint() -> str:
 
 
 @dataclass
-class BalancerProc:
-    proc: subprocess.Popen
-    endpoint: str
-    log_path: str
+class BalancerProc(DaemonProc):
+    """A balancer process: the daemon's process helpers (client, log, stop) plus its config file."""
+
     config_path: str | None = None
-    expect_exit: int | None = 0
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def client(self, **kw):
-        from engine.client import Client
-
-        return Client(self.endpoint, **kw)
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as fh:
-                return fh.read()
-        except FileNotFoundError:
-            return ""
-
-    def health(self, timeout: float = 5.0, **kw) -> dict:
-        with self.client(timeout=timeout, **kw) as c:
-            return c.health()
 
     def wait_backends_up(self, n: int, timeout: float = 30.0, **kw) -> dict:
         deadline = time.monotonic() + timeout
@@ -61,23 +39,14 @@ class BalancerProc:
             if self.proc.poll() is not None:
                 raise AssertionError(f"balancer exited {self.proc.returncode}:\n{self.log()[-3000:]}")
             try:
-                h = self.health(timeout=1.0, **kw)
+                with self.client(timeout=1.0, **kw) as c:
+                    h = c.health()
                 if h.get("backends_up", 0) >= n:
                     return h
             except Exception:
                 pass
             time.sleep(0.1)
         raise AssertionError(f"balancer has not {n} backends up within {timeout} s: {h}\n{self.log()[-3000:]}")
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"balancer did not exit within {timeout} s\n{self.log()[-3000:]}")
 
 
 def write_config(path: str, *, endpoint: str, backends: list[str] | list[dict], policy: str = "round-robin",
@@ -109,7 +78,7 @@ def balancer(short_dir):
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "engine.balancer.main", "--config", cfg], cwd=ROOT,
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        b = BalancerProc(proc, endpoint, log_path, cfg)
+        b = BalancerProc(proc, endpoint, short_dir, log_path, config_path=cfg)
         started.append(b)
         b.wait_backends_up(len(backends) if wait_up is None else wait_up, **(health_kw or {}))
         return b
