@@ -7,8 +7,8 @@ balancers in front of them, then reports side by side:
   and through a balancer whose only backend is daemon 0 (P50/P99 of each and
   the difference; target <= 0.5 ms at P50);
 * throughput: streamed stub tokens/s at `--concurrency`, direct (clients split
-  evenly over the daemons) against through one balancer over all of them
-  (target >= 0.9x);
+  evenly over the daemons) against through one balancer over all of them,
+  `--rounds` runs per side in ABBA order (target >= 0.9x);
 * routing: a shared-prefix workload per policy (round-robin, least-load,
   prefix) on fresh prefixes, with the daemon-side prefix hit rate and TTFT.
 
@@ -45,6 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=256, help="throughput requests per side")
     p.add_argument("--gen-tokens", type=int, default=256)
     p.add_argument("--clients", type=int, default=2, help="client processes for the throughput runs")
+    p.add_argument("--rounds", type=int, default=2, help="throughput runs per side, in ABBA order")
     p.add_argument("--prefix-requests", type=int, default=60)
     p.add_argument("--json", action="store_true")
     p.add_argument("--_client", help=argparse.SUPPRESS)
@@ -233,10 +234,18 @@ def _throughput(a: argparse.Namespace, daemons: list[str], via: str) -> dict:
     reqs = [{"prompt": [rng.randrange(1, 250) for _ in range(32)], "max_tokens": a.gen_tokens, "seed": i}
             for i in range(a.requests)]
     k = max(1, a.clients)
-    direct = _summary(_load([daemons for _ in range(k)], a.concurrency, reqs))
-    through = _summary(_load([[via] for _ in range(k)], a.concurrency, reqs))
-    return {"direct": direct, "via": through,
-            "ratio": round(through["tokens_per_s"] / max(direct["tokens_per_s"], 1e-9), 3)}
+    sides = {"direct": [daemons for _ in range(k)], "via": [[via] for _ in range(k)]}
+    runs: dict[str, list[dict]] = {"direct": [], "via": []}
+    for r in range(a.rounds):  # ABBA order: a drift in the machine's load hits both sides alike
+        for side in ("direct", "via") if r % 2 == 0 else ("via", "direct"):
+            runs[side].append(_summary(_load(sides[side], a.concurrency, reqs)))
+    out = {}
+    for side, rs in runs.items():
+        out[side] = {"tokens_per_s": round(sum(x["tokens_per_s"] for x in rs) / len(rs), 1),
+                     "errors": sum(x["errors"] for x in rs), "runs_tokens_per_s": [x["tokens_per_s"] for x in rs],
+                     "ttft_p50_ms": _pct([x["ttft_p50_ms"] for x in rs], 0.5)}
+    out["ratio"] = round(out["via"]["tokens_per_s"] / max(out["direct"]["tokens_per_s"], 1e-9), 3)
+    return out
 
 
 def _routing(a: argparse.Namespace, procs: _Procs, daemons: list[str]) -> dict:
@@ -305,7 +314,8 @@ def main(argv: list[str]) -> int:
     verdict = "met" if thr["ratio"] >= TARGET_RATIO else "MISSED"
     print(f"{'throughput (stub tokens/s)':<28} {d['tokens_per_s']:>10} {v['tokens_per_s']:>13} "
           f"{thr['ratio']:>7}x   >= {TARGET_RATIO}x ({verdict})")
-    print(f"  concurrency {a.concurrency}, {a.requests} requests x {a.gen_tokens} tokens per side; "
+    print(f"  concurrency {a.concurrency}, {a.requests} requests x {a.gen_tokens} tokens per run, {a.rounds} runs "
+          f"per side (ABBA), mean of runs; runs: direct {d['runs_tokens_per_s']}, via {v['runs_tokens_per_s']}; "
           f"errors {d['errors']} / {v['errors']}")
     print(f"{'shared-prefix workload':<28} {'hit rate':>10} {'TTFT P50':>10} {'TTFT P99':>10}")
     for pol, s in res["routing"].items():
