@@ -30,7 +30,7 @@ from engine.balancer.actions import (CloseBackend, EmitTokens, FailRequest, Fini
                                      SendUpstream)
 from engine.balancer.backend_state import Backend, BackendSpec, Health, HealthPolicy
 from engine.balancer.prefix_index import PrefixIndex, block_hashes
-from engine.balancer.routing import Policy, RoutingPolicy, choose, imbalanced
+from engine.balancer.routing import RoutingPolicy, choose, imbalanced
 from engine.balancer.stats_merge import merge_stats
 
 PROTOCOL_VERSION = 1
@@ -228,8 +228,6 @@ class BalancerCore:
             del self._fanouts[uid]
             name = fo.pending.pop(uid)
             fo.results[name] = _body(ev) if ev["ev"] != "error" else {"error": ev.get("message", "")}
-            for u in fo.pending:
-                self._fanouts[u] = fo
             if not fo.pending:
                 return [self._complete_fanout(fo, now)]
             return []

@@ -18,6 +18,7 @@ import random
 import signal
 import time
 import traceback
+from dataclasses import replace
 from typing import Callable
 
 import orjson
@@ -40,8 +41,7 @@ EXIT_INTERNAL = 4
 
 
 class Balancer:
-    def __init__(self, settings: BalancerSettings, *, config_path: str | None = None,
-                 reload: Callable[[], BalancerSettings] | None = None,
+    def __init__(self, settings: BalancerSettings, *, reload: Callable[[], BalancerSettings] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.reload_settings = reload
@@ -136,7 +136,7 @@ class Balancer:
         except ConfigError as e:
             log("reload_failed", errors=e.errors)
             return
-        self.settings = BalancerSettingsMerge.keep_frontend(self.settings, new)
+        self.settings = _keep_listening_side(self.settings, new)
         actions = self.core.set_backends(new.backend_specs(), now)
         log("reloaded", backends=[b.endpoint for b in new.backends])
         self._apply(actions, now)
@@ -284,13 +284,9 @@ class Balancer:
             self.ctx = None
 
 
-class BalancerSettingsMerge:
-    @staticmethod
-    def keep_frontend(old: BalancerSettings, new: BalancerSettings) -> BalancerSettings:
-        """A reload changes backends (and their keys); the listening side stays as started."""
-        from dataclasses import replace
-
-        return replace(new, balancer=old.balancer, security=old.security)
+def _keep_listening_side(old: BalancerSettings, new: BalancerSettings) -> BalancerSettings:
+    """A reload changes the backends (and their keys); the listening side stays as started."""
+    return replace(new, balancer=old.balancer, security=old.security)
 
 
 def _tokens_fast(data: bytes) -> dict | None:

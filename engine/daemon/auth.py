@@ -13,7 +13,6 @@ clients' `tenant` on. Without CURVE, tcp:// peers are anonymous: their
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
