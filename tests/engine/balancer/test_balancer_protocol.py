@@ -61,3 +61,17 @@ def test_vanished_client_is_cancelled_upstream_and_a_restarted_balancer_serves_a
     b2 = balancer(backends=[e], endpoint=b.endpoint)
     with b2.client(timeout=10) as c:
         assert c.generate([3, 4], max_tokens=3).finish_reason == "length"
+
+
+def test_a_429_from_one_daemon_is_retried_on_another(daemon, balancer):
+    d1, e1 = tcp_daemon(daemon, settings={"admission.max_waiting_requests": 0})  # rejects everything: 429
+    d2, e2 = tcp_daemon(daemon)
+    b = balancer(backends=[e1, e2], policy="round-robin")
+    with b.client(timeout=10) as c:
+        for i in range(6):
+            assert c.generate([i + 1, 2], max_tokens=3).finish_reason == "length"
+        st = c.stats()
+    with d1.client(timeout=5) as dc:
+        rejected = dc.stats()["scheduler"]["counters"].get("rejected", 0)
+    assert rejected >= 1 and st["balancer"]["counters"]["retries"] == rejected
+    assert st["backends"][e2]["frontend"]["requests"] == 6
