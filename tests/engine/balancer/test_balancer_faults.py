@@ -96,3 +96,23 @@ def test_sigstop_of_a_daemon_takes_it_out_migrates_and_sigcont_puts_it_back(daem
         for i in range(3):
             c.generate([1, 2], max_tokens=2)
     assert backend_state(b, e2)["state"] == "up"
+
+
+def test_sigterm_of_a_daemon_mid_stream_migrates_its_streams(daemon, balancer):
+    opts = {"decode_base_ms": 5.0}
+    (d1, e1), (d2, e2) = (tcp_daemon(daemon, backend="sim", backend_options=opts) for _ in range(2))
+    b = balancer(backends=[e1, e2], policy="round-robin")
+    msgs = [gen_msg(f"t{i}", [8, 9], max_tokens=250, seed=50 + i, ignore_eos=True) for i in range(4)]
+    seen = {}
+
+    def stop_when_streaming(events, sock):
+        if "rc" not in seen and all(len(streamed_tokens(events.get(m["id"], []))) >= 5 for m in msgs):
+            assert backend_state(b, e2)["inflight"] > 0
+            seen["rc"] = d2.stop()  # SIGTERM: its streams end with 503 shutdown, retryable
+
+    got = run_streams(b.endpoint, msgs, on_progress=stop_when_streaming)
+    assert seen["rc"] == 0
+    expected = run_streams(d1.endpoint, [dict(m, id="x" + m["id"]) for m in msgs])
+    check_streams(got, {m["id"]: expected["x" + m["id"]] for m in msgs})
+    with b.client(timeout=10) as c:
+        assert c.stats()["balancer"]["counters"]["migrations"] >= 1
