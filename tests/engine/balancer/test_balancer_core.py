@@ -316,3 +316,22 @@ def test_the_shells_fast_tokens_check_passes_only_well_formed_events():
                 {**ok, "ev": "done"}, [1]):
         assert _tokens_fast(orjson.dumps(bad)) is None, bad  # these go through the full decode_event check
     assert _tokens_fast(b"{nope") is None
+
+
+def test_block_hashes_chain_over_the_prefix_and_the_index_is_a_bounded_lru():
+    from engine.balancer.prefix_index import PrefixIndex, block_hashes, text_block_hashes
+
+    a = block_hashes(list(range(10)), 4)
+    assert len(a) == 2  # the partial last block is not named
+    assert block_hashes([0, 1, 2, 3, 9, 9, 9, 9], 4)[0] == a[0] and block_hashes([0, 1, 2, 3, 9, 9, 9, 9], 4)[1] != a[1]
+    assert block_hashes([7, 7, 7, 7, 4, 5, 6, 7], 4)[1] != a[1]  # same block after a different prefix
+    t = text_block_hashes("abcdefgh", 4)
+    assert len(t) == 2 and text_block_hashes("abcdxxxx", 4)[0] == t[0]
+    idx = PrefixIndex(capacity_blocks=3)
+    idx.record("x", a)
+    assert idx.matched("x", a) == 2 and idx.matched("y", a) == 0
+    other = block_hashes(list(range(100, 108)), 4)
+    idx.record("x", other)  # 4 blocks into 3 slots: the oldest (a[0]) goes, and with it the prefix match
+    assert idx.matched("x", a) == 0 and idx.matched("x", other) == 2 and idx.size("x") == 3
+    idx.forget("x")
+    assert idx.matched("x", other) == 0

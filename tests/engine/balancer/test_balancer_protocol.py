@@ -10,7 +10,7 @@ import zmq
 from balancer_procs import balancer, tcp_daemon  # noqa: F401  (fixture)
 
 from engine.client import open_dealer
-from engine.errors import Forbidden, InvalidRequest
+from engine.errors import Forbidden, InvalidRequest, ModelNotFound
 from ipc.codec import decode_event, encode
 
 pytestmark = pytest.mark.integration
@@ -38,6 +38,9 @@ def test_balancer_speaks_the_daemon_protocol(daemon, balancer):
         assert info.value.reason == "duplicate_id"
         assert sum(len(x) for x in s1) == 3
         assert c.generate([5], max_tokens=2).finish_reason == "length"
+    with d.client(timeout=10) as dc, pytest.raises(ModelNotFound) as info:  # ipc://: admin, but no backends
+        dc.call("drain", backend=e)
+    assert info.value.reason == "backend_not_found"
 
 
 def test_vanished_client_is_cancelled_upstream_and_a_restarted_balancer_serves_at_once(daemon, balancer):
