@@ -548,7 +548,6 @@ class BalancerCore:
         return {
             "ok": bool(routable) and self.accepting,
             "accepting": self.accepting,
-            "loop_ok": True,
             "chips_up": sum(b.chips_up for b in routable),
             "backends_up": len(routable),
             "backends_total": len([b for b in self.backends.values() if not b.removed]),
