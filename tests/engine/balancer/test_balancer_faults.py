@@ -70,10 +70,10 @@ def test_kill_9_of_a_daemon_under_load_migrates_streams_exactly(daemon, balancer
 
 
 def test_sigstop_of_a_daemon_takes_it_out_migrates_and_sigcont_puts_it_back(daemon, balancer):
-    opts = {"decode_base_ms": 15.0}
+    opts = {"decode_base_ms": 5.0}
     (d1, e1), (d2, e2) = (tcp_daemon(daemon, backend="sim", backend_options=opts) for _ in range(2))
     b = balancer(backends=[e1, e2], policy="round-robin")
-    msgs = [gen_msg(f"s{i}", [5, 6, 7], max_tokens=300, seed=i, ignore_eos=True) for i in range(4)]
+    msgs = [gen_msg(f"s{i}", [5, 6, 7], max_tokens=200, seed=i, ignore_eos=True) for i in range(4)]
     seen: dict = {}
 
     def stop_when_streaming(events, sock):
