@@ -200,6 +200,7 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "logprobs": (_bool, False),
         "stream": (_bool, True),
         "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
+        "pool": (_nullable(_name), None),  # balancers: the backend pool to route to (daemons ignore it)
     },
     "cancel": {},
     "health": {},

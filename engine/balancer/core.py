@@ -163,7 +163,8 @@ class BalancerCore:
             self.counters["rejected_draining"] += 1
             return [FailRequest(rid, 503, "draining", "the balancer is draining; retry elsewhere", True)]
         dl = msg.get("deadline_ms")
-        r = BRequest(rid, msg, now, None if dl is None else now + dl / 1000.0, self._pool_for(msg["priority"]),
+        pool = msg.get("pool") or self._pool_for(msg["priority"])
+        r = BRequest(rid, msg, now, None if dl is None else now + dl / 1000.0, pool,
                      block_hashes(msg["prompt"], self.config.routing.block_size))
         self._reqs[rid] = r
         return self._dispatch(r, now)

@@ -275,6 +275,8 @@ def test_pools_by_priority():
     beat(core, 0.0)
     assert {sends(core.submit(i, gen(priority=60), 0.1))[0].backend for i in range(3)} == {A}
     assert {sends(core.submit(i, gen(priority=0), 0.1))[0].backend for i in range(3, 6)} == {B}
+    assert {sends(core.submit(i, gen(priority=0, pool="low-latency"), 0.1))[0].backend for i in range(6, 9)} == {A}
+    assert sends(core.submit(9, gen(pool="no-such-pool"), 0.1))  # an empty pool falls back to any backend
 
 
 def test_stats_fan_out_and_aggregate():
