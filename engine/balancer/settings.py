@@ -175,6 +175,9 @@ def load_settings(path: str | None, *, endpoints: list[str] | None = None, backe
         errors.append("balancer.endpoints: at least one endpoint to listen on (or --endpoint)")
     if not s.backends:
         errors.append("backends: at least one [[backends]] entry (or --backends)")
+    if any(b.server_key and b.endpoint.startswith("tcp://") for b in s.backends) and not s.security.client_secret_key:
+        errors.append("security.client_secret_key: required when a backend has a server_key (the key pair this "
+                      "balancer presents to CURVE backends)")
     if len({b.endpoint for b in s.backends}) != len(s.backends):
         errors.append("backends: an endpoint is listed twice")
     if errors:

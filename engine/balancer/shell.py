@@ -133,8 +133,14 @@ class Balancer:
             return
         try:
             new = self.reload_settings()
+            if self.security is not None:  # unreadable backend keys fail the reload, not the balancer
+                for b in new.backends:
+                    self.security.client_keys_for(b.server_key, b.endpoint)
         except ConfigError as e:
             log("reload_failed", errors=e.errors)
+            return
+        except ValueError as e:
+            log("reload_failed", errors=[str(e)])
             return
         self.settings = _keep_listening_side(self.settings, new)
         actions = self.core.set_backends(new.backend_specs(), now)

@@ -51,6 +51,17 @@ def test_sighup_reload_swaps_backends_without_dropping_streams(daemon, balancer,
     opts = {"decode_base_ms": 5.0}
     (d1, e1), (d2, e2) = (tcp_daemon(daemon, backend="sim", backend_options=opts) for _ in range(2))
     b = balancer(backends=[e1])
+    good = open(b.config_path).read()
+    with open(b.config_path, "a") as fh:
+        fh.write("nonsense_key = 1\n")
+    b.proc.send_signal(signal.SIGHUP)  # a broken file: logged, the running configuration stays
+    deadline = time.monotonic() + 10
+    while "reload_failed" not in b.log():
+        assert time.monotonic() < deadline and b.proc.poll() is None, b.log()[-2000:]
+        time.sleep(0.05)
+    assert [x["endpoint"] for x in b.health()["balancer"]["backends"]] == [e1]
+    with open(b.config_path, "w") as fh:
+        fh.write(good)
     msgs = [gen_msg(f"h{i}", [4, 5, 6], max_tokens=200, seed=i, ignore_eos=True) for i in range(3)]
     seen = {}
 

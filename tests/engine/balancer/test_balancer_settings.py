@@ -18,6 +18,7 @@ policy = "least-load"
 heartbeat_interval_ms = 500
 [security]
 server_secret_key = "keys/b.key_secret"
+client_secret_key = "keys/c.key_secret"
 [[pools]]
 name = "fast"
 min_priority = 50
@@ -60,6 +61,8 @@ def test_a_good_file_and_flags_over_it(tmp_path):
     ('[balancer]\nendpoints = ["tcp://h:1"]\n[retry]\nmax_retries = -1\n[[backends]]\nendpoint = "tcp://h:2"',
      "retry.max_retries"),
     ("[nope]", "unknown section"),
+    ('[balancer]\nendpoints = ["tcp://h:1"]\n[[backends]]\nendpoint = "tcp://h:2"\nserver_key = "/k/d.key"',
+     "security.client_secret_key: required"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, expect):
     p = tmp_path / "b.toml"
