@@ -398,6 +398,11 @@ class BalancerCore:
     def _dispatch(self, r: BRequest, now: float) -> list:
         cands = self.candidates(r, now)
         if not cands:
+            model = r.msg.get("model")
+            aliases = {_alias(b) for b in self.backends.values() if not b.removed} - {None}
+            if model is not None and aliases and model not in aliases and not r.streamed:
+                return self._fail(r, 404, "model_not_found", f"model {model!r} is not served by any backend "
+                                                             f"(served: {', '.join(sorted(aliases))})")
             if r.waiting_since is None:
                 r.waiting_since = now
             limit = r.deadline if r.deadline is not None else r.waiting_since + self.config.no_backend_wait_s

@@ -337,3 +337,14 @@ def test_block_hashes_chain_over_the_prefix_and_the_index_is_a_bounded_lru():
     assert idx.matched("x", a) == 0 and idx.matched("x", other) == 2 and idx.size("x") == 3
     idx.forget("x")
     assert idx.matched("x", other) == 0
+
+
+def test_a_model_no_backend_serves_is_404_at_once_and_a_served_one_is_routed_to_its_boards():
+    core = BalancerCore(CoreConfig(), [BackendSpec(A), BackendSpec(B)], 0.0)
+    out = core.tick(0.0)
+    for a in out:
+        alias = "big" if a.backend == A else "tiny"
+        core.on_event(a.backend, {"v": 1, "ev": "health", "id": a.msg["id"], **health_body(alias=alias)}, 0.0)
+    (f,) = core.submit(1, gen(model="nope"), 0.1)
+    assert (f.code, f.reason) == (404, "model_not_found") and "big, tiny" in f.message
+    assert {sends(core.submit(i, gen(model="big"), 0.1))[0].backend for i in range(2, 5)} == {A}

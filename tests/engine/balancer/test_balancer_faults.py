@@ -95,6 +95,7 @@ def test_sigstop_of_a_daemon_takes_it_out_migrates_and_sigcont_puts_it_back(daem
     with b.client(timeout=30) as c:
         for i in range(3):
             c.generate([1, 2], max_tokens=2)
+        assert c.stats()["balancer"]["counters"]["migrations"] >= 1
     assert backend_state(b, e2)["state"] == "up"
 
 
