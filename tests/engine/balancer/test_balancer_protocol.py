@@ -3,6 +3,8 @@ clients (cancelled upstream), and a restarted balancer serves at once."""
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 
 import pytest
@@ -10,7 +12,7 @@ import zmq
 from balancer_procs import balancer, tcp_daemon  # noqa: F401  (fixture)
 
 from engine.client import open_dealer
-from engine.errors import Forbidden, InvalidRequest, ModelNotFound
+from engine.errors import Forbidden, InvalidRequest, ModelNotFound, Unavailable
 from ipc.codec import decode_event, encode
 
 pytestmark = pytest.mark.integration
@@ -78,3 +80,17 @@ def test_a_429_from_one_daemon_is_retried_on_another(daemon, balancer):
         rejected = dc.stats()["scheduler"]["counters"].get("rejected", 0)
     assert rejected >= 1 and st["balancer"]["counters"]["retries"] == rejected
     assert st["backends"][e2]["frontend"]["requests"] == 6
+
+
+def test_drain_and_resume_over_ipc(daemon, balancer, short_dir):
+    d, e = tcp_daemon(daemon)
+    b = balancer(backends=[e], endpoint=f"ipc://{short_dir}/bal.sock")
+    assert stat.S_IMODE(os.stat(f"{short_dir}/bal.sock").st_mode) == 0o600
+    with b.client(timeout=10) as c:  # ipc:// is an admin connection
+        assert c.call("drain") == {"accepting": False}
+        with pytest.raises(Unavailable) as info:
+            c.generate([1], max_tokens=1)
+        assert info.value.reason == "draining" and info.value.retryable
+        assert c.health()["ok"] is False
+        assert c.call("resume") == {"accepting": True}
+        assert c.generate([1], max_tokens=1).finish_reason == "length"
