@@ -47,6 +47,16 @@ def curve_keys_from_env() -> CurveClientKeys | None:
     return client_keys(sec, srv) if sec and srv else None
 
 
+class _AllowList:
+    """pyzmq's credentials-provider interface: is this (z85) client key on the list?"""
+
+    def __init__(self, names: dict[bytes, str]) -> None:
+        self.names = names
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.names
+
+
 class _NamingAuthenticator(ThreadAuthenticator):
     """The allow-list check is pyzmq's; the User-Id is the key file's name instead of the z85 key."""
 
@@ -99,7 +109,8 @@ class CurveSetup:
                 self._peers[name] = Peer(name, admin=name in self.admins, forwarder=name in self.forwarders)
             self.auth = _NamingAuthenticator(ctx, names)
             self.auth.start()
-            self.auth.configure_curve(domain="*", location=client_keys_dir)
+            # The allow-list is exactly the keys named above (one read of the directory).
+            self.auth.configure_curve_callback(domain="*", credentials_provider=_AllowList(names))
 
     def server_socket_options(self, sock: zmq.Socket, endpoint: str) -> bool:
         """Make `sock` a CURVE server if it will listen on tcp://; True when it did."""
