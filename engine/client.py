@@ -27,7 +27,7 @@ DEFAULT_ENDPOINT_ENV = "NPUSERVE_ENDPOINT"
 # The generate fields a caller may set (DESIGN §4); anything else is a typo.
 SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
-    "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation",
+    "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "pool",
 })
 
 # How long the receiving thread holds the socket lock per poll while other
@@ -86,16 +86,26 @@ def build_cancel(rid: str) -> dict:
     return {"v": PROTOCOL_VERSION, "op": "cancel", "id": rid}
 
 
-def open_dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def open_dealer(ctx: zmq.Context, endpoint: str, curve=None) -> zmq.Socket:
     """The one DEALER socket of a client (sync or asyncio context), connected to `endpoint`.
 
     LINGER 0: closing never waits for unsent messages. No high-water marks:
     every in-flight request's events must be kept, however many there are.
+    `curve` (`engine.daemon.curve.CurveClientKeys`) authenticates to a CURVE
+    tcp:// endpoint; without it, the keys named by $NPUSERVE_CURVE_SECRET_KEY
+    and $NPUSERVE_CURVE_SERVER_KEY are used for tcp:// endpoints when both are set.
     """
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
+    if curve is None and endpoint.startswith("tcp://"):
+        from engine.daemon.curve import curve_keys_from_env
+
+        curve = curve_keys_from_env()
+    if curve is not None:
+        sock.curve_publickey, sock.curve_secretkey = curve.public, curve.secret
+        sock.curve_serverkey = curve.server_public
     sock.connect(endpoint)
     return sock
 
@@ -167,11 +177,11 @@ class Client:
     """
 
     def __init__(self, endpoint: str | None = None, timeout: float | None = None, *,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, curve=None) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
         self._ctx = context or zmq.Context.instance()
-        self._sock = open_dealer(self._ctx, self.endpoint)
+        self._sock = open_dealer(self._ctx, self.endpoint, curve)
         self._sock_lock = threading.Lock()
         self._cv = threading.Condition()
         self._queues: dict[str, collections.deque] = {}

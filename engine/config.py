@@ -253,11 +253,26 @@ class LogConfig:
                                                          "terminals; auto = human on a tty, else json")
 
 
+def _key_names(v: Any) -> tuple[str, ...]:
+    if type(v) not in (list, tuple) or not all(type(x) is str and _NAME_RE.match(x) for x in v):
+        raise _Bad(f"must be a list of client key names (1-64 characters of [A-Za-z0-9_.:-]), got {v!r}")
+    return tuple(v)
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    server_secret_key: str = key("", _abs_path_or_empty, "CURVE key pair file (npuserve keygen's NAME.key_secret) "
+                                                          "for the tcp:// endpoints; \"\" = no CURVE")
+    client_keys_dir: str = key("", _abs_path_or_empty, "directory of allowed client public keys (NAME.key); "
+                                                        "a key's NAME is its tenant")
+    admins: tuple = key((), _key_names, "client key names allowed admin ops (drain, resume) over tcp://")
+    forwarders: tuple = key((), _key_names, "client key names (balancers) whose requests' `tenant` is trusted")
+
+
 SECTIONS: dict[str, type] = {
     "board": BoardConfig, "model": ModelConfig, "admission": AdmissionConfig, "queues": QueuesConfig,
     "batch": BatchConfig, "executor": ExecutorConfig, "kv": KvConfig, "recovery": RecoveryConfig,
-    "server": ServerConfig, "metrics": MetricsConfig,
-    "log": LogConfig,
+    "server": ServerConfig, "metrics": MetricsConfig, "log": LogConfig, "security": SecurityConfig,
 }
 
 # Keys SIGHUP applies to a running daemon (fnmatch patterns over dotted keys).
@@ -284,6 +299,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 def section_keys(cls: type) -> dict[str, dataclasses.Field]:

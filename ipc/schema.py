@@ -192,6 +192,8 @@ def _nullable(check: Checker) -> Checker:
 
 
 _AUTH = {"auth": (_nullable(_text(1, MAX_AUTH_CHARS)), None)}
+# drain/resume at a balancer: one backend (its endpoint) instead of the balancer itself.
+_BACKEND = {"backend": (_nullable(_text(1, MAX_PATH_CHARS)), None)}
 
 # op -> {field: (checker, default or _REQUIRED)}. Defaults are documented in
 # the protocol reference; list defaults are copied per request.
@@ -214,6 +216,7 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "logprobs": (_bool, False),
         "stream": (_bool, True),
         "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
+        "pool": (_nullable(_name), None),  # balancers: the backend pool to route to (daemons ignore it)
     },
     "cancel": {},
     "health": {},
@@ -223,8 +226,8 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
     "unload": {"model": (_name, _REQUIRED), **_AUTH},
     "replace": {"model": (_name, _REQUIRED), "package": (_text(1, MAX_PATH_CHARS), _REQUIRED), **_AUTH},
     "rollback": {"model": (_name, _REQUIRED), **_AUTH},
-    "drain": {"timeout_ms": (_nullable(_int(0, MAX_DEADLINE_MS)), None), **_AUTH},
-    "resume": dict(_AUTH),
+    "drain": {"timeout_ms": (_nullable(_int(0, MAX_DEADLINE_MS)), None), **_AUTH, **_BACKEND},
+    "resume": {**_AUTH, **_BACKEND},
 }
 assert set(OP_FIELDS) == set(REQUEST_OPS)
 # Fields of which a request must carry exactly one: the prompt as token ids or as text.

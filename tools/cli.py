@@ -30,6 +30,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tools.bench", "load generator: closed/open loop, sweeps, SLO goodput, Pareto frontier"),
     "soak": ("tools.soak.main", "steady mixed load for a duration, checking invariants, leaks and errors"),
     "chaos": ("tools.chaos.main", "named fault scenarios under load, each with its invariant checks"),
+    "balance": ("engine.balancer.main", "run a balancer in front of daemons or balancers"),
+    "bench-balancer": ("tools.bench_balancer", "benchmark a balancer against direct daemon access"),
+    "keygen": ("tools.keygen_cmd", "write a CURVE key pair (NAME.key, NAME.key_secret; 0600)"),
 }
 
 

@@ -27,6 +27,7 @@ from typing import Callable
 import orjson
 import zmq
 
+from engine.daemon.auth import Peer
 from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_request, encode
 from ipc.schema import done_event, error_event, reply_event, tokens_event
 
@@ -51,6 +52,7 @@ class Conn:
     sock: int
     envelope: tuple[bytes, ...]
     local: bool  # arrived on an ipc:// endpoint (filesystem permissions guard it)
+    peer: Peer | None = None  # the authenticated client key (CURVE endpoints only)
 
 
 @dataclass(slots=True)
@@ -90,7 +92,7 @@ class Frontend:
     """ROUTER socket(s) on the configured endpoints plus the request <-> connection maps. Loop thread only."""
 
     def __init__(self, ctx: zmq.Context, endpoints: list[str], *, max_message_bytes: int,
-                 max_send_queue: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_send_queue: int, clock: Callable[[], float] = time.monotonic, secure=None) -> None:
         assert endpoints, "at least one endpoint"
         self.max_message_bytes = max_message_bytes
         self.max_send_queue = max_send_queue
@@ -98,6 +100,8 @@ class Frontend:
         self._blocked: dict[Conn, _Blocked] = {}
         self.sockets: list[zmq.Socket] = []
         self.local: list[bool] = []
+        self.secured: list[bool] = []  # CURVE sockets: messages carry the client key's User-Id
+        self._security = secure  # engine.daemon.curve.CurveSetup or None
         self.endpoints = list(endpoints)
         self.counters = FrontendCounters()
         self._by_rid: dict[int, Stream] = {}
@@ -113,6 +117,7 @@ class Frontend:
                 s.setsockopt(zmq.SNDHWM, max_send_queue)
                 s.setsockopt(zmq.RCVHWM, max(1000, max_send_queue))
                 s.setsockopt(zmq.MAXMSGSIZE, max_message_bytes * _HARD_FRAME_FACTOR)
+                self.secured.append(bool(secure is not None and secure.server_socket_options(s, ep)))
                 s.bind(ep)
                 self.local.append(ep.startswith("ipc://"))
         except BaseException:
@@ -129,16 +134,22 @@ class Frontend:
         """Decode up to `limit` waiting messages; malformed ones are answered here and yield no request."""
         sock = self.sockets[idx]
         local = self.local[idx]
+        secured = self.secured[idx]
         out: list[tuple[Conn, dict]] = []
         for _ in range(limit):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=not secured)
             except zmq.Again:
                 break
             self.counters.messages_in += 1
             if len(frames) < 2:
                 continue  # a ROUTER always prepends the identity; nothing to answer
-            conn = Conn(idx, tuple(frames[:-1]), local)
+            if secured:
+                peer = self._security.peer(frames[-1].get("User-Id"))
+                frames = [f.bytes for f in frames]
+                conn = Conn(idx, tuple(frames[:-1]), local, peer)
+            else:
+                conn = Conn(idx, tuple(frames[:-1]), local)
             try:
                 msg = decode_request(frames[-1], max_bytes=self.max_message_bytes)
             except ProtocolError as e:
@@ -218,6 +229,15 @@ class Frontend:
     def error(self, conn: Conn, cid: str | None, code: int, reason: str, message: str,
               retryable: bool = False) -> None:
         self.send(conn, error_event(cid, code, reason, message, retryable))
+
+    def internal_error(self, conn: Conn, cid: str, exc: BaseException) -> None:
+        """A request that tripped a bug gets its 500 (as its terminal event if it was opened)."""
+        message = f"internal error: {type(exc).__name__}"
+        rid = self.lookup(conn, cid)
+        if rid is not None:
+            self.fail(rid, 500, "internal", message, False)
+        else:
+            self.error(conn, cid, 500, "internal", message)
 
     def flush(self) -> list[int]:
         """Send this turn's coalesced tokens; return request ids of clients found dead (to cancel)."""

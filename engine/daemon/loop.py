@@ -29,6 +29,7 @@ from engine.daemon import ops
 from engine.daemon.drain import DrainState
 from engine.daemon.frontend import Frontend
 from engine.daemon.liveness import LoopLiveness
+from engine.daemon.load_report import load_report
 from engine.daemon.log import log
 from engine.daemon.sd_notify import Notifier
 from engine.daemon.service import STOP_SIGNALS, Service
@@ -85,6 +86,7 @@ class Daemon:
         self.ctx: zmq.Context | None = None
         self.links: list[ChipLink] = []
         self.frontend: Frontend | None = None
+        self.security = None  # engine.daemon.curve.CurveSetup when security.server_secret_key is set
         self.scheduler: Scheduler | None = None
         self.supervisor: Supervisor | None = None
         self.liveness = LoopLiveness(cfg.server.loop_stall_ms / 1000.0)
@@ -173,10 +175,19 @@ class Daemon:
         for ep in cfg.server.endpoints:
             if ep.startswith("ipc://"):
                 _remove_stale_socket(ep[len("ipc://"):])
+        if cfg.security.server_secret_key:
+            from engine.daemon.curve import CurveSetup
+
+            try:
+                self.security = CurveSetup(self.ctx, server_secret_key=cfg.security.server_secret_key,
+                                           client_keys_dir=cfg.security.client_keys_dir,
+                                           admins=cfg.security.admins, forwarders=cfg.security.forwarders)
+            except ValueError as e:
+                raise StartupError(f"security: {e}") from None
         try:
             self.frontend = Frontend(self.ctx, list(cfg.server.endpoints),
                                      max_message_bytes=cfg.server.max_message_bytes,
-                                     max_send_queue=cfg.server.max_send_queue)
+                                     max_send_queue=cfg.server.max_send_queue, secure=self.security)
         except zmq.ZMQError as e:
             raise StartupError(f"cannot listen on {', '.join(cfg.server.endpoints)}: {e}") from None
         for i, s in enumerate(self.frontend.sockets):
@@ -311,11 +322,7 @@ class Daemon:
             return ops.handle(self, conn, msg, now)
         except Exception as e:
             log("request_failed", op=msg.get("op"), error=repr(e), traceback=traceback.format_exc())
-            rid = self.frontend.lookup(conn, msg["id"])
-            if rid is not None:
-                self.frontend.fail(rid, 500, "internal", f"internal error: {type(e).__name__}", False)
-            else:
-                self.frontend.error(conn, msg["id"], 500, "internal", f"internal error: {type(e).__name__}")
+            self.frontend.internal_error(conn, msg["id"], e)
             return []
 
     def _on_link(self, chip: int, now: float) -> list:
@@ -479,6 +486,7 @@ class Daemon:
             "pid": os.getpid(),
             "uptime_s": round(now - self.started_at, 3),
             "active_requests": self.frontend.active(),
+            "load": load_report(self.scheduler.stats()),
         }
 
     def stats(self, now: float) -> dict:
@@ -545,6 +553,9 @@ class Daemon:
         if self.observe is not None:
             self.observe.close()
             self.observe = None
+        if self.security is not None:
+            self.security.stop()
+            self.security = None
         if self.ctx is not None:
             for ep in self.cfg.server.endpoints:
                 if ep.startswith("ipc://"):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from engine.core.actions import Action
 from engine.core.requests import GenerateParams
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
+from engine.daemon.auth import is_admin, tenant_for, visible_stats
 
 if TYPE_CHECKING:
     from engine.daemon.frontend import Conn
@@ -48,6 +49,7 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
             fe.error(conn, cid, 404, "model_not_found", f"model {model!r} is not served here "
                                                          f"(this board serves {d.model_alias!r})")
             return []
+        msg["tenant"] = tenant_for(conn, msg["tenant"])
         try:
             params = params_from(msg, d.tokenizer)
         except TextRejected as e:
@@ -66,14 +68,18 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
         fe.reply(conn, cid, "health", d.health(now))
         return []
     if op == "stats":
-        fe.reply(conn, cid, "stats", jsonable(d.stats(now)))
+        fe.reply(conn, cid, "stats", visible_stats(conn, jsonable(d.stats(now))))
         return []
     if op == "models":
         fe.reply(conn, cid, "models", {"models": [d.model_info()]})
         return []
     if op in ("drain", "resume"):
-        if not conn.local:
-            fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (an ipc:// endpoint)")
+        if not is_admin(conn):
+            fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc://, or an admin key)")
+            return []
+        if msg.get("backend") is not None:
+            fe.error(conn, cid, 404, "backend_not_found", f"{op}: a board daemon has no backends; "
+                                                          "send it without `backend`")
             return []
         d.set_accepting(op == "resume")
         fe.reply(conn, cid, op, {"accepting": d.accepting})

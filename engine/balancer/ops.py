@@ -1,0 +1,61 @@
+"""What each wire op does at a balancer (the daemon's op table, answered by routing instead of a scheduler).
+
+`generate`/`cancel` go to the balancer core; `health` is answered from the
+backends' last heartbeats; `stats`/`models` are fanned out to the backends
+and aggregated; `drain`/`resume` (admin) act on the balancer itself, or with
+`backend` on one backend (no new requests there, in-flight ones finish).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from engine.daemon.auth import is_admin, tenant_for
+
+if TYPE_CHECKING:
+    from engine.balancer.shell import Balancer
+    from engine.daemon.frontend import Conn
+
+NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback"})
+
+
+def handle(bal: "Balancer", conn: "Conn", msg: dict, now: float) -> list:
+    op = msg["op"]
+    cid = msg["id"]
+    fe = bal.frontend
+    core = bal.core
+    if op == "generate":
+        rid = bal.next_request_id()
+        if not fe.open(rid, conn, cid, bool(msg["stream"]), bool(msg["logprobs"])):
+            fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
+            return []
+        msg["tenant"] = tenant_for(conn, msg["tenant"])
+        return core.submit(rid, msg, now)
+    if op == "cancel":
+        rid = fe.lookup(conn, cid)
+        return [] if rid is None else core.cancel(rid, now)
+    if op == "health":
+        fe.reply(conn, cid, "health", {**core.health(now), "pid": os.getpid()})
+        return []
+    if op in ("stats", "models"):
+        return core.fanout((conn, cid), op, now)
+    if op in ("drain", "resume"):
+        if not is_admin(conn):
+            fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc:// or an admin key)")
+            return []
+        target = msg.get("backend")
+        if target is None:
+            core.accepting = op == "resume"
+            fe.reply(conn, cid, op, {"accepting": core.accepting})
+        elif core.set_drained(target, op == "drain"):
+            fe.reply(conn, cid, op, {"backend": target, "drained": op == "drain"})
+        else:
+            fe.error(conn, cid, 404, "backend_not_found", f"{target!r} is not a backend of this balancer "
+                                                          f"(see health.balancer.backends)")
+        return []
+    if op in NOT_IMPLEMENTED_OPS:
+        fe.error(conn, cid, 501, "not_implemented", f"{op}: send model management to the daemons directly")
+        return []
+    fe.error(conn, cid, 400, "unknown_op", f"op {op!r} is not served here")
+    return []

@@ -1,0 +1,327 @@
+"""`npuserve bench-balancer`: what the balancer costs and what its routing buys, against the same daemons.
+
+One run starts `--daemons` stub board daemons (one chip each, tcp://) and
+balancers in front of them, then reports side by side:
+
+* added latency: sequential 1-token requests, alternating direct to daemon 0
+  and through a balancer whose only backend is daemon 0 (P50/P99 of each and
+  the difference; target <= 0.5 ms at P50);
+* throughput: streamed stub tokens/s at `--concurrency`, direct (clients split
+  evenly over the daemons) against through one balancer over all of them,
+  `--rounds` runs per side in ABBA order (target >= 0.9x);
+* routing: a shared-prefix workload per policy (round-robin, least-load,
+  prefix) on fresh prefixes, with the daemon-side prefix hit rate and TTFT.
+
+This is a separate tool rather than a `bench-serve` flag: it needs several
+daemons and balancers in one run, and bench-serve drives one daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import orjson
+
+POLICIES = ("round-robin", "least-load", "prefix")
+TARGET_ADDED_P50_MS = 0.5
+TARGET_RATIO = 0.9
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="npuserve bench-balancer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--daemons", type=int, default=2)
+    p.add_argument("--latency-requests", type=int, default=300, help="sequential requests per side")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--requests", type=int, default=256, help="throughput requests per side")
+    p.add_argument("--gen-tokens", type=int, default=256)
+    p.add_argument("--clients", type=int, default=2, help="client processes for the throughput runs")
+    p.add_argument("--rounds", type=int, default=2, help="throughput runs per side, in ABBA order")
+    p.add_argument("--prefix-requests", type=int, default=60)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--_client", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(len(xs) * q))], 3)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- client processes
+
+
+async def _drive(spec: dict) -> list[list]:
+    """Streams over `spec["endpoints"]` (round-robin per worker): [t0, t_first, t_last, tokens, error code]."""
+    from engine.async_client import AsyncClient
+    from engine.errors import ClientError
+
+    clients = [AsyncClient(e, timeout=600) for e in spec["endpoints"]]
+    out: list[list] = []
+    try:
+        for c in clients:
+            await c.health()
+        await asyncio.sleep(max(0.0, spec["start_at"] - time.time()))
+        it = iter(spec["requests"])
+
+        async def worker(c) -> None:
+            for r in it:
+                t0 = time.time()
+                first = last = None
+                n = 0
+                err = None
+                try:
+                    async for chunk in c.stream(r["prompt"], max_tokens=r["max_tokens"], seed=r["seed"],
+                                                ignore_eos=True):
+                        last = time.time()
+                        first = first or last
+                        n += len(chunk)
+                except ClientError as e:
+                    err = e.code
+                out.append([t0, first, last, n, err])
+
+        await asyncio.gather(*(worker(clients[i % len(clients)]) for i in range(spec["concurrency"])))
+    finally:
+        for c in clients:
+            await c.close()
+    return out
+
+
+def _load(endpoints_per_client: list[list[str]], concurrency: int, reqs: list[dict]) -> list[list]:
+    k = len(endpoints_per_client)
+    start_at = time.time() + 1.0 + 0.3 * k
+    procs = []
+    for i, eps in enumerate(endpoints_per_client):
+        share = concurrency // k + (1 if i < concurrency % k else 0)
+        spec = {"endpoints": eps, "concurrency": share, "requests": reqs[i::k], "start_at": start_at}
+        p = subprocess.Popen([sys.executable, "-m", "tools.bench_balancer", "--_client", "-"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        p.stdin.write(orjson.dumps(spec))
+        p.stdin.close()
+        procs.append(p)
+    rows: list[list] = []
+    for p in procs:
+        out = p.stdout.read()
+        p.wait()
+        if p.returncode != 0:
+            raise SystemExit(f"bench-balancer: a client process failed ({p.returncode})")
+        rows += orjson.loads(out)
+    return rows
+
+
+def _summary(rows: list[list]) -> dict:
+    ok = [r for r in rows if r[4] is None]
+    t0 = min(r[0] for r in rows)
+    t1 = max((r[2] or r[0]) for r in rows)
+    ttft = [(r[1] - r[0]) * 1000 for r in ok if r[1] is not None]
+    return {"requests": len(rows), "errors": len(rows) - len(ok),
+            "tokens_per_s": round(sum(r[3] for r in ok) / max(t1 - t0, 1e-9), 1),
+            "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99)}
+
+
+# ---------------------------------------------------------------- processes
+
+
+class _Procs:
+    def __init__(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="npsbb-", dir="/tmp")
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        with open(os.path.join(self.tmp, name + ".log"), "wb") as log:
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs.append(p)
+        return p
+
+    def daemon(self, i: int) -> str:
+        ep = f"tcp://127.0.0.1:{_port()}"
+        rt = os.path.join(self.tmp, f"d{i}")
+        self.spawn(f"daemon{i}", [sys.executable, "-m", "engine.daemon.main", "--backend", "stub", "--chips", "1",
+                                  "--board", f"bb{i}", "--runtime-dir", rt, "--endpoint", ep,
+                                  "--set", "admission.max_waiting_requests=100000",
+                                  "--set", "executor.max_inflight=2"])
+        return ep
+
+    def balancer(self, backends: list[str], policy: str) -> tuple[subprocess.Popen, str]:
+        ep = f"tcp://127.0.0.1:{_port()}"
+        p = self.spawn(f"bal{len(self.procs)}", [sys.executable, "-m", "engine.balancer.main", "--endpoint", ep,
+                                                 "--backends", ",".join(backends), "--policy", policy])
+        return p, ep
+
+    def stop(self, p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            self.stop(p)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _wait(endpoint: str, what: str, up: int | None = None, timeout: float = 120) -> None:
+    from engine.client import Client
+    from engine.errors import ClientError
+
+    deadline = time.monotonic() + timeout
+    with Client(endpoint, timeout=0.5) as c:
+        while time.monotonic() < deadline:
+            try:
+                h = c.health()
+                if h.get("chips_up") and (up is None or h.get("backends_up", 0) >= up):
+                    return
+            except ClientError:
+                pass
+            time.sleep(0.05)
+    raise SystemExit(f"bench-balancer: {what} at {endpoint} not ready in time")
+
+
+def _prefix_hits(endpoints: list[str]) -> int:
+    from engine.client import Client
+
+    n = 0
+    for e in endpoints:
+        with Client(e, timeout=10) as c:
+            n += c.stats()["scheduler"]["counters"].get("prefix_hit_tokens", 0)
+    return n
+
+
+# ---------------------------------------------------------------- the three measurements
+
+
+def _latency(direct: str, via: str, n: int) -> dict:
+    from engine.client import Client
+
+    lat: dict[str, list[float]] = {"direct": [], "via": []}
+    with Client(direct, timeout=30) as d, Client(via, timeout=30) as b:
+        for c in (d, b):
+            for _ in range(20):
+                c.generate([1, 2, 3, 4, 5, 6, 7, 8], max_tokens=1)  # warm-up
+        for i in range(n):
+            for name, c in (("direct", d), ("via", b)) if i % 2 == 0 else (("via", b), ("direct", d)):
+                t0 = time.perf_counter()
+                c.generate([1, 2, 3, 4, 5, 6, 7, 8], max_tokens=1, seed=i)
+                lat[name].append((time.perf_counter() - t0) * 1000)
+    out = {f"{k}_p{q}_ms": _pct(v, q / 100) for k, v in lat.items() for q in (50, 99)}
+    out["added_p50_ms"] = round(out["via_p50_ms"] - out["direct_p50_ms"], 3)
+    out["added_p99_ms"] = round(out["via_p99_ms"] - out["direct_p99_ms"], 3)
+    return out
+
+
+def _throughput(a: argparse.Namespace, daemons: list[str], via: str) -> dict:
+    rng = random.Random(1)
+    reqs = [{"prompt": [rng.randrange(1, 250) for _ in range(32)], "max_tokens": a.gen_tokens, "seed": i}
+            for i in range(a.requests)]
+    k = max(1, a.clients)
+    sides = {"direct": [daemons for _ in range(k)], "via": [[via] for _ in range(k)]}
+    runs: dict[str, list[dict]] = {"direct": [], "via": []}
+    for r in range(a.rounds):  # ABBA order: a drift in the machine's load hits both sides alike
+        for side in ("direct", "via") if r % 2 == 0 else ("via", "direct"):
+            runs[side].append(_summary(_load(sides[side], a.concurrency, reqs)))
+    out = {}
+    for side, rs in runs.items():
+        out[side] = {"tokens_per_s": round(sum(x["tokens_per_s"] for x in rs) / len(rs), 1),
+                     "errors": sum(x["errors"] for x in rs), "runs_tokens_per_s": [x["tokens_per_s"] for x in rs],
+                     "ttft_p50_ms": _pct([x["ttft_p50_ms"] for x in rs], 0.5)}
+    out["ratio"] = round(out["via"]["tokens_per_s"] / max(out["direct"]["tokens_per_s"], 1e-9), 3)
+    return out
+
+
+def _routing(a: argparse.Namespace, procs: _Procs, daemons: list[str]) -> dict:
+    out = {}
+    for tag, policy in enumerate(POLICIES):
+        p, ep = procs.balancer(daemons, policy)
+        _wait(ep, f"{policy} balancer", up=len(daemons))
+        rngs = [random.Random(1000 * tag + g) for g in range(5)]
+        prefixes = [[r.randrange(1, 250) for _ in range(256)] for r in rngs]
+        reqs = [{"prompt": prefixes[i % 5] + [i % 250 + 1, 7], "max_tokens": 8, "seed": i}
+                for i in range(a.prefix_requests)]
+        before = _prefix_hits(daemons)
+        s = _summary(_load([[ep]], 8, reqs))
+        hits = _prefix_hits(daemons) - before
+        s["prefix_hit_rate"] = round(hits / sum(len(r["prompt"]) for r in reqs), 4)
+        out[policy] = s
+        procs.stop(p)
+    return out
+
+
+def run(a: argparse.Namespace) -> dict:
+    procs = _Procs()
+    try:
+        daemons = [procs.daemon(i) for i in range(a.daemons)]
+        for e in daemons:
+            _wait(e, "daemon")
+        _, one = procs.balancer(daemons[:1], "least-load")
+        _, all_ = procs.balancer(daemons, "least-load")
+        _wait(one, "balancer", up=1)
+        _wait(all_, "balancer", up=len(daemons))
+        if not a.json:
+            print("bench-balancer: measuring added latency ...", file=sys.stderr, flush=True)
+        lat = _latency(daemons[0], one, a.latency_requests)
+        if not a.json:
+            print("bench-balancer: measuring throughput ...", file=sys.stderr, flush=True)
+        thr = _throughput(a, daemons, all_)
+        if not a.json:
+            print("bench-balancer: shared-prefix workload per policy ...", file=sys.stderr, flush=True)
+        routing = _routing(a, procs, daemons)
+    finally:
+        procs.close()
+    return {"daemons": a.daemons, "backend": "stub", "latency": lat, "throughput": thr, "routing": routing,
+            "targets": {"added_p50_ms": TARGET_ADDED_P50_MS, "ratio": TARGET_RATIO},
+            "added_p50_vs_target": round(lat["added_p50_ms"] / TARGET_ADDED_P50_MS, 2),
+            "ratio_vs_target": round(thr["ratio"] / TARGET_RATIO, 3)}
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    if a._client:
+        sys.stdout.buffer.write(orjson.dumps(asyncio.run(_drive(orjson.loads(sys.stdin.buffer.read())))))
+        return 0
+    res = run(a)
+    if a.json:
+        for section in ("latency", "throughput", "routing"):
+            sys.stdout.buffer.write(orjson.dumps({"section": section, **res[section]}) + b"\n")
+        return 0
+    lat, thr = res["latency"], res["throughput"]
+    print(f"bench-balancer: {a.daemons} stub daemons (1 chip each), tcp:// loopback")
+    print(f"{'latency (1-token request)':<28} {'direct':>10} {'via balancer':>13} {'added':>8}   target")
+    for q in (50, 99):
+        added = lat[f"added_p{q}_ms"]
+        tgt = f"<= {TARGET_ADDED_P50_MS} ms ({'met' if added <= TARGET_ADDED_P50_MS else 'MISSED'})" if q == 50 else ""
+        print(f"  P{q} ms{'':<21} {lat[f'direct_p{q}_ms']:>10} {lat[f'via_p{q}_ms']:>13} {added:>8}   {tgt}")
+    d, v = thr["direct"], thr["via"]
+    verdict = "met" if thr["ratio"] >= TARGET_RATIO else "MISSED"
+    print(f"{'throughput (stub tokens/s)':<28} {d['tokens_per_s']:>10} {v['tokens_per_s']:>13} "
+          f"{thr['ratio']:>7}x   >= {TARGET_RATIO}x ({verdict})")
+    print(f"  concurrency {a.concurrency}, {a.requests} requests x {a.gen_tokens} tokens per run, {a.rounds} runs "
+          f"per side (ABBA), mean of runs; runs: direct {d['runs_tokens_per_s']}, via {v['runs_tokens_per_s']}; "
+          f"errors {d['errors']} / {v['errors']}")
+    print(f"{'shared-prefix workload':<28} {'hit rate':>10} {'TTFT P50':>10} {'TTFT P99':>10}")
+    for pol, s in res["routing"].items():
+        print(f"  {pol:<26} {s['prefix_hit_rate']:>10} {s['ttft_p50_ms']:>10} {s['ttft_p99_ms']:>10}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,42 @@
+"""`npuserve keygen DIR NAME`: write a CURVE key pair with pyzmq (`zmq.auth.create_certificates`).
+
+`NAME.key` is the public key (give it to the servers' allow-list directory,
+or to a client as the server's key); `NAME.key_secret` holds both halves and
+stays with its owner. Both files are written 0600 in a directory created
+0700; an existing pair is not overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}\Z")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="npuserve keygen", description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", help="directory to write into (created 0700)")
+    p.add_argument("name", help="key name: for a client key, the tenant it authenticates as")
+    a = p.parse_args(argv)
+    if not _NAME_RE.match(a.name):
+        print(f"npuserve keygen: name {a.name!r}: 1-64 characters of [A-Za-z0-9_.:-]", file=sys.stderr)
+        return 2
+    import zmq.auth
+
+    os.makedirs(a.dir, mode=0o700, exist_ok=True)
+    pub, sec = (os.path.join(a.dir, a.name + ext) for ext in (".key", ".key_secret"))
+    if os.path.exists(pub) or os.path.exists(sec):
+        print(f"npuserve keygen: {pub} or {sec} exists; remove it first to replace the pair", file=sys.stderr)
+        return 1
+    old = os.umask(0o077)
+    try:
+        zmq.auth.create_certificates(a.dir, a.name)
+    finally:
+        os.umask(old)
+    for path in (pub, sec):
+        os.chmod(path, 0o600)
+    print(f"public key: {pub}\nsecret key: {sec}")
+    return 0
