@@ -29,7 +29,7 @@ from typing import Any
 from engine.balancer.actions import (CloseBackend, EmitTokens, FailRequest, FinishRequest, OpenBackend, Reply,
                                      SendUpstream)
 from engine.balancer.backend_state import Backend, BackendSpec, Health, HealthPolicy
-from engine.balancer.prefix_index import PrefixIndex, block_hashes
+from engine.balancer.prefix_index import PrefixIndex, block_hashes, text_block_hashes
 from engine.balancer.routing import RoutingPolicy, choose, imbalanced
 from engine.balancer.stats_merge import merge_stats
 
@@ -37,6 +37,7 @@ PROTOCOL_VERSION = 1
 RETRY_CODES = (429, 503)
 MIGRATE_CODES = (500, 503)
 NO_BACKEND_POLL_S = 0.05  # how often a request waiting for a routable backend looks again
+CHARS_PER_TOKEN = 4  # a text prompt's prefix chunk spans about one KV block: block_size tokens of ~4 characters
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class BRequest:
     t_first: float | None = None
     t_last: float | None = None
     cached_tokens: int = 0
+    prompt_tokens: int | None = None  # the backend's count, for text prompts (tokenized there)
     last_error: tuple[int, str, str] = (503, "no_backend", "no backend available")
 
 
@@ -164,10 +166,16 @@ class BalancerCore:
             return [FailRequest(rid, 503, "draining", "the balancer is draining; retry elsewhere", True)]
         dl = msg.get("deadline_ms")
         pool = msg.get("pool") or self._pool_for(msg["priority"])
-        r = BRequest(rid, msg, now, None if dl is None else now + dl / 1000.0, pool,
-                     block_hashes(msg["prompt"], self.config.routing.block_size))
+        r = BRequest(rid, msg, now, None if dl is None else now + dl / 1000.0, pool, self._hashes(msg))
         self._reqs[rid] = r
         return self._dispatch(r, now)
+
+    def _hashes(self, msg: dict) -> list[int]:
+        """The prefix index keys of a prompt: token blocks, or fixed-size character chunks of a text prompt."""
+        bs = self.config.routing.block_size
+        if msg.get("prompt") is not None:
+            return block_hashes(msg["prompt"], bs)
+        return text_block_hashes(msg["text"], bs * CHARS_PER_TOKEN)
 
     def cancel(self, rid: int, now: float) -> list:
         r = self._reqs.get(rid)
@@ -245,17 +253,18 @@ class BalancerCore:
             if r.state is ReqState.SENT:
                 r.state = ReqState.STREAMING
                 b.on_success()
-            return [EmitTokens(r.rid, toks, ev.get("logprobs"))]
+            return [EmitTokens(r.rid, toks, ev.get("logprobs"), ev.get("text"))]
         self._detach(r)
         if kind == "done":
             b.on_success()
             if ev.get("tokens"):  # a backend that answered non-streamed (not what we ask, but legal)
                 r.streamed.extend(ev["tokens"])
-                out: list = [EmitTokens(r.rid, ev["tokens"], ev.get("logprobs"))]
+                out: list = [EmitTokens(r.rid, ev["tokens"], ev.get("logprobs"), ev.get("text"))]
             else:
                 out = []
             usage = ev.get("usage") or {}
             r.cached_tokens = int(usage.get("cached_tokens", 0) or 0)
+            r.prompt_tokens = usage.get("prompt_tokens")
             return out + self._finish(r, ev["finish_reason"], now)
         assert kind == "error", kind
         code, reason, message = ev["code"], ev["reason"], ev["message"]
@@ -416,7 +425,7 @@ class BalancerCore:
             return self._wait(r, now + NO_BACKEND_POLL_S)
         r.waiting_since = None
         rp = self.config.routing
-        ch = choose(cands, r.hashes, len(r.msg["prompt"]), rp, self.index)
+        ch = choose(cands, r.hashes, _prompt_len(r.msg), rp, self.index)
         if ch.policy_used is not rp.policy:
             self.counters["imbalance_fallbacks"] += 1
         b = ch.backend
@@ -501,7 +510,8 @@ class BalancerCore:
         self.counters[f"finished_{finish_reason}"] += 1
         self._drop(r)
         n = len(r.streamed)
-        usage = {"prompt_tokens": len(r.msg["prompt"]), "completion_tokens": n, "cached_tokens": r.cached_tokens}
+        prompt_tokens = len(r.msg["prompt"]) if r.msg.get("prompt") is not None else int(r.prompt_tokens or 0)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "cached_tokens": r.cached_tokens}
 
         def ms(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else round((b - a) * 1000.0, 3)
@@ -565,6 +575,13 @@ class BalancerCore:
                          "backends": snaps},
             "uptime_s": round(now - self.started_at, 3),
         }
+
+
+def _prompt_len(msg: dict) -> int:
+    """Prompt tokens for routing cost: exact for token prompts, estimated for text."""
+    if msg.get("prompt") is not None:
+        return len(msg["prompt"])
+    return len(msg["text"]) // CHARS_PER_TOKEN
 
 
 def _cancel_msg(uid: str | None) -> dict:

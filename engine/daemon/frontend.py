@@ -192,7 +192,9 @@ class Frontend:
         if st is None:
             return  # request of a dropped client
         st.pending.extend(tokens)
-        if text is not None and st.pending_text is not None:
+        if text is not None:
+            if st.pending_text is None:  # a balancer learns from its backend's events that the model has text
+                st.pending_text = []
             st.pending_text.append(text)
         if st.pending_lp is not None:
             st.pending_lp.extend(logprobs if logprobs is not None else [0.0] * len(tokens))

@@ -94,3 +94,18 @@ def test_drain_and_resume_over_ipc(daemon, balancer, short_dir):
         assert c.health()["ok"] is False
         assert c.call("resume") == {"accepting": True}
         assert c.generate([1], max_tokens=1).finish_reason == "length"
+
+
+def test_text_prompts_through_a_balancer_read_as_direct(daemon, balancer):
+    d, e = tcp_daemon(daemon, backend="ref")
+    b = balancer(backends=[e])
+    kw = dict(max_tokens=24, seed=3, temperature=0.7, ignore_eos=True)
+    with d.client(timeout=30) as dc:
+        direct = dc.generate("Grüße, world", **kw)
+    with b.client(timeout=30) as c:
+        streamed = "".join(c.stream_text("Grüße, world", **kw))
+        whole = c.generate("Grüße, world", **kw)
+        stopped = c.generate("Grüße, world", stop=[direct.text[3:5]], **kw)
+    assert len(direct.text) >= 5 and streamed == whole.text == direct.text
+    assert whole.tokens == direct.tokens and whole.usage["prompt_tokens"] == direct.usage["prompt_tokens"]
+    assert stopped.finish_reason == "stop" and stopped.text == direct.text[:direct.text.index(direct.text[3:5])]
