@@ -20,16 +20,15 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
 
-from tools.bench_serve import _pct, _start_daemon, _wait_health
+from tools.load import local_daemon
+from tools.load.report import pct
 
 TARGETS = {  # (metric, workload, concurrency): (bound, "min" = ratio at least / "max" = ratio at most)
     ("tokens_per_s", "plain", 8): (1.0, "min"),
@@ -56,7 +55,7 @@ class Row:
 
 def _summarise(engine: str, c: int, workload: str, rnd: int, wall: float, ttfts: list[float],
                tpots: list[float], tokens: int) -> Row:
-    ms = lambda xs, q: round(1000 * (_pct(xs, q) or 0.0), 2)  # noqa: E731
+    ms = lambda xs, q: round(1000 * (pct(xs, q) or 0.0), 2)  # noqa: E731
     return Row(engine, c, workload, round(tokens / wall, 2), ms(ttfts, 0.5), ms(ttfts, 0.99), ms(tpots, 0.5),
                ms(tpots, 0.99), rnd)
 
@@ -79,13 +78,12 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
                  workload: str, rnd: int) -> Row:
     from engine.async_client import AsyncClient
 
-    tmp = tempfile.mkdtemp(prefix="npb-", dir="/tmp")
-    ns = argparse.Namespace(backend="llamacpp", chips=a.chips, backend_option=[],
-                            set=[f"model.package=\"{package}\"", f"board.threads_per_chip={max(1, a.threads // a.chips)}",
-                                 "executor.max_inflight=1", "admission.deadline_default_ms=3600000", *a.set])
-    proc, endpoint = _start_daemon(ns, tmp)
+    settings = [f"model.package=\"{package}\"", f"board.threads_per_chip={max(1, a.threads // a.chips)}",
+                "executor.max_inflight=1", "admission.deadline_default_ms=3600000", *a.set]
+    d = local_daemon.start(backend="llamacpp", chips=a.chips, settings=settings, prefix="npb-")
+    endpoint = d.endpoint
     try:
-        _wait_health(endpoint, proc, tmp, timeout=300)
+        local_daemon.wait_healthy(endpoint, d, timeout=300)
 
         async def one(cl, p):
             t0 = time.perf_counter()
@@ -114,19 +112,14 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
         res = asyncio.run(drive())
         wall = time.perf_counter() - t0
     except BaseException:
-        with open(os.path.join(tmp, "daemon.log"), errors="replace") as f:
-            print(f"npuserve daemon log (tail):\n{f.read()[-3000:]}", file=sys.stderr)
+        print(f"npuserve daemon log (tail):\n{d.log_tail()}", file=sys.stderr)
         raise
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except Exception:  # noqa: BLE001
-            proc.kill()
+        d.stop(60)
         if os.environ.get("NPUSERVE_BENCH_KEEP"):
-            print(f"daemon log kept in {tmp}", file=sys.stderr)
+            print(f"daemon log kept in {d.log_path}", file=sys.stderr)
         else:
-            shutil.rmtree(tmp, ignore_errors=True)
+            d.cleanup()
     ttfts = [s[0] - t for t, s in res if s]
     tpots = [(s[-1] - s[0]) / (len(s) - 1) for _, s in res if len(s) > 1]
     return _summarise("npuserve", c, workload, rnd, wall, ttfts, tpots, sum(len(s) for _, s in res))

@@ -46,6 +46,12 @@ EVENTS: dict[str, str] = {
     "notify_socket_invalid": "warning",
     "watchdog_enabled": "info",
     "test_hook_stall": "warning",
+    # the balancer (`npuserve balance`) logs through the same catalogue
+    "balancing": "info",
+    "reloaded": "info",
+    "reload_ignored": "warning",
+    "bad_upstream_event": "warning",
+    "backend_disconnected": "warning",
 }
 
 _state = {"min_level": LEVELS["info"], "human": False}

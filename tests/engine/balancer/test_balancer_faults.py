@@ -104,7 +104,9 @@ def test_sigstop_of_a_daemon_takes_it_out_migrates_and_sigcont_puts_it_back(daem
 
 def test_sigterm_of_a_daemon_mid_stream_migrates_its_streams(daemon, balancer):
     opts = {"decode_base_ms": 5.0}
-    (d1, e1), (d2, e2) = (tcp_daemon(daemon, backend="sim", backend_options=opts) for _ in range(2))
+    # drain_timeout_s = 0: SIGTERM ends the streams at once with 503 shutdown instead of draining them
+    (d1, e1), (d2, e2) = (tcp_daemon(daemon, backend="sim", backend_options=opts,
+                                     settings={"server.drain_timeout_s": 0}) for _ in range(2))
     b = balancer(backends=[e1, e2], policy="round-robin")
     msgs = [gen_msg(f"t{i}", [8, 9], max_tokens=250, seed=50 + i, ignore_eos=True) for i in range(4)]
     seen = {}

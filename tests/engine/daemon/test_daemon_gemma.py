@@ -1,9 +1,9 @@
 """End to end on a real model: Gemma 3 270M on the `llamacpp` backend, against llama.cpp's own server engine.
 
-The `text` field of the protocol is not used here (another change adds it):
-the test tokenizes with GgufTokenizer, sends token ids through the client
-library and detokenizes. Greedy decoding; the rule for "the same tokens" is
-the one of `workers.llamacpp.solo.compare_greedy`.
+Each prompt goes both ways: as token ids (tokenized here with GgufTokenizer)
+and as `text` (tokenized by the daemon, which also decodes the answer's text,
+streamed and not). Greedy decoding; the rule for "the same tokens" is the one
+of `workers.llamacpp.solo.compare_greedy`.
 """
 
 from __future__ import annotations
@@ -52,12 +52,27 @@ def test_gemma_serves_english_and_matches_llama_cpp_server(daemon, gemma_package
     d = daemon(backend="llamacpp", chips=1, extra=["--package", gemma_package],
                settings={"board.threads_per_chip": 1, "model.alias": "gemma3-270m"})
 
+    kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def streamed_text(c, text: str):
+        res: list = []
+        deltas = [delta async for delta in c.stream_text(text, result=res, **kw)]
+        return "".join(deltas), res[0]
+
     async def run():
         async with AsyncClient(d.endpoint, timeout=300) as c:
-            return await asyncio.gather(*(c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-                                          for p in prompts))
+            by_ids = await asyncio.gather(*(c.generate(p, **kw) for p in prompts))
+            # One at a time: a second round of concurrent requests on the same daemon diverges (a known
+            # llamacpp backend bug, open in issue 8; docs/models.md "Known problems" has the reproduction).
+            by_text = [await c.generate(t, **kw) for t in PROMPTS]
+            streamed = [await streamed_text(c, t) for t in PROMPTS]
+            return by_ids, by_text, streamed
 
-    results = asyncio.run(run())
+    results, text_results, streamed = asyncio.run(run())
+    for r, rt, (st, sr), ids in zip(results, text_results, streamed, prompts):
+        assert rt.usage["prompt_tokens"] == sr.usage["prompt_tokens"] == len(ids)  # the daemon tokenizes alike
+        assert r.text == tok.decode(r.tokens) and rt.text == tok.decode(rt.tokens)  # the daemon's decoding
+        assert st == sr.text == tok.decode(sr.tokens)  # streamed deltas add up to the whole text
     texts = [tok.decode(r.tokens) for r in results]
     print("\n" + "\n".join(f"{p!r} -> {t!r}" for p, t in zip(PROMPTS, texts)))
     assert "France" in texts[0] and all(t.isascii() and sum(c.isalpha() for c in t) > len(t) // 2 for t in texts)
@@ -68,10 +83,13 @@ def test_gemma_serves_english_and_matches_llama_cpp_server(daemon, gemma_package
     finally:
         model.close()
     verdicts = [compare_greedy(r.tokens, want, gaps) for r, (want, gaps) in zip(results, solo)]
+    verdicts += [compare_greedy(rt.tokens, want, gaps) for rt, (want, gaps) in zip(text_results, solo)]
+    verdicts += [compare_greedy(sr.tokens, want, gaps) for (_, sr), (want, gaps) in zip(streamed, solo)]
     server_texts = _llama_server_texts(gguf, prompts)
     print(f"npuserve vs llama.cpp alone: {verdicts}; llama.cpp server: {server_texts}")
     assert "differs" not in verdicts
-    for v, text, server_text, (want, gaps) in zip(verdicts, texts, server_texts, solo):
+    for v, text, server_text, (want, gaps) in zip(verdicts, [r.text for r in results + text_results]
+                                                  + [sr.text for _, sr in streamed], server_texts * 3, solo * 3):
         if v == "same":
             assert text == server_text  # npuserve's text is llama.cpp's server's text
         else:
