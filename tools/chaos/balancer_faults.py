@@ -114,6 +114,7 @@ def daemon_kill(res: ScenarioResult) -> None:
             with BalancerUnderTest(res, [e1, e2]) as b:
                 out = asyncio.run(_kill_and_restart(res, b, victim, e2))
                 if out is not None:
+                    res.details["restart_at_s"] = round(time.monotonic() - out[0], 3)
                     with DaemonUnderTest(res, backend="sim", backend_options=SLOW_SIM,
                                          extra=["--endpoint", e2]) as d2b:
                         _after_restart(res, b, d2b, e2, *out)
