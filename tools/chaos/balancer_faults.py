@@ -105,25 +105,34 @@ def _served_through_balancer(b: BalancerUnderTest, endpoint: str) -> bool:
 
 
 def daemon_kill(res: ScenarioResult) -> None:
-    """kill -9 of one of two sim daemons behind a balancer with 30 streams in flight, then restart it."""
+    """kill -9 of one of two sim daemons behind a balancer with 30 streams in flight, restart it under load."""
     e1, e2 = _tcp_endpoint(), _tcp_endpoint()
-    with DaemonUnderTest(res, backend="sim", backend_options=SLOW_SIM, extra=["--endpoint", e1]) as d1:
+    with DaemonUnderTest(res, backend="sim", backend_options=SLOW_SIM, extra=["--endpoint", e1]):
         victim = DaemonUnderTest(res, backend="sim", backend_options=SLOW_SIM, extra=["--endpoint", e2])
+        restarted: list[DaemonUnderTest] = []
         try:
             victim.__enter__()
             with BalancerUnderTest(res, [e1, e2]) as b:
-                out = asyncio.run(_kill_and_restart(res, b, victim, e2))
-                if out is not None:
-                    res.details["restart_at_s"] = round(time.monotonic() - out[0], 3)
-                    with DaemonUnderTest(res, backend="sim", backend_options=SLOW_SIM,
-                                         extra=["--endpoint", e2]) as d2b:
-                        _after_restart(res, b, d2b, e2, *out)
+                try:
+                    out = asyncio.run(_kill_and_restart(res, b, victim, e2, restarted))
+                    if out is not None and restarted:
+                        _after_restart(res, b, e2, out)
+                finally:
+                    for d in restarted:
+                        d.__exit__(None, None, None)
         finally:
             victim.d.cleanup()  # already dead: only its directory goes
 
 
-async def _kill_and_restart(res: ScenarioResult, b: BalancerUnderTest, victim: DaemonUnderTest, e2: str):
-    """Under load: kill the victim once every stream streams, wait until the balancer takes it out."""
+def _restart(res: ScenarioResult, e2: str, restarted: list) -> None:
+    d = DaemonUnderTest(res, backend="sim", backend_options=SLOW_SIM, extra=["--endpoint", e2])
+    d.__enter__()  # cleans up after itself when it raises
+    restarted.append(d)
+
+
+async def _kill_and_restart(res: ScenarioResult, b: BalancerUnderTest, victim: DaemonUnderTest, e2: str,
+                            restarted: list):
+    """Under load: kill the victim once every stream streams; once the balancer took it out, restart it."""
     n = 30
     load = WireLoad(b.endpoint)
     try:
@@ -143,6 +152,17 @@ async def _kill_and_restart(res: ScenarioResult, b: BalancerUnderTest, victim: D
         if st:
             res.details["out_after_s"] = round(t_out, 3)
             res.details["out_reason"] = b.backend(e2).get("reason")
+        res.details["restart_at_s"] = round(time.monotonic() - t_kill, 3)
+        await asyncio.to_thread(_restart, res, e2, restarted)
+        res.details["restarted_healthy_at_s"] = round(time.monotonic() - t_kill, 3)
+        res.details["streams_open_at_restart"] = len(load.open())
+        if restarted:  # routed to again while the load still runs
+            back, _ = await asyncio.to_thread(wait_until, lambda: _served_through_balancer(b, e2), 30, 0.1)
+            res.expect(bool(back), "the balancer did not route to the restarted daemon within 30 s")
+            if back:
+                res.recovery_s = time.monotonic() - t_kill
+                res.details["recovery"] = "restarted daemon served a request through the balancer"
+                res.details["streams_open_at_recovery"] = len(load.open())
         traces = await task
         await asyncio.sleep(0.3)  # anything sent after a terminal event shows now
         res.faults, res.requests = 1, len(traces)
@@ -155,20 +175,15 @@ async def _kill_and_restart(res: ScenarioResult, b: BalancerUnderTest, victim: D
         res.details["migrations"] = b.counters()["counters"].get("migrations", 0)
         res.expect(res.details["migrations"] > 0 or any(t.error_code == 503 for t in traces),
                    "no stream was migrated nor ended with 503 although the killed daemon had streams")
-        return t_kill, [victim.d.pid, *workers]
+        return [victim.d.pid, *workers]
     finally:
         await load.close()
 
 
-def _after_restart(res: ScenarioResult, b: BalancerUnderTest, d2b: DaemonUnderTest, e2: str, t_kill: float,
-                   workers: list[int]) -> None:
-    """The restarted daemon gets requests through the balancer again; nothing of the killed one is left."""
-    back, _ = wait_until(lambda: _served_through_balancer(b, e2), 30, every=0.1)
-    res.expect(bool(back), "the balancer did not route to the restarted daemon within 30 s")
-    if back:
-        res.recovery_s = time.monotonic() - t_kill
-        res.details["recovery"] = "restarted daemon served a request through the balancer"
-        res.details["state_after"] = b.backend(e2).get("state")
+def _after_restart(res: ScenarioResult, b: BalancerUnderTest, e2: str, workers: list[int]) -> None:
+    """After the load: the restarted backend is up and served; nothing of the killed daemon is left."""
+    res.details["state_after"] = b.backend(e2).get("state")
+    res.expect(res.details["state_after"] == "up", f"restarted backend is {res.details['state_after']!r}, not up")
     alive = [p for p in workers if alive_pid(p)]
     res.expect(not alive, f"processes {alive} of the killed daemon are still alive")
     left, _ = shm_of({*workers})
