@@ -23,6 +23,10 @@ def test_scenario_passes(name):
     assert res.recovery_s is not None  # it recovered within the scenario's own (generous) limit
     if name in ("worker-kill", "worker-stop", "backend-raises"):
         assert set(res.details["terminal"]) <= {"done:length", "error:500"}
+    if name == "daemon-kill":  # broken streams migrated (done) or one retryable 503; dead backend out, then back
+        assert set(res.details["terminal"]) <= {"done:length", "error:503"}
+        assert res.details["inflight_on_killed"] > 0 and res.details["out_reason"]
+        assert res.details["state_after"] in ("up", "half_open") and len(res.details["killed_pids"]) == 2
 
 
 def test_cli_json_rows_and_exit_status():

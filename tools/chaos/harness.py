@@ -132,10 +132,10 @@ class DaemonUnderTest:
     """`with DaemonUnderTest(res, backend=..., ...) as d:` a started, healthy daemon; on exit the teardown checks."""
 
     def __init__(self, res: ScenarioResult, *, backend: str = "stub", chips: int = 1, settings=(),
-                 backend_options=()) -> None:
+                 backend_options=(), extra=()) -> None:
         self.res = res
         self.d = local_daemon.start(backend=backend, chips=chips, settings=[*TOLERANT, *settings],
-                                    backend_options=list(backend_options), prefix="npc-")
+                                    backend_options=list(backend_options), prefix="npc-", extra=extra)
         self.workers: list[int] = []
 
     def __enter__(self) -> "DaemonUnderTest":

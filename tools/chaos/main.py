@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 
-from tools.chaos import client_faults, resource_faults, worker_faults
+from tools.chaos import balancer_faults, client_faults, resource_faults, worker_faults
 from tools.chaos.harness import ScenarioResult
 
 SCENARIOS = {
@@ -26,8 +26,8 @@ SCENARIOS = {
     "clients-vanish": client_faults.clients_vanish,
     "shm-full": resource_faults.shm_full,
     "kv-exhausted": resource_faults.kv_exhausted,
+    "daemon-kill": balancer_faults.daemon_kill,
 }
-# Not here yet: "daemon kill -9 behind a balancer and restart" needs the balancer (another issue).
 
 
 def run_one(name: str) -> ScenarioResult:
