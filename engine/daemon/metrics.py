@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 PREFIX = "npuserve:"
 PUBLISH_INTERVAL_S = 0.5  # how stale a scraped gauge may be; Prometheus scrapes every 15 s or so
+IDLE_PUBLISH_INTERVAL_S = 5.0  # with nothing in flight and nothing new, rebuild this rarely (idle CPU)
 MAX_TRACKED_JOBS = 4096  # job start times kept for latency; jobs whose result never comes age out
 
 # vLLM v1's buckets (vllm/v1/metrics/loggers.py), so its dashboards and gateways read these as they are.
@@ -227,6 +228,8 @@ class MetricsRecorder:
         self._last_emit: dict[int, float] = {}  # request id -> time of its last tokens (loop thread only)
         self._job_start: dict[int, tuple[float, int, str]] = {}  # job id -> (submitted, chip, kind)
         self.next_publish = 0.0
+        self._last_activity: tuple | None = None  # what had happened at the last publish (see `publish`)
+        self._next_idle_publish = 0.0
         self._server = None
         self._server_thread: threading.Thread | None = None
 
@@ -311,6 +314,15 @@ class MetricsRecorder:
         if now < self.next_publish and not force:
             return
         self.next_publish = now + PUBLISH_INTERVAL_S
+        # An idle board changes nothing a gauge shows: skip the rebuild (it is most of an idle daemon's CPU
+        # turn) until something happened or the idle interval passed (uptime-like figures stay fresh enough).
+        fc, dc = d.frontend.counters, d.counters
+        activity = (fc.messages_in, dc["results"], dc["chip_failures"], dc["worker_restarts"],
+                    d.frontend.active(), tuple(d.supervisor.state(c) for c in range(len(d.links))))
+        if not force and activity == self._last_activity and activity[4] == 0 and now < self._next_idle_publish:
+            return
+        self._last_activity = activity
+        self._next_idle_publish = now + IDLE_PUBLISH_INTERVAL_S
         self.collector.snapshot = build_snapshot(d, now, self.bounded_tenants)
 
     # -- for the stats op ------------------------------------------------------------------
