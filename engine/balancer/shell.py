@@ -190,7 +190,7 @@ class Balancer:
                 idx = self._front_socks.get(sock)
                 if idx is not None:
                     for conn, msg in fe.receive(idx):
-                        actions += self._handle(conn, msg, now)
+                        actions += fe.handle_guarded(ops.handle, self, conn, msg, now)
                 elif sock == self._sig_r:
                     _drain_fd(self._sig_r)
                     self._on_signals(now)
@@ -207,14 +207,6 @@ class Balancer:
                 self._reload(now)
             else:
                 self._stop = True
-
-    def _handle(self, conn, msg: dict, now: float) -> list:
-        try:
-            return ops.handle(self, conn, msg, now)
-        except Exception as e:
-            log("request_failed", op=msg.get("op"), error=repr(e), traceback=traceback.format_exc())
-            self.frontend.internal_error(conn, msg["id"], e)
-            return []
 
     def _apply(self, actions: list, now: float) -> None:
         fe, core = self.frontend, self.core

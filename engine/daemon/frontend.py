@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,6 +29,7 @@ import orjson
 import zmq
 
 from engine.daemon.auth import Peer
+from engine.daemon.log import log
 from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_request, encode
 from ipc.schema import done_event, error_event, reply_event, tokens_event
 
@@ -232,14 +234,20 @@ class Frontend:
               retryable: bool = False) -> None:
         self.send(conn, error_event(cid, code, reason, message, retryable))
 
-    def internal_error(self, conn: Conn, cid: str, exc: BaseException) -> None:
-        """A request that tripped a bug gets its 500 (as its terminal event if it was opened)."""
-        message = f"internal error: {type(exc).__name__}"
-        rid = self.lookup(conn, cid)
-        if rid is not None:
-            self.fail(rid, 500, "internal", message, False)
-        else:
-            self.error(conn, cid, 500, "internal", message)
+    def handle_guarded(self, handle: Callable, owner, conn: Conn, msg: dict, now: float) -> list:
+        """`handle(owner, conn, msg, now)` for one request; a bug it trips costs that request a 500 (as its
+        terminal event if it was opened), logged, not the process."""
+        try:
+            return handle(owner, conn, msg, now)
+        except Exception as exc:
+            log("request_failed", op=msg.get("op"), error=repr(exc), traceback=traceback.format_exc())
+            message = f"internal error: {type(exc).__name__}"
+            rid = self.lookup(conn, msg["id"])
+            if rid is not None:
+                self.fail(rid, 500, "internal", message, False)
+            else:
+                self.error(conn, msg["id"], 500, "internal", message)
+            return []
 
     def flush(self) -> list[int]:
         """Send this turn's coalesced tokens; return request ids of clients found dead (to cancel)."""

@@ -299,7 +299,7 @@ class Daemon:
                     actions += self._on_link(link_socks[sock], now)
                 elif sock in front_socks:
                     for conn, msg in fe.receive(front_socks[sock]):
-                        actions += self._handle_request(conn, msg, now)
+                        actions += fe.handle_guarded(ops.handle, self, conn, msg, now)
                 elif sock == self._sig_r:
                     _drain_fd(self._sig_r)
             service.turn(now)
@@ -315,15 +315,6 @@ class Daemon:
                 self._cancel_dead(dead, now)
             if trace is not None:
                 trace.turn(now, self.clock(), len(events), len(actions), sched.admission_blocked)
-
-    def _handle_request(self, conn, msg: dict, now: float) -> list:
-        """One client request; a bug it triggers costs that request a 500, not the daemon."""
-        try:
-            return ops.handle(self, conn, msg, now)
-        except Exception as e:
-            log("request_failed", op=msg.get("op"), error=repr(e), traceback=traceback.format_exc())
-            self.frontend.internal_error(conn, msg["id"], e)
-            return []
 
     def _on_link(self, chip: int, now: float) -> list:
         sched, sup = self.scheduler, self.supervisor

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc.records import Job
+from ipc.records import Job, JobKind
 
 
 class InactiveLanePolicy(str, enum.Enum):
@@ -128,3 +128,20 @@ class ChipBackend(abc.ABC):
 
     def health(self) -> dict:
         return {"ok": True}
+
+
+class OneStepBackend(ChipBackend):
+    """A backend whose prefill and decode are one computation over the job's new tokens (`_run`)."""
+
+    def prefill(self, job: Job) -> StepOutput:
+        if job.kind != JobKind.PREFILL:
+            raise ValueError(f"prefill called with a {job.kind.name} job")
+        return self._run(job)
+
+    def decode(self, job: Job) -> StepOutput:
+        if job.kind != JobKind.DECODE:
+            raise ValueError(f"decode called with a {job.kind.name} job")
+        return self._run(job)
+
+    @abc.abstractmethod
+    def _run(self, job: Job) -> StepOutput: ...

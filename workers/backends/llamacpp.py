@@ -37,7 +37,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ipc.records import Job, JobKind
-from workers.backends.base import BackendError, BackendInfo, BatchProfile, ChipBackend, KvLayout, StepOutput
+from workers.backends.base import BackendError, BackendInfo, BatchProfile, KvLayout, OneStepBackend, StepOutput
 
 SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": False}
 
@@ -56,7 +56,7 @@ def default_threads(chips: int = 1) -> int:
     return max(1, cores // max(1, chips))
 
 
-class LlamacppBackend(ChipBackend):
+class LlamacppBackend(OneStepBackend):
     name = "llamacpp"
     holds_thread_in_calls = True  # a llama_decode can take seconds: the worker heartbeats from a thread
 
@@ -162,16 +162,6 @@ class LlamacppBackend(ChipBackend):
                 "sequences": len(self._seqs) if self.model is not None else 0}
 
     # ---- compute -------------------------------------------------------------------
-
-    def prefill(self, job: Job) -> StepOutput:
-        if job.kind != JobKind.PREFILL:
-            raise ValueError(f"prefill called with a {job.kind.name} job")
-        return self._run(job)
-
-    def decode(self, job: Job) -> StepOutput:
-        if job.kind != JobKind.DECODE:
-            raise ValueError(f"decode called with a {job.kind.name} job")
-        return self._run(job)
 
     def _run(self, job: Job) -> StepOutput:
         from workers.backends.ref import RefBackend

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ipc.records import Job, JobKind
-from workers.backends.base import BackendError, BackendInfo, BatchProfile, ChipBackend, KvLayout, StepOutput
+from ipc.records import Job
+from workers.backends.base import BackendError, BackendInfo, BatchProfile, KvLayout, OneStepBackend, StepOutput
 from workers.model_package import ModelPackage, ensure_default_package, load_package
 from workers.paged_kv import PagedKvCache
 from workers.transformer import Transformer
 
 
-class RefBackend(ChipBackend):
+class RefBackend(OneStepBackend):
     name = "ref"
 
     def __init__(self, *, num_blocks: int | None = None, chip_id: int = 0) -> None:
@@ -78,16 +78,6 @@ class RefBackend(ChipBackend):
                 "model_sha256": self.package.sha256 if self.package else ""}
 
     # ---- compute -------------------------------------------------------------------
-
-    def prefill(self, job: Job) -> StepOutput:
-        if job.kind != JobKind.PREFILL:
-            raise ValueError(f"prefill called with a {job.kind.name} job")
-        return self._run(job)
-
-    def decode(self, job: Job) -> StepOutput:
-        if job.kind != JobKind.DECODE:
-            raise ValueError(f"decode called with a {job.kind.name} job")
-        return self._run(job)
 
     def _run(self, job: Job) -> StepOutput:
         pkg, model, cache = self._loaded()
