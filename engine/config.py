@@ -155,6 +155,9 @@ class ModelConfig:
                                    "\"\" = the built-in tiny model, built on first run")
     ctypes_library: str = key("", _str(), "vendor shared library for backend = \"ctypes\" "
                                           "(relative = to the config file); required by that backend")
+    signing_public_key: str = key("", _str(), "Ed25519 public key (PEM, `npuserve keygen --signing`) that must have "
+                                              "signed a package's manifest.json (manifest.sig) for `load` to accept "
+                                              "it (relative = to the config file); \"\" = signatures not required")
 
 
 @dataclass(frozen=True)
@@ -388,7 +391,7 @@ def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
     return f"/tmp/npuserve-{os.getuid()}"
 
 
-_PATH_KEYS = ("package", "ctypes_library")  # of [model]
+_PATH_KEYS = ("package", "ctypes_library", "signing_public_key")  # of [model]
 
 
 def _relative_to(base_dir: str, p: str) -> str:

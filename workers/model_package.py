@@ -27,6 +27,7 @@ ARCHITECTURE = "llama-like"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.npz"
 GOLDEN = "golden.json"
+SIGNATURE = "manifest.sig"  # optional detached signature of manifest.json (engine/daemon/models/package_signature.py)
 REQUIRED_FILES = (WEIGHTS, GOLDEN)
 # Bump when model_maker changes what a given default_model.json produces, so
 # cached default packages built by older code are not reused.
@@ -158,7 +159,7 @@ def _check_manifest(m, where: str) -> None:
     files = m.get("files")
     _need(isinstance(files, dict), where, "files must map file names to sha256 hex digests")
     for name, digest in files.items():
-        _need(isinstance(name, str) and name and os.path.basename(name) == name and name not in (".", "..", MANIFEST),
+        _need(isinstance(name, str) and name and os.path.basename(name) == name and name not in (".", "..", MANIFEST, SIGNATURE),
               where, f"files lists an invalid file name {name!r}")
         _need(isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest),
               where, f"files[{name!r}] is not a sha256 hex digest")
@@ -181,9 +182,10 @@ def _check_golden(cases, where: str, vocab: int, max_seq: int) -> None:
 
 
 def verify_listed_files(path: str, files: dict[str, str]) -> None:
-    """Every listed file present, regular and matching its sha256; nothing unlisted beside the manifest."""
+    """Every listed file present, regular and matching its sha256; nothing unlisted beside the manifest
+    (and its optional detached signature, which cannot be listed in the manifest it signs)."""
     present = set(os.listdir(path))
-    extra = sorted(present - set(files) - {MANIFEST})
+    extra = sorted(present - set(files) - {MANIFEST, SIGNATURE})
     if extra:
         raise PackageError(f"{os.path.join(path, extra[0])}: file not listed in the manifest")
     for name, digest in sorted(files.items()):
