@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from workers.model_package import ARCHITECTURE, GOLDEN, MANIFEST, SCHEMA, WEIGHTS, PackageError, file_sha256
+from workers.model_package import ARCHITECTURE, GOLDEN, SCHEMA, WEIGHTS, PackageError, write_manifest
 from workers.transformer import ModelDims, Transformer, weight_shapes
 
 GOLDEN_MIN_GAP = 1e-2
@@ -173,10 +173,8 @@ def make_model(
             "kv_num_blocks": kv_num_blocks,
             "profiles": [{"batch": p, "inactive_lane_policy": "mask"} for p in profiles],
             "seed": seed,
-            "files": {WEIGHTS: file_sha256(os.path.join(tmp, WEIGHTS)), GOLDEN: file_sha256(os.path.join(tmp, GOLDEN))},
         }
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True)
+        write_manifest(tmp, manifest, (WEIGHTS, GOLDEN))
         os.chmod(tmp, 0o755)
         os.rename(tmp, out_dir)
     except BaseException:

@@ -198,6 +198,18 @@ def verify_listed_files(path: str, files: dict[str, str]) -> None:
             raise PackageError(f"{fpath}: sha256 does not match the manifest")
 
 
+def write_manifest(dir_: str, manifest: dict, names=None) -> None:
+    """Pin the sha256 of `names` (default: the files `manifest` lists already) and write manifest.json.
+
+    The one manifest writer of every package kind; written last, so a package
+    whose manifest exists is complete.
+    """
+    names = sorted(manifest.get("files", {}) if names is None else names)
+    manifest["files"] = {n: file_sha256(os.path.join(dir_, n)) for n in names}
+    with open(os.path.join(dir_, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+
+
 def load_package(path: str) -> ModelPackage:
     """Verify and describe the package at `path`; raises PackageError naming the bad file.
 
