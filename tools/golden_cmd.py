@@ -68,7 +68,7 @@ def format_table(report: GoldenReport) -> str:
         got = "-" if v.got is None else str(len(v.got))
         rows.append((v.name, v.status.value.upper(), f"{got}/{len(v.expected)}", v.reason))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + ("  " + r[3] if r[3] else "") for r in rows]
+    lines = [("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3]).rstrip() for r in rows]
     return "\n".join(lines + ["", ("ok: " if report.ok else "FAILED: ") + report.summary])
 
 
