@@ -131,8 +131,8 @@ def explain(op: str, e: ClientError, endpoint: str, timeout: float) -> tuple[int
         return 2, (f"no reply from {endpoint} within {timeout:g} s{still}; is a daemon running there? "
                    f"(npuserve health --endpoint {endpoint}); a slow load may need a larger --timeout")
     step = e.details.get("step")
-    if step:
-        return 1, f"{op} refused at step {step}: {e.message}"
+    if step:  # the daemon's message may name the op and step already ("load 'chat': verify: ...")
+        return 1, f"refused: {e.message}" if f"{step}: " in e.message else f"{op} refused at step {step}: {e.message}"
     if e.code == 501:
         return 2, (f"this daemon does not implement `{op}` ({e.message}); it serves the model it was "
                    f"started with: restart it with `npuserve serve --package DIR`, or upgrade it")

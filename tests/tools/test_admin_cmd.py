@@ -22,9 +22,9 @@ from conftest import ROOT
 from test_cli_commands import NPUSERVE, npuserve
 from tools import admin_cmd
 
-ENTRY = {"alias": "chat", "generation": 3, "state": "Ready", "package": "chat-v2", "sha256": "ab" * 32,
+ENTRY = {"alias": "chat", "generation": 3, "state": "ready", "package": "chat-v2", "sha256": "ab" * 32,
          "default": False, "active_requests": 0, "counters": {"requests": 0}, "error": None}
-PREVIOUS = dict(ENTRY, generation=2, state="Unloaded", package="chat-v1", sha256="cd" * 32)
+PREVIOUS = dict(ENTRY, generation=2, state="unloaded", package="chat-v1", sha256="cd" * 32)
 
 
 def reply(msg: dict, body: dict) -> list[dict]:
@@ -72,10 +72,10 @@ def test_replies_print_as_a_table_or_json_lines(fake_server, capsys):
                     else reply(msg, {"models": [ENTRY, PREVIOUS]}))
     rc, out, _ = run(capsys, "--endpoint", s.endpoint, "replace", "chat", "chat-v2")
     lines = out.splitlines()
-    assert rc == 0 and lines[0] == "replaced chat: generation 3 is Ready (previous: generation 2, Unloaded)"
+    assert rc == 0 and lines[0] == "replaced chat: generation 3 is ready (previous: generation 2, unloaded)"
     assert lines[2].split() == ["alias", "gen", "state", "default", "active", "sha256", "package", "error"]
-    assert lines[3].split() == ["chat", "3", "Ready", "no", "0", "ab" * 6, "chat-v2", "-"]
-    assert lines[4].split() == ["chat", "2", "Unloaded", "no", "0", "cd" * 6, "chat-v1", "-"]
+    assert lines[3].split() == ["chat", "3", "ready", "no", "0", "ab" * 6, "chat-v2", "-"]
+    assert lines[4].split() == ["chat", "2", "unloaded", "no", "0", "cd" * 6, "chat-v1", "-"]
     rc, out, _ = run(capsys, "--endpoint", s.endpoint, "replace", "chat", "chat-v2", "--json")
     assert rc == 0 and orjson.loads(out) == {"op": "replace", "model": ENTRY, "previous": PREVIOUS}
     rc, out, _ = run(capsys, "models", "--json", "--endpoint", s.endpoint)
@@ -89,6 +89,10 @@ def test_a_refused_load_exits_1_naming_the_step_and_cause(fake_server, capsys):
     assert (rc, out) == (1, "")
     assert err == "npuserve admin: load refused at step verify: /m/chat/model.gguf: sha256 does not match " \
                   "the manifest\n"
+    named = fake_server(lambda msg: error(msg, 429, "insufficient_capacity", "load 'chat': capacity: needs 2.0 GB, "
+                                          "the board has 1.0 GB free", step="capacity"))
+    rc, _, err = run(capsys, "--endpoint", named.endpoint, "load", "chat", "chat")
+    assert rc == 1 and err == "npuserve admin: refused: load 'chat': capacity: needs 2.0 GB, the board has 1.0 GB free\n"
     s404 = fake_server(lambda msg: error(msg, 404, "model_not_found", "no model 'x' on this board"))
     rc, _, err = run(capsys, "--endpoint", s404.endpoint, "unload", "x")
     assert rc == 1 and "unload failed: 404 model_not_found: no model 'x' on this board" in err
@@ -149,7 +153,7 @@ def test_a_long_op_shows_elapsed_time_on_a_terminal(fake_server):
         os.close(master)
     text = seen.decode(errors="replace")
     assert re.search(r"load chat chat-v2 \.\.\. \d+\.\d s", text), text  # the spinner with the elapsed time
-    assert "loaded chat: generation 3 is Ready" in text
+    assert "loaded chat: generation 3 is ready" in text
 
 
 @pytest.mark.integration

@@ -56,13 +56,15 @@ def resolve_package(model_root: str, name_or_path: str) -> str:
 
     Symlinks anywhere in the path are resolved first, so a link that leads
     out of the root is refused like a `..` or an absolute path outside it.
+    `model_root` "" (none configured) takes the path as given, relative to
+    the working directory: the board then trusts whoever may send admin ops.
     """
-    if not model_root:
-        raise PackageRefused("resolve", "no model root is configured ([model] root or serve --model-root DIR)")
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise PackageRefused("resolve", "no package named")
     if "\0" in name_or_path:
         raise PackageRefused("resolve", "package name contains a NUL byte")
+    if not model_root:
+        return _package_folder(name_or_path, os.path.realpath(name_or_path))
     if ".." in name_or_path.replace("\\", "/").split("/"):
         raise PackageRefused("resolve", f"package {name_or_path!r}: '..' is not allowed in a package name")
     root = os.path.realpath(model_root)
@@ -77,8 +79,12 @@ def resolve_package(model_root: str, name_or_path: str) -> str:
     if path == root:
         raise PackageRefused("resolve", f"package {name_or_path!r} is the model root itself; "
                                         f"name a package folder inside it")
+    return _package_folder(name_or_path, path)
+
+
+def _package_folder(name: str, path: str) -> str:
     if not os.path.isdir(path):
-        raise PackageRefused("resolve", f"package {name_or_path!r}: no such package folder ({path})")
+        raise PackageRefused("resolve", f"package {name!r}: no such package folder ({path})")
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         raise PackageRefused("resolve", f"{path}: not a model package (no {MANIFEST})")
     return path

@@ -142,7 +142,6 @@ def test_a_path_outside_the_model_root_is_refused(kind, root, pristine):
     assert "'..' is not allowed" in msg
     msg = refused("resolve", resolve_package, str(root), "nope")
     assert "no such package folder" in msg
-    assert "no model root" in refused("resolve", resolve_package, "", "m")
     assert "model root itself" in refused("resolve", resolve_package, str(root), ".")
 
 
@@ -154,6 +153,15 @@ def test_a_symlink_out_of_the_model_root_is_refused(kind, root, pristine):
     os.symlink(os.path.dirname(pristine[kind]), root / "dir")
     msg = refused("resolve", resolve_package, str(root), f"dir/{kind}")
     assert "through a symlink" in msg
+
+
+def test_without_a_model_root_the_path_is_taken_as_given(kind, root, pkg, monkeypatch):
+    monkeypatch.chdir(root)
+    assert resolve_package("", "m") == resolve_package("", str(pkg)) == os.path.realpath(pkg)
+    assert "no such package folder" in refused("resolve", resolve_package, "", "none")
+    (root / "empty").mkdir()
+    assert "not a model package (no manifest.json)" in refused("resolve", resolve_package, "", "empty")
+    assert "no package named" in refused("resolve", resolve_package, "", " ")
 
 
 def test_symlinks_that_stay_inside_the_root_are_followed(kind, root, pkg):
