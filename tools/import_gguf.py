@@ -18,7 +18,7 @@ import shutil
 import sys
 import tempfile
 
-from workers.gguf_package import FORMAT, GGUF_FILE, write_manifest
+from workers.gguf_package import FORMAT, GGUF_FILE, kv_shape_from_metadata, write_manifest
 from workers.model_maker import _profiles
 from workers.model_package import GOLDEN, MANIFEST, SCHEMA, PackageError, file_sha256, load_package
 
@@ -49,6 +49,7 @@ def _metadata(model, path: str) -> dict:
         "add_bos": bool(info["add_bos"]),
         "context_length": int(ctx_train) if ctx_train and ctx_train.isdigit() else 0,
         "chat_template": model.meta("tokenizer.chat_template"),
+        "kv_shape": kv_shape_from_metadata(model.meta),
     }
 
 
@@ -119,6 +120,8 @@ def import_gguf(path: str, out_dir: str, *, name: str | None = None, max_seq: in
                           "add_bos": meta["add_bos"], "chat_template": meta["chat_template"]},
             "source": {"file": os.path.basename(path), "imported_by": "npuserve import-gguf"},
         }
+        if meta["kv_shape"]:
+            manifest["kv_shape"] = meta["kv_shape"]
         write_manifest(tmp, manifest)
         if manifest["files"][GGUF_FILE] != digest:
             raise PackageError(f"{path}: changed while it was being imported")

@@ -13,6 +13,7 @@ batch profiles). `load_package` dispatches here when the manifest says
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.model_package import (
@@ -28,6 +29,7 @@ from workers.model_package import write_manifest as write_package_manifest
 
 FORMAT = "gguf"
 GGUF_FILE = "model.gguf"
+KV_SHAPE_KEYS = ("layers", "kv_heads", "key_length", "value_length")
 TOKENIZER_KINDS = ("bytes", "gguf")
 
 
@@ -49,6 +51,7 @@ class GgufPackage:
     context_length: int  # what the model was trained for (GGUF metadata)
     tokenizer: dict
     golden_cases: list[dict] = field(repr=False, default_factory=list)
+    kv_shape: dict | None = None  # {"layers", "kv_heads", "key_length", "value_length"}; None in older packages
 
     @property
     def gguf_path(self) -> str:
@@ -86,6 +89,10 @@ def _check_manifest(m: dict, where: str) -> None:
     tok = m.get("tokenizer")
     _need(isinstance(tok, dict) and tok.get("kind") in TOKENIZER_KINDS, where,
           f"tokenizer must be an object whose kind is one of {TOKENIZER_KINDS}")
+    shape = m.get("kv_shape")
+    _need(shape is None or (isinstance(shape, dict) and set(shape) == set(KV_SHAPE_KEYS)
+                            and all(_is_int(v) and v > 0 for v in shape.values())), where,
+          f"kv_shape must be an object of positive integers {', '.join(KV_SHAPE_KEYS)}")
     files = m.get("files")
     _need(isinstance(files, dict) and set(files) == {GGUF_FILE, GOLDEN}, where,
           f"files must list exactly {GGUF_FILE} and {GOLDEN}")
@@ -100,7 +107,29 @@ def load_gguf_package(path: str, manifest: dict, raw: bytes) -> GgufPackage:
     _check_manifest(manifest, mpath)
     verify_listed_files(path, manifest["files"])
     return GgufPackage(**common_fields(path, manifest, raw), architecture=manifest["architecture"],
-                       context_length=manifest["context_length"], tokenizer=dict(manifest["tokenizer"]))
+                       context_length=manifest["context_length"], tokenizer=dict(manifest["tokenizer"]),
+                       kv_shape=dict(manifest["kv_shape"]) if manifest.get("kv_shape") else None)
+
+
+def kv_shape_from_metadata(meta: Callable[[str], str | None]) -> dict | None:
+    """The KV cache shape from GGUF metadata (`meta(key)` -> string or None), or None when it is incomplete.
+
+    Recorded in the manifest (`kv_shape`) at import, so sizing a package's KV
+    cache later needs no llama.cpp load (which costs seconds for a large vocabulary).
+    """
+    arch = meta("general.architecture")
+
+    def num(key: str) -> int | None:
+        v = meta(f"{arch}.{key}")
+        return int(v) if v is not None and v.isdigit() else None
+
+    layers, heads = num("block_count"), num("attention.head_count")
+    kv_heads = num("attention.head_count_kv") or heads
+    embd = num("embedding_length")
+    key_length = num("attention.key_length") or (embd // heads if embd and heads else None)
+    value_length = num("attention.value_length") or key_length
+    shape = dict(layers=layers, kv_heads=kv_heads, key_length=key_length, value_length=value_length)
+    return shape if arch and all(shape.values()) else None
 
 
 def write_manifest(dir_: str, manifest: dict) -> None:

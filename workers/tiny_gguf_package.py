@@ -17,7 +17,7 @@ from workers.gguf_package import FORMAT, GGUF_FILE, write_manifest
 from workers.model_package import GOLDEN, SCHEMA, build_package_once, cache_root, default_model_params, \
     default_package_dir, load_package
 
-GGUF_MAKER_VERSION = 1
+GGUF_MAKER_VERSION = 2  # 2: the manifest records kv_shape
 
 
 def make_gguf_model(out_dir: str, **params) -> str:
@@ -49,6 +49,8 @@ def make_gguf_model(out_dir: str, **params) -> str:
                           "chat_template": None},
             "source": {"made_by": "npuserve make-model --format gguf", "npz_manifest_sha256": src.sha256,
                        "dims": src.dims.to_dict(), "seed": m.get("seed")},
+            "kv_shape": {"layers": src.dims.layers, "kv_heads": src.dims.kv_heads,
+                         "key_length": src.dims.head_dim, "value_length": src.dims.head_dim},
         }
         write_manifest(pkg, manifest)
         os.chmod(pkg, 0o755)

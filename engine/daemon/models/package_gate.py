@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 
 from engine.config import Config, ConfigError, validate_against_model
-from workers.gguf_package import GgufPackage
+from workers.gguf_package import GgufPackage, kv_shape_from_metadata
 from workers.model_package import MANIFEST, ModelPackage, PackageError, load_package
 from workers.transformer import weight_shapes
 
@@ -190,8 +190,11 @@ class CapacityFacts:
                 "max_seq": self.max_seq, "profiles": list(self.profiles)}
 
 
-def _gguf_kv_bytes_per_token(pkg: GgufPackage) -> int:
-    """2 (K, V) x layers x KV heads x head size x f16, from the GGUF metadata (a vocab-only llama.cpp load)."""
+def _gguf_kv_shape(pkg: GgufPackage) -> dict:
+    """The manifest's `kv_shape`; for packages imported before it was recorded, the GGUF metadata
+    through a vocab-only llama.cpp load (seconds for a large vocabulary)."""
+    if pkg.kv_shape:
+        return pkg.kv_shape
     try:
         from workers.llamacpp.binding import LlamaModel
     except ImportError as e:
@@ -202,29 +205,21 @@ def _gguf_kv_bytes_per_token(pkg: GgufPackage) -> int:
     except Exception as e:  # noqa: BLE001 - whatever llama.cpp reports, the package is unusable
         raise PackageRefused("capacity", f"{pkg.gguf_path}: llama.cpp cannot read it ({e})") from None
     try:
-        arch = model.meta("general.architecture") or pkg.architecture
-
-        def num(key: str) -> int | None:
-            v = model.meta(f"{arch}.{key}")
-            return int(v) if v is not None and v.isdigit() else None
-
-        layers, heads, kv_heads = num("block_count"), num("attention.head_count"), num("attention.head_count_kv")
-        kv_heads = kv_heads or heads
-        embd = num("embedding_length")
-        k_len = num("attention.key_length") or (embd // heads if embd and heads else None)
-        v_len = num("attention.value_length") or k_len
+        shape = kv_shape_from_metadata(model.meta)
     finally:
         model.close()
-    if not (layers and kv_heads and k_len and v_len):
-        raise PackageRefused("capacity", f"{pkg.gguf_path}: GGUF metadata lacks {arch}.block_count / "
-                                         f"attention.head_count(_kv) / key_length; cannot size its KV cache")
-    return layers * kv_heads * (k_len + v_len) * LLAMACPP_KV_BYTES
+    if shape is None:
+        raise PackageRefused("capacity", f"{pkg.gguf_path}: GGUF metadata lacks block_count / attention.head_count"
+                                         f"(_kv) / key_length: cannot size its KV cache")
+    return shape
 
 
 def capacity_facts(pkg: Package, cfg: Config) -> CapacityFacts:
     """Weight and KV sizes of `pkg` as `cfg` would serve it, per chip worker."""
     if isinstance(pkg, GgufPackage):
-        per_token = _gguf_kv_bytes_per_token(pkg)
+        shape = _gguf_kv_shape(pkg)  # K and V over all layers, f16
+        per_token = shape["layers"] * shape["kv_heads"] * (shape["key_length"] + shape["value_length"]) \
+            * LLAMACPP_KV_BYTES
         try:
             weights = os.path.getsize(pkg.gguf_path)  # llama.cpp maps the file: weights ~ its size
         except OSError as e:

@@ -14,6 +14,7 @@ from engine.daemon.models.package_gate import (
 )
 from engine.daemon.models.package_signature import sign_package, write_key_pair
 from workers.model_maker import make_model
+from workers.model_package import write_manifest
 from workers.tiny_gguf_package import make_gguf_model
 
 # One layer, one KV head of 8 dims: KV bytes per token are 2*1*1*8*4 (ref, float32) and 1*1*(8+8)*2 (llama.cpp f16).
@@ -241,3 +242,29 @@ def test_capacity_facts_follow_the_served_block_size(root, pristine):
     assert capacity_facts(g, cfg_for("gguf", **{"kv.block_size": 32})).kv_bytes_per_block == 32 * 32
     n = verify_package(str(root / "n"))
     assert capacity_facts(n, cfg_for("npz", **{"kv.block_size": 32})).block_size == 16
+
+
+def test_gguf_kv_shape_from_the_manifest_or_the_gguf_metadata_agree(root, pristine):
+    """Packages record kv_shape at import; older ones without it are sized from the GGUF metadata, the same."""
+    shutil.copytree(pristine["gguf"], root / "g")
+    pkg = verify_package(str(root / "g"))
+    assert pkg.kv_shape == {"layers": 1, "kv_heads": 1, "key_length": 8, "value_length": 8}
+    m = json.loads((root / "g" / "manifest.json").read_text())
+    del m["kv_shape"]
+    write_manifest(str(root / "g"), m)
+    old = verify_package(str(root / "g"))
+    assert old.kv_shape is None
+    assert capacity_facts(old, cfg_for("gguf")).kv_bytes_per_token == capacity_facts(pkg, cfg_for("gguf")) \
+        .kv_bytes_per_token == 32
+    m["kv_shape"] = {"layers": 1, "kv_heads": 0, "key_length": 8, "value_length": 8}
+    write_manifest(str(root / "g"), m)
+    assert "kv_shape must be an object of positive integers" in refused("verify", verify_package, str(root / "g"))
+
+
+def test_gemma_records_its_kv_shape_at_import(gemma_package):
+    cfg = cfg_for("gguf")
+    pkg = verify_package(gemma_package)
+    assert pkg.kv_shape == {"layers": 18, "kv_heads": 1, "key_length": 256, "value_length": 256}
+    facts = capacity_facts(pkg, cfg)
+    assert facts.kv_bytes_per_token == 18 * 1 * (256 + 256) * 2
+    assert facts.weight_bytes == os.path.getsize(pkg.gguf_path) > 200_000_000
