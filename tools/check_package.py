@@ -4,7 +4,8 @@ The golden tokens were produced by the cache-free full recompute; here they
 are replayed through the serving path (paged prefill, then one decode job per
 token on the `ref` backend, greedy), so a pass means the package is intact
 and the paged implementation agrees with the oracle on it. A GGUF package
-replays them through llama.cpp (the `llamacpp` backend) instead.
+replays them through llama.cpp (the `llamacpp` backend) instead. The verdicts are
+`engine.core.golden_check`'s, as for `npuserve golden` and the daemon's load.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.core.golden_check import Outcome, Status, check_cases, expected_outcome
 from ipc.records import JobKind
 from workers.backends.base import BackendError
 from workers.backends.ref import RefBackend
@@ -71,21 +73,20 @@ def check_package(path: str) -> CheckReport:
     backend = _backend_for(package)
     try:
         backend.load(package)
-        passed, failures = 0, []
-        for i, case in enumerate(cases):
+        outcomes = []
+        for case in cases:
             got = greedy_generate(backend, case["prompt"], case["max_tokens"], package.block_size)
-            if got == case["tokens"]:
-                passed += 1
-            else:
-                failures.append(f"case {case.get('name', i)}: expected {case['tokens']}, got {got}")
+            # what a server returns for these tokens: cut before EOS unless the case ignores it
+            outcomes.append(Outcome(*expected_outcome({**case, "tokens": got}, package.eos_ids)))
     except (PackageError, BackendError, ValueError) as e:
         return CheckReport(False, len(cases), 0, str(e))
     finally:
         backend.unload()
     if not cases:
         return CheckReport(False, 0, 0, f"{package.file_path('golden.json')}: no golden cases")
-    error = "; ".join(failures) if failures else None
-    return CheckReport(passed == len(cases), len(cases), passed, error)
+    report = check_cases(cases, outcomes, package.eos_ids)
+    failures = [f"case {v.name}: {v.reason}" for v in report.verdicts if not v.ok]
+    return CheckReport(report.ok, len(cases), report.count(Status.PASS), "; ".join(failures) or None)
 
 
 def main(argv: list[str]) -> int:
