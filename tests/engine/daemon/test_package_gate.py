@@ -268,3 +268,13 @@ def test_gemma_records_its_kv_shape_at_import(gemma_package):
     facts = capacity_facts(pkg, cfg)
     assert facts.kv_bytes_per_token == 18 * 1 * (256 + 256) * 2
     assert facts.weight_bytes == os.path.getsize(pkg.gguf_path) > 200_000_000
+
+
+def test_a_manifest_cannot_list_its_own_signature(root, pristine):
+    """manifest.sig signs the manifest, so the manifest cannot pin it: listing it is a malformed manifest."""
+    shutil.copytree(pristine["npz"], root / "n")
+    (root / "n" / "manifest.sig").write_text("{}")
+    m = json.loads((root / "n" / "manifest.json").read_text())
+    write_manifest(str(root / "n"), m, [*m["files"], "manifest.sig"])
+    msg = refused("verify", verify_package, str(root / "n"))
+    assert "invalid file name 'manifest.sig'" in msg
