@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
@@ -23,6 +23,7 @@ ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05
 
 class HttpMetrics:
     def __init__(self) -> None:
+        disable_created_metrics()  # the *_created series only add noise to every scrape (as the daemon's)
         r = self.registry = CollectorRegistry()
         self.requests = Counter(PREFIX + "http_requests", "HTTP requests answered by the front, by endpoint and "
                                 "status code.", ["endpoint", "status"], registry=r)

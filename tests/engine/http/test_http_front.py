@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tempfile
 import time
@@ -10,7 +11,8 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import daemon_process, start_http_front, wait_until
+from conftest import ROOT, daemon_process, start_http_front, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.client import Client
 from workers.tokenizer import ByteTokenizer
@@ -169,6 +171,7 @@ def test_chat_on_a_model_without_template_is_a_clear_400(oai):
 
 def test_models_health_and_metrics(board, oai):
     _, front = board
+    oai.completions.create(model="tiny", prompt="x", max_tokens=1)
     assert [m.id for m in oai.models.list().data] == ["tiny"]
     status, body = front.get("/health")
     assert status == 200 and b'"ok"' in body
@@ -177,6 +180,12 @@ def test_models_health_and_metrics(board, oai):
     assert status == 200
     assert 'npuserve:http_requests_total{endpoint="completions",status="200"}' in text
     assert "npuserve:request_success_total" in text  # the upstream daemon's own series
+    # docs/http.md lists exactly the front's own series
+    ours = {f.name + ("_total" if f.type == "counter" else "") for f in text_string_to_metric_families(text)
+            if f.name.startswith("npuserve:http_")}
+    with open(os.path.join(ROOT, "docs", "http.md")) as fh:
+        documented = set(re.findall(r"^\| `(npuserve:http_[a-z0-9_]+)` \|", fh.read(), re.M))
+    assert documented == ours and len(ours) == 6
 
 
 def test_disconnect_mid_stream_cancels_the_request_upstream(board, lib):
