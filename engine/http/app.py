@@ -329,6 +329,10 @@ class Front:
                 kind = ev.get("ev")
                 if kind == "tokens":
                     texts.append(ev.get("text") or "")
+                    if not first_at and ev.get("tokens"):
+                        first_at.append(time.perf_counter())
+                        if n == 1:
+                            metrics.ttft.observe(first_at[0] - t0)
                     if req.logprobs:
                         toks.extend(ev.get("tokens") or ())
                         lps.extend(ev.get("logprobs") or ())
@@ -340,8 +344,6 @@ class Front:
                 if req.logprobs:
                     lp = chat_logprobs(toks, lps, token_text) if chat else completion_logprobs(toks, lps, token_text)
                 out.append(writer.text(i, text, lp))
-                if not first_at:
-                    first_at.append(time.perf_counter())
             if end is not None:
                 if end.get("ev") == "error":
                     raise from_upstream(end)
@@ -349,10 +351,8 @@ class Front:
                 usages[i] = end.get("usage") or {}
                 if n == 1 and first_at:
                     up_ttft = (end.get("timing") or {}).get("ttft_ms")
-                    ttft = first_at[0] - t0
-                    metrics.ttft.observe(ttft)
                     if up_ttft is not None:
-                        metrics.added_ttft.observe(max(0.0, ttft - up_ttft / 1000.0))
+                        metrics.added_ttft.observe(max(0.0, first_at[0] - t0 - up_ttft / 1000.0))
             return b"".join(out)
 
         batches = merged_batches(self.upstream.client, prep.msgs)
