@@ -38,6 +38,7 @@ from ipc.codec import PROTOCOL_VERSION
 
 log = logging.getLogger("npuserve.http")
 JSON = "application/json"
+MAX_BODY_BYTES = 32 << 20  # a prompt of 2^20 characters, JSON-escaped, fits with room; the upstream checks the rest
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
@@ -166,7 +167,12 @@ class Front:
 
     @staticmethod
     async def _json(request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise OpenAIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
         data = await request.body()
+        if len(data) > MAX_BODY_BYTES:
+            raise OpenAIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError as e:
@@ -197,8 +203,11 @@ class Front:
         texts: list[str | None] = []
         if req.kind == "chat":
             name = req.model or (served.alias if served else "")
-            if served is None or served.template is None:
-                raise no_template(name) if served is None or not served.problem else OpenAIError(
+            if served is None:
+                raise OpenAIError(503, "the front has not learned the served model from the upstream yet",
+                                  code="upstream_unavailable")
+            if served.template is None:
+                raise no_template(name) if not served.problem else OpenAIError(
                     400, f"model {name!r} has no chat template: {served.problem}", param="messages",
                     code="no_chat_template")
             text = served.template.render(req.messages, req.add_generation_prompt, req.template_kwargs)
@@ -268,11 +277,17 @@ class Front:
 
         if len(prep.msgs) == 1:
             return [await one(prep.msgs[0])]
-        results = await asyncio.gather(*(one(m) for m in prep.msgs), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results
+        tasks = [asyncio.ensure_future(one(m)) for m in prep.msgs]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                if t.done() and t.exception() is not None:
+                    raise t.exception()
+            return [t.result() for t in tasks]
+        finally:  # one choice failed or the client left: the others are cancelled upstream too
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _whole(self, request: Request, prep: Prepared, endpoint: str, t0: float) -> Response:
         self.metrics.in_flight.inc()
