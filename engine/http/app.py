@@ -291,19 +291,9 @@ class Front:
 
     async def _whole(self, request: Request, prep: Prepared, endpoint: str, t0: float) -> Response:
         self.metrics.in_flight.inc()
-        task = asyncio.ensure_future(self._collect(prep))
-        watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
-            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                self.metrics.disconnects.inc()
-                raise ClientGone()
-            dones = task.result()
+            dones = await self._unless_gone(request, self._collect(prep))
         finally:
-            watcher.cancel()
             self.metrics.in_flight.dec()
         req, served = prep.req, self.upstream.model
         token_text = served.token_text if served else (lambda t: f"token_id:{t}")
@@ -375,7 +365,7 @@ class Front:
         # Wait for the first batch before the status line: an upstream error (429, 400 prompt too long, ...)
         # is then still an HTTP status, not an event inside a 200 stream.
         try:
-            first_batch = await self._first(request, batches)
+            first_batch = await self._unless_gone(request, batches.__anext__())
             head = b"".join(writer.role(i) for i in range(n)) if chat else b""
             first = head + encode(*first_batch)
         except BaseException:
@@ -415,9 +405,10 @@ class Front:
 
         return SSEResponse(first, rest(), on_end)
 
-    async def _first(self, request: Request, batches: AsyncIterator) -> tuple[int, list[dict]]:
-        """The first batch of a stream, or ClientGone when the client leaves before it comes."""
-        task = asyncio.ensure_future(batches.__anext__())
+    async def _unless_gone(self, request: Request, aw):
+        """The result of `aw`, or ClientGone (and `aw` cancelled, so its upstream requests too) when the
+        client disconnects first."""
+        task = asyncio.ensure_future(aw)
         watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
             await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)

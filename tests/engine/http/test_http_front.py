@@ -6,14 +6,13 @@ import os
 import re
 import signal
 import socket
-import tempfile
 import time
 
 import httpx
 import openai
 import orjson
 import pytest
-from conftest import ROOT, daemon_process, start_http_front, wait_until
+from conftest import ROOT, daemon_process, http_front_process, start_http_front, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.client import Client
@@ -28,14 +27,8 @@ SIM = {"decode_base_ms": 2.0, "decode_per_lane_ms": 0.0}
 @pytest.fixture(scope="module")
 def board():
     """One daemon and one open front for the module."""
-    with daemon_process("sim", backend_options=SIM) as d:
-        log_dir = tempfile.mkdtemp(prefix="nph-", dir="/tmp")
-        front = start_http_front(d.endpoint, os.path.join(log_dir, "http.log"))
-        try:
-            yield d, front
-        finally:
-            rc = front.stop()
-        assert rc == 0, front.log()[-3000:]
+    with daemon_process("sim", backend_options=SIM) as d, http_front_process(d.endpoint) as front:
+        yield d, front
 
 
 @pytest.fixture(scope="module")

