@@ -69,10 +69,10 @@ class Upstream:
             return False
         self.last_health = body
         if not self.up:
+            # (Re)learn the model before admitting requests: a restarted upstream may serve another one.
+            await self.refresh_models()
             log.info("upstream %s answers", self.endpoint)
         self.up = True
-        if self.model is None:
-            await self.refresh_models()
         return True
 
     async def refresh_models(self) -> None:
@@ -88,8 +88,9 @@ class Upstream:
                 return
             self.models = models
             first = models[0]
-            if self.model is None or self.model.alias != first["alias"] or \
-                    (self.package or first.get("package")) != self.model.package:
+            m = self.model
+            if m is None or (m.alias, m.package, m.sha256) != (first["alias"], self.package or first.get("package"),
+                                                               first.get("sha256")):
                 self.model = await asyncio.to_thread(load_served_model, first, self.package,
                                                       self.chat_template)
                 if self.model.template is None:
