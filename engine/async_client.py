@@ -27,10 +27,10 @@ from engine.client import (
     reply_body,
 )
 from engine.errors import ClientError, ClientTimeout, InvalidRequest
-from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_event, encode
+from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_event, decode_trusted_event, encode
 
 
-def drain_events(raw: zmq.Socket) -> Iterator[dict | None]:
+def drain_events(raw: zmq.Socket, decode=decode_event) -> Iterator[dict | None]:
     """Every frame ready on `raw` (NOBLOCK receives), decoded; None for one that is not a valid event."""
     while True:
         try:
@@ -38,7 +38,7 @@ def drain_events(raw: zmq.Socket) -> Iterator[dict | None]:
         except zmq.Again:
             return
         try:
-            yield decode_event(data)
+            yield decode(data)
         except ProtocolError:
             yield None
 
@@ -51,8 +51,11 @@ class AsyncClient:
     """
 
     def __init__(self, endpoint: str | None = None, timeout: float | None = None, *,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None, validate: bool = True) -> None:
+        """`validate=False`: events are parsed without the protocol's per-field checks
+        (`ipc.codec.decode_trusted_event`), for a relay whose upstream is our own daemon or balancer."""
         self.endpoint = endpoint or default_endpoint()
+        self._decode = decode_event if validate else decode_trusted_event
         self.timeout = timeout
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
@@ -156,6 +159,48 @@ class AsyncClient:
             if not finished and not self._closed:
                 await self._send_quiet(build_cancel(rid))
 
+    async def stream_batches(self, msg: dict, *, timeout: float | None = ...) -> AsyncIterator[list[dict]]:
+        """Yield a generate's events in batches: every event that arrived in one receive burst, as one list.
+
+        For relays (the HTTP front) that coalesce what one loop turn brought
+        into one write. The last batch ends with the terminal event (`done` or
+        `error`, not raised). `msg["id"]` must be unique among this client's
+        requests in flight; leaving the loop early cancels the request.
+        """
+        rid = msg["id"]
+        deadline = self._deadline(timeout)
+        q = await self._start(rid, msg)
+        finished = False
+        try:
+            while True:
+                batch = [await self._get(q, rid, deadline)]
+                while not q.empty():
+                    batch.append(q.get_nowait())
+                if batch[-1].get("ev") in ("done", "error"):
+                    finished = True
+                    yield batch
+                    return
+                yield batch
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.cancel_nowait(rid)
+
+    def cancel_nowait(self, id: str) -> None:
+        """`cancel` without awaiting (safe in a `finally` of a cancelled task): a non-blocking send."""
+        if self._closed:
+            return
+        try:
+            zmq.Socket.shadow(self._sock.underlying).send(encode(build_cancel(id)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def abort_all(self, code: int, reason: str, message: str) -> None:
+        """End every request in flight with a local `error` event (the upstream is gone; nobody else will)."""
+        for rid, q in list(self._queues.items()):
+            q.put_nowait({"v": PROTOCOL_VERSION, "ev": "error", "id": rid, "code": code, "reason": reason,
+                          "message": message, "retryable": True})
+
     async def cancel(self, id: str) -> None:
         """Ask the server to cancel request `id` (idempotent; its stream ends with done/cancelled)."""
         await self._send(build_cancel(id))
@@ -230,7 +275,7 @@ class AsyncClient:
         queues = self._queues
         while True:
             await sock.poll(flags=zmq.POLLIN)
-            for ev in drain_events(raw):
+            for ev in drain_events(raw, self._decode):
                 if ev is None:
                     continue
                 q = queues.get(ev.get("id"))

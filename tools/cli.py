@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sign-package": ("tools.sign_package_cmd", "sign a model package's manifest (manifest.sig, Ed25519)"),
     "golden": ("tools.golden_cmd", "run a package's golden cases against a live endpoint"),
     "admin": ("tools.admin_cmd", "manage a board's models: load, unload, replace, rollback, models"),
+    "http": ("engine.http.main", "serve the OpenAI API over HTTP in front of a daemon or balancer"),
 }
 
 
