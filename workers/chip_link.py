@@ -246,6 +246,11 @@ class ChipLink:
         self._ctl_sent += 1
         self._bell.ring()
 
+    def release_blocks(self, blocks: list[int]) -> None:
+        """Tell the worker these KV blocks were freed; it applies this before any job submitted later."""
+        assert self.socket is not None, "release_blocks() on a stopped ChipLink"
+        self._send_control(encode(Msg.RELEASE, blocks=[int(b) for b in blocks]))
+
     def chaos(self, action: str, seconds: float = 0.0) -> None:
         """Test hook: "crash", "hang" (for `seconds`) or "slow" (`seconds` added to every job)."""
         assert self.socket is not None, "chaos() on a stopped ChipLink"

@@ -7,7 +7,8 @@ Every message has `"v": 1` and a `"msg"` name from `Msg`.
 
 Link -> worker: JOB (doorbell: records are waiting in the job ring; only
 used when the link has no semaphore doorbell), SHUTDOWN, CHAOS (test hooks for
-the chaos harness). The hot path, a new job, rings a POSIX semaphore instead
+the chaos harness), RELEASE (KV blocks the scheduler freed: a backend with
+its own KV store, llama.cpp, frees their cells). The hot path, a new job, rings a POSIX semaphore instead
 (`WorkerConfig.job_bell`): one futex wake instead of four ZeroMQ thread hops.
 Because the semaphore and the socket are not ordered with each other, every
 job record carries `ctl` = the number of control messages the link had sent
@@ -47,6 +48,7 @@ class Msg(str, enum.Enum):
     JOB = "job"
     SHUTDOWN = "shutdown"
     CHAOS = "chaos"
+    RELEASE = "release"  # the scheduler freed these KV blocks (`blocks`); see ChipBackend.release_blocks
     # worker -> link
     READY = "ready"
     FAILED = "failed"
@@ -69,6 +71,7 @@ _REQUIRED: dict[Msg, tuple[str, ...]] = {
     Msg.JOB: (),
     Msg.SHUTDOWN: (),
     Msg.CHAOS: ("action", "seconds"),
+    Msg.RELEASE: ("blocks",),
     Msg.READY: ("info", "pid"),
     Msg.FAILED: ("message",),
     Msg.HEARTBEAT: ("at", "jobs_done"),
@@ -103,6 +106,9 @@ def decode(data: bytes) -> tuple[Msg, dict[str, Any]]:
             ChaosAction(obj["action"])
         except ValueError:
             raise ControlError(f"unknown chaos action {obj['action']!r}") from None
+    if kind is Msg.RELEASE and not (isinstance(obj["blocks"], list)
+                                    and all(type(b) is int and b >= 0 for b in obj["blocks"])):
+        raise ControlError(f"release message: blocks must be a list of block ids, not {obj['blocks']!r:.80}")
     return kind, obj
 
 

@@ -144,6 +144,7 @@ class WorkerProcess:
         self.result_fd = result_fd  # the link's result doorbell (an eventfd); None: RESULT messages
         self.jobs_done = 0
         self.ctl_seen = 0  # control messages received (jobs carry how many precede them)
+        self._releases: list[tuple[int, list[int]]] = []  # (control message index, blocks) not applied yet
         self.slow_s = 0.0
         self.running = True
         self.poller = zmq.Poller()
@@ -216,7 +217,20 @@ class WorkerProcess:
                 self.running = False
             elif kind is Msg.CHAOS:
                 self.chaos(ChaosAction(msg["action"]), float(msg["seconds"]))
+            elif kind is Msg.RELEASE:
+                # Applied just before the first job submitted after it (apply_releases): a job already in
+                # the ring may still read these blocks (a request cancelled while its job was in flight).
+                self._releases.append((self.ctl_seen - 1, msg["blocks"]))
             # JOB is only a doorbell: the serve loop reads the ring every turn.
+
+    def apply_releases(self, sent_before: int) -> None:
+        """Give the backend the release notices sent before the job about to run (and none sent after it)."""
+        while self._releases and self._releases[0][0] < sent_before:
+            _, blocks = self._releases.pop(0)
+            try:
+                self.backend.release_blocks(blocks)
+            except Exception as exc:  # a backend bug must not kill the worker; the next job's checks stand
+                _log("worker.release_failed", error=f"{type(exc).__name__}: {exc}")
 
     def catch_up_control(self, sent_before: int) -> None:
         """Read the control messages the link sent before this job (they may still be in flight)."""
@@ -247,6 +261,8 @@ class WorkerProcess:
                 self.catch_up_control(sent_before)
                 if not self.running:
                     return
+            if self._releases:
+                self.apply_releases(int(rec["ctl"][0]) if "ctl" in rec else self.ctl_seen)
             t0 = time.perf_counter_ns()
             job = Job.from_arrays(rec, copy=False)  # read-only ring views: the backend keeps none
             if self.slow_s > 0:  # chaos only: say which job is now on the "device", so a test can act mid-job

@@ -44,4 +44,17 @@ class FailRequest:
     timing: dict | None = None  # as FinishRequest's, when the request was accepted (None: rejected at submit)
 
 
-Action = SubmitJob | EmitTokens | FinishRequest | FailRequest
+@dataclass
+class ReleaseBlocks:
+    """These KV blocks of `chip` hold nothing the scheduler will read again (freed, not prefix-cached).
+
+    Sent before any job that reuses one of them. A backend whose KV lives in
+    the blocks themselves ignores it; one with its own KV store (llama.cpp's
+    cells) frees what it keeps for them.
+    """
+
+    chip: int
+    blocks: list[int]
+
+
+Action = SubmitJob | EmitTokens | FinishRequest | FailRequest | ReleaseBlocks

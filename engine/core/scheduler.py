@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
-from engine.core.actions import Action, EmitTokens, FailRequest, FinishRequest, SubmitJob
+from engine.core.actions import Action, EmitTokens, FailRequest, FinishRequest, ReleaseBlocks, SubmitJob
 from engine.core.admission import (
     AdmissionOutcome,
     CapacityBudget,
@@ -772,6 +772,7 @@ class Scheduler:
         by_profile = self.decode_by_profile[batch]
         by_profile[0] += 1
         by_profile[1] += len(chosen)
+        self._release_freed(ch, out)  # before the job: it may reuse a freed block
         out.append(SubmitJob(ch.chip, job, lanes_rids))
 
     def _submit_prefill(self, ch: ChipState, rid: int, now: float, out: list[Action]) -> None:
@@ -792,7 +793,13 @@ class Scheduler:
         lanes_rids = self._record_job(ch, JobKind.PREFILL, job_id, [r], [start], [end], final, 1, now)
         self.counters["prefill_jobs"] += 1
         self.counters["prefill_tokens"] += end - start
+        self._release_freed(ch, out)  # before the job: it may reuse a freed block
         out.append(SubmitJob(ch.chip, job, lanes_rids))
+
+    def _release_freed(self, ch: ChipState, out: list[Action]) -> None:
+        freed = ch.kv.take_freed()
+        if freed:
+            out.append(ReleaseBlocks(ch.chip, freed))
 
     def _record_job(self, ch: ChipState, kind: JobKind, job_id: int, rs: list[RequestRecord], starts: list[int],
                     ends: list[int], final: bool, batch: int, now: float) -> list[int]:

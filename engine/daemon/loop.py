@@ -22,7 +22,7 @@ from typing import Callable
 import zmq
 
 from engine.config import Config, validate_against_model
-from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
+from engine.core.actions import EmitTokens, FailRequest, FinishRequest, ReleaseBlocks, SubmitJob
 from engine.core.scheduler import ChipSpec, ConfigurationError, ModelSpec, Scheduler
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon import ops
@@ -353,6 +353,9 @@ class Daemon:
                 fe.finish(a.request_id, a.finish_reason, a.usage, a.timing)
             elif t is FailRequest:
                 fe.fail(a.request_id, a.code, a.reason, a.message, a.retryable)
+            elif t is ReleaseBlocks:
+                if self.supervisor.state(a.chip) is ChipState.UP:  # else the worker restarts empty
+                    self.links[a.chip].release_blocks(a.blocks)
             else:
                 raise AssertionError(f"unknown action {a!r}")
 

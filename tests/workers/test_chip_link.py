@@ -30,6 +30,7 @@ def test_every_message_round_trips():
     samples = {
         Msg.JOB: {}, Msg.SHUTDOWN: {}, Msg.BYE: {},
         Msg.CHAOS: {"action": "hang", "seconds": 1.5},
+        Msg.RELEASE: {"blocks": [3, 0, 17]},
         Msg.READY: {"info": {"name": "stub"}, "pid": 42},
         Msg.FAILED: {"message": "no such backend"},
         Msg.HEARTBEAT: {"at": 12.5, "jobs_done": 7},
@@ -51,6 +52,9 @@ def test_every_message_round_trips():
     orjson.dumps({"v": 1, "msg": "teleport"}),
     orjson.dumps({"v": 1, "msg": "heartbeat", "at": 1.0}),  # lacks jobs_done
     orjson.dumps({"v": 1, "msg": "chaos", "action": "explode", "seconds": 0}),
+    orjson.dumps({"v": 1, "msg": "release"}),  # no blocks
+    orjson.dumps({"v": 1, "msg": "release", "blocks": [1, -2]}),
+    orjson.dumps({"v": 1, "msg": "release", "blocks": "1,2"}),
 ])
 def test_malformed_messages_raise_control_error(data):
     with pytest.raises(ControlError):

@@ -126,6 +126,13 @@ class ChipBackend(abc.ABC):
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
         """Write host KV content (from swap_out) into `blocks`."""
 
+    def release_blocks(self, blocks: list[int]) -> None:
+        """The scheduler freed these blocks: nothing will read their KV again (a control message, not a job).
+
+        Backends whose KV lives in the blocks have nothing to do; one that keeps
+        its own KV store (llama.cpp's cells) frees what it holds for them.
+        """
+
     def health(self) -> dict:
         return {"ok": True}
 

@@ -83,6 +83,7 @@ class KvManager:
         self._seqs: dict[int, KvSequence] = {}
         self.preempt_refusals = 0  # grow() calls refused for lack of blocks
         self.released_in_flight = 0  # release() of an UPDATING sequence (its tail got quarantined)
+        self._freed: list[int] = []  # blocks back in the free pool since take_freed() (not cached, not quarantined)
 
     @property
     def num_blocks(self) -> int:
@@ -292,6 +293,7 @@ class KvManager:
             check_transition(seq.state, S.FREE)
         self._seqs.clear()
         self.pool.release_quarantine()
+        self._freed.clear()  # a restarted worker holds nothing
         self.faulted = False
         if self.pool.num_free() != self.pool.num_blocks:
             raise AssertionError("blocks leaked across chip recovery")
@@ -304,8 +306,14 @@ class KvManager:
         for key in [k for k in self.cache.keys() if k.generation == generation]:
             for b in self.cache.drop_key(key):
                 self.pool.free(b)
+                self._freed.append(b)
                 freed += 1
         self._after(None)
+        return freed
+
+    def take_freed(self) -> list[int]:
+        """The blocks freed (to the pool, not to the prefix cache) since the last call, oldest first."""
+        freed, self._freed = self._freed, []
         return freed
 
     # -- internals -------------------------------------------------------------
@@ -340,6 +348,7 @@ class KvManager:
                     self.cache.mark_unreferenced(b)
                 else:
                     self.pool.free(b)
+                    self._freed.append(b)
 
     def _to_unknown(self, seq: KvSequence) -> None:
         check_transition(seq.state, S.UNKNOWN)

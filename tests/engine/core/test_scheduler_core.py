@@ -323,3 +323,26 @@ def test_scheduler_config_from_engine_config():
                                  "batch": {"profiles": (1, 4), "batching_window_us": 500}})
     assert cfg.tenant("a") == TenantPolicy(weight=2.0) and cfg.profiles == (1, 4)
     assert cfg.batching_window_s == 0.0005
+
+
+def test_freed_blocks_are_released_to_the_chip_before_the_next_job():
+    """A finished request's blocks that the prefix cache does not keep are announced (ReleaseBlocks),
+    before any job that could reuse them; cached full blocks are not."""
+    sched = make_scheduler(block_size=4)
+    ex = FakeExecutor(sched)
+    ex.submit(1, params(n_prompt=10, max_tokens=4))  # 13 tokens of KV over 4 blocks: 3 full + 1 partial
+    ex.run()
+    table = {b for _, job in ex.jobs for b in job.block_tables[0].tolist() if b >= 0}
+    assert len(table) == 4 and not ex.released  # nothing announced yet: no job since
+    kv = sched.chips[0].kv
+    cached = {b for b in table if kv.cache.is_cached(b)}
+    assert len(cached) == 3
+    ex.submit(2, params(n_prompt=6, max_tokens=2, seed=5))
+    actions = sched.tick(1.0)
+    kinds = [type(a).__name__ for a in actions]
+    assert kinds.index("ReleaseBlocks") < kinds.index("SubmitJob")
+    ex.handle(actions)
+    assert {b for _, b in ex.released} == table - cached
+    ex.complete_all(1.0)
+    ex.run(1.0)
+    assert kv_fully_free(sched)

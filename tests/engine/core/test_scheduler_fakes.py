@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
+from engine.core.actions import EmitTokens, FailRequest, FinishRequest, ReleaseBlocks, SubmitJob
 from engine.core.requests import GenerateParams
 from engine.core.scheduler import ChipSpec, ModelSpec, Scheduler
 from engine.core.scheduler_config import SchedulerConfig
@@ -58,6 +58,7 @@ class FakeExecutor:
     terminal: dict[int, FinishRequest | FailRequest] = field(default_factory=dict)
     order: list[tuple[str, int]] = field(default_factory=list)  # ("tokens"|"done", request id)
     texts: dict[int, list[str]] = field(default_factory=dict)  # text deltas (schedulers with a tokenizer)
+    released: list[tuple[int, int]] = field(default_factory=list)  # (chip, block) release notices, in order
 
     def handle(self, actions) -> None:
         for a in actions:
@@ -73,6 +74,11 @@ class FakeExecutor:
                 if a.text is not None:
                     self.texts.setdefault(a.request_id, []).append(a.text)
                 self.order.append(("tokens", a.request_id))
+            elif isinstance(a, ReleaseBlocks):
+                kv = self.sched.chips[a.chip].kv
+                for b in a.blocks:  # freed, not kept for the prefix cache (the job after it may reuse it)
+                    assert 0 <= b < kv.num_blocks and not kv.cache.is_cached(b), (a, b)
+                self.released += [(a.chip, b) for b in a.blocks]
             elif isinstance(a, (FinishRequest, FailRequest)):
                 assert a.request_id not in self.terminal, f"second terminal event for {a.request_id}"
                 self.terminal[a.request_id] = a
