@@ -107,6 +107,10 @@ class _Builder:
 def build_snapshot(d: "Daemon", now: float, bounded_tenants: frozenset[str]) -> Snapshot:
     """Read the daemon's state into plain immutable families. Loop thread only."""
     sched = d.scheduler
+    if sched is None:  # no default model loaded: only the board-level figures
+        b = _Builder(d.model_alias)
+        b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if d.accepting else 0)
+        return tuple(b.families)
     st = sched.stats(now)
     counters = st["counters"]
     b = _Builder(d.model_alias)
@@ -226,7 +230,7 @@ class MetricsRecorder:
         self._job_children: dict[tuple[int, str], object] = {}
         self._success_children: dict[str, object] = {}
         self._last_emit: dict[int, float] = {}  # request id -> time of its last tokens (loop thread only)
-        self._job_start: dict[int, tuple[float, int, str]] = {}  # job id -> (submitted, chip, kind)
+        self._job_start: dict[tuple[int, int], tuple[float, int, str]] = {}  # (generation, job id) -> (submitted, chip, kind)
         self.next_publish = 0.0
         self._last_activity: tuple | None = None  # what had happened at the last publish (see `publish`)
         self._next_idle_publish = 0.0
@@ -257,7 +261,7 @@ class MetricsRecorder:
             self._server_thread = None
 
     # -- loop-thread hooks -----------------------------------------------------------------
-    def on_actions(self, actions: list, now: float) -> None:
+    def on_actions(self, actions: list, now: float, generation: int = 0) -> None:
         last_emit = self._last_emit
         for a in actions:
             t = type(a)
@@ -271,7 +275,7 @@ class MetricsRecorder:
                 jobs = self._job_start
                 if len(jobs) >= MAX_TRACKED_JOBS:
                     del jobs[next(iter(jobs))]
-                jobs[a.job.job_id] = (now, a.chip, a.job.kind.name.lower())
+                jobs[(generation, a.job.job_id)] = (now, a.chip, a.job.kind.name.lower())
             elif t is FinishRequest:
                 last_emit.pop(a.request_id, None)
                 self._finished(a.finish_reason, a.timing)
@@ -295,8 +299,8 @@ class MetricsRecorder:
         if q is not None:
             self.queue.observe(q / 1000.0)
 
-    def on_result(self, chip: int, result: "JobResult", now: float) -> None:
-        start = self._job_start.pop(result.job_id, None)
+    def on_result(self, chip: int, result: "JobResult", now: float, generation: int = 0) -> None:
+        start = self._job_start.pop((generation, result.job_id), None)
         if start is None or start[1] != chip:
             return
         key = (chip, start[2])
@@ -305,8 +309,8 @@ class MetricsRecorder:
             child = self._job_children[key] = self.job_latency.labels(self.model, str(chip), start[2])
         child.observe(now - start[0])
 
-    def on_chip_down(self, chip: int) -> None:
-        for job_id in [j for j, s in self._job_start.items() if s[1] == chip]:
+    def on_chip_down(self, chip: int, generation: int = 0) -> None:
+        for job_id in [j for j, s in self._job_start.items() if s[1] == chip and j[0] == generation]:
             del self._job_start[job_id]
 
     def publish(self, d: "Daemon", now: float, force: bool = False) -> None:
@@ -316,9 +320,11 @@ class MetricsRecorder:
         self.next_publish = now + PUBLISH_INTERVAL_S
         # An idle board changes nothing a gauge shows: skip the rebuild (it is most of an idle daemon's CPU
         # turn) until something happened or the idle interval passed (uptime-like figures stay fresh enough).
-        fc, dc = d.frontend.counters, d.counters
+        fc, dc = d.frontend.counters, d.board_counters()
         activity = (fc.messages_in, dc["results"], dc["chip_failures"], dc["worker_restarts"],
-                    d.frontend.active(), tuple(d.supervisor.state(c) for c in range(len(d.links))))
+                    d.frontend.active(), tuple((g.id, g.rec.state, tuple(g.chips_info(now)[c]["state"]
+                                                                         for c in range(len(g.links))))
+                                               for g in d.serving_generations()))
         if not force and activity == self._last_activity and activity[4] == 0 and now < self._next_idle_publish:
             return
         self._last_activity = activity

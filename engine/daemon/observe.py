@@ -37,18 +37,18 @@ class Observers:
                 self.metrics.close()
                 raise
 
-    def on_actions(self, actions: list, now: float) -> None:
-        self.metrics.on_actions(actions, now)
+    def on_actions(self, actions: list, now: float, generation: int = 0) -> None:
+        self.metrics.on_actions(actions, now, generation)
         if self.trace is not None:
             self.trace.on_actions(actions, now)
 
-    def on_result(self, chip: int, result: "JobResult", now: float) -> None:
-        self.metrics.on_result(chip, result, now)
+    def on_result(self, chip: int, result: "JobResult", now: float, generation: int = 0) -> None:
+        self.metrics.on_result(chip, result, now, generation)
         if self.trace is not None:
             self.trace.on_result(chip, result, now)
 
-    def on_chip_down(self, chip: int, now: float) -> None:
-        self.metrics.on_chip_down(chip)
+    def on_chip_down(self, chip: int, now: float, generation: int = 0) -> None:
+        self.metrics.on_chip_down(chip, generation)
         if self.trace is not None:
             self.trace.on_chip_down(chip, now)
 

@@ -1,0 +1,243 @@
+"""One load (or replace, rollback, start-up load) of an alias, carried out step by step on the loop.
+
+Steps (seed 001 §11): resolve, verify (every sha256; in a thread, since
+hashing a large package takes seconds and the loop must keep serving),
+validate (manifest against the config), capacity (the board's budget),
+configure (start the generation's workers; their READY arrives on the
+loop's poller), golden (the package's golden cases run as real greedy
+requests on the new generation), warmup (one short request per chip), then
+publish: the alias flips to the new generation in one assignment. A failure
+at any step stops the new generation's workers, frees its shared memory and
+leaves the serving generation untouched; the error names the step.
+
+The job is polled by the loop (`poll(now)`) and fed the events of its own
+requests (`on_event`); it never blocks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engine.core.actions import EmitTokens, FailRequest, FinishRequest
+from engine.core.model_state import ModelState
+from engine.core.model_table import GenerationRecord, Need
+from engine.core.requests import GenerateParams
+from engine.daemon.log import log
+from engine.daemon.models import gate_seam
+from engine.daemon.models.gate_seam import GateFailure
+from engine.daemon.models.generation import Generation, GenerationError
+
+if TYPE_CHECKING:
+    from engine.daemon.loop import Daemon
+
+M = ModelState
+STARTUP_TIMEOUT_S = 120.0  # READY of every worker of a new generation (the ref model may be built on first run)
+CHECK_TIMEOUT_S = 120.0  # golden cases and warm-up together
+WARMUP_TOKENS = 2  # a prefill and one decode step per chip
+
+
+class LoadFailed(Exception):
+    def __init__(self, step: str, message: str, code: int = 500, reason: str = "load_failed") -> None:
+        super().__init__(message)
+        self.step, self.message, self.code, self.reason = step, message, code, reason
+
+
+# The error code and reason of a failed step (the message names the cause).
+STEP_ERRORS = {"resolve": (400, "package_rejected"), "verify": (400, "package_rejected"),
+               "signature": (400, "package_rejected"), "validate": (400, "package_rejected"),
+               "capacity": (429, "insufficient_capacity"), "configure": (500, "load_failed"),
+               "golden": (500, "golden_mismatch"), "warmup": (500, "load_failed")}
+
+
+def golden_mismatches(cases: list[dict], outputs: dict[int, list[int]]) -> list[str]:
+    """One line per golden case whose greedy output differs from its expected tokens."""
+    bad = []
+    for i, c in enumerate(cases):
+        got = outputs.get(i)
+        if got != list(c["tokens"]):
+            bad.append(f"case {i}: expected {list(c['tokens'])[:8]}, got {None if got is None else got[:8]}")
+    return bad
+
+
+class LoadJob:
+    def __init__(self, d: "Daemon", rec: GenerationRecord, *,
+                 done: Callable[["LoadJob"], None], package_path: str | None = None, resolve: bool = True) -> None:
+        """`resolve`: look rec.package up under the model root; else `package_path` is the package (None: the
+        backend needs none: stub, sim, ctypes)."""
+        self.d = d
+        self.rec = rec
+        self.done = done  # called once, with the job finished (self.error None on success)
+        self.error: LoadFailed | None = None
+        self.generation: Generation | None = None
+        self.previous: GenerationRecord | None = None  # the generation a replace/rollback took the alias from
+        self._package_path = package_path
+        self._resolve = resolve
+        self._request_error: LoadFailed | None = None
+        self._future: concurrent.futures.Future | None = None
+        self._pkg = None
+        self._facts: gate_seam.Facts | None = None
+        self._started = 0.0
+        self._pending: dict[int, int] = {}  # request id -> golden case index (-1: warm-up)
+        self._outputs: dict[int, list[int]] = {}
+        self._cases: list[dict] = []
+        self._phase = "verify"
+        self.finished = False
+
+    # -- driving ---------------------------------------------------------------------------
+    def start(self, now: float) -> None:
+        root = self.d.cfg.model.root
+        package, given, resolve = self.rec.package, self._package_path, self._resolve
+
+        def check():  # in a thread: no loop state is touched here
+            path = gate_seam.resolve(root, package) if resolve else given
+            if path is None:
+                return None, None
+            return path, gate_seam.verify(path)
+
+        self._started = now
+        self.rec.step = "resolve"
+        self._future = self.d.run_in_thread(check)
+
+    def poll(self, now: float) -> None:
+        """Advance as far as possible without blocking."""
+        if self.finished:
+            return
+        try:
+            self._advance(now)
+        except (GateFailure, GenerationError) as e:
+            self._fail(LoadFailed(e.step, e.message, *STEP_ERRORS.get(e.step, (500, "load_failed"))), now)
+        except LoadFailed as e:
+            self._fail(e, now)
+
+    def _advance(self, now: float) -> None:
+        rec, d = self.rec, self.d
+        if self._phase == "verify":
+            if not self._future.done():
+                return
+            path, pkg = self._future.result()  # GateFailure propagates
+            self._future = None
+            rec.path = path or ""
+            self._pkg = pkg
+            if pkg is not None:
+                rec.sha256 = pkg.sha256
+                rec.step = "validate"
+                gate_seam.validate(pkg, d.cfg)
+                self._facts = gate_seam.facts(pkg, d.cfg)
+            rec.step = "capacity"
+            f = self._facts
+            blocks = d.cfg.kv.num_blocks or (f.kv_num_blocks if f else 0)
+            rec.need = Need(d.cfg.board.chips, f.weights_bytes if f else 0, blocks, f.kv_block_bytes if f else 0)
+            why = d.models.refuse_capacity(rec, rec.need)
+            if why is not None:
+                raise LoadFailed("capacity", why, *STEP_ERRORS["capacity"])
+            rec.step = "configure"
+            d.models.transition(rec, M.CONFIGURING)
+            self.generation = d.new_generation(rec, package_path=rec.path or None, package=pkg)
+            self.generation.spawn()
+            self._started = now
+            self._phase = "configure"
+        if self._phase == "configure":
+            if not self.generation.startup_events():
+                if now - self._started > STARTUP_TIMEOUT_S:
+                    missing = [c for c in range(len(self.generation.links)) if c not in self.generation.infos]
+                    raise LoadFailed("configure", f"workers of chips {missing} not ready within "
+                                                  f"{STARTUP_TIMEOUT_S:.0f} s")
+                return
+            self.generation.build(now)
+            if not rec.sha256 and self.generation.info is not None:
+                rec.sha256 = self.generation.info.model_sha256
+            d.models.transition(rec, M.WARMING)
+            d.generation_serving(self.generation)
+            rec.step = "golden"
+            self._cases = self._pkg.golden() if self._pkg is not None else []
+            for i, c in enumerate(self._cases):
+                self._submit(GenerateParams(prompt=list(c["prompt"]), max_tokens=int(c["max_tokens"]),
+                                            ignore_eos=True, tenant="default"), i, now)
+            self._started = now
+            self._phase = "golden"
+        if self._phase == "golden":
+            if self._pending:
+                self._check_timeout(now)
+                return
+            if self._request_error is not None:
+                raise self._request_error
+            bad = golden_mismatches(self._cases, self._outputs)
+            if bad:
+                raise LoadFailed("golden", f"{len(bad)} of {len(self._cases)} golden cases differ: "
+                                           + "; ".join(bad[:3]), *STEP_ERRORS["golden"])
+            rec.counters["golden_passed"] += len(self._cases)
+            rec.step = "warmup"
+            prompt = list(self._cases[0]["prompt"]) if self._cases else [1, 2, 3]
+            for _ in range(self.d.cfg.board.chips):
+                self._submit(GenerateParams(prompt=prompt, max_tokens=WARMUP_TOKENS, ignore_eos=True), -1, now)
+            self._phase = "warmup"
+        if self._phase == "warmup":
+            if self._pending:
+                self._check_timeout(now)
+                return
+            if self._request_error is not None:
+                raise self._request_error
+            rec.step = "publish"
+            self.previous = d.publish(self.generation, now)
+            log("model_ready", model=rec.alias, generation=rec.id, package=rec.package, sha256=rec.sha256,
+                kind=rec.kind, load_s=round(now - rec.created_at, 3), golden_cases=len(self._cases),
+                previous=None if self.previous is None else self.previous.id)
+            self._finish()
+
+    def _check_timeout(self, now: float) -> None:
+        if now - self._started > CHECK_TIMEOUT_S:
+            raise LoadFailed(self.rec.step, f"{len(self._pending)} {self.rec.step} requests not answered "
+                                            f"within {CHECK_TIMEOUT_S:.0f} s")
+
+    def _submit(self, params: GenerateParams, case: int, now: float) -> None:
+        rid = self.d.next_request_id()
+        self._pending[rid] = case
+        if case >= 0:
+            self._outputs[case] = []
+        self.d.open_internal(rid, self.generation, self)
+        self.d.apply(self.generation.scheduler.submit(rid, params, now), self.generation, now)
+
+    # -- the events of its own requests --------------------------------------------------------
+    def on_event(self, a) -> None:
+        case = self._pending.get(a.request_id)
+        if case is None:
+            return
+        t = type(a)
+        if t is EmitTokens:
+            if case >= 0:
+                self._outputs[case].extend(int(x) for x in a.tokens)
+        elif t is FinishRequest:
+            del self._pending[a.request_id]
+        elif t is FailRequest:
+            del self._pending[a.request_id]
+            step = "golden" if case >= 0 else "warmup"
+            if self._request_error is None:
+                self._request_error = LoadFailed(step, f"{step} request failed: {a.code} {a.reason}: "
+                                                       f"{a.message}", *STEP_ERRORS[step])
+
+    # -- ending ----------------------------------------------------------------------------------
+    def _fail(self, e: LoadFailed, now: float) -> None:
+        rec = self.rec
+        self.error = e
+        log("model_load_failed", model=rec.alias, generation=rec.id, package=rec.package, step=e.step,
+            error=e.message)
+        for rid in list(self._pending):
+            self.d.close_internal(rid)
+        self._pending.clear()
+        if self.generation is not None:
+            self.d.drop_generation(self.generation)
+        if self._future is not None:
+            self._future.cancel()
+        self.d.models.fail(rec, e.step, e.message)
+        self._finish()
+
+    def _finish(self) -> None:
+        self.finished = True
+        self.done(self)
+
+    def abort(self, now: float, why: str) -> None:
+        """The daemon stops: end the load as failed (its generation's resources are freed)."""
+        if not self.finished:
+            self._fail(LoadFailed(self.rec.step, why, 503, "shutdown"), now)
