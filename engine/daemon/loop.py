@@ -257,12 +257,10 @@ class Daemon:
         self.generations[rec.id] = g
         return g
 
-    def generation_serving(self, g: Generation) -> None:
-        """The generation's core exists: it is ticked from now on (golden cases run before it is published)."""
-        g.scheduler.set_accepting(self.accepting, "draining")
-
     def publish(self, g: Generation, now: float) -> GenerationRecord | None:
         """The alias flips to `g` (one assignment); returns the generation it replaced (to drain)."""
+        g.cfg = self.cfg  # a SIGHUP during the load: the running configuration
+        g.serve(self.accepting)
         return self.models.publish(g.rec, now)
 
     def drop_generation(self, g: Generation) -> None:
@@ -297,7 +295,7 @@ class Daemon:
             st = g.rec.state
             if st is ModelState.DRAINING:
                 verdict = self.models.drain_verdict(g.rec, now, len(g.rids), g.inflight_jobs())
-                if verdict is DrainVerdict.DEADLINE:
+                if verdict in (DrainVerdict.DEADLINE, DrainVerdict.RECOVER):  # cancel what is left
                     for rid in list(g.rids):
                         self.apply(g.scheduler.cancel(rid, now), g, now)
                     verdict = self.models.drain_verdict(g.rec, now, len(g.rids), g.inflight_jobs())
@@ -546,7 +544,8 @@ class Daemon:
             accepting = False  # an admin `resume` cannot undo a SIGTERM drain
         self.accepting = accepting
         for g in self.serving_generations():
-            g.scheduler.set_accepting(accepting, "draining")
+            if g.rec.state is ModelState.READY:  # a load's golden cases run whatever the board admits
+                g.scheduler.set_accepting(accepting, "draining")
 
     def model_info(self) -> dict:
         g = self.default_generation()

@@ -11,6 +11,7 @@ stay on it (their ids are in `rids`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections import deque
 from collections.abc import Callable
@@ -150,8 +151,13 @@ class Generation:
         except Exception as e:  # noqa: BLE001 - any failure to load it fails the load, named
             raise GenerationError("configure", f"cannot load the model's tokenizer: {e}") from None
         piece = None if self.tokenizer is None else piece_function(self.tokenizer)
+        # Golden cases and warm-up are the load's own requests: they must not meet the clients' admission
+        # limits (max_waiting_requests may be 0). The configured limits apply from publication (`serve`).
+        sc = scheduler_config_from(cfg)
+        checking = dataclasses.replace(sc, max_waiting_requests=max(sc.max_waiting_requests, 1024),
+                                       max_waiting_prompt_tokens=max(sc.max_waiting_prompt_tokens, 1 << 22))
         try:
-            self.scheduler = Scheduler(scheduler_config_from(cfg), model, chips, piece=piece)
+            self.scheduler = Scheduler(checking, model, chips, piece=piece)
         except ConfigurationError as e:
             raise GenerationError("validate", f"configuration does not fit the model: {e}") from None
         self.supervisor = Supervisor(cfg.board.chips, max_resets_per_10min=cfg.recovery.max_resets_per_10min,
@@ -159,6 +165,11 @@ class Generation:
                                      startup_timeout_s=RESTART_TIMEOUT_S, now=now)
         for chip in range(cfg.board.chips):
             self.supervisor.on_ready(chip, now)
+
+    def serve(self, accepting: bool) -> None:
+        """Published: the board's admission limits and admission state apply from now on."""
+        self.scheduler.reconfigure(scheduler_config_from(self.cfg))
+        self.scheduler.set_accepting(accepting, "draining")
 
     # -- serving -------------------------------------------------------------------------
     def on_link(self, chip: int, now: float) -> list:

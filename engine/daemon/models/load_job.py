@@ -149,7 +149,6 @@ class LoadJob:
             if not rec.sha256 and self.generation.info is not None:
                 rec.sha256 = self.generation.info.model_sha256
             d.models.transition(rec, M.WARMING)
-            d.generation_serving(self.generation)
             rec.step = "golden"
             self._cases = self._pkg.golden() if self._pkg is not None else []
             for i, c in enumerate(self._cases):
