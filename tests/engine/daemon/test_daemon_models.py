@@ -213,3 +213,35 @@ def psutil_alive(pid: int) -> bool:
         return False
 
 
+
+
+CYCLES = 100
+RSS_TOLERANCE_MB = 16  # allocator noise over 100 cycles; a leaked generation (scheduler, KV tables) is more
+
+
+def test_100_load_unload_cycles_return_rss_fds_threads_and_shm_to_baseline(daemon, root):
+    import psutil
+
+    d = serve(daemon, root, "a=a")
+    proc = psutil.Process(d.pid)
+    gb = golden(root, "b")
+
+    def cycle(c) -> None:
+        r = c.call("load", alias="b", package="b")
+        assert r["model"]["state"] == "ready" and r["model"]["counters"]["golden_passed"] == len(gb), r
+        assert c.call("unload", alias="b")["model"]["state"] == "unloaded"
+
+    def usage() -> tuple[int, int, int, list[str]]:
+        return proc.memory_info().rss, proc.num_fds(), proc.num_threads(), shm_objects_of(d.pid)
+
+    with d.client(timeout=60) as c:
+        for _ in range(3):  # the loader thread and first-use allocations belong to the baseline
+            cycle(c)
+        rss0, fds0, threads0, shm0 = usage()
+        for _ in range(CYCLES):
+            cycle(c)
+        rss1, fds1, threads1, shm1 = usage()
+        assert (fds1, threads1, shm1) == (fds0, threads0, shm0)
+        assert rss1 - rss0 < RSS_TOLERANCE_MB << 20, f"RSS grew {(rss1 - rss0) / 2**20:.1f} MiB over {CYCLES} cycles"
+        assert len(proc.children()) == 1  # the serving model's one worker
+        assert run_case(c, golden(root, "a")[0]).tokens == golden(root, "a")[0]["tokens"]
