@@ -161,6 +161,9 @@ class ModelConfig:
     root: str = key("", _str(), "model root: the admin ops `load`/`replace` and `--model ALIAS=PACKAGE` name "
                                 "packages under it and cannot leave it (symlinks included); "
                                 "\"\" = no root: packages are paths, relative to the working directory")
+    signing_public_key: str = key("", _str(), "Ed25519 public key (PEM, `npuserve keygen --signing`) that must have "
+                                              "signed a package's manifest.json (manifest.sig) for `load` to accept "
+                                              "it (relative = to the config file); \"\" = signatures not required")
 
 
 @dataclass(frozen=True)
@@ -394,7 +397,7 @@ def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
     return f"/tmp/npuserve-{os.getuid()}"
 
 
-_PATH_KEYS = ("package", "ctypes_library", "root")  # of [model]
+_PATH_KEYS = ("package", "ctypes_library", "root", "signing_public_key")  # of [model]
 
 
 def _relative_to(base_dir: str, p: str) -> str:

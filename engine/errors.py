@@ -14,8 +14,9 @@ class ClientError(Exception):
     code: int = 0
 
     def __init__(self, message: str = "", *, code: int | None = None, reason: str = "",
-                 retryable: bool = False, id: str | None = None) -> None:
+                 retryable: bool = False, id: str | None = None, details: dict | None = None) -> None:
         super().__init__(message)
+        self.details = dict(details or {})  # extra fields of the error event (e.g. `step` of a refused load)
         if code is not None:
             self.code = code
         self.reason = reason
@@ -85,5 +86,9 @@ def error_from_event(event: dict) -> ClientError:
     cls = _BY_CODE.get(code)
     if cls is None:
         cls = InvalidRequest if 400 <= code < 500 else ServerError
+    details = {k: v for k, v in event.items() if k not in _EVENT_KEYS}
     return cls(str(event.get("message", "")), code=code, reason=str(event.get("reason", "")),
-               retryable=bool(event.get("retryable", False)), id=event.get("id"))
+               retryable=bool(event.get("retryable", False)), id=event.get("id"), details=details)
+
+
+_EVENT_KEYS = frozenset({"v", "ev", "id", "code", "reason", "message", "retryable"})

@@ -33,6 +33,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "balance": ("engine.balancer.main", "run a balancer in front of daemons or balancers"),
     "bench-balancer": ("tools.bench_balancer", "benchmark a balancer against direct daemon access"),
     "keygen": ("tools.keygen_cmd", "write a CURVE key pair (NAME.key, NAME.key_secret; 0600)"),
+    "sign-package": ("tools.sign_package_cmd", "sign a model package's manifest (manifest.sig, Ed25519)"),
+    "golden": ("tools.golden_cmd", "run a package's golden cases against a live endpoint"),
+    "admin": ("tools.admin_cmd", "manage a board's models: load, unload, replace, rollback, models"),
 }
 
 

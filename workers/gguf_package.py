@@ -12,7 +12,6 @@ batch profiles). `load_package` dispatches here when the manifest says
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -23,9 +22,9 @@ from workers.model_package import (
     common_fields,
     _is_int,
     _need,
-    file_sha256,
     verify_listed_files,
 )
+from workers.model_package import write_manifest as write_package_manifest
 
 FORMAT = "gguf"
 GGUF_FILE = "model.gguf"
@@ -106,6 +105,4 @@ def load_gguf_package(path: str, manifest: dict, raw: bytes) -> GgufPackage:
 
 def write_manifest(dir_: str, manifest: dict) -> None:
     """Add the files' sha256 to `manifest` and write it (the last file written)."""
-    manifest["files"] = {n: file_sha256(os.path.join(dir_, n)) for n in (GGUF_FILE, GOLDEN)}
-    with open(os.path.join(dir_, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
+    write_package_manifest(dir_, manifest, (GGUF_FILE, GOLDEN))

@@ -12,7 +12,6 @@ cannot flip a golden token.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from workers.model_package import ARCHITECTURE, GOLDEN, MANIFEST, SCHEMA, WEIGHTS, PackageError
+from workers.model_package import ARCHITECTURE, GOLDEN, SCHEMA, WEIGHTS, PackageError, write_manifest
 from workers.transformer import ModelDims, Transformer, weight_shapes
 
 GOLDEN_MIN_GAP = 1e-2
@@ -100,11 +99,6 @@ def _golden_cases(model: Transformer, rng: np.random.Generator, count: int, max_
     return cases
 
 
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def make_model(
     out_dir: str,
     *,
@@ -179,10 +173,8 @@ def make_model(
             "kv_num_blocks": kv_num_blocks,
             "profiles": [{"batch": p, "inactive_lane_policy": "mask"} for p in profiles],
             "seed": seed,
-            "files": {WEIGHTS: _sha256(os.path.join(tmp, WEIGHTS)), GOLDEN: _sha256(os.path.join(tmp, GOLDEN))},
         }
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True)
+        write_manifest(tmp, manifest, (WEIGHTS, GOLDEN))
         os.chmod(tmp, 0o755)
         os.rename(tmp, out_dir)
     except BaseException:

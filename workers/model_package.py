@@ -27,6 +27,7 @@ ARCHITECTURE = "llama-like"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.npz"
 GOLDEN = "golden.json"
+SIGNATURE = "manifest.sig"  # optional detached signature of manifest.json (engine/daemon/models/package_signature.py)
 REQUIRED_FILES = (WEIGHTS, GOLDEN)
 # Bump when model_maker changes what a given default_model.json produces, so
 # cached default packages built by older code are not reused.
@@ -158,7 +159,7 @@ def _check_manifest(m, where: str) -> None:
     files = m.get("files")
     _need(isinstance(files, dict), where, "files must map file names to sha256 hex digests")
     for name, digest in files.items():
-        _need(isinstance(name, str) and name and os.path.basename(name) == name and name not in (".", "..", MANIFEST),
+        _need(isinstance(name, str) and name and os.path.basename(name) == name and name not in (".", "..", MANIFEST, SIGNATURE),
               where, f"files lists an invalid file name {name!r}")
         _need(isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest),
               where, f"files[{name!r}] is not a sha256 hex digest")
@@ -181,9 +182,10 @@ def _check_golden(cases, where: str, vocab: int, max_seq: int) -> None:
 
 
 def verify_listed_files(path: str, files: dict[str, str]) -> None:
-    """Every listed file present, regular and matching its sha256; nothing unlisted beside the manifest."""
+    """Every listed file present, regular and matching its sha256; nothing unlisted beside the manifest
+    (and its optional detached signature, which cannot be listed in the manifest it signs)."""
     present = set(os.listdir(path))
-    extra = sorted(present - set(files) - {MANIFEST})
+    extra = sorted(present - set(files) - {MANIFEST, SIGNATURE})
     if extra:
         raise PackageError(f"{os.path.join(path, extra[0])}: file not listed in the manifest")
     for name, digest in sorted(files.items()):
@@ -194,6 +196,18 @@ def verify_listed_files(path: str, files: dict[str, str]) -> None:
             raise PackageError(f"{fpath}: not a regular file")
         if file_sha256(fpath) != digest:
             raise PackageError(f"{fpath}: sha256 does not match the manifest")
+
+
+def write_manifest(dir_: str, manifest: dict, names=None) -> None:
+    """Pin the sha256 of `names` (default: the files `manifest` lists already) and write manifest.json.
+
+    The one manifest writer of every package kind; written last, so a package
+    whose manifest exists is complete.
+    """
+    names = sorted(manifest.get("files", {}) if names is None else names)
+    manifest["files"] = {n: file_sha256(os.path.join(dir_, n)) for n in names}
+    with open(os.path.join(dir_, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
 
 
 def load_package(path: str) -> ModelPackage:

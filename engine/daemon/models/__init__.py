@@ -1,0 +1,1 @@
+"""Model lifecycle of a board daemon: the package gate, signatures, generations (issue 12)."""
