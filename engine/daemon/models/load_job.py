@@ -20,13 +20,14 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from engine.core import golden_check
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest
 from engine.core.model_state import ModelState
 from engine.core.model_table import GenerationRecord, Need
 from engine.core.requests import GenerateParams
 from engine.daemon.log import log
-from engine.daemon.models import gate_seam
-from engine.daemon.models.gate_seam import GateFailure
+from engine.daemon.models import package_gate
+from engine.daemon.models.package_gate import PackageRefused
 from engine.daemon.models.generation import Generation, GenerationError
 
 if TYPE_CHECKING:
@@ -51,16 +52,6 @@ STEP_ERRORS = {"resolve": (400, "package_rejected"), "verify": (400, "package_re
                "golden": (500, "golden_mismatch"), "warmup": (500, "load_failed")}
 
 
-def golden_mismatches(cases: list[dict], outputs: dict[int, list[int]]) -> list[str]:
-    """One line per golden case whose greedy output differs from its expected tokens."""
-    bad = []
-    for i, c in enumerate(cases):
-        got = outputs.get(i)
-        if got != list(c["tokens"]):
-            bad.append(f"case {i}: expected {list(c['tokens'])[:8]}, got {None if got is None else got[:8]}")
-    return bad
-
-
 class LoadJob:
     def __init__(self, d: "Daemon", rec: GenerationRecord, *,
                  done: Callable[["LoadJob"], None], package_path: str | None = None, resolve: bool = True) -> None:
@@ -77,24 +68,26 @@ class LoadJob:
         self._request_error: LoadFailed | None = None
         self._future: concurrent.futures.Future | None = None
         self._pkg = None
-        self._facts: gate_seam.Facts | None = None
+        self._facts: package_gate.CapacityFacts | None = None
         self._started = 0.0
         self._pending: dict[int, int] = {}  # request id -> golden case index (-1: warm-up)
         self._outputs: dict[int, list[int]] = {}
+        self._finish: dict[int, str] = {}  # golden case -> finish reason
+        self._errors: dict[int, str] = {}  # golden case -> the error that ended it
         self._cases: list[dict] = []
         self._phase = "verify"
         self.finished = False
 
     # -- driving ---------------------------------------------------------------------------
     def start(self, now: float) -> None:
-        root = self.d.cfg.model.root
+        cfg = self.d.cfg
         package, given, resolve = self.rec.package, self._package_path, self._resolve
 
-        def check():  # in a thread: no loop state is touched here
-            path = gate_seam.resolve(root, package) if resolve else given
+        def check():  # in a thread: the package gate's file work, no loop state touched
+            path = package_gate.resolve_package(cfg.model.root, package) if resolve else given
             if path is None:
                 return None, None
-            return path, gate_seam.verify(path)
+            return path, package_gate.verify_package(path, cfg.model.signing_public_key)
 
         self._started = now
         self.rec.step = "resolve"
@@ -106,7 +99,7 @@ class LoadJob:
             return
         try:
             self._advance(now)
-        except (GateFailure, GenerationError) as e:
+        except (PackageRefused, GenerationError) as e:
             self._fail(LoadFailed(e.step, e.message, *STEP_ERRORS.get(e.step, (500, "load_failed"))), now)
         except LoadFailed as e:
             self._fail(e, now)
@@ -116,19 +109,20 @@ class LoadJob:
         if self._phase == "verify":
             if not self._future.done():
                 return
-            path, pkg = self._future.result()  # GateFailure propagates
+            path, pkg = self._future.result()  # PackageRefused propagates
             self._future = None
             rec.path = path or ""
             self._pkg = pkg
             if pkg is not None:
                 rec.sha256 = pkg.sha256
                 rec.step = "validate"
-                gate_seam.validate(pkg, d.cfg)
-                self._facts = gate_seam.facts(pkg, d.cfg)
+                package_gate.validate_package(pkg, d.cfg)
+                rec.step = "capacity"
+                self._facts = package_gate.capacity_facts(pkg, d.cfg)
             rec.step = "capacity"
             f = self._facts
-            blocks = d.cfg.kv.num_blocks or (f.kv_num_blocks if f else 0)
-            rec.need = Need(d.cfg.board.chips, f.weights_bytes if f else 0, blocks, f.kv_block_bytes if f else 0)
+            rec.need = Need(d.cfg.board.chips, f.weight_bytes if f else 0, f.kv_num_blocks if f else 0,
+                            f.kv_bytes_per_block if f else 0)
             why = d.models.refuse_capacity(rec, rec.need)
             if why is not None:
                 raise LoadFailed("capacity", why, *STEP_ERRORS["capacity"])
@@ -152,21 +146,21 @@ class LoadJob:
             rec.step = "golden"
             self._cases = self._pkg.golden() if self._pkg is not None else []
             for i, c in enumerate(self._cases):
-                self._submit(GenerateParams(prompt=list(c["prompt"]), max_tokens=int(c["max_tokens"]),
-                                            ignore_eos=True, tenant="default"), i, now)
+                self._submit(GenerateParams(**golden_check.golden_request(c)), i, now)
             self._started = now
             self._phase = "golden"
         if self._phase == "golden":
             if self._pending:
                 self._check_timeout(now)
                 return
-            if self._request_error is not None:
-                raise self._request_error
-            bad = golden_mismatches(self._cases, self._outputs)
-            if bad:
-                raise LoadFailed("golden", f"{len(bad)} of {len(self._cases)} golden cases differ: "
-                                           + "; ".join(bad[:3]), *STEP_ERRORS["golden"])
-            rec.counters["golden_passed"] += len(self._cases)
+            outcomes = [golden_check.Outcome(tuple(self._outputs.get(i, ())), self._finish.get(i),
+                                             self._errors.get(i)) for i in range(len(self._cases))]
+            report = golden_check.check_cases(self._cases, outcomes, self.generation.info.eos_ids)
+            failed = report.first_failure()
+            if failed is not None:
+                raise LoadFailed("golden", f"{report.summary}; {failed.name}: {failed.reason}",
+                                 *STEP_ERRORS["golden"])
+            rec.counters["golden_passed"] += report.count(golden_check.Status.PASS)
             rec.step = "warmup"
             prompt = list(self._cases[0]["prompt"]) if self._cases else [1, 2, 3]
             for _ in range(self.d.cfg.board.chips):
@@ -183,7 +177,7 @@ class LoadJob:
             log("model_ready", model=rec.alias, generation=rec.id, package=rec.package, sha256=rec.sha256,
                 kind=rec.kind, load_s=round(now - rec.created_at, 3), golden_cases=len(self._cases),
                 previous=None if self.previous is None else self.previous.id)
-            self._finish()
+            self._end()
 
     def _check_timeout(self, now: float) -> None:
         if now - self._started > CHECK_TIMEOUT_S:
@@ -209,9 +203,14 @@ class LoadJob:
                 self._outputs[case].extend(int(x) for x in a.tokens)
         elif t is FinishRequest:
             del self._pending[a.request_id]
+            if case >= 0:
+                self._finish[case] = a.finish_reason
         elif t is FailRequest:
             del self._pending[a.request_id]
-            step = "golden" if case >= 0 else "warmup"
+            if case >= 0:
+                self._errors[case] = f"{a.code} {a.reason}: {a.message}"
+                return
+            step = "warmup"
             if self._request_error is None:
                 self._request_error = LoadFailed(step, f"{step} request failed: {a.code} {a.reason}: "
                                                        f"{a.message}", *STEP_ERRORS[step])
@@ -230,9 +229,9 @@ class LoadJob:
         if self._future is not None:
             self._future.cancel()
         self.d.models.fail(rec, e.step, e.message)
-        self._finish()
+        self._end()
 
-    def _finish(self) -> None:
+    def _end(self) -> None:
         self.finished = True
         self.done(self)
 

@@ -108,9 +108,10 @@ def test_each_bad_package_is_refused_naming_its_cause_while_the_serving_model_ke
     cases = [("tampered", "verify", "weights.npz: sha256 does not match"),
              ("missing", "verify", "golden.json: missing"),
              ("narrow", "validate", "[4] not among them"),
-             ("../outside", "resolve", "outside the model root"),
-             ("link", "resolve", "outside the model root"),
-             ("no-such", "resolve", "no such package directory")]
+             ("../outside", "resolve", "'..' is not allowed"),
+             (str(root.parent / "outside"), "resolve", "outside the model root"),
+             ("link", "resolve", "through a symlink, outside the model root"),
+             ("no-such", "resolve", "no such package folder")]
     with d.client(timeout=60) as c:
         inflight: list = []
         chunks = c.stream(ga[0]["prompt"], max_tokens=150, ignore_eos=True, result=inflight, timeout=60)
