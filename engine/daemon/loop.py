@@ -10,6 +10,7 @@ and carries out the actions it returns. The poll timeout is the core's
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import math
 import os
@@ -102,6 +103,7 @@ class Daemon:
         self._old_wakeup_fd: int | None = None
         self._retired: dict[str, int] = {}  # counters of generations that are gone
         self.counters = {"cancelled_dead_clients": 0}
+        self.lifecycle_counts: collections.Counter = collections.Counter()  # (alias, op, outcome) -> n, for metrics
 
     # -- the default generation (what the one-model views show) -----------------------------
     def default_generation(self) -> Generation | None:
@@ -238,6 +240,7 @@ class Daemon:
 
         def finished(job: LoadJob) -> None:
             self.load_jobs.remove(job)
+            self.lifecycle_counts[(alias, kind, "failed" if job.error else "ready")] += 1
             if job.error is None and job.previous is not None:
                 self.begin_unload(job.previous, now=self.clock(),
                                   deadline_s=self.cfg.server.drain_timeout_s if deadline_s is None else deadline_s)
@@ -333,6 +336,7 @@ class Daemon:
         self._unloading[g.id] = now
 
     def _notify_unloaded(self, rec: GenerationRecord) -> None:
+        self.lifecycle_counts[(rec.alias, "unload", rec.state.value)] += 1
         for w in self._unload_waiters.pop(rec.id, []):
             w(rec)
 
@@ -495,10 +499,14 @@ class Daemon:
         """Carry out the actions generation `g`'s scheduler returned."""
         if not actions:
             return
-        if self.observe is not None:
-            self.observe.on_actions(actions, self.clock() if now is None else now, g.id)
-        fe = self.frontend
         internal = self._internal
+        if self.observe is not None:
+            # A load's golden and warm-up requests are not clients' requests: no request metrics for them
+            # (their tokens and jobs still count in the generation's scheduler figures).
+            seen = actions if not internal else [a for a in actions if type(a) is SubmitJob
+                                                 or a.request_id not in internal]
+            self.observe.on_actions(seen, self.clock() if now is None else now, g.id, g.alias)
+        fe = self.frontend
         for a in actions:
             t = type(a)
             if t is SubmitJob:

@@ -37,8 +37,8 @@ class Observers:
                 self.metrics.close()
                 raise
 
-    def on_actions(self, actions: list, now: float, generation: int = 0) -> None:
-        self.metrics.on_actions(actions, now, generation)
+    def on_actions(self, actions: list, now: float, generation: int = 0, alias: str | None = None) -> None:
+        self.metrics.on_actions(actions, now, generation, alias)
         if self.trace is not None:
             self.trace.on_actions(actions, now)
 
