@@ -89,6 +89,7 @@ class ChipLink:
         ring_bytes: int = 64 << 20,
         heartbeat_interval_s: float = 0.2,
         generation: int = 0,
+        package_sha256: str | None = None,
     ) -> None:
         self.ctx = ctx
         self.board = str(board)
@@ -100,6 +101,7 @@ class ChipLink:
         self.ring_bytes = int(ring_bytes)
         self.heartbeat_interval_s = float(heartbeat_interval_s)
         self.generation = int(generation)  # model generation (several may run on one board at once)
+        self.package_sha256 = package_sha256  # set: the package was verified for this load (the worker trusts it)
         self.socket: zmq.Socket | None = None
         self.result_fd: int | None = None  # readable when result records may be waiting; poll it beside `socket`
         self.info: BackendInfo | None = None
@@ -141,6 +143,7 @@ class ChipLink:
                 board=self.board, chip=self.chip, backend=self.backend, job_ring=self._job_ring.name,
                 result_ring=self._result_ring.name, control_endpoint=f"ipc://{path}", parent_pid=os.getpid(),
                 backend_options=self.backend_options, package_path=self.package_path,
+                package_sha256=self.package_sha256,
                 heartbeat_interval_s=self.heartbeat_interval_s, job_bell=self._bell.name,
                 result_bell_fd=self.result_fd,
             )

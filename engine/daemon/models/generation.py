@@ -108,7 +108,8 @@ class Generation:
             opts.update(self.extra_backend_options)
             link = ChipLink(ctx=self.ctx, board=cfg.board.id, chip=chip, backend=cfg.board.backend,
                             backend_options=opts, package_path=self.package_path,
-                            runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb, generation=self.id)
+                            runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb, generation=self.id,
+                            package_sha256=self.package.sha256 if self.package is not None else None)
             self.links.append(link)
             try:
                 link.start()
