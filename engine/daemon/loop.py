@@ -218,10 +218,11 @@ class Daemon:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-load")
         fut = self._executor.submit(fn)
-        fut.add_done_callback(lambda _f: self._wake())
+        fut.add_done_callback(lambda _f: self.wake())
         return fut
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Make the loop turn again at once (from any thread: a byte on the self-pipe)."""
         if self._sig_w >= 0:
             try:
                 os.write(self._sig_w, b"\0")
@@ -449,7 +450,7 @@ class Daemon:
             next_supervise = now + SUPERVISE_INTERVAL_S
             if fe is not None:
                 self.observe.publish(self, now)
-        elif self.models.next_deadline() is not None and now >= self.models.next_deadline():
+        elif self._unloading or (self.models.next_deadline() is not None and now >= self.models.next_deadline()):
             self._drains(now)
         blocked = None
         for g in self.serving_generations():

@@ -246,3 +246,19 @@ def test_100_load_unload_cycles_return_rss_fds_threads_and_shm_to_baseline(daemo
         assert rss1 - rss0 < RSS_TOLERANCE_MB << 20, f"RSS grew {(rss1 - rss0) / 2**20:.1f} MiB over {CYCLES} cycles"
         assert len(proc.children()) == 1  # the serving model's one worker
         assert run_case(c, golden(root, "a")[0]).tokens == golden(root, "a")[0]["tokens"]
+
+
+def test_a_load_beyond_the_boards_memory_budget_is_refused_with_the_numbers(daemon, root):
+    d = serve(daemon, root, "a=a", settings={"board.memory_budget_mb": 2})  # each small package holds ~1.01 MiB
+    ga = golden(root, "a")
+    with d.client(timeout=60) as c:
+        for op, kw in (("load", {"alias": "b"}), ("replace", {"alias": "a"})):  # blue/green needs room for both
+            with pytest.raises(ClientError) as e:
+                c.call(op, package="b", **kw)
+            msg = str(e.value)
+            assert e.value.code == 429 and e.value.reason == "insufficient_capacity", msg
+            assert "capacity: " in msg and "the board's budget is 2.0 MiB (board.memory_budget_mb)" in msg, msg
+            assert "1.0 MiB is held (a gen 1 1.0 MiB)" in msg and "KV blocks" in msg, msg
+        assert run_case(c, ga[0]).tokens == ga[0]["tokens"]  # still serving
+        c.call("unload", alias="a")
+        assert c.call("load", alias="b", package="b")["model"]["state"] == "ready"  # room again
