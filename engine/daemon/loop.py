@@ -36,8 +36,8 @@ from engine.daemon.log import log
 from engine.daemon.sd_notify import Notifier
 from engine.daemon.service import STOP_SIGNALS, Service
 from engine.daemon.observe import MetricsPortBusy, Observers
-from engine.daemon.models.generation import Generation, backend_options  # noqa: F401 - backend_options re-exported
-from engine.daemon.models.load_job import LoadJob
+from engine.daemon.models.generation import Generation
+from engine.daemon.models.load_job import STARTUP_TIMEOUT_S, LoadJob
 from engine.daemon.supervisor import Supervisor
 from ipc.stale import reap_stale
 from workers.backends.base import BackendInfo
@@ -167,11 +167,13 @@ class Daemon:
                             lambda j: failures.append(j) if j.error else None,
                             package_path=None if under_root else package, resolve=under_root)
         next_supervise = self.clock()
+        workers = cfg.board.chips * len(self.startup_models)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while any(not j.finished for j in self.load_jobs):
             if self._stop_signal is not None:
                 raise StartupError("interrupted during start-up")
-            self.service.starting(time.monotonic(), sum(1 for g in self.generations.values() if g.scheduler),
-                                  len(self.startup_models), time.monotonic() + 120.0)
+            ready = sum(len(g.infos) for g in self.generations.values())
+            self.service.starting(time.monotonic(), ready, workers, deadline)
             next_supervise = self._turn(next_supervise, max_wait_s=0.2)
             if failures:
                 break
@@ -317,9 +319,11 @@ class Daemon:
                     self._begin_stop(g, now)
             elif st is ModelState.UNLOADING:
                 asked = self._unloading[g.id]
-                if g.workers_alive() and now - asked < UNLOAD_STOP_TIMEOUT_S:
+                if g.workers_alive():
+                    if now - asked >= UNLOAD_STOP_TIMEOUT_S:
+                        g.kill()  # a hung job: SIGKILL; its rings are freed once it is dead (a later turn)
                     continue
-                g.stop()  # the workers have exited (or get SIGKILL now); then rings and sockets go
+                g.stop()  # the workers have exited: now rings, sockets and fds go
                 self._unloading.pop(g.id, None)
                 self.models.transition(g.rec, ModelState.UNLOADED)
                 log("model_unloaded", model=g.alias, generation=g.id,
@@ -437,8 +441,8 @@ class Daemon:
             job.poll(now)
         if now >= next_supervise:
             for g in self.serving_generations():
-                if g.rec.state is ModelState.UNLOADING:
-                    continue
+                if g.rec.state in (ModelState.UNLOADING, ModelState.RECOVERING):
+                    continue  # no restarts: it is going away (its job timeout ends a hung job)
                 acts = g.supervise(now)
                 n_actions += len(acts)
                 self.apply(acts, g, now)
@@ -502,11 +506,7 @@ class Daemon:
             return
         internal = self._internal
         if self.observe is not None:
-            # A load's golden and warm-up requests are not clients' requests: no request metrics for them
-            # (their tokens and jobs still count in the generation's scheduler figures).
-            seen = actions if not internal else [a for a in actions if type(a) is SubmitJob
-                                                 or a.request_id not in internal]
-            self.observe.on_actions(seen, self.clock() if now is None else now, g.id, g.alias)
+            self.observe.on_actions(actions, self.clock() if now is None else now, g.id, g.alias, internal)
         fe = self.frontend
         for a in actions:
             t = type(a)

@@ -9,7 +9,10 @@ HTTP server runs only when metrics.port is set, the trace only with --trace.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import TYPE_CHECKING
+
+from engine.core.actions import SubmitJob
 
 from engine.daemon.metrics import MetricsPortBusy, MetricsRecorder
 from engine.daemon.trace import DEFAULT_MAX_EVENTS, TraceWriter
@@ -37,8 +40,13 @@ class Observers:
                 self.metrics.close()
                 raise
 
-    def on_actions(self, actions: list, now: float, generation: int = 0, alias: str | None = None) -> None:
-        self.metrics.on_actions(actions, now, generation, alias)
+    def on_actions(self, actions: list, now: float, generation: int = 0, alias: str | None = None,
+                   internal: Container[int] = ()) -> None:
+        """`internal`: request ids of a load's golden and warm-up requests: traced, but not clients' requests,
+        so not in the request metrics (their tokens and jobs count in the generation's scheduler figures)."""
+        seen = actions if not internal else [a for a in actions if type(a) is SubmitJob
+                                             or a.request_id not in internal]
+        self.metrics.on_actions(seen, now, generation, alias)
         if self.trace is not None:
             self.trace.on_actions(actions, now)
 
