@@ -34,6 +34,7 @@ EVENTS: dict[str, str] = {
     "model_ready": "info",
     "model_load_failed": "warning",
     "model_draining": "info",
+    "model_drain_first": "info",
     "model_recovering": "warning",
     "model_unloaded": "info",
     # stop, drain

@@ -102,6 +102,7 @@ class Daemon:
         self._old_handlers: dict[int, object] = {}
         self._old_wakeup_fd: int | None = None
         self._retired: dict[str, int] = {}  # counters of generations that are gone
+        self.retired_entries: dict[int, dict] = {}  # the last `models` entries of unloaded generations
         self.counters = {"cancelled_dead_clients": 0}
         self.lifecycle_counts: collections.Counter = collections.Counter()  # (alias, op, outcome) -> n, for metrics
 
@@ -251,7 +252,9 @@ class Daemon:
             if job.error is not None:
                 self.models.forget(job.rec)
 
-        job = LoadJob(self, rec, done=finished, package_path=package_path, resolve=kind in ("load", "replace") if resolve is None else resolve)
+        drain_s = self.cfg.server.drain_timeout_s if deadline_s is None else deadline_s
+        job = LoadJob(self, rec, done=finished, package_path=package_path,
+                      resolve=kind in ("load", "replace") if resolve is None else resolve, drain_s=drain_s)
         self.load_jobs.append(job)
         job.start(now)
         return job
@@ -330,6 +333,9 @@ class Daemon:
                     unload_s=round(now - (g.rec.drain_started_at or now), 3))
                 self._retire(g)
                 self._notify_unloaded(g.rec)
+                self.retired_entries[g.id] = self.model_entry(g.rec)
+                while len(self.retired_entries) > 64:
+                    del self.retired_entries[next(iter(self.retired_entries))]
                 self.models.forget(g.rec)
 
     def _begin_stop(self, g: Generation, now: float) -> None:

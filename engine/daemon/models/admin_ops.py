@@ -62,7 +62,7 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> None:
             body = {"model": d.model_entry(job.rec)}
             if op != "load" and previous is not None:
                 prev: GenerationRecord | None = d.models.generations.get(previous)
-                body["previous"] = d.model_entry(prev) if prev is not None else None
+                body["previous"] = d.model_entry(prev) if prev is not None else d.retired_entries.get(previous)
             fe.reply(conn, cid, op, body)
 
         d.begin_load(alias, package, op, now, done, deadline_s=drain_s, package_path=path)

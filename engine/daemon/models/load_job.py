@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from engine.core import golden_check
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest
-from engine.core.model_state import ModelState
+from engine.core.model_state import TERMINAL, ModelState
 from engine.core.model_table import GenerationRecord, Need
 from engine.core.requests import GenerateParams
 from engine.daemon.log import log
@@ -54,7 +54,8 @@ STEP_ERRORS = {"resolve": (400, "package_rejected"), "verify": (400, "package_re
 
 class LoadJob:
     def __init__(self, d: "Daemon", rec: GenerationRecord, *,
-                 done: Callable[["LoadJob"], None], package_path: str | None = None, resolve: bool = True) -> None:
+                 done: Callable[["LoadJob"], None], package_path: str | None = None, resolve: bool = True,
+                 drain_s: float = 30.0) -> None:
         """`resolve`: look rec.package up under the model root; else `package_path` is the package (None: the
         backend needs none: stub, sim, ctypes)."""
         self.d = d
@@ -63,6 +64,8 @@ class LoadJob:
         self.error: LoadFailed | None = None
         self.generation: Generation | None = None
         self.previous: GenerationRecord | None = None  # the generation a replace/rollback took the alias from
+        self.drained: GenerationRecord | None = None  # ... or the one it drained first (no room for both)
+        self.drain_s = drain_s
         self._package_path = package_path
         self._resolve = resolve
         self._request_error: LoadFailed | None = None
@@ -87,8 +90,10 @@ class LoadJob:
         def check():  # in a thread: the package gate's file work, no loop state touched
             path = package_gate.resolve_package(cfg.model.root, package) if resolve else given
             if path is None:
-                return None, None
-            return path, package_gate.verify_package(path, cfg.model.signing_public_key)
+                return None, None, None
+            pkg = package_gate.verify_package(path, cfg.model.signing_public_key)
+            package_gate.validate_package(pkg, cfg)
+            return path, pkg, package_gate.capacity_facts(pkg, cfg)
 
         self._started = now
         self.rec.step = "resolve"
@@ -110,26 +115,27 @@ class LoadJob:
         if self._phase == "verify":
             if not self._future.done():
                 return
-            path, pkg = self._future.result()  # PackageRefused propagates
+            path, pkg, f = self._future.result()  # PackageRefused (naming its step) propagates
             self._future = None
             rec.path = path or ""
-            self._pkg = pkg
+            self._pkg, self._facts = pkg, f
             if pkg is not None:
                 rec.sha256 = pkg.sha256
-                rec.step = "validate"
-                package_gate.validate_package(pkg, d.cfg)
-                rec.step = "capacity"
-                self._facts = package_gate.capacity_facts(pkg, d.cfg)
             rec.step = "capacity"
-            f = self._facts
             rec.need = Need(d.cfg.board.chips, f.weight_bytes if f else 0, f.kv_num_blocks if f else 0,
                             f.kv_bytes_per_block if f else 0)
             why = d.models.refuse_capacity(rec, rec.need)
             if why is not None:
-                raise LoadFailed("capacity", why, *STEP_ERRORS["capacity"])
+                self._drain_first(why, now)
+            self._phase = "drain_old" if self.drained is not None else "configure_start"
+        if self._phase == "drain_old":
+            if self.drained.state not in TERMINAL:
+                return  # the old generation drains (requests for the alias get a retryable 503 meanwhile)
+            self._phase = "configure_start"
+        if self._phase == "configure_start":
             rec.step = "configure"
             d.models.transition(rec, M.CONFIGURING)
-            self.generation = d.new_generation(rec, package_path=rec.path or None, package=pkg)
+            self.generation = d.new_generation(rec, package_path=rec.path or None, package=self._pkg)
             self.generation.spawn()
             self._started = now
             self._phase = "configure"
@@ -183,6 +189,19 @@ class LoadJob:
                 kind=rec.kind, load_s=round(now - rec.created_at, 3), golden_cases=len(self._cases),
                 previous=None if self.previous is None else self.previous.id)
             self._end()
+
+    def _drain_first(self, why: str, now: float) -> None:
+        """A replace/rollback that does not fit beside the generation it replaces: drain that one first.
+
+        Raises LoadFailed("capacity") when it would not fit even then (or for a plain load)."""
+        rec, d = self.rec, self.d
+        prev = d.models.published.get(rec.alias) if rec.kind in ("replace", "rollback") else None
+        if prev is None or d.models.refuse_capacity(rec, rec.need, excluding=(prev,)) is not None:
+            raise LoadFailed("capacity", why, *STEP_ERRORS["capacity"])
+        self.drained = d.models.generations[prev]
+        log("model_drain_first", model=rec.alias, generation=rec.id, draining=prev, deadline_s=self.drain_s,
+            reason="the board cannot hold both generations")
+        d.begin_unload(self.drained, now=now, deadline_s=self.drain_s)
 
     def _check_timeout(self, now: float) -> None:
         if now - self._started > CHECK_TIMEOUT_S:

@@ -248,17 +248,25 @@ def test_100_load_unload_cycles_return_rss_fds_threads_and_shm_to_baseline(daemo
         assert run_case(c, golden(root, "a")[0]).tokens == golden(root, "a")[0]["tokens"]
 
 
-def test_a_load_beyond_the_boards_memory_budget_is_refused_with_the_numbers(daemon, root):
+def test_a_load_beyond_the_boards_memory_budget_is_refused_and_a_replace_drains_the_old_one_first(daemon, root):
     d = serve(daemon, root, "a=a", settings={"board.memory_budget_mb": 2})  # each small package holds ~1.01 MiB
-    ga = golden(root, "a")
+    ga, gb = golden(root, "a"), golden(root, "b")
     with d.client(timeout=60) as c:
-        for op, kw in (("load", {"alias": "b"}), ("replace", {"alias": "a"})):  # blue/green needs room for both
-            with pytest.raises(ClientError) as e:
-                c.call(op, package="b", **kw)
-            msg = str(e.value)
-            assert e.value.code == 429 and e.value.reason == "insufficient_capacity", msg
-            assert "capacity: " in msg and "the board's budget is 2.0 MiB (board.memory_budget_mb)" in msg, msg
-            assert "1.0 MiB is held (a gen 1 1.0 MiB)" in msg and "KV blocks" in msg, msg
+        with pytest.raises(ClientError) as e:
+            c.call("load", alias="b", package="b")
+        msg = str(e.value)
+        assert e.value.code == 429 and e.value.reason == "insufficient_capacity", msg
+        assert "capacity: " in msg and "the board's budget is 2.0 MiB (board.memory_budget_mb)" in msg, msg
+        assert "1.0 MiB is held (a gen 1 1.0 MiB)" in msg and "KV blocks" in msg, msg
         assert run_case(c, ga[0]).tokens == ga[0]["tokens"]  # still serving
-        c.call("unload", alias="a")
-        assert c.call("load", alias="b", package="b")["model"]["state"] == "ready"  # room again
+        # a replace cannot run both generations: the old one drains first, its stream finishes
+        inflight: list = []
+        chunks = c.stream(ga[0]["prompt"], max_tokens=100, ignore_eos=True, model="a", result=inflight, timeout=60)
+        next(chunks)
+        r = c.call("replace", alias="a", package="b", deadline_s=30)
+        assert r["model"]["state"] == "ready" and r["previous"]["state"] == "unloaded", r
+        list(chunks)
+        assert inflight[0].finish_reason == "length" and inflight[0].generation == r["previous"]["generation"]
+        after = run_case(c, gb[0], model="a")
+        assert after.tokens == gb[0]["tokens"] and after.generation == r["model"]["generation"]
+        assert [m["generation"] for m in c.call("models")["models"]] == [r["model"]["generation"]]
