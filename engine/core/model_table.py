@@ -127,6 +127,8 @@ class ModelTable:
                                                         f"{self.published[alias]}); use replace to change it")
         if kind in ("replace", "rollback") and alias not in self.published:
             raise LifecycleError(404, "model_not_found", f"{alias!r} is not loaded here; use load")
+        for old in [g for g in self.generations.values() if g.alias == alias and g.state is M.FAILED]:
+            del self.generations[old.id]  # the last failure of an alias is listed until its next op
         self._ids += 1
         rec = GenerationRecord(self._ids, alias, package, kind, created_at=now)
         self.generations[rec.id] = rec

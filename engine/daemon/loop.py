@@ -248,9 +248,7 @@ class Daemon:
             if job.error is None and job.previous is not None:
                 self.begin_unload(job.previous, now=self.clock(),
                                   deadline_s=self.cfg.server.drain_timeout_s if deadline_s is None else deadline_s)
-            done(job)
-            if job.error is not None:
-                self.models.forget(job.rec)
+            done(job)  # a failed generation stays listed (state failed, its error) until the alias's next op
 
         drain_s = self.cfg.server.drain_timeout_s if deadline_s is None else deadline_s
         job = LoadJob(self, rec, done=finished, package_path=package_path,

@@ -73,6 +73,10 @@ def test_one_admin_op_per_alias_at_a_time_and_load_of_a_loaded_alias_is_refused(
     assert e.value.reason == "busy"
     t.fail(g, "verify", "tampered")
     assert g.state is M.FAILED and g.step == "verify" and "tiny" not in t.busy
+    assert t.generations[g.id] is g  # listed with its error until the alias's next op
+    g2 = t.begin("tiny", "c", "replace", 1.0)
+    assert g.id not in t.generations and g2.id in t.generations
+    t.fail(g2, "golden", "differs")
     with pytest.raises(LifecycleError) as e:
         t.begin("nope", "x", "replace", 0.0)
     assert e.value.code == 404

@@ -124,7 +124,9 @@ def test_each_bad_package_is_refused_naming_its_cause_while_the_serving_model_ke
             assert run_case(c, ga[1]).tokens == ga[1]["tokens"]  # the serving model answers, unchanged
         list(chunks)
         assert inflight[0].finish_reason == "length" and len(inflight[0].tokens) == 150
-        assert [(m["alias"], m["state"]) for m in c.call("models")["models"]] == [("a", "ready")]
+        models = c.call("models")["models"]
+        assert [(m["alias"], m["state"]) for m in models] == [("a", "ready"), ("x", "failed")]
+        assert models[1]["step"] == "resolve" and "no such package folder" in models[1]["error"]  # the last one
     assert len(shm_objects_of(d.pid)) == 3  # one generation: its job ring, result ring, doorbell
 
 
@@ -269,4 +271,5 @@ def test_a_load_beyond_the_boards_memory_budget_is_refused_and_a_replace_drains_
         assert inflight[0].finish_reason == "length" and inflight[0].generation == r["previous"]["generation"]
         after = run_case(c, gb[0], model="a")
         assert after.tokens == gb[0]["tokens"] and after.generation == r["model"]["generation"]
-        assert [m["generation"] for m in c.call("models")["models"]] == [r["model"]["generation"]]
+        listed = [(m["alias"], m["generation"], m["state"]) for m in c.call("models")["models"]]
+        assert listed == [("b", 2, "failed"), ("a", r["model"]["generation"], "ready")]  # the refused load of b
