@@ -273,3 +273,23 @@ def test_a_load_beyond_the_boards_memory_budget_is_refused_and_a_replace_drains_
         assert after.tokens == gb[0]["tokens"] and after.generation == r["model"]["generation"]
         listed = [(m["alias"], m["generation"], m["state"]) for m in c.call("models")["models"]]
         assert listed == [("b", 2, "failed"), ("a", r["model"]["generation"], "ready")]  # the refused load of b
+
+
+def test_llamacpp_loads_a_gguf_package_beside_the_serving_one_and_each_answers_its_golden_cases(daemon, tmp_path):
+    from workers.tiny_gguf_package import ensure_default_gguf_package
+
+    root = tmp_path / "gguf-root"
+    root.mkdir()
+    shutil.copytree(ensure_default_gguf_package(), root / "g")
+    d = daemon(backend="llamacpp", chips=1, extra=["--model-root", str(root), "--model", "one=g"],
+               settings={"board.threads_per_chip": 1})
+    cases = load_package(str(root / "g")).golden()
+    with d.client(timeout=120) as c:
+        r = c.call("load", alias="two", package="g")
+        assert r["model"]["state"] == "ready" and r["model"]["counters"]["golden_passed"] == len(cases)
+        gens = {m["alias"]: m["generation"] for m in c.call("models")["models"]}
+        for alias in ("one", "two"):
+            got = run_case(c, cases[0], model=alias)
+            assert got.tokens == cases[0]["tokens"] and got.generation == gens[alias]
+        assert c.call("unload", alias="one")["model"]["state"] == "unloaded"
+        assert run_case(c, cases[-1], model="two").tokens == cases[-1]["tokens"]
