@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import Config, ConfigError
 from engine.config_reload import config_changes, reloaded
+from engine.core.model_state import ModelState
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon import log as daemon_log
 from engine.daemon.drain import Drain, DrainState, SignalOutcome
@@ -163,7 +164,8 @@ class Service:
             log("reload_failed", errors=errors, note="still running on the previous configuration")
         else:
             for g in self.d.serving_generations():
-                g.scheduler.reconfigure(sched_cfg)
+                if g.rec.state is not ModelState.WARMING:  # a loading one takes it when it is published
+                    g.scheduler.reconfigure(sched_cfg)
             self.d.liveness.stall_threshold_s = running.server.loop_stall_ms / 1000.0
             daemon_log.configure(running.log.level, running.log.format)
             self.d.cfg = running
