@@ -56,6 +56,7 @@ class Result:
     logprobs: list[float] | None = None
     id: str = ""
     text: str | None = None  # the decoded output (None when the served model has no tokenizer)
+    generation: int | None = None  # the model generation that served it (a board daemon says so)
 
 
 Prompt = list[int] | str  # token ids, or text the server tokenizes
@@ -141,7 +142,8 @@ class ResultBuilder:
             self._add_text(ev.get("text"))
             text = None if self.texts is None else "".join(self.texts)
             self.result = Result(self.tokens, ev.get("finish_reason", ""), ev.get("usage") or {},
-                                 ev.get("timing") or {}, self.logprobs, ev.get("id", ""), text)
+                                 ev.get("timing") or {}, self.logprobs, ev.get("id", ""), text,
+                                 ev.get("generation"))
             return None
         if kind == "error":
             raise error_from_event(ev)

@@ -145,6 +145,9 @@ class BoardConfig:
                            "sockets and state; \"\" = $XDG_RUNTIME_DIR/npuserve, else /tmp/npuserve-$UID")
     threads_per_chip: int = key(0, _int(0, 1024), "CPU threads of each chip worker (backend llamacpp); "
                                                   "0 = the machine's cores split over the chips")
+    memory_budget_mb: int = key(0, _int(0), "memory the models of this board may hold (weights + KV pools of "
+                                            "every worker, all generations); a load that does not fit is "
+                                            "refused; 0 = no budget")
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,9 @@ class ModelConfig:
                                    "\"\" = the built-in tiny model, built on first run")
     ctypes_library: str = key("", _str(), "vendor shared library for backend = \"ctypes\" "
                                           "(relative = to the config file); required by that backend")
+    root: str = key("", _str(), "model root: the admin ops `load`/`replace` and `--model ALIAS=PACKAGE` name "
+                                "packages under it and cannot leave it (symlinks included); "
+                                "\"\" = no root: packages are paths, relative to the working directory")
     signing_public_key: str = key("", _str(), "Ed25519 public key (PEM, `npuserve keygen --signing`) that must have "
                                               "signed a package's manifest.json (manifest.sig) for `load` to accept "
                                               "it (relative = to the config file); \"\" = signatures not required")
@@ -423,7 +429,7 @@ def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
     return f"/tmp/npuserve-{os.getuid()}"
 
 
-_PATH_KEYS = ("package", "ctypes_library", "signing_public_key")  # of [model]
+_PATH_KEYS = ("package", "ctypes_library", "root", "signing_public_key")  # of [model]
 
 
 def _relative_to(base_dir: str, p: str) -> str:

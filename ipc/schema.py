@@ -192,6 +192,9 @@ def _nullable(check: Checker) -> Checker:
 
 
 _AUTH = {"auth": (_nullable(_text(1, MAX_AUTH_CHARS)), None)}
+# unload/replace/rollback: how long the generation that goes away may drain (seconds; None = the daemon's
+# server.drain_timeout_s).
+_DEADLINE = {"deadline_s": (_nullable(_float(0.0, MAX_DEADLINE_MS / 1000.0)), None)}
 # drain/resume at a balancer: one backend (its endpoint) instead of the balancer itself.
 _BACKEND = {"backend": (_nullable(_text(1, MAX_PATH_CHARS)), None)}
 
@@ -222,10 +225,11 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
     "health": {},
     "stats": {},
     "models": dict(_AUTH),
-    "load": {"model": (_name, _REQUIRED), "package": (_text(0, MAX_PATH_CHARS), ""), **_AUTH},
-    "unload": {"model": (_name, _REQUIRED), **_AUTH},
-    "replace": {"model": (_name, _REQUIRED), "package": (_text(1, MAX_PATH_CHARS), _REQUIRED), **_AUTH},
-    "rollback": {"model": (_name, _REQUIRED), **_AUTH},
+    "load": {"alias": (_name, _REQUIRED), "package": (_text(1, MAX_PATH_CHARS), _REQUIRED), **_AUTH},
+    "unload": {"alias": (_name, _REQUIRED), **_DEADLINE, **_AUTH},
+    "replace": {"alias": (_name, _REQUIRED), "package": (_text(1, MAX_PATH_CHARS), _REQUIRED), **_DEADLINE,
+                **_AUTH},
+    "rollback": {"alias": (_name, _REQUIRED), **_DEADLINE, **_AUTH},
     "drain": {"timeout_ms": (_nullable(_int(0, MAX_DEADLINE_MS)), None), **_AUTH, **_BACKEND},
     "resume": {**_AUTH, **_BACKEND},
 }

@@ -88,6 +88,8 @@ class ChipLink:
         runtime_dir: str,
         ring_bytes: int = 64 << 20,
         heartbeat_interval_s: float = 0.2,
+        generation: int = 0,
+        package_sha256: str | None = None,
     ) -> None:
         self.ctx = ctx
         self.board = str(board)
@@ -98,6 +100,8 @@ class ChipLink:
         self.runtime_dir = runtime_dir
         self.ring_bytes = int(ring_bytes)
         self.heartbeat_interval_s = float(heartbeat_interval_s)
+        self.generation = int(generation)  # model generation (several may run on one board at once)
+        self.package_sha256 = package_sha256  # set: the package was verified for this load (the worker trusts it)
         self.socket: zmq.Socket | None = None
         self.result_fd: int | None = None  # readable when result records may be waiting; poll it beside `socket`
         self.info: BackendInfo | None = None
@@ -117,7 +121,8 @@ class ChipLink:
         """Create rings and socket, spawn the worker; READY arrives later as an event."""
         assert self._proc is None, "ChipLink.start() on a running link"
         self._starts += 1
-        path = os.path.join(self.runtime_dir, f"w{self.board}-{self.chip}-{os.getpid()}-{self._starts}.sock")
+        gen = f"g{self.generation}-" if self.generation else ""
+        path = os.path.join(self.runtime_dir, f"w{self.board}-{self.chip}-{os.getpid()}-{gen}{self._starts}.sock")
         if len(path) > _MAX_IPC_PATH:
             raise ValueError(f"runtime_dir too long for an ipc:// socket path ({len(path)} > {_MAX_IPC_PATH}): {path}")
         try:
@@ -138,6 +143,7 @@ class ChipLink:
                 board=self.board, chip=self.chip, backend=self.backend, job_ring=self._job_ring.name,
                 result_ring=self._result_ring.name, control_endpoint=f"ipc://{path}", parent_pid=os.getpid(),
                 backend_options=self.backend_options, package_path=self.package_path,
+                package_sha256=self.package_sha256,
                 heartbeat_interval_s=self.heartbeat_interval_s, job_bell=self._bell.name,
                 result_bell_fd=self.result_fd,
             )
@@ -179,6 +185,14 @@ class ChipLink:
         elif proc is not None:
             proc.wait()
         self._cleanup()
+
+    def request_stop(self) -> None:
+        """Ask the worker to exit without waiting (an unload on the loop); `stop()` reaps and frees later."""
+        if self._proc is not None and self._proc.poll() is None and self.socket is not None:
+            try:
+                self._send_control(_SHUTDOWN)
+            except zmq.ZMQError:
+                self.kill()  # nobody reads the socket: nothing to wait for
 
     def restart(self) -> None:
         self.stop()

@@ -125,6 +125,7 @@ class WorkerConfig:
     parent_pid: int
     backend_options: dict = field(default_factory=dict)
     package_path: str | None = None
+    package_sha256: str | None = None  # the daemon verified this package for this load: not hashed again
     heartbeat_interval_s: float = 0.2
     job_bell: str | None = None  # POSIX semaphore rung after each job record (None: poll the socket)
     # How long the worker polls its doorbell before it parks in the kernel. Longer

@@ -101,11 +101,14 @@ def _check_manifest(m: dict, where: str) -> None:
               where, f"files[{name!r}] is not a sha256 hex digest")
 
 
-def load_gguf_package(path: str, manifest: dict, raw: bytes) -> GgufPackage:
-    """Verify a GGUF package whose manifest.json (`raw`, parsed as `manifest`) was read already."""
+def load_gguf_package(path: str, manifest: dict, raw: bytes, verify_files: bool = True) -> GgufPackage:
+    """Verify a GGUF package whose manifest.json (`raw`, parsed as `manifest`) was read already.
+
+    `verify_files` False: the files were verified for this load already (by the daemon)."""
     mpath = os.path.join(path, MANIFEST)
     _check_manifest(manifest, mpath)
-    verify_listed_files(path, manifest["files"])
+    if verify_files:
+        verify_listed_files(path, manifest["files"])
     return GgufPackage(**common_fields(path, manifest, raw), architecture=manifest["architecture"],
                        context_length=manifest["context_length"], tokenizer=dict(manifest["tokenizer"]),
                        kv_shape=dict(manifest["kv_shape"]) if manifest.get("kv_shape") else None)

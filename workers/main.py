@@ -353,7 +353,7 @@ def _load_backend(config: WorkerConfig) -> ChipBackend:
     if config.package_path is not None:
         from workers.model_package import load_package
 
-        package = load_package(config.package_path)
+        package = load_package(config.package_path, verified_sha256=config.package_sha256)
     backend.load(package)
     return backend
 

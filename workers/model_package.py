@@ -210,10 +210,12 @@ def write_manifest(dir_: str, manifest: dict, names=None) -> None:
         json.dump(manifest, f, indent=2, sort_keys=True)
 
 
-def load_package(path: str) -> ModelPackage:
+def load_package(path: str, verified_sha256: str | None = None) -> ModelPackage:
     """Verify and describe the package at `path`; raises PackageError naming the bad file.
 
     A manifest with `"format": "gguf"` is a GGUF package (`workers.gguf_package.GgufPackage`).
+    `verified_sha256`: the daemon verified every file of this package for this load (one verification
+    per load); only that the manifest is still the one it verified is checked, not every file again.
     """
     path = os.path.abspath(path)
     if not os.path.isdir(path):
@@ -228,13 +230,17 @@ def load_package(path: str) -> ModelPackage:
         manifest = json.loads(raw)
     except ValueError as e:
         raise PackageError(f"{mpath}: not valid JSON ({e})") from e
+    trusted = verified_sha256 is not None
+    if trusted and hashlib.sha256(raw).hexdigest() != verified_sha256:
+        raise PackageError(f"{mpath}: changed since the daemon verified the package (sha256 differs)")
     if isinstance(manifest, dict) and manifest.get("format") == "gguf":
         from workers.gguf_package import load_gguf_package  # imports this module
 
-        return load_gguf_package(path, manifest, raw)
+        return load_gguf_package(path, manifest, raw, verify_files=not trusted)
     _check_manifest(manifest, mpath)
     files: dict[str, str] = manifest["files"]
-    verify_listed_files(path, files)
+    if not trusted:
+        verify_listed_files(path, files)
 
     return ModelPackage(**common_fields(path, manifest, raw), dims=ModelDims.from_dict(manifest["dims"]))
 

@@ -69,6 +69,7 @@ class Stream:
     pending_lp: list[float] | None = None
     pending_text: list[str] | None = None  # text deltas not yet sent / all text (None: no tokenizer)
     tokens_prefix: bytes = b""  # the encoded tokens-event envelope up to the token list (hot path)
+    generation: int = 0  # the model generation serving it (its `done` says so); 0: not known
 
     def __post_init__(self) -> None:
         self.tokens_prefix = encode(_event_envelope("tokens", self.cid))[:-1] + b',"tokens":'
@@ -162,7 +163,8 @@ class Frontend:
         return out
 
     # -- request bookkeeping -----------------------------------------------------
-    def open(self, rid: int, conn: Conn, cid: str, stream: bool, logprobs: bool, text: bool = False) -> bool:
+    def open(self, rid: int, conn: Conn, cid: str, stream: bool, logprobs: bool, text: bool = False,
+             generation: int = 0) -> bool:
         """Register a generate; False when `cid` is already in flight on this connection.
 
         `text`: the model has a tokenizer, so the request's events carry text."""
@@ -171,7 +173,8 @@ class Frontend:
             self.counters.duplicate_ids += 1
             return False
         assert rid not in self._by_rid
-        st = Stream(rid, conn, cid, stream, pending_lp=[] if logprobs else None, pending_text=[] if text else None)
+        st = Stream(rid, conn, cid, stream, pending_lp=[] if logprobs else None, pending_text=[] if text else None,
+                    generation=generation)
         self._by_rid[rid] = st
         self._by_key[key] = rid
         self.counters.requests += 1
@@ -215,6 +218,8 @@ class Frontend:
                             logprobs=st.pending_lp,
                             text=None if st.pending_text is None else "".join(st.pending_text))
             self.counters.tokens_out += len(st.pending)
+        if st.generation:
+            ev["generation"] = st.generation
         self._close(st)
         self.send(st.conn, ev)
 

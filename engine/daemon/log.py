@@ -30,6 +30,13 @@ EVENTS: dict[str, str] = {
     "stop_failed": "warning",
     # requests
     "request_failed": "error",
+    # model lifecycle (engine/daemon/models)
+    "model_ready": "info",
+    "model_load_failed": "warning",
+    "model_draining": "info",
+    "model_drain_first": "info",
+    "model_recovering": "warning",
+    "model_unloaded": "info",
     # stop, drain
     "drain_started": "info",
     "drain_progress": "info",

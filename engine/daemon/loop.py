@@ -10,7 +10,8 @@ and carries out the actions it returns. The poll timeout is the core's
 
 from __future__ import annotations
 
-import inspect
+import collections
+import concurrent.futures
 import math
 import os
 import signal
@@ -21,10 +22,11 @@ from typing import Callable
 
 import zmq
 
-from engine.config import Config, validate_against_model
+from engine.config import Config, ConfigError
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, ReleaseBlocks, SubmitJob
-from engine.core.scheduler import ChipSpec, ConfigurationError, ModelSpec, Scheduler
-from engine.core.scheduler_config import scheduler_config_from
+from engine.core.model_state import ModelState
+from engine.core.model_table import DrainVerdict, GenerationRecord, ModelTable
+from engine.core.scheduler import Scheduler
 from engine.daemon import ops
 from engine.daemon.drain import DrainState
 from engine.daemon.frontend import Frontend
@@ -34,18 +36,16 @@ from engine.daemon.log import log
 from engine.daemon.sd_notify import Notifier
 from engine.daemon.service import STOP_SIGNALS, Service
 from engine.daemon.observe import MetricsPortBusy, Observers
-from engine.daemon.supervisor import ChipState, Decision, Supervisor
-from engine.daemon.text_io import piece_function, served_tokenizer
-from ipc.records import Job
-from ipc.ring import RingFull
-from ipc.shm import ShmFull
+from engine.daemon.models.generation import Generation
+from engine.daemon.models.load_job import STARTUP_TIMEOUT_S, LoadJob
+from engine.daemon.supervisor import Supervisor
 from ipc.stale import reap_stale
 from workers.backends.base import BackendInfo
-from workers.chip_link import SHM_PREFIX, ChipLink, Heartbeat, Ready, Result, WorkerFailed
+from workers.chip_link import SHM_PREFIX, ChipLink
 
 SUPERVISE_INTERVAL_S = 0.1  # how often worker liveness is checked (death is seen within this)
-STARTUP_TIMEOUT_S = 120.0  # first READY of a worker (the ref model may be built on first run)
-RESTART_TIMEOUT_S = 30.0  # READY of a restarted worker
+UNLOAD_STOP_TIMEOUT_S = 5.0  # an unloading generation's workers get this long to exit on SHUTDOWN, then SIGKILL
+DEFAULT_DRAIN_S = 30.0  # unload/replace without deadline_s: server.drain_timeout_s
 EXIT_UNRECOVERABLE = 3  # every chip out of service
 EXIT_INTERNAL = 4  # a bug: the core's state can no longer be trusted
 
@@ -54,44 +54,34 @@ class StartupError(RuntimeError):
     """The daemon cannot start serving (worker start-up failure, model/config mismatch)."""
 
 
-def backend_options(cfg: Config, chip: int) -> dict:
-    """The config keys a backend's constructor understands (block size, KV blocks, chip id)."""
-    from workers.backends.registry import backend_class
-
-    wanted = {"block_size": cfg.kv.block_size, "chip_id": chip}
-    if cfg.kv.num_blocks:
-        wanted["num_blocks"] = cfg.kv.num_blocks
-    if cfg.board.backend == "ctypes" and cfg.model.ctypes_library:
-        wanted["library"] = cfg.model.ctypes_library
-    if cfg.board.backend == "llamacpp":
-        wanted.update(chips=cfg.board.chips, threads=cfg.board.threads_per_chip)
-    params = inspect.signature(backend_class(cfg.board.backend).__init__).parameters
-    return {k: v for k, v in wanted.items() if k in params}
-
-
 class Daemon:
-    """One board: workers, scheduler core, frontend. `start()`, then `run()` until a signal."""
+    """One board: its model generations (workers + scheduler core each), frontend. `start()`, then `run()`."""
 
     def __init__(self, cfg: Config, *, package_path: str | None = None,
                  extra_backend_options: dict | None = None, clock: Callable[[], float] = time.monotonic,
                  notifier: Notifier | None = None, config_loader: Callable[[], Config] | None = None,
-                 trace_path: str | None = None) -> None:
+                 trace_path: str | None = None, models: list[tuple[str, str | None, bool]] | None = None) -> None:
+        """`models`: what to load at start-up, [(alias, package, under_root)]; None = cfg.model.alias with
+        `package_path` (the one-model daemon). `under_root`: the package is named relative to the model root
+        and must not leave it; False for a package the operator gave as a path (--package, the built-in one)."""
         self.cfg = cfg
         self.trace_path = trace_path
         self.observe: Observers | None = None  # metrics and trace (engine/daemon/observe.py)
         self.package_path = package_path
         self.extra_backend_options = dict(extra_backend_options or {})
         self.clock = clock
-        self.model_alias = cfg.model.alias
+        self.startup_models = models if models is not None else [(cfg.model.alias, package_path, False)]
+        default = cfg.model.alias
+        if self.startup_models and default not in [m[0] for m in self.startup_models]:
+            default = self.startup_models[0][0]
+        self.model_alias = default  # the board's default alias: requests without `model` get it
+        self.models = ModelTable(default, cfg.board.memory_budget_mb << 20)
+        self.generations: dict[int, Generation] = {}
+        self.load_jobs: list[LoadJob] = []
         self.ctx: zmq.Context | None = None
-        self.links: list[ChipLink] = []
         self.frontend: Frontend | None = None
         self.security = None  # engine.daemon.curve.CurveSetup when security.server_secret_key is set
-        self.scheduler: Scheduler | None = None
-        self.supervisor: Supervisor | None = None
         self.liveness = LoopLiveness(cfg.server.loop_stall_ms / 1000.0)
-        self.info: BackendInfo | None = None
-        self.tokenizer = None  # the served model's tokenizer (workers.tokenizer), None when it has none
         self.accepting = True
         self.started_at = clock()
         self.exit_code = 0
@@ -100,21 +90,62 @@ class Daemon:
         self._stop_signal: int | None = None
         self._serving = False  # from run(): stop signals drain instead of stopping at once
         self.service = Service(self, notifier, config_loader)  # systemd notify, drain, reload
-        self._backlog: list[deque[Job]] = []
-        self._device_us = [0] * cfg.board.chips  # time the backend calls took, per chip
-        self._worker_us = [0] * cfg.board.chips  # job read -> result written in the worker, per chip
         self._poller = zmq.Poller()
-        self._link_socks: dict[zmq.Socket | int, int] = {}  # each link's socket and result doorbell fd
+        self._link_socks: dict[zmq.Socket | int, tuple[Generation, int]] = {}  # link socket / result fd -> (gen, chip)
         self._front_socks: dict[zmq.Socket, int] = {}
+        self._rid_gen: dict[int, Generation] = {}  # every live request -> the generation it is pinned to
+        self._internal: dict[int, LoadJob] = {}  # golden/warm-up requests -> their load job
+        self._unload_waiters: dict[int, list[Callable[[GenerationRecord], None]]] = {}
+        self._unloading: dict[int, float] = {}  # generation -> when its workers were asked to exit
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._sig_r = self._sig_w = -1
         self._old_handlers: dict[int, object] = {}
         self._old_wakeup_fd: int | None = None
-        self.counters = {"jobs_submitted": 0, "ring_full": 0, "results": 0, "chip_failures": 0,
-                         "worker_restarts": 0, "cancelled_dead_clients": 0}
+        self._retired: dict[str, int] = {}  # counters of generations that are gone
+        self.retired_entries: dict[int, dict] = {}  # the last `models` entries of unloaded generations
+        self.counters = {"cancelled_dead_clients": 0}
+        self.lifecycle_counts: collections.Counter = collections.Counter()  # (alias, op, outcome) -> n, for metrics
+
+    # -- the default generation (what the one-model views show) -----------------------------
+    def default_generation(self) -> Generation | None:
+        gid = self.models.published.get(self.model_alias)
+        if gid is None:
+            live = [g for g in self.generations.values() if g.scheduler is not None]
+            return live[0] if live else None
+        return self.generations.get(gid)
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        g = self.default_generation()
+        return None if g is None else g.scheduler
+
+    @property
+    def supervisor(self) -> Supervisor | None:
+        g = self.default_generation()
+        return None if g is None else g.supervisor
+
+    @property
+    def links(self) -> list[ChipLink]:
+        g = self.default_generation()
+        return [] if g is None else g.links
+
+    @property
+    def info(self) -> BackendInfo | None:
+        g = self.default_generation()
+        return None if g is None else g.info
+
+    @property
+    def tokenizer(self):
+        g = self.default_generation()
+        return None if g is None else g.tokenizer
+
+    def serving_generations(self) -> list[Generation]:
+        """Generations whose scheduler runs (warming, ready, draining, recovering)."""
+        return [g for g in self.generations.values() if g.scheduler is not None]
 
     # -- start-up -------------------------------------------------------------
     def start(self) -> None:
-        """Spawn the workers, wait for them, build the core, bind the frontend. Raises StartupError."""
+        """Load the start-up models through the load pipeline, then bind the frontend. Raises StartupError."""
         cfg = self.cfg
         self._install_signals()
         os.makedirs(cfg.board.runtime_dir, mode=0o700, exist_ok=True)
@@ -131,47 +162,27 @@ class Daemon:
         if reaped:
             log("reaped_stale_shm", count=len(reaped))
         self.ctx = zmq.Context()
-        hb = cfg.recovery.heartbeat_interval_ms / 1000.0
-        for chip in range(cfg.board.chips):
-            opts = backend_options(cfg, chip)
-            opts.update(self.extra_backend_options)
-            link = ChipLink(ctx=self.ctx, board=cfg.board.id, chip=chip, backend=cfg.board.backend,
-                            backend_options=opts, package_path=self.package_path,
-                            runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb)
-            self.links.append(link)
-            self._backlog.append(deque())
-            try:
-                link.start()
-            except ShmFull as e:
-                raise StartupError(f"chip {chip}: {e.strerror}") from None
-        infos = self._wait_ready(STARTUP_TIMEOUT_S)
-        self.info = info = infos[0]
-        for chip, other in enumerate(infos):
-            if (other.vocab_size, other.max_seq, other.profiles, other.eos_ids) != \
-                    (info.vocab_size, info.max_seq, info.profiles, info.eos_ids):
-                raise StartupError(f"chip {chip} loaded a different model than chip 0")
-        profiles = [p.batch for p in info.profiles]
-        validate_against_model(cfg, profiles, info.max_seq)  # ConfigError propagates
-        model = ModelSpec(generation=1, vocab_size=info.vocab_size, eos_ids=tuple(info.eos_ids),
-                          max_seq=info.max_seq, profiles=tuple(profiles), chunked_prefill=info.chunked_prefill)
-        chips = [ChipSpec(chip=c, num_blocks=i.kv.num_blocks, block_size=i.kv.block_size)
-                 for c, i in enumerate(infos)]
-        try:
-            self.tokenizer = served_tokenizer(self.package_path, info)
-        except Exception as e:  # noqa: BLE001 - any failure to load it is a start-up failure worth naming
-            raise StartupError(f"cannot load the model's tokenizer: {e}") from None
-        piece = None if self.tokenizer is None else piece_function(self.tokenizer)
-        try:
-            self.scheduler = Scheduler(scheduler_config_from(cfg), model, chips, piece=piece)
-        except ConfigurationError as e:
-            raise StartupError(f"configuration does not fit the model: {e}") from None
-        now = self.clock()
-        self.supervisor = Supervisor(cfg.board.chips, max_resets_per_10min=cfg.recovery.max_resets_per_10min,
-                                     heartbeat_timeout_s=cfg.recovery.heartbeat_timeout_ms / 1000.0,
-                                     startup_timeout_s=RESTART_TIMEOUT_S, now=now)
-        for chip in range(cfg.board.chips):
-            self.supervisor.on_ready(chip, now)
-            self._register_link(chip)
+        failures: list[LoadJob] = []
+        for alias, package, under_root in self.startup_models:
+            self.begin_load(alias, package or "", "startup", self.clock(),
+                            lambda j: failures.append(j) if j.error else None,
+                            package_path=None if under_root else package, resolve=under_root)
+        next_supervise = self.clock()
+        workers = cfg.board.chips * len(self.startup_models)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while any(not j.finished for j in self.load_jobs):
+            if self._stop_signal is not None:
+                raise StartupError("interrupted during start-up")
+            ready = sum(len(g.infos) for g in self.generations.values())
+            self.service.starting(time.monotonic(), ready, workers, deadline)
+            next_supervise = self._turn(next_supervise, max_wait_s=0.2)
+            if failures:
+                break
+        if failures:
+            e = failures[0].error
+            if e.step == "validate":
+                raise ConfigError(e.message.split("; "))
+            raise StartupError(e.message if len(self.startup_models) == 1 else f"{failures[0].rec.alias}: {e.message}")
         for ep in cfg.server.endpoints:
             if ep.startswith("ipc://"):
                 _remove_stale_socket(ep[len("ipc://"):])
@@ -200,42 +211,155 @@ class Daemon:
         if cfg.metrics.port:
             log("metrics_serving", url=f"http://{cfg.metrics.host}:{self.observe.metrics.port}/metrics")
         log("serving", board=cfg.board.id, endpoints=list(cfg.server.endpoints), backend=cfg.board.backend,
-            chips=cfg.board.chips, model=self.model_alias, pids=[lk.pid for lk in self.links])
+            chips=cfg.board.chips, model=self.model_alias, models=sorted(self.models.published),
+            pids=[lk.pid for g in self.generations.values() for lk in g.links])
         self.service.ready(self.clock())
 
-    def _wait_ready(self, timeout_s: float) -> list[BackendInfo]:
-        poller = zmq.Poller()
-        for lk in self.links:
-            poller.register(lk.socket, zmq.POLLIN)
-        infos: dict[int, BackendInfo] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(infos) < len(self.links):
-            if self._stop_signal is not None:
-                raise StartupError("interrupted during start-up")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = [c for c in range(len(self.links)) if c not in infos]
-                raise StartupError(f"workers of chips {missing} not ready within {timeout_s:.0f} s")
-            self.service.starting(time.monotonic(), len(infos), len(self.links), deadline)
-            poller.poll(min(left, 0.2) * 1000)
-            for chip, lk in enumerate(self.links):
-                for ev in lk.handle_events():
-                    if isinstance(ev, Ready):
-                        infos[chip] = ev.info
-                    elif isinstance(ev, WorkerFailed):
-                        raise StartupError(f"chip {chip} worker failed to start: {ev.message}")
-        return [infos[c] for c in range(len(self.links))]
+    # -- generations (called by load jobs and ops) ---------------------------------------------
+    def run_in_thread(self, fn) -> concurrent.futures.Future:
+        """Run blocking work (hashing a package) off the loop; its end wakes the loop."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-load")
+        fut = self._executor.submit(fn)
+        fut.add_done_callback(lambda _f: self.wake())
+        return fut
 
-    def _register_link(self, chip: int) -> None:
-        lk = self.links[chip]
+    def wake(self) -> None:
+        """Make the loop turn again at once (from any thread: a byte on the self-pipe)."""
+        if self._sig_w >= 0:
+            try:
+                os.write(self._sig_w, b"\0")
+            except OSError:
+                pass
+
+    def begin_load(self, alias: str, package: str, kind: str, now: float, done: Callable[[LoadJob], None], *,
+                   package_path: str | None = None, deadline_s: float | None = None,
+                   resolve: bool | None = None) -> LoadJob:
+        """Start a load/replace/rollback/startup job; raises model_table.LifecycleError when it may not start.
+
+        `package_path`: already resolved (start-up, rollback): not looked up under the model root again."""
+        rec = self.models.begin(alias, package, kind, now)
+        if package_path is not None:
+            rec.path = package_path
+
+        def finished(job: LoadJob) -> None:
+            self.load_jobs.remove(job)
+            self.lifecycle_counts[(alias, kind, "failed" if job.error else "ready")] += 1
+            if job.error is None and job.previous is not None:
+                self.begin_unload(job.previous, now=self.clock(),
+                                  deadline_s=self.cfg.server.drain_timeout_s if deadline_s is None else deadline_s)
+            done(job)  # a failed generation stays listed (state failed, its error) until the alias's next op
+
+        drain_s = self.cfg.server.drain_timeout_s if deadline_s is None else deadline_s
+        job = LoadJob(self, rec, done=finished, package_path=package_path,
+                      resolve=kind in ("load", "replace") if resolve is None else resolve, drain_s=drain_s)
+        self.load_jobs.append(job)
+        job.start(now)
+        return job
+
+    def new_generation(self, rec: GenerationRecord, *, package_path: str | None, package) -> Generation:
+        g = Generation(rec, self.cfg, self.ctx, package_path=package_path, package=package,
+                       extra_backend_options=self.extra_backend_options, register=self._register_link,
+                       unregister=self._unregister_link, observe=lambda: self.observe)
+        self.generations[rec.id] = g
+        return g
+
+    def publish(self, g: Generation, now: float) -> GenerationRecord | None:
+        """The alias flips to `g` (one assignment); returns the generation it replaced (to drain)."""
+        g.cfg = self.cfg  # a SIGHUP during the load: the running configuration
+        g.serve(self.accepting)
+        return self.models.publish(g.rec, now)
+
+    def drop_generation(self, g: Generation) -> None:
+        """A failed load: fail its requests (the load's own), stop its workers, free its rings."""
+        now = self.clock()
+        if g.scheduler is not None:
+            self.apply(g.scheduler.shutdown(now), g, now)
+        for rid in [r for r, gg in self._rid_gen.items() if gg is g]:
+            self._rid_gen.pop(rid, None)
+            self._internal.pop(rid, None)
+        g.stop()
+        self._retire(g)
+
+    def _retire(self, g: Generation) -> None:
+        for k, v in g.counters.items():
+            self._retired[k] = self._retired.get(k, 0) + v
+        self.generations.pop(g.id, None)
+
+    def begin_unload(self, rec: GenerationRecord, *, now: float, deadline_s: float,
+                     waiter: Callable[[GenerationRecord], None] | None = None) -> None:
+        """Ready -> Draining: no new requests; those in flight finish until the deadline (then `_drains`)."""
+        self.models.begin_drain(rec, now, deadline_s)
+        log("model_draining", model=rec.alias, generation=rec.id, deadline_s=deadline_s,
+            active_requests=len(self.generations[rec.id].rids))
+        if waiter is not None:
+            self._unload_waiters.setdefault(rec.id, []).append(waiter)
+        self._drains(now)
+
+    def _drains(self, now: float) -> None:
+        """Move draining, recovering and unloading generations on (every supervision tick and after unloads)."""
+        for g in list(self.generations.values()):
+            st = g.rec.state
+            if st is ModelState.DRAINING:
+                verdict = self.models.drain_verdict(g.rec, now, len(g.rids), g.inflight_jobs())
+                if verdict in (DrainVerdict.DEADLINE, DrainVerdict.RECOVER):  # cancel what is left
+                    for rid in list(g.rids):
+                        self.apply(g.scheduler.cancel(rid, now), g, now)
+                    verdict = self.models.drain_verdict(g.rec, now, len(g.rids), g.inflight_jobs())
+                if verdict is DrainVerdict.DONE:
+                    self._begin_stop(g, now)
+                elif verdict in (DrainVerdict.RECOVER, DrainVerdict.DEADLINE):
+                    self.models.transition(g.rec, ModelState.RECOVERING)
+                    log("model_recovering", model=g.alias, generation=g.id, inflight_jobs=g.inflight_jobs(),
+                        note="buffers stay allocated until no job can write them")
+                    self._notify_unloaded(g.rec)
+            elif st is ModelState.RECOVERING:
+                # The core times out jobs that never come back (executor.job_timeout_ms); the workers are
+                # stopped (SIGKILL if they do not exit) before any ring is freed.
+                if g.inflight_jobs() == 0 or not g.workers_alive():
+                    self._begin_stop(g, now)
+            elif st is ModelState.UNLOADING:
+                asked = self._unloading[g.id]
+                if g.workers_alive():
+                    if now - asked >= UNLOAD_STOP_TIMEOUT_S:
+                        g.kill()  # a hung job: SIGKILL; its rings are freed once it is dead (a later turn)
+                    continue
+                g.stop()  # the workers have exited: now rings, sockets and fds go
+                self._unloading.pop(g.id, None)
+                self.models.transition(g.rec, ModelState.UNLOADED)
+                log("model_unloaded", model=g.alias, generation=g.id,
+                    unload_s=round(now - (g.rec.drain_started_at or now), 3))
+                self._retire(g)
+                self._notify_unloaded(g.rec)
+                self.retired_entries[g.id] = self.model_entry(g.rec)
+                while len(self.retired_entries) > 64:
+                    del self.retired_entries[next(iter(self.retired_entries))]
+                self.models.forget(g.rec)
+
+    def _begin_stop(self, g: Generation, now: float) -> None:
+        self.models.transition(g.rec, ModelState.UNLOADING)
+        if g.scheduler is not None:
+            self.apply(g.scheduler.shutdown(now), g, now)
+        for lk in g.links:
+            lk.request_stop()
+        self._unloading[g.id] = now
+
+    def _notify_unloaded(self, rec: GenerationRecord) -> None:
+        self.lifecycle_counts[(rec.alias, "unload", rec.state.value)] += 1
+        for w in self._unload_waiters.pop(rec.id, []):
+            w(rec)
+
+    # -- poller registration ----------------------------------------------------------------
+    def _register_link(self, g: Generation, chip: int) -> None:
+        lk = g.links[chip]
         assert lk.socket is not None and lk.result_fd is not None
         for s in (lk.socket, lk.result_fd):  # a restarted link has a new socket and a new fd
-            self._link_socks[s] = chip
+            self._link_socks[s] = (g, chip)
             self._poller.register(s, zmq.POLLIN)
 
-    def _unregister_link(self, chip: int) -> None:
-        for s, c in list(self._link_socks.items()):
-            if c == chip:
+    def _unregister_link(self, g: Generation, chip: int) -> None:
+        for s, (gg, c) in list(self._link_socks.items()):
+            if gg is g and c == chip:
                 self._poller.unregister(s)
                 del self._link_socks[s]
 
@@ -266,7 +390,7 @@ class Daemon:
     # -- the loop ------------------------------------------------------------------
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (exit 0) or an unrecoverable failure (non-zero)."""
-        assert self.scheduler is not None and self.frontend is not None
+        assert self.frontend is not None
         self._serving = True
         try:
             self._serve(self.clock())
@@ -277,166 +401,154 @@ class Daemon:
         return self._shutdown()
 
     def _serve(self, next_supervise: float) -> None:
-        sched, fe, live = self.scheduler, self.frontend, self.liveness
-        front_socks, link_socks, service = self._front_socks, self._link_socks, self.service
-        obs = self.observe
-        trace = obs.trace
         while self._stop_signal is None and self.exit_code == 0:
-            now = self.clock()
-            wake = sched.next_wakeup(now)
-            until = next_supervise if wake is None else min(wake, next_supervise)
-            ping = service.wake_by()
-            if ping is not None and ping < until:
-                until = ping
-            timeout_ms = max(0, math.ceil((until - now) * 1000))
-            live.sleeping(now)
-            events = self._poller.poll(timeout_ms)
-            now = self.clock()
-            live.woke(now)
-            actions: list = []
-            for sock, _ in events:
-                if sock in link_socks:
-                    actions += self._on_link(link_socks[sock], now)
-                elif sock in front_socks:
-                    for conn, msg in fe.receive(front_socks[sock]):
-                        actions += fe.handle_guarded(ops.handle, self, conn, msg, now)
-                elif sock == self._sig_r:
-                    _drain_fd(self._sig_r)
+            next_supervise = self._turn(next_supervise)
+
+    def _turn(self, next_supervise: float, max_wait_s: float | None = None) -> float:
+        """One wake-up: poll, feed what arrived to the cores, tick them, carry out their actions."""
+        fe, live, service = self.frontend, self.liveness, self.service
+        front_socks, link_socks = self._front_socks, self._link_socks
+        gens = self.serving_generations()
+        now = self.clock()
+        until = next_supervise
+        for g in gens:
+            wake = g.scheduler.next_wakeup(now)
+            if wake is not None and wake < until:
+                until = wake
+        ping = service.wake_by()
+        if ping is not None and ping < until:
+            until = ping
+        timeout_ms = max(0, math.ceil((until - now) * 1000))
+        if max_wait_s is not None:
+            timeout_ms = min(timeout_ms, int(max_wait_s * 1000))
+        live.sleeping(now)
+        events = self._poller.poll(timeout_ms)
+        now = self.clock()
+        live.woke(now)
+        n_actions = 0
+        for sock, _ in events:
+            if sock in link_socks:
+                g, chip = link_socks[sock]
+                if g.scheduler is None:
+                    continue  # still configuring: its load job reads the start-up messages
+                acts = g.on_link(chip, now)
+                n_actions += len(acts)
+                self.apply(acts, g, now)
+            elif sock in front_socks:
+                for conn, msg in fe.receive(front_socks[sock]):
+                    fe.handle_guarded(ops.handle, self, conn, msg, now)
+            elif sock == self._sig_r:
+                _drain_fd(self._sig_r)
+        if fe is not None:
             service.turn(now)
-            if now >= next_supervise:
-                actions += self._supervise(now)
-                next_supervise = now + SUPERVISE_INTERVAL_S
-                obs.publish(self, now)
-            self._retry_backlog()
-            actions += sched.tick(now)
-            self._apply(actions, now)
+        for job in list(self.load_jobs):
+            job.poll(now)
+        if now >= next_supervise:
+            for g in self.serving_generations():
+                if g.rec.state in (ModelState.UNLOADING, ModelState.RECOVERING):
+                    continue  # no restarts: it is going away (its job timeout ends a hung job)
+                acts = g.supervise(now)
+                n_actions += len(acts)
+                self.apply(acts, g, now)
+            if self.generations and all(g.all_out() for g in self.serving_generations()) \
+                    and self.serving_generations():
+                log("fatal", reason="every chip is out of service")
+                self.exit_code = EXIT_UNRECOVERABLE
+            self._drains(now)
+            next_supervise = now + SUPERVISE_INTERVAL_S
+            if fe is not None:
+                self.observe.publish(self, now)
+        elif self._unloading or (self.models.next_deadline() is not None and now >= self.models.next_deadline()):
+            self._drains(now)
+        blocked = None
+        for g in self.serving_generations():
+            g.retry_backlog()
+            acts = g.scheduler.tick(now)
+            n_actions += len(acts)
+            self.apply(acts, g, now)
+            blocked = blocked or g.scheduler.admission_blocked
+        if fe is not None:
             dead = fe.flush()
             if dead:
                 self._cancel_dead(dead, now)
-            if trace is not None:
-                trace.turn(now, self.clock(), len(events), len(actions), sched.admission_blocked)
+        trace = self.observe.trace if self.observe is not None else None
+        if trace is not None:
+            trace.turn(now, self.clock(), len(events), n_actions, blocked)
+        return next_supervise
 
-    def _on_link(self, chip: int, now: float) -> list:
-        sched, sup = self.scheduler, self.supervisor
-        out: list = []
-        for ev in self.links[chip].handle_events():
-            t = type(ev)
-            if t is Result:
-                self.counters["results"] += 1
-                self.observe.on_result(chip, ev.result, now)
-                self._device_us[chip] += ev.result.device_us
-                self._worker_us[chip] += ev.result.worker_us
-                out += sched.on_result(chip, ev.result, now)
-            elif t is Heartbeat:
-                pass  # ChipLink.last_heartbeat is what supervision reads
-            elif t is Ready:
-                if sup.state(chip) in (ChipState.STARTING, ChipState.RESTARTING):
-                    sup.on_ready(chip, now)
-                    log("chip_up", chip=chip, pid=ev.pid)
-                    out += sched.on_chip_up(chip, now)
-            elif t is WorkerFailed:
-                if sup.state(chip) is not ChipState.OUT:
-                    out += self._chip_failed(chip, f"worker failed: {ev.message}", now)
-        return out
+    # -- requests -------------------------------------------------------------------------
+    def admit(self, rid: int, g: Generation) -> None:
+        """Pin request `rid` to generation `g` for its whole life."""
+        self._rid_gen[rid] = g
+        g.rids.add(rid)
+        g.rec.active_requests = len(g.rids)
+        g.rec.counters["requests"] += 1
 
-    def _apply(self, actions: list, now: float | None = None) -> None:
-        if actions and self.observe is not None:
-            self.observe.on_actions(actions, self.clock() if now is None else now)
+    def generation_of(self, rid: int) -> Generation | None:
+        return self._rid_gen.get(rid)
+
+    def open_internal(self, rid: int, g: Generation, job: LoadJob) -> None:
+        self.admit(rid, g)
+        self._internal[rid] = job
+
+    def close_internal(self, rid: int) -> None:
+        self._internal.pop(rid, None)
+        g = self._rid_gen.pop(rid, None)
+        if g is not None:
+            g.rids.discard(rid)
+
+    def _ended(self, rid: int, ok: bool) -> None:
+        g = self._rid_gen.pop(rid, None)
+        if g is not None:
+            g.rids.discard(rid)
+            g.rec.active_requests = len(g.rids)
+            g.rec.counters["completed" if ok else "failed"] += 1
+
+    def apply(self, actions: list, g: Generation, now: float | None = None) -> None:
+        """Carry out the actions generation `g`'s scheduler returned."""
+        if not actions:
+            return
+        internal = self._internal
+        if self.observe is not None:
+            self.observe.on_actions(actions, self.clock() if now is None else now, g.id, g.alias, internal)
         fe = self.frontend
         for a in actions:
             t = type(a)
+            if t is SubmitJob:
+                g.submit(a.chip, a.job)
+                continue
+            if t is ReleaseBlocks:
+                g.release(a.chip, a.blocks)
+                continue
+            rid = a.request_id
+            job = internal.get(rid) if internal else None
+            if job is not None:
+                job.on_event(a)
+                if t is not EmitTokens:
+                    internal.pop(rid, None)
+                    self._ended(rid, t is FinishRequest)
+                continue
             if t is EmitTokens:
-                fe.emit(a.request_id, a.tokens, a.logprobs, a.text)
-            elif t is SubmitJob:
-                self._submit(a.chip, a.job)
+                fe.emit(rid, a.tokens, a.logprobs, a.text)
             elif t is FinishRequest:
-                fe.finish(a.request_id, a.finish_reason, a.usage, a.timing)
+                fe.finish(rid, a.finish_reason, a.usage, a.timing)
+                self._ended(rid, True)
             elif t is FailRequest:
-                fe.fail(a.request_id, a.code, a.reason, a.message, a.retryable)
-            elif t is ReleaseBlocks:
-                if self.supervisor.state(a.chip) is ChipState.UP:  # else the worker restarts empty
-                    self.links[a.chip].release_blocks(a.blocks)
+                fe.fail(rid, a.code, a.reason, a.message, a.retryable)
+                if a.timing is None and rid in self._rid_gen:
+                    g.rec.counters["rejected"] += 1
+                self._ended(rid, False)
             else:
                 raise AssertionError(f"unknown action {a!r}")
-
-    def _submit(self, chip: int, job: Job) -> None:
-        backlog = self._backlog[chip]
-        if self.supervisor.state(chip) is not ChipState.UP:
-            return  # the core will see the chip-down / time the job out; nothing to run it on
-        if backlog:
-            backlog.append(job)
-            return
-        try:
-            self.links[chip].submit(job)
-            self.counters["jobs_submitted"] += 1
-        except RingFull:
-            self.counters["ring_full"] += 1
-            backlog.append(job)
-
-    def _retry_backlog(self) -> None:
-        for chip, backlog in enumerate(self._backlog):
-            while backlog:
-                try:
-                    self.links[chip].submit(backlog[0])
-                except RingFull:
-                    break
-                backlog.popleft()
-                self.counters["jobs_submitted"] += 1
 
     def _cancel_dead(self, rids: list[int], now: float) -> None:
         """Requests of clients that vanished or stopped reading: free their lanes."""
         self.counters["cancelled_dead_clients"] += len(rids)
-        actions: list = []
         for rid in rids:
-            actions += self.scheduler.cancel(rid, now)
-        self._apply(actions, now)  # their events go nowhere: the frontend forgot them
+            g = self._rid_gen.get(rid)
+            if g is not None and g.scheduler is not None:
+                self.apply(g.scheduler.cancel(rid, now), g, now)  # their events go nowhere
         self.frontend.flush()
-
-    # -- supervision -----------------------------------------------------------------
-    def _supervise(self, now: float) -> list:
-        sup = self.supervisor
-        out: list = []
-        for chip, lk in enumerate(self.links):
-            if sup.state(chip) is ChipState.OUT:
-                continue
-            reason = sup.check(chip, alive=lk.is_alive(), last_heartbeat=lk.last_heartbeat, now=now)
-            if reason is not None:
-                out += self._chip_failed(chip, reason, now)
-        return out
-
-    def _chip_failed(self, chip: int, reason: str, now: float) -> list:
-        sup = self.supervisor
-        was_up = sup.state(chip) is ChipState.UP
-        self.counters["chip_failures"] += 1
-        out = self.scheduler.on_chip_down(chip, now) if was_up else []
-        self.observe.on_chip_down(chip, now)
-        self._backlog[chip].clear()
-        decision = sup.on_failure(chip, reason, now)
-        lk = self.links[chip]
-        self._unregister_link(chip)
-        lk.kill()
-        if decision is Decision.RESTART:
-            log("chip_down", chip=chip, reason=reason, action="restart")
-            try:
-                lk.restart()
-            except Exception as e:  # e.g. no room for new rings: this chip cannot come back
-                log("restart_failed", chip=chip, error=repr(e))
-                sup.take_out(chip, f"restart failed: {e}", now)
-                decision = Decision.TAKE_OUT
-            else:
-                self.counters["worker_restarts"] += 1
-                self._register_link(chip)
-        if decision is Decision.TAKE_OUT:
-            log("chip_down", chip=chip, reason=reason, action="out_of_service",
-                max_resets_per_10min=sup.max_resets)
-            try:
-                lk.stop()
-            except Exception as e:
-                log("stop_failed", chip=chip, error=repr(e))
-            if sup.all_out():
-                log("fatal", reason="every chip is out of service")
-                self.exit_code = EXIT_UNRECOVERABLE
-        return out
 
     # -- replies ---------------------------------------------------------------------
     def next_request_id(self) -> int:
@@ -447,26 +559,49 @@ class Daemon:
         if self.service.drain.state is not DrainState.SERVING:
             accepting = False  # an admin `resume` cannot undo a SIGTERM drain
         self.accepting = accepting
-        self.scheduler.set_accepting(accepting, "draining")
+        for g in self.serving_generations():
+            if g.rec.state is ModelState.READY:  # a load's golden cases run whatever the board admits
+                g.scheduler.set_accepting(accepting, "draining")
 
     def model_info(self) -> dict:
-        i = self.info
-        return {"alias": self.model_alias, "backend": self.cfg.board.backend, "generation": 1,
-                "vocab_size": i.vocab_size, "max_seq": i.max_seq, "eos_ids": list(i.eos_ids),
-                "profiles": [p.batch for p in i.profiles], "sha256": i.model_sha256,
-                "text": self.tokenizer is not None}
+        g = self.default_generation()
+        if g is None:
+            return {"alias": self.model_alias, "backend": self.cfg.board.backend, "generation": None}
+        return g.model_info()
+
+    def model_entry(self, rec: GenerationRecord) -> dict:
+        """One `models` entry: the generation's state, package and counters (plus model_info's keys)."""
+        g = self.generations.get(rec.id)
+        out = g.model_info() if g is not None else {"alias": rec.alias, "backend": self.cfg.board.backend}
+        out.update(alias=rec.alias, generation=rec.id, state=rec.state.value, package=rec.package,
+                   path=rec.path or None,
+                   sha256=rec.sha256 or out.get("sha256", ""),
+                   default=rec.alias == self.model_alias and self.models.published.get(rec.alias) == rec.id,
+                   active_requests=len(g.rids) if g is not None else 0,
+                   counters=rec.default_counters | {"golden_passed": int(rec.counters.get("golden_passed", 0))},
+                   error=rec.error, step=rec.step,
+                   memory_bytes=rec.need.memory_bytes if rec.need is not None else None)
+        return out
+
+    def models_list(self) -> list[dict]:
+        return [self.model_entry(r) for r in sorted(self.models.generations.values(), key=lambda r: r.id)]
 
     def chips_info(self, now: float) -> list[dict]:
-        snap = self.supervisor.snapshot(now)
-        for s, lk in zip(snap, self.links):
-            s["pid"] = lk.pid
-            s["backlog"] = len(self._backlog[s["chip"]])
-            s["device_s"] = round(self._device_us[s["chip"]] / 1e6, 3)
-            s["worker_s"] = round(self._worker_us[s["chip"]] / 1e6, 3)
-        return snap
+        g = self.default_generation()
+        return [] if g is None else g.chips_info(now)
+
+    def board_counters(self) -> dict:
+        out = dict(self._retired)
+        for g in self.generations.values():
+            for k, v in g.counters.items():
+                out[k] = out.get(k, 0) + v
+        for k in ("jobs_submitted", "ring_full", "results", "chip_failures", "worker_restarts"):
+            out.setdefault(k, 0)
+        return out | self.counters
 
     def health(self, now: float) -> dict:
-        up = self.supervisor.in_service()
+        g = self.default_generation()
+        up = g.supervisor.in_service() if g is not None and g.supervisor is not None else []
         loop_ok = self.liveness.healthy(now)
         return {
             "ok": bool(up) and loop_ok and self.accepting,
@@ -476,22 +611,26 @@ class Daemon:
             "chips_up": len(up),
             "chips": self.chips_info(now),
             "model": self.model_info(),
+            "models": sorted(self.models.published),
             "board": self.cfg.board.id,
             "pid": os.getpid(),
             "uptime_s": round(now - self.started_at, 3),
             "active_requests": self.frontend.active(),
-            "load": load_report(self.scheduler.stats()),
+            "load": load_report(self.scheduler.stats()) if self.scheduler is not None else None,
         }
 
     def stats(self, now: float) -> dict:
+        sched = self.scheduler
         return {
-            "scheduler": self.scheduler.stats(now),
+            "scheduler": sched.stats(now) if sched is not None else None,
             "metrics": self.observe.families(self, now),
             "frontend": self.frontend.counters.as_dict(),
-            "daemon": dict(self.counters, active_requests=self.frontend.active(),
+            "daemon": dict(self.board_counters(), active_requests=self.frontend.active(),
                            loop_turns=self.liveness.turns,
                            loop_max_turn_ms=round(self.liveness.max_turn_s * 1000, 3)),
             "chips": self.chips_info(now),
+            "models": [dict(self.model_entry(g.rec), scheduler=g.scheduler.stats(now) if g.scheduler else None,
+                            chips=g.chips_info(now)) for g in sorted(self.generations.values(), key=lambda g: g.id)],
             "uptime_s": round(now - self.started_at, 3),
         }
 
@@ -505,8 +644,11 @@ class Daemon:
         self.accepting = False
         if not self._core_broken:
             try:
-                self.scheduler.set_accepting(False, "shutdown")
-                self._apply(self.scheduler.shutdown(now), now)
+                for job in list(self.load_jobs):
+                    job.abort(now, "the daemon is shutting down")
+                for g in self.serving_generations():
+                    g.scheduler.set_accepting(False, "shutdown")
+                    self.apply(g.scheduler.shutdown(now), g, now)
             except Exception as e:
                 log("fatal", reason="shutdown of the core failed", error=repr(e))
                 self.exit_code = self.exit_code or EXIT_INTERNAL
@@ -525,12 +667,13 @@ class Daemon:
                 self._poller.unregister(s)
             self._front_socks.clear()
             self.frontend.close(linger_ms=1000)  # let the terminal events leave
-        for chip, lk in enumerate(self.links):
-            self._unregister_link(chip)
-            try:
-                lk.stop()
-            except Exception as e:  # keep cleaning the other chips
-                log("stop_failed", chip=chip, error=repr(e))
+        for g in list(self.generations.values()):
+            g.kill() if g.rec.state is ModelState.RECOVERING else None  # a hung job: SIGKILL, then free
+            g.stop()
+        self.generations.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
         if self._sig_r >= 0:
             for sig, h in self._old_handlers.items():
                 signal.signal(sig, h)

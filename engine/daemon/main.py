@@ -10,6 +10,7 @@ start-up fails, 3 when serving becomes impossible (every chip out of service),
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 import tomllib
@@ -20,6 +21,7 @@ from engine.daemon.log import log
 
 EXIT_CONFIG = 2
 EXIT_STARTUP = 1
+_ALIAS_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
 def _value(text: str) -> object:
@@ -49,7 +51,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chips", type=int, help="worker processes (board.chips)")
     p.add_argument("--board", help="board id (board.id)")
     p.add_argument("--runtime-dir", help="sockets and state (board.runtime_dir)")
-    p.add_argument("--package", help="model package folder (model.package)")
+    p.add_argument("--package", help="model package folder (model.package): the one-model shorthand")
+    p.add_argument("--model-root", metavar="DIR", help="folder the model packages live under (model.root); "
+                                                      "admin load/replace and --model cannot leave it")
+    p.add_argument("--model", action="append", default=[], metavar="ALIAS=PACKAGE",
+                   help="load PACKAGE (under the model root) as ALIAS at start-up (repeatable; the first is "
+                        "the board's default unless model.alias names another)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (metrics.port)")
     p.add_argument("--log-format", choices=("auto", "json", "human"),
                    help="log lines on stderr: json (one object per line), human, or auto = human on a terminal "
@@ -66,7 +73,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def overrides_from(args: argparse.Namespace) -> dict[str, object]:
     ov = _pairs(args.set, "--set")
     flags = {"board.backend": args.backend, "board.chips": args.chips, "board.id": args.board,
-             "board.runtime_dir": args.runtime_dir, "model.package": args.package,
+             "board.runtime_dir": args.runtime_dir, "model.package": args.package, "model.root": args.model_root,
              "metrics.port": args.metrics_port, "server.endpoints": args.endpoint or None,
              "log.format": args.log_format}
     ov.update({k: v for k, v in flags.items() if v is not None})
@@ -88,10 +95,29 @@ def resolve_package(cfg: Config) -> str | None:
     return None
 
 
-def banner(cfg: Config) -> str:
+def startup_models(cfg: Config, named: list[str]) -> list[tuple[str, str | None, bool]]:
+    """What to load at start-up: each --model ALIAS=PACKAGE (under the root), else the one-model package."""
+    if not named:
+        return [(cfg.model.alias, resolve_package(cfg), False)]
+    out: list[tuple[str, str | None, bool]] = []
+    for item in named:
+        alias, sep, package = item.partition("=")
+        alias, package = alias.strip(), package.strip()
+        if not sep or not alias or not package:
+            raise ConfigError(f"--model {item!r}: expected ALIAS=PACKAGE")
+        if not _ALIAS_RE.match(alias):
+            raise ConfigError(f"--model {item!r}: an alias is 1-64 characters of [A-Za-z0-9_.:-]")
+        if alias in [m[0] for m in out]:
+            raise ConfigError(f"--model {item!r}: alias {alias!r} named twice")
+        out.append((alias, package, True))
+    return out
+
+
+def banner(cfg: Config, aliases: list[str] | None = None) -> str:
     ep = cfg.server.endpoints[0]
+    served = ", ".join(map(repr, aliases)) if aliases else repr(cfg.model.alias)
     lines = [
-        f"npuserve: board {cfg.board.id} serving model {cfg.model.alias!r} "
+        f"npuserve: board {cfg.board.id} serving model{'s' if aliases and len(aliases) > 1 else ''} {served} "
         f"({cfg.board.backend} backend, {cfg.board.chips} chip{'s' if cfg.board.chips != 1 else ''})",
         "endpoint:",
         ep,
@@ -127,11 +153,14 @@ def main(argv: list[str]) -> int:
 
     log("starting", board=cfg.board.id, backend=cfg.board.backend, chips=cfg.board.chips, config=args.config)
     try:
-        package = resolve_package(cfg)
+        models = startup_models(cfg, args.model)
+    except ConfigError as e:
+        return _startup_failed(EXIT_CONFIG, "configuration error: " + "; ".join(e.errors), e.errors)
     except Exception as e:  # a broken cache dir, an unwritable home: say so, do not trace back
         return _startup_failed(EXIT_STARTUP, f"cannot prepare the model package: {e}")
-    daemon = Daemon(cfg, package_path=package, extra_backend_options=backend_extra,
-                    config_loader=lambda: load_config(args.config, overrides), trace_path=args.trace)
+    daemon = Daemon(cfg, package_path=models[0][1], extra_backend_options=backend_extra,
+                    config_loader=lambda: load_config(args.config, overrides), trace_path=args.trace,
+                    models=models)
     try:
         daemon.start()
     except ConfigError as e:
@@ -149,7 +178,7 @@ def main(argv: list[str]) -> int:
         daemon.close()
         raise
     if not daemon.service.notify.enabled:  # under systemd, STATUS= and the journal say it instead
-        print(banner(cfg), flush=True)
+        print(banner(cfg, sorted(daemon.models.published)), flush=True)
     try:
         return daemon.run()
     finally:

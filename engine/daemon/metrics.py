@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
+from engine.core.model_state import ModelState
 
 if TYPE_CHECKING:
     from engine.daemon.loop import Daemon
@@ -91,25 +92,67 @@ class SnapshotCollector(Collector):
 class _Builder:
     """Collects the families of one snapshot (loop thread)."""
 
-    def __init__(self, model: str) -> None:
-        self.model = model
+    def __init__(self, model: str, generation: int | None = None) -> None:
+        """`generation`: label every row with it too (the figures of one model generation)."""
+        self.head: tuple[str, ...] = (model,) if generation is None else (model, str(generation))
+        self.head_labels = ("model_name",) if generation is None else ("model_name", "generation")
         self.families: list[Family] = []
 
     def add(self, kind: str, name: str, doc: str, labels: tuple[str, ...],
             samples: Iterable[tuple[tuple[str, ...], float]]) -> None:
-        rows = tuple(((self.model, *vals), float(v)) for vals, v in samples if v is not None)
-        self.families.append(Family(kind, name, doc, ("model_name", *labels), rows))
+        rows = tuple(((*self.head, *vals), float(v)) for vals, v in samples if v is not None)
+        self.families.append(Family(kind, name, doc, (*self.head_labels, *labels), rows))
 
     def one(self, kind: str, name: str, doc: str, value: float) -> None:
         self.add(kind, name, doc, (), [((), value)])
 
 
 def build_snapshot(d: "Daemon", now: float, bounded_tenants: frozenset[str]) -> Snapshot:
-    """Read the daemon's state into plain immutable families. Loop thread only."""
-    sched = d.scheduler
-    st = sched.stats(now)
-    counters = st["counters"]
+    """Read the daemon's state into plain immutable families, per model generation. Loop thread only."""
+    merged: dict[str, Family] = {}
+
+    def merge(families: list[Family]) -> None:
+        for f in families:
+            old = merged.get(f.name)
+            merged[f.name] = f if old is None else Family(f.kind, f.name, f.doc, f.labels, old.samples + f.samples)
+
+    for g in sorted(d.serving_generations(), key=lambda g: g.id):
+        b = _Builder(g.alias, g.id)
+        _generation_families(b, g.scheduler.stats(now), g.chips_info(now), bounded_tenants)
+        merge(b.families)
     b = _Builder(d.model_alias)
+    b.one("gauge", "loop_lag_seconds", "Longest recent turn of the scheduler loop.", d.liveness.lag_s(now))
+    b.one("counter", "loop_turns", "Turns of the scheduler loop.", d.liveness.turns)
+    b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if d.accepting else 0)
+    merge(b.families)
+    merge(_lifecycle_families(d))
+    return tuple(merged.values())
+
+
+def _lifecycle_families(d: "Daemon") -> list[Family]:
+    """Model generations by state, their requests, and the loads and unloads so far (seed 001 §16 "model")."""
+    recs = sorted(d.models.generations.values(), key=lambda r: r.id)
+    fams = [Family("gauge", "model_generation_state", "1 for the lifecycle state each model generation is in.",
+                   ("model_name", "generation", "state"),
+                   tuple(((r.alias, str(r.id), st.value), 1.0 if r.state is st else 0.0)
+                         for r in recs for st in ModelState)),
+            Family("gauge", "model_active_requests", "Requests pinned to each model generation, in flight.",
+                   ("model_name", "generation"), tuple(((r.alias, str(r.id)), float(r.active_requests))
+                                                       for r in recs)),
+            Family("counter", "model_requests", "Requests each model generation took, by outcome "
+                   "(completed, failed, rejected at submit).", ("model_name", "generation", "outcome"),
+                   tuple(((r.alias, str(r.id), k), float(r.counters.get(k, 0)))
+                         for r in recs for k in ("completed", "failed", "rejected")))]
+    fams.append(Family("counter", "model_lifecycle_ops", "Loads (and replaces, rollbacks) and unloads, by outcome.",
+                       ("model_name", "op", "outcome"),
+                       tuple(((alias, op, outcome), float(n)) for (alias, op, outcome), n in
+                             sorted(d.lifecycle_counts.items()))))
+    return fams
+
+
+def _generation_families(b: _Builder, st: dict, chips: list[dict], bounded_tenants: frozenset[str]) -> None:
+    """The scheduler, KV, queue, batch and chip figures of one generation."""
+    counters = st["counters"]
     b.one("gauge", "num_requests_running", "Requests admitted: holding KV, prefilling or decoding.",
           st["active_sequences"])
     b.one("gauge", "num_requests_waiting", "Requests waiting for admission.", st["waiting_requests"])
@@ -171,7 +214,6 @@ def build_snapshot(d: "Daemon", now: float, bounded_tenants: frozenset[str]) -> 
     b.add("gauge", "batch_fill_ratio", "Active lanes / lane slots of the decode jobs so far, by profile.",
           ("profile",), [((str(p),), e["fill_ratio"]) for p, e in prof.items()])
     # chips and workers
-    chips = d.chips_info(now)
     b.add("gauge", "chip_up", "1 when the chip's worker is in service.", ("chip",),
           [((str(c["chip"]),), 1 if c["state"] == "up" else 0) for c in chips])
     b.add("counter", "worker_restarts", "Worker processes restarted after a failure.", ("chip",),
@@ -185,14 +227,20 @@ def build_snapshot(d: "Daemon", now: float, bounded_tenants: frozenset[str]) -> 
         service[key] = service.get(key, 0) + n
     b.add("counter", "tenant_service_tokens", "Tokens computed per tenant (configured tenants; others as "
           "\"other\").", ("tenant",), [((t,), n) for t, n in sorted(service.items())])
-    # the loop itself
-    b.one("gauge", "loop_lag_seconds", "Longest recent turn of the scheduler loop.", d.liveness.lag_s(now))
-    b.one("counter", "loop_turns", "Turns of the scheduler loop.", d.liveness.turns)
-    b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if d.accepting else 0)
-    return tuple(b.families)
 
 
 # -- the recorder (loop thread) ------------------------------------------------------------
+@dataclass(frozen=True)
+class _ModelSeries:
+    """The latency histograms' children of one model alias."""
+
+    ttft: object
+    itl: object
+    e2e: object
+    queue: object
+
+
+
 class MetricsRecorder:
     """Observes the loop's actions and job results; publishes snapshots; optionally serves HTTP."""
 
@@ -206,7 +254,7 @@ class MetricsRecorder:
         r, m = self.registry, ["model_name"]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]):
-            return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r).labels(model)
+            return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r)
 
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                          TTFT_BUCKETS)
@@ -223,10 +271,13 @@ class MetricsRecorder:
         self.job_latency = Histogram(PREFIX + "job_latency_seconds", "Chip jobs from hand-over to result, as "
                                      "the scheduler loop sees them, by chip and kind.",
                                      ["model_name", "chip", "kind"], buckets=JOB_LATENCY_BUCKETS, registry=r)
-        self._job_children: dict[tuple[int, str], object] = {}
-        self._success_children: dict[str, object] = {}
+        self._job_children: dict[tuple[str, int, str], object] = {}
+        self._success_children: dict[tuple[str, str], object] = {}
+        self._series: dict[str, _ModelSeries] = {}  # model alias -> its histogram children
+        self.series(model)  # the default model's histograms exist (empty) from the first scrape
         self._last_emit: dict[int, float] = {}  # request id -> time of its last tokens (loop thread only)
-        self._job_start: dict[int, tuple[float, int, str]] = {}  # job id -> (submitted, chip, kind)
+        # (generation, job id) -> (submitted, chip, kind, model alias)
+        self._job_start: dict[tuple[int, int], tuple[float, int, str, str]] = {}
         self.next_publish = 0.0
         self._last_activity: tuple | None = None  # what had happened at the last publish (see `publish`)
         self._next_idle_publish = 0.0
@@ -257,7 +308,17 @@ class MetricsRecorder:
             self._server_thread = None
 
     # -- loop-thread hooks -----------------------------------------------------------------
-    def on_actions(self, actions: list, now: float) -> None:
+    def series(self, alias: str) -> "_ModelSeries":
+        s = self._series.get(alias)
+        if s is None:
+            s = self._series[alias] = _ModelSeries(self.ttft.labels(alias), self.itl.labels(alias),
+                                                   self.e2e.labels(alias), self.queue.labels(alias))
+        return s
+
+    def on_actions(self, actions: list, now: float, generation: int = 0, alias: str | None = None) -> None:
+        """`alias`: the model the actions' requests run on (metric label model_name); None = the default."""
+        alias = alias or self.model
+        ser = None
         last_emit = self._last_emit
         for a in actions:
             t = type(a)
@@ -265,48 +326,48 @@ class MetricsRecorder:
                 rid = a.request_id
                 prev = last_emit.get(rid)
                 if prev is not None:
-                    self.itl.observe(now - prev)
+                    (ser or (ser := self.series(alias))).itl.observe(now - prev)
                 last_emit[rid] = now
             elif t is SubmitJob:
                 jobs = self._job_start
                 if len(jobs) >= MAX_TRACKED_JOBS:
                     del jobs[next(iter(jobs))]
-                jobs[a.job.job_id] = (now, a.chip, a.job.kind.name.lower())
+                jobs[(generation, a.job.job_id)] = (now, a.chip, a.job.kind.name.lower(), alias)
             elif t is FinishRequest:
                 last_emit.pop(a.request_id, None)
-                self._finished(a.finish_reason, a.timing)
+                self._finished(ser or (ser := self.series(alias)), alias, a.finish_reason, a.timing)
             elif t is FailRequest:
                 last_emit.pop(a.request_id, None)
                 if a.timing is not None:  # accepted, then failed (a rejection is counted by the core)
-                    self.failure.labels(self.model, a.reason).inc()
+                    self.failure.labels(alias, a.reason).inc()
 
-    def _finished(self, reason: str, timing: dict) -> None:
-        child = self._success_children.get(reason)
+    def _finished(self, ser: "_ModelSeries", alias: str, reason: str, timing: dict) -> None:
+        child = self._success_children.get((alias, reason))
         if child is None:
-            child = self._success_children[reason] = self.success.labels(self.model, reason)
+            child = self._success_children[(alias, reason)] = self.success.labels(alias, reason)
         child.inc()
         e2e = timing.get("e2e_ms")
         if e2e is not None:
-            self.e2e.observe(e2e / 1000.0)
+            ser.e2e.observe(e2e / 1000.0)
         ttft = timing.get("ttft_ms")
         if ttft is not None:
-            self.ttft.observe(ttft / 1000.0)
+            ser.ttft.observe(ttft / 1000.0)
         q = timing.get("queue_ms")
         if q is not None:
-            self.queue.observe(q / 1000.0)
+            ser.queue.observe(q / 1000.0)
 
-    def on_result(self, chip: int, result: "JobResult", now: float) -> None:
-        start = self._job_start.pop(result.job_id, None)
+    def on_result(self, chip: int, result: "JobResult", now: float, generation: int = 0) -> None:
+        start = self._job_start.pop((generation, result.job_id), None)
         if start is None or start[1] != chip:
             return
-        key = (chip, start[2])
+        key = (start[3], chip, start[2])
         child = self._job_children.get(key)
         if child is None:
-            child = self._job_children[key] = self.job_latency.labels(self.model, str(chip), start[2])
+            child = self._job_children[key] = self.job_latency.labels(start[3], str(chip), start[2])
         child.observe(now - start[0])
 
-    def on_chip_down(self, chip: int) -> None:
-        for job_id in [j for j, s in self._job_start.items() if s[1] == chip]:
+    def on_chip_down(self, chip: int, generation: int = 0) -> None:
+        for job_id in [j for j, s in self._job_start.items() if s[1] == chip and j[0] == generation]:
             del self._job_start[job_id]
 
     def publish(self, d: "Daemon", now: float, force: bool = False) -> None:
@@ -316,9 +377,11 @@ class MetricsRecorder:
         self.next_publish = now + PUBLISH_INTERVAL_S
         # An idle board changes nothing a gauge shows: skip the rebuild (it is most of an idle daemon's CPU
         # turn) until something happened or the idle interval passed (uptime-like figures stay fresh enough).
-        fc, dc = d.frontend.counters, d.counters
+        fc, dc = d.frontend.counters, d.board_counters()
         activity = (fc.messages_in, dc["results"], dc["chip_failures"], dc["worker_restarts"],
-                    d.frontend.active(), tuple(d.supervisor.state(c) for c in range(len(d.links))))
+                    d.frontend.active(), tuple((g.id, g.rec.state, tuple(g.chips_info(now)[c]["state"]
+                                                                         for c in range(len(g.links))))
+                                               for g in d.serving_generations()))
         if not force and activity == self._last_activity and activity[4] == 0 and now < self._next_idle_publish:
             return
         self._last_activity = activity

@@ -9,7 +9,10 @@ HTTP server runs only when metrics.port is set, the trace only with --trace.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import TYPE_CHECKING
+
+from engine.core.actions import ReleaseBlocks, SubmitJob
 
 from engine.daemon.metrics import MetricsPortBusy, MetricsRecorder
 from engine.daemon.trace import DEFAULT_MAX_EVENTS, TraceWriter
@@ -20,6 +23,9 @@ if TYPE_CHECKING:
     from ipc.records import JobResult
 
 __all__ = ["MetricsPortBusy", "Observers"]
+
+# Actions that belong to no request (a load's internal requests are filtered by request id).
+_NO_REQUEST = (SubmitJob, ReleaseBlocks)
 
 
 class Observers:
@@ -37,18 +43,23 @@ class Observers:
                 self.metrics.close()
                 raise
 
-    def on_actions(self, actions: list, now: float) -> None:
-        self.metrics.on_actions(actions, now)
+    def on_actions(self, actions: list, now: float, generation: int = 0, alias: str | None = None,
+                   internal: Container[int] = ()) -> None:
+        """`internal`: request ids of a load's golden and warm-up requests: traced, but not clients' requests,
+        so not in the request metrics (their tokens and jobs count in the generation's scheduler figures)."""
+        seen = actions if not internal else [a for a in actions if type(a) in _NO_REQUEST
+                                             or a.request_id not in internal]
+        self.metrics.on_actions(seen, now, generation, alias)
         if self.trace is not None:
             self.trace.on_actions(actions, now)
 
-    def on_result(self, chip: int, result: "JobResult", now: float) -> None:
-        self.metrics.on_result(chip, result, now)
+    def on_result(self, chip: int, result: "JobResult", now: float, generation: int = 0) -> None:
+        self.metrics.on_result(chip, result, now, generation)
         if self.trace is not None:
             self.trace.on_result(chip, result, now)
 
-    def on_chip_down(self, chip: int, now: float) -> None:
-        self.metrics.on_chip_down(chip)
+    def on_chip_down(self, chip: int, now: float, generation: int = 0) -> None:
+        self.metrics.on_chip_down(chip, generation)
         if self.trace is not None:
             self.trace.on_chip_down(chip, now)
 

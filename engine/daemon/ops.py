@@ -4,7 +4,9 @@ Kept apart from the event loop so that the op table is readable on its own:
 `generate` and `cancel` go to the scheduler core, `health`/`stats`/`models`
 are answered from state the loop keeps, `drain`/`resume` toggle admission
 (admin: only on ipc:// endpoints, whose socket file permissions are the
-access control), and model management ops are answered 501 (a later issue).
+access control), and the model admin ops go to engine/daemon/models/admin_ops.py.
+A generate is routed by its `model` (the board's default when absent) to
+that alias's Ready generation and stays pinned to it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from engine.core.actions import Action
 from engine.core.requests import GenerateParams
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
 from engine.daemon.auth import is_admin, tenant_for, visible_stats
+from engine.daemon.models import admin_ops
+from engine.core.model_table import RouteOutcome
 
 if TYPE_CHECKING:
     from engine.daemon.frontend import Conn
@@ -25,7 +29,7 @@ if TYPE_CHECKING:
 # Wire fields of `generate` that are scheduler parameters (model/stream are the shell's).
 _PARAM_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
                  "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation")
-NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback"})
+NOT_IMPLEMENTED_OPS: frozenset[str] = frozenset()
 
 
 def params_from(msg: dict, tokenizer=None) -> GenerateParams:
@@ -44,36 +48,45 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
     cid = msg["id"]
     fe = d.frontend
     if op == "generate":
-        model = msg.get("model")
-        if model is not None and model != d.model_alias:
-            fe.error(conn, cid, 404, "model_not_found", f"model {model!r} is not served here "
-                                                         f"(this board serves {d.model_alias!r})")
+        route = d.models.route(msg.get("model"))
+        if route.outcome is RouteOutcome.UNKNOWN:
+            fe.error(conn, cid, 404, "model_not_found", route.message)
             return []
+        if route.outcome is RouteOutcome.UNAVAILABLE:
+            fe.error(conn, cid, 503, "model_unavailable", route.message, retryable=True)
+            return []
+        g = d.generations[route.generation.id]
         msg["tenant"] = tenant_for(conn, msg["tenant"])
         try:
-            params = params_from(msg, d.tokenizer)
+            params = params_from(msg, g.tokenizer)
         except TextRejected as e:
             fe.error(conn, cid, 400, e.reason, e.message)
             return []
         rid = d.next_request_id()
         if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False)),
-                       text=d.tokenizer is not None):
+                       text=g.tokenizer is not None, generation=g.id):
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
-        return d.scheduler.submit(rid, params, now)
+        d.admit(rid, g)
+        d.apply(g.scheduler.submit(rid, params, now), g, now)
+        return []
     if op == "cancel":
         rid = fe.lookup(conn, cid)
-        return [] if rid is None else d.scheduler.cancel(rid, now)
+        g = None if rid is None else d.generation_of(rid)
+        if g is not None and g.scheduler is not None:
+            d.apply(g.scheduler.cancel(rid, now), g, now)
+        return []
     if op == "health":
         fe.reply(conn, cid, "health", d.health(now))
         return []
     if op == "stats":
         fe.reply(conn, cid, "stats", visible_stats(conn, jsonable(d.stats(now))))
         return []
-    if op == "models":
-        # `package`: where an HTTP front on this host finds the chat template and tokenizer (engine/http).
-        package = d.package_path or d.info.extra.get("package") or None
-        fe.reply(conn, cid, "models", {"models": [dict(d.model_info(), package=package)]})
+    if op == "models":  # open to every client, as before: a front or a balancer learns what is served
+        fe.reply(conn, cid, "models", {"models": d.models_list()})
+        return []
+    if op in admin_ops.OPS:
+        admin_ops.handle(d, conn, msg, now)
         return []
     if op in ("drain", "resume"):
         if not is_admin(conn):

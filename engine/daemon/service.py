@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import Config, ConfigError
 from engine.config_reload import config_changes, reloaded
+from engine.core.model_state import ModelState
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon import log as daemon_log
 from engine.daemon.drain import Drain, DrainState, SignalOutcome
@@ -162,7 +163,9 @@ class Service:
             errors = e.errors if isinstance(e, ConfigError) else [str(e)]
             log("reload_failed", errors=errors, note="still running on the previous configuration")
         else:
-            self.d.scheduler.reconfigure(sched_cfg)
+            for g in self.d.serving_generations():
+                if g.rec.state is not ModelState.WARMING:  # a loading one takes it when it is published
+                    g.scheduler.reconfigure(sched_cfg)
             self.d.liveness.stall_threshold_s = running.server.loop_stall_ms / 1000.0
             daemon_log.configure(running.log.level, running.log.format)
             self.d.cfg = running
@@ -178,7 +181,7 @@ class Service:
     # -- status text -------------------------------------------------------------------------------
     def _serving_status(self) -> str:
         d = self.d
-        up = len(d.supervisor.in_service())
+        up = len(d.supervisor.in_service()) if d.supervisor is not None else 0
         admit = "serving" if d.accepting else "not admitting (drained by an admin)"
         return (f"{admit} model {d.model_alias!r} on {', '.join(d.cfg.server.endpoints)}: "
                 f"{up}/{d.cfg.board.chips} chips up, {d.frontend.active()} requests in flight")

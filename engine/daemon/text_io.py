@@ -28,17 +28,19 @@ class TextRejected(Exception):
         self.message = message
 
 
-def served_tokenizer(package_path: str | None, info: BackendInfo) -> Tokenizer | None:
+def served_tokenizer(package_path: str | None, info: BackendInfo, package=None) -> Tokenizer | None:
     """The tokenizer of what the workers serve; None when the package has none (kind `none`).
 
+    `package`: the package as the load already verified it (its files are not hashed again).
     Raises TokenizerError when the package's tokenizer cannot be loaded (the daemon does not start).
     """
     path = package_path or info.extra.get("package")
     if not path:
         return ByteTokenizer(info.vocab_size) if info.vocab_size >= 256 else None
-    from workers.model_package import load_package
+    if package is None:
+        from workers.model_package import load_package
 
-    package = load_package(path)
+        package = load_package(path)
     if tokenizer_spec(package.manifest)["kind"] == "none":
         return None
     tok = load_tokenizer(package)

@@ -80,7 +80,7 @@ def load_served_model(info: dict, package_override: str | None = None,
     for models whose GGUF carries none."""
     from workers.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, tokenizer_spec
 
-    path = package_override or info.get("package") or None
+    path = package_override or info.get("path") or info.get("package") or None
     m = ServedModel(alias=str(info.get("alias", "")), max_seq=int(info.get("max_seq") or 0),
                     vocab_size=int(info.get("vocab_size") or 0), package=path, sha256=info.get("sha256"))
     if not path:

@@ -57,8 +57,11 @@ CASES = [
     ("prompt longer than the model", _gen(prompt=[5] * 3000), 400, None, "bad"),
     ("token id outside the vocabulary", _gen(prompt=[1, 100000]), 400, None, "bad"),
     ("unknown model", _gen(model="no-such-model"), 404, "model_not_found", "bad"),
-    ("admin op not implemented", orjson.dumps({"v": 1, "op": "load", "id": "bad", "model": "x"}), 501,
-     "not_implemented", "bad"),
+    ("load of a package that does not exist", orjson.dumps({"v": 1, "op": "load", "id": "bad", "alias": "x",
+                                                             "package": "/no/such/package"}), 400,
+     "package_rejected", "bad"),
+    ("unload of an alias not loaded", orjson.dumps({"v": 1, "op": "unload", "id": "bad", "alias": "x"}), 404,
+     "model_not_found", "bad"),
 ]
 
 

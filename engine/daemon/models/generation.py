@@ -1,0 +1,324 @@
+"""One model generation's processes and core: its chip links (workers, rings), scheduler and supervisor.
+
+A generation is a unit of its own (issue 12): its package, its scheduler core
+with its own KV pool per chip, one worker per chip of the board and the rings
+between them. Unloading it is stopping its workers, unlinking its shared
+memory and dropping its scheduler, so "no segment, fd or process outlives its
+owner" holds per generation. The loop feeds it the events of its links and
+carries out the actions its scheduler returns; requests admitted under it
+stay on it (their ids are in `rids`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import zmq
+
+from engine.config import Config, validate_against_model
+from engine.core.model_table import GenerationRecord
+from engine.core.scheduler import ChipSpec, ConfigurationError, ModelSpec, Scheduler
+from engine.core.scheduler_config import scheduler_config_from
+from engine.daemon.log import log
+from engine.daemon.supervisor import ChipState, Decision, Supervisor
+from engine.daemon.text_io import piece_function, served_tokenizer
+from ipc.records import Job
+from ipc.ring import RingFull
+from ipc.shm import ShmFull
+from workers.backends.base import BackendInfo
+from workers.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
+
+if TYPE_CHECKING:
+    from engine.daemon.observe import Observers
+
+RESTART_TIMEOUT_S = 30.0  # READY of a restarted worker
+
+
+class GenerationError(Exception):
+    """A generation cannot be configured; `step` names the load step (configure, validate)."""
+
+    def __init__(self, step: str, message: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.message = message
+
+
+def backend_options(cfg: Config, chip: int) -> dict:
+    """The config keys a backend's constructor understands (block size, KV blocks, chip id)."""
+    from workers.backends.registry import backend_class
+
+    wanted = {"block_size": cfg.kv.block_size, "chip_id": chip}
+    if cfg.kv.num_blocks:
+        wanted["num_blocks"] = cfg.kv.num_blocks
+    if cfg.board.backend == "ctypes" and cfg.model.ctypes_library:
+        wanted["library"] = cfg.model.ctypes_library
+    if cfg.board.backend == "llamacpp":
+        wanted.update(chips=cfg.board.chips, threads=cfg.board.threads_per_chip)
+    params = inspect.signature(backend_class(cfg.board.backend).__init__).parameters
+    return {k: v for k, v in wanted.items() if k in params}
+
+
+class Generation:
+    """The shell of one generation. Loop thread only."""
+
+    def __init__(self, rec: GenerationRecord, cfg: Config, ctx: zmq.Context, *, package_path: str | None,
+                 package=None, extra_backend_options: dict | None = None,
+                 register: Callable[["Generation", int], None], unregister: Callable[["Generation", int], None],
+                 observe: Callable[[], "Observers | None"]) -> None:
+        self.rec = rec
+        self.cfg = cfg
+        self.ctx = ctx
+        self.package_path = package_path
+        self.package = package  # the verified package (workers.model_package), None for stub/sim/ctypes
+        self.extra_backend_options = dict(extra_backend_options or {})
+        self._register, self._unregister, self._observe = register, unregister, observe
+        chips = cfg.board.chips
+        self.links: list[ChipLink] = []
+        self.infos: dict[int, BackendInfo] = {}
+        self.info: BackendInfo | None = None
+        self.tokenizer = None
+        self.scheduler: Scheduler | None = None
+        self.supervisor: Supervisor | None = None
+        self.rids: set[int] = set()  # requests pinned to this generation (clients' and the load job's)
+        self._backlog: list[deque[Job]] = [deque() for _ in range(chips)]
+        self.device_us = [0] * chips
+        self.worker_us = [0] * chips
+        self.counters = {"jobs_submitted": 0, "ring_full": 0, "results": 0, "chip_failures": 0,
+                         "worker_restarts": 0}
+
+    @property
+    def id(self) -> int:
+        return self.rec.id
+
+    @property
+    def alias(self) -> str:
+        return self.rec.alias
+
+    # -- configure ---------------------------------------------------------------------
+    def spawn(self) -> None:
+        """Create every chip's rings and socket and start its worker; READY comes later (`startup_events`)."""
+        cfg = self.cfg
+        hb = cfg.recovery.heartbeat_interval_ms / 1000.0
+        for chip in range(cfg.board.chips):
+            opts = backend_options(cfg, chip)
+            opts.update(self.extra_backend_options)
+            link = ChipLink(ctx=self.ctx, board=cfg.board.id, chip=chip, backend=cfg.board.backend,
+                            backend_options=opts, package_path=self.package_path,
+                            runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb, generation=self.id,
+                            package_sha256=self.package.sha256 if self.package is not None else None)
+            self.links.append(link)
+            try:
+                link.start()
+            except ShmFull as e:
+                raise GenerationError("configure", f"chip {chip}: {e.strerror}") from None
+            except (OSError, ValueError) as e:
+                raise GenerationError("configure", f"chip {chip}: cannot start its worker: {e}") from None
+            self._register(self, chip)
+
+    def startup_events(self) -> bool:
+        """Read the workers' start-up messages; True once every chip is READY. Raises GenerationError."""
+        for chip, lk in enumerate(self.links):
+            for ev in lk.handle_events():
+                if isinstance(ev, Ready):
+                    self.infos[chip] = ev.info
+                elif isinstance(ev, WorkerFailed):
+                    raise GenerationError("configure", f"chip {chip} worker failed to start: {ev.message}")
+        return len(self.infos) == len(self.links)
+
+    def build(self, now: float) -> None:
+        """All workers READY: check they agree and fit the config, load the tokenizer, make the core."""
+        cfg = self.cfg
+        infos = [self.infos[c] for c in range(len(self.links))]
+        self.info = info = infos[0]
+        for chip, other in enumerate(infos):
+            if (other.vocab_size, other.max_seq, other.profiles, other.eos_ids) != \
+                    (info.vocab_size, info.max_seq, info.profiles, info.eos_ids):
+                raise GenerationError("configure", f"chip {chip} loaded a different model than chip 0")
+        profiles = [p.batch for p in info.profiles]
+        try:
+            validate_against_model(cfg, profiles, info.max_seq)
+        except ValueError as e:  # ConfigError
+            raise GenerationError("validate", "; ".join(getattr(e, "errors", [str(e)]))) from None
+        model = ModelSpec(generation=self.id, vocab_size=info.vocab_size, eos_ids=tuple(info.eos_ids),
+                          max_seq=info.max_seq, profiles=tuple(profiles), chunked_prefill=info.chunked_prefill)
+        chips = [ChipSpec(chip=c, num_blocks=i.kv.num_blocks, block_size=i.kv.block_size)
+                 for c, i in enumerate(infos)]
+        try:
+            self.tokenizer = served_tokenizer(self.package_path, info, package=self.package)
+        except Exception as e:  # noqa: BLE001 - any failure to load it fails the load, named
+            raise GenerationError("configure", f"cannot load the model's tokenizer: {e}") from None
+        piece = None if self.tokenizer is None else piece_function(self.tokenizer)
+        # Golden cases and warm-up are the load's own requests: they must not meet the clients' admission
+        # limits (max_waiting_requests may be 0). The configured limits apply from publication (`serve`).
+        sc = scheduler_config_from(cfg)
+        checking = dataclasses.replace(sc, max_waiting_requests=max(sc.max_waiting_requests, 1024),
+                                       max_waiting_prompt_tokens=max(sc.max_waiting_prompt_tokens, 1 << 22))
+        try:
+            self.scheduler = Scheduler(checking, model, chips, piece=piece)
+        except ConfigurationError as e:
+            raise GenerationError("validate", f"configuration does not fit the model: {e}") from None
+        self.supervisor = Supervisor(cfg.board.chips, max_resets_per_10min=cfg.recovery.max_resets_per_10min,
+                                     heartbeat_timeout_s=cfg.recovery.heartbeat_timeout_ms / 1000.0,
+                                     startup_timeout_s=RESTART_TIMEOUT_S, now=now)
+        for chip in range(cfg.board.chips):
+            self.supervisor.on_ready(chip, now)
+
+    def serve(self, accepting: bool) -> None:
+        """Published: the board's admission limits and admission state apply from now on."""
+        self.scheduler.reconfigure(scheduler_config_from(self.cfg))
+        self.scheduler.set_accepting(accepting, "draining")
+
+    # -- serving -------------------------------------------------------------------------
+    def on_link(self, chip: int, now: float) -> list:
+        sched, sup, obs = self.scheduler, self.supervisor, self._observe()
+        out: list = []
+        for ev in self.links[chip].handle_events():
+            t = type(ev)
+            if t is Result:
+                self.counters["results"] += 1
+                if obs is not None:
+                    obs.on_result(chip, ev.result, now, self.id)
+                self.device_us[chip] += ev.result.device_us
+                self.worker_us[chip] += ev.result.worker_us
+                out += sched.on_result(chip, ev.result, now)
+            elif t is Heartbeat:
+                pass  # ChipLink.last_heartbeat is what supervision reads
+            elif t is Ready:
+                if sup.state(chip) in (ChipState.STARTING, ChipState.RESTARTING):
+                    sup.on_ready(chip, now)
+                    log("chip_up", chip=chip, pid=ev.pid, model=self.alias, generation=self.id)
+                    out += sched.on_chip_up(chip, now)
+            elif t is WorkerFailed:
+                if sup.state(chip) is not ChipState.OUT:
+                    out += self.chip_failed(chip, f"worker failed: {ev.message}", now)
+        return out
+
+    def submit(self, chip: int, job: Job) -> None:
+        backlog = self._backlog[chip]
+        if self.supervisor.state(chip) is not ChipState.UP:
+            return  # the core will see the chip-down / time the job out; nothing to run it on
+        if backlog:
+            backlog.append(job)
+            return
+        try:
+            self.links[chip].submit(job)
+            self.counters["jobs_submitted"] += 1
+        except RingFull:
+            self.counters["ring_full"] += 1
+            backlog.append(job)
+
+    def release(self, chip: int, blocks) -> None:
+        """Tell the chip's worker the scheduler freed these KV blocks (a restarting worker starts empty)."""
+        if self.supervisor.state(chip) is ChipState.UP:
+            self.links[chip].release_blocks(blocks)
+
+    def retry_backlog(self) -> None:
+        for chip, backlog in enumerate(self._backlog):
+            while backlog:
+                try:
+                    self.links[chip].submit(backlog[0])
+                except RingFull:
+                    break
+                backlog.popleft()
+                self.counters["jobs_submitted"] += 1
+
+    def backlog_len(self, chip: int) -> int:
+        return len(self._backlog[chip])
+
+    # -- supervision -----------------------------------------------------------------------
+    def supervise(self, now: float) -> list:
+        sup = self.supervisor
+        out: list = []
+        for chip, lk in enumerate(self.links):
+            if sup.state(chip) is ChipState.OUT:
+                continue
+            reason = sup.check(chip, alive=lk.is_alive(), last_heartbeat=lk.last_heartbeat, now=now)
+            if reason is not None:
+                out += self.chip_failed(chip, reason, now)
+        return out
+
+    def chip_failed(self, chip: int, reason: str, now: float) -> list:
+        sup = self.supervisor
+        was_up = sup.state(chip) is ChipState.UP
+        self.counters["chip_failures"] += 1
+        out = self.scheduler.on_chip_down(chip, now) if was_up else []
+        obs = self._observe()
+        if obs is not None:
+            obs.on_chip_down(chip, now, self.id)
+        self._backlog[chip].clear()
+        decision = sup.on_failure(chip, reason, now)
+        lk = self.links[chip]
+        self._unregister(self, chip)
+        lk.kill()
+        if decision is Decision.RESTART:
+            log("chip_down", chip=chip, reason=reason, action="restart", model=self.alias, generation=self.id)
+            try:
+                lk.restart()
+            except Exception as e:  # e.g. no room for new rings: this chip cannot come back
+                log("restart_failed", chip=chip, error=repr(e))
+                sup.take_out(chip, f"restart failed: {e}", now)
+                decision = Decision.TAKE_OUT
+            else:
+                self.counters["worker_restarts"] += 1
+                self._register(self, chip)
+        if decision is Decision.TAKE_OUT:
+            log("chip_down", chip=chip, reason=reason, action="out_of_service",
+                max_resets_per_10min=sup.max_resets, model=self.alias, generation=self.id)
+            try:
+                lk.stop()
+            except Exception as e:
+                log("stop_failed", chip=chip, error=repr(e))
+        return out
+
+    def all_out(self) -> bool:
+        return self.supervisor is not None and self.supervisor.all_out()
+
+    def inflight_jobs(self) -> int:
+        if self.scheduler is None:
+            return 0
+        return sum(len(ch.inflight) for ch in self.scheduler.chips.values()) + sum(map(len, self._backlog))
+
+    def workers_alive(self) -> bool:
+        return any(lk.is_alive() for lk in self.links)
+
+    # -- tear-down -----------------------------------------------------------------------------
+    def kill(self) -> None:
+        """SIGKILL every worker: after they are dead no job can write the rings any more."""
+        for lk in self.links:
+            lk.kill()
+
+    def stop(self) -> None:
+        """Stop the workers and free rings, sockets and fds (idempotent)."""
+        for chip, lk in enumerate(self.links):
+            self._unregister(self, chip)
+            try:
+                lk.stop()
+            except Exception as e:  # keep cleaning the other chips
+                log("stop_failed", chip=chip, error=repr(e), model=self.alias, generation=self.id)
+        self.scheduler = None
+
+    # -- reports -----------------------------------------------------------------------------
+    def chips_info(self, now: float) -> list[dict]:
+        if self.supervisor is None:
+            return [{"chip": c, "state": "starting", "pid": lk.pid} for c, lk in enumerate(self.links)]
+        snap = self.supervisor.snapshot(now)
+        for s, lk in zip(snap, self.links):
+            s["pid"] = lk.pid
+            s["backlog"] = len(self._backlog[s["chip"]])
+            s["device_s"] = round(self.device_us[s["chip"]] / 1e6, 3)
+            s["worker_s"] = round(self.worker_us[s["chip"]] / 1e6, 3)
+        return snap
+
+    def model_info(self) -> dict:
+        """The single-model `model` entry of health (what a one-model daemon has always answered)."""
+        i = self.info
+        out = {"alias": self.alias, "backend": self.cfg.board.backend, "generation": self.id}
+        if i is not None:
+            out.update(vocab_size=i.vocab_size, max_seq=i.max_seq, eos_ids=list(i.eos_ids),
+                       profiles=[p.batch for p in i.profiles], sha256=i.model_sha256,
+                       text=self.tokenizer is not None)
+        return out
