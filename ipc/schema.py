@@ -33,7 +33,7 @@ REPLY_EVENTS = ("health", "stats", "models", "load", "unload", "replace", "rollb
 STREAM_EVENTS = ("tokens", "done", "error")
 EVENTS = STREAM_EVENTS + REPLY_EVENTS
 FINISH_REASONS = ("length", "eos", "stop", "cancelled")
-ERROR_CODES = (400, 401, 403, 404, 429, 500, 501, 503, 504)
+ERROR_CODES = (400, 401, 403, 404, 409, 429, 500, 501, 503, 504)
 
 # Request-independent bounds. Token ids travel as int32 in the job records.
 TOKEN_ID_MAX = (1 << 31) - 1
