@@ -104,7 +104,7 @@ def _fmt(v) -> str:
 
 
 # The columns of the table `npuserve bench` prints, (key, header).
-COLUMNS = [("label", "run"), ("concurrency", "conc"), ("rate", "rate/s"), ("requests", "reqs"),
+COLUMNS = [("label", "run"), ("round", "round"), ("concurrency", "conc"), ("rate", "rate/s"), ("requests", "reqs"),
            ("errors", "err"), ("tokens_per_s", "tok/s"), ("predicted_tokens_per_s", "pred tok/s"),
            ("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("predicted_ttft_p99_ms", "pred p99"),
            ("tpot_p50_ms", "TPOT p50"), ("tpot_p99_ms", "TPOT p99"), ("itl_p50_ms", "ITL p50"),
