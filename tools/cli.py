@@ -34,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-balancer": ("tools.bench_balancer", "benchmark a balancer against direct daemon access"),
     "keygen": ("tools.keygen_cmd", "write a CURVE key pair (NAME.key, NAME.key_secret; 0600)"),
     "http": ("engine.http.main", "serve the OpenAI API over HTTP in front of a daemon or balancer"),
+    "bench-http": ("tools.bench_http", "benchmark the HTTP front against ZeroMQ on one daemon (its targets)"),
+    "bench-http-peer": ("tools.bench_http_peer", "benchmark npuserve against llama.cpp's server, both over HTTP"),
 }
 
 
