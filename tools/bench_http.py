@@ -74,44 +74,35 @@ def daemon_settings(a: argparse.Namespace) -> list[str]:
 
 def run(a: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     from tools.bench import Progress
-    from tools.load import local_daemon, local_front, paired, runner
+    from tools.load import local_front, paired, runner
     from tools.load.openai_load import probe
     from tools.load.workload import LengthDist, WorkloadSpec, build
 
-    d = local_daemon.start(backend=a.backend, chips=a.chips, settings=daemon_settings(a), prefix="nph-")
-    front = None
     progress = Progress(a.rounds * 2 * a.requests, not a.no_progress)
     try:
-        model = local_daemon.wait_healthy(d.endpoint, d, timeout=300)["model"]
-        front = local_front.start(d.endpoint, extra=a.front_arg)
-        served = probe(front.url)
+        with local_front.daemon_and_front("bench-http", backend=a.backend, chips=a.chips, settings=daemon_settings(a),
+                                          prefix="nph-", front_extra=a.front_arg) as (d, front, model):
+            served = probe(front.url)
 
-        def requests(rnd: int, n: int = a.requests, output=a.output_dist):
-            return build(WorkloadSpec(n, a.prompt_dist, output, vocab=min(model["vocab_size"], 256),
-                                      max_seq=model["max_seq"], seed=a.seed + rnd))
+            def requests(rnd: int, n: int = a.requests, output=a.output_dist):
+                return build(WorkloadSpec(n, a.prompt_dist, output, vocab=min(model["vocab_size"], 256),
+                                          max_seq=model["max_seq"], seed=a.seed + rnd))
 
-        def zeromq(reqs, on_record=progress.record):
-            return runner.run(d.endpoint, reqs, concurrency=a.concurrency, clients=a.clients, on_record=on_record)
+            def zeromq(reqs, on_record=progress.record):
+                return runner.run(d.endpoint, reqs, concurrency=a.concurrency, clients=a.clients, on_record=on_record)
 
-        def http(reqs, on_record=progress.record):
-            return runner.run(None, reqs, concurrency=a.concurrency, clients=a.clients, on_record=on_record,
-                              openai=front.url, model=served["id"])
+            def http(reqs, on_record=progress.record):
+                return runner.run(None, reqs, concurrency=a.concurrency, clients=a.clients, on_record=on_record,
+                                  openai=front.url, model=served["id"])
 
-        warm = requests(1000, min(a.concurrency, 8), LengthDist("fixed", 2))
-        for route in (zeromq, http):  # untimed: first connections, first requests of each path
-            route(warm, None)
-        rows = paired.run_rounds({"http": http, "zeromq": zeromq}, requests, a.rounds,
-                                 extra={"backend": a.backend, "concurrency": a.concurrency}, on_start=progress.point)
-    except BaseException:
-        sys.stderr.write(f"bench-http: daemon log tail:\n{d.log_tail()}\n")
-        if front is not None:
-            sys.stderr.write(f"bench-http: front log tail:\n{front.log_tail()}\n")
-        raise
+            warm = requests(1000, min(a.concurrency, 8), LengthDist("fixed", 2))
+            for route in (zeromq, http):  # untimed: first connections, first requests of each path
+                route(warm, None)
+            rows = paired.run_rounds({"http": http, "zeromq": zeromq}, requests, a.rounds,
+                                     extra={"backend": a.backend, "concurrency": a.concurrency},
+                                     on_start=progress.point)
     finally:
         progress.close()
-        if front is not None:
-            front.cleanup()
-        d.cleanup()
     comparison = paired.compare(rows, "http", "zeromq", a.targets, extra={"backend": a.backend,
                                                                           "concurrency": a.concurrency})
     return rows, comparison
@@ -122,23 +113,11 @@ def main(argv: list[str]) -> int:
 
     a = parse_args(argv)
     rows, comparison = run(a)
-    met = [c["met"] for c in comparison if "met" in c]
-    if a.json:
-        from tools.json_lines import emit
-
-        for r in rows:
-            emit("row", r)
-        emit("summary", {"backend": a.backend, "concurrency": a.concurrency, "comparison": comparison,
-                         "targets_met": all(met) if met else None})
-    else:
-        paired.print_report(f"bench-http: {a.backend} backend, {a.chips} chip(s), {a.concurrency} streams, "
-                            f"{a.requests} requests per run, prompt {a.prompt_dist}, output {a.output_dist}, "
-                            f"{a.rounds} rounds; http = the front, zeromq = the client library, same daemon",
-                            rows, comparison)
-    errors = sum(r["errors"] for r in rows)
-    if errors:
-        print(f"bench-http: {errors} requests failed (see error_codes)", file=sys.stderr)
-    return 0 if errors == 0 else 1
+    title = (f"bench-http: {a.backend} backend, {a.chips} chip(s), {a.concurrency} streams, {a.requests} requests "
+             f"per run, prompt {a.prompt_dist}, output {a.output_dist}, {a.rounds} rounds; http = the front, "
+             f"zeromq = the client library, same daemon")
+    return paired.report("bench-http", title, rows, comparison, a.json,
+                         {"backend": a.backend, "concurrency": a.concurrency})
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_concurrency(a: argparse.Namespace, pkg, c: int, progress) -> tuple[list[dict], list[dict]]:
-    from tools.load import llamacpp_server, local_daemon, local_front, paired, runner
+    from tools.load import llamacpp_server, local_front, paired, runner
     from tools.load.openai_load import probe
     from tools.load.workload import LengthDist, WorkloadSpec, build
 
@@ -58,41 +58,33 @@ def run_concurrency(a: argparse.Namespace, pkg, c: int, progress) -> tuple[list[
     ctx = int(max(a.prompt_dist.a, a.prompt_dist.b) + max(a.output_dist.a, a.output_dist.b)) + 16
     settings = [f"model.package=\"{pkg.path}\"", f"board.threads_per_chip={a.threads}", "executor.max_inflight=1",
                 "admission.deadline_default_ms=3600000", *a.set]
-    d = local_daemon.start(backend="llamacpp", chips=1, settings=settings, prefix="npp-")
-    front = peer = None
+    peer = None
     try:
-        local_daemon.wait_healthy(d.endpoint, d, timeout=300)
-        front = local_front.start(d.endpoint)
-        peer = llamacpp_server.start(pkg.gguf_path, threads=a.threads, parallel=c, ctx_per_slot=ctx)
-        urls = {"npuserve": front.url, "llama.cpp": peer.url}
-        models = {k: probe(u)["id"] for k, u in urls.items()}
+        with local_front.daemon_and_front("bench-http-peer", backend="llamacpp", chips=1, settings=settings,
+                                          prefix="npp-") as (_d, front, _model):
+            peer = llamacpp_server.start(pkg.gguf_path, threads=a.threads, parallel=c, ctx_per_slot=ctx)
+            urls = {"npuserve": front.url, "llama.cpp": peer.url}
+            models = {k: probe(u)["id"] for k, u in urls.items()}
 
-        def requests(rnd: int, count: int = n, output=a.output_dist):
-            return build(WorkloadSpec(count, a.prompt_dist, output, vocab=256, max_seq=ctx, seed=a.seed + 100 * c + rnd))
+            def requests(rnd: int, count: int = n, output=a.output_dist):
+                return build(WorkloadSpec(count, a.prompt_dist, output, vocab=256, max_seq=ctx,
+                                          seed=a.seed + 100 * c + rnd))
 
-        def route(name: str):
-            def go(reqs, on_record=progress.record):
-                return runner.run(None, reqs, concurrency=c, clients=min(a.clients, c), on_record=on_record,
-                                  openai=urls[name], model=models[name])
-            return go
+            def route(name: str):
+                def go(reqs, on_record=progress.record):
+                    return runner.run(None, reqs, concurrency=c, clients=min(a.clients, c), on_record=on_record,
+                                      openai=urls[name], model=models[name])
+                return go
 
-        routes = {"npuserve": route("npuserve"), "llama.cpp": route("llama.cpp")}
-        warm = requests(1000, min(c, 4), LengthDist("fixed", 2))
-        for go in routes.values():  # untimed: first connections and first requests of each engine
-            go(warm, None)
-        rows = paired.run_rounds(routes, requests, a.rounds, extra={"concurrency": c, "threads": a.threads},
-                                 on_start=lambda s: progress.point(f"c={c} {s}"))
-    except BaseException:
-        sys.stderr.write(f"bench-http-peer: daemon log tail:\n{d.log_tail()}\n")
-        if front is not None:
-            sys.stderr.write(f"bench-http-peer: front log tail:\n{front.log_tail()}\n")
-        raise
+            routes = {"npuserve": route("npuserve"), "llama.cpp": route("llama.cpp")}
+            warm = requests(1000, min(c, 4), LengthDist("fixed", 2))
+            for go in routes.values():  # untimed: first connections and first requests of each engine
+                go(warm, None)
+            rows = paired.run_rounds(routes, requests, a.rounds, extra={"concurrency": c, "threads": a.threads},
+                                     on_start=lambda s: progress.point(f"c={c} {s}"))
     finally:
         if peer is not None:
             peer.stop()
-        if front is not None:
-            front.cleanup()
-        d.cleanup()
     return rows, paired.compare(rows, "npuserve", "llama.cpp", TARGETS, extra={"concurrency": c})
 
 
@@ -120,30 +112,11 @@ def main(argv: list[str]) -> int:
             comparison += cmp
     finally:
         progress.close()
-    met = [x["met"] for x in comparison if "met" in x]
-    if a.json:
-        from tools.json_lines import emit
-
-        for r in rows:
-            emit("row", r)
-        emit("summary", {"package": pkg.name, "threads": a.threads, "comparison": comparison,
-                         "targets_met": all(met) if met else None})
-    else:
-        title = (f"bench-http-peer: {pkg.name}, {a.threads} thread(s) each, prompt {a.prompt_dist}, output "
-                 f"{a.output_dist}, greedy, ignore_eos, {a.rounds} rounds; npuserve = daemon + HTTP front, "
-                 f"llama.cpp = its own server; both over HTTP")
-        print(title)
-        from tools.load.report import table
-
-        print(table(rows))
-        print("(latencies in ms; npuserve / llama.cpp on the medians over rounds below)")
-        for c in a.concurrencies:
-            print(f" concurrency {c}:")
-            print(paired.format_comparison([x for x in comparison if x["concurrency"] == c]))
-    errors = sum(r["errors"] for r in rows)
-    if errors:
-        print(f"bench-http-peer: {errors} requests failed (see error_codes)", file=sys.stderr)
-    return 0 if errors == 0 else 1
+    title = (f"bench-http-peer: {pkg.name}, {a.threads} thread(s) each, prompt {a.prompt_dist}, output "
+             f"{a.output_dist}, greedy, ignore_eos, {a.rounds} rounds; npuserve = daemon + HTTP front, "
+             f"llama.cpp = its own server; both over HTTP")
+    return paired.report("bench-http-peer", title, rows, comparison, a.json,
+                         {"package": pkg.name, "threads": a.threads})
 
 
 if __name__ == "__main__":

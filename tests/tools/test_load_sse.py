@@ -48,3 +48,8 @@ def test_a_partial_block_waits_and_is_visible_as_pending():
 
 def test_llama_cpp_error_field_reads_as_an_error_event():
     assert _decode([b'error: {"code":500,"message":"boom"}\n\n']) == [SseEvent("error", b'{"code":500,"message":"boom"}')]
+
+
+def test_an_empty_chunk_between_cr_and_lf_is_not_a_line_end():
+    assert _decode([b"data: a\r", b"", b"\n\r\n"]) == [SseEvent("message", b"a")]
+    assert _decode([b"data: a\r", b"\n", b"data: b\r\n\r\n"]) == [SseEvent("message", b"a\nb")]

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from tools.load import child_process
+
 
 @dataclass
 class LocalServer:
@@ -26,16 +28,11 @@ class LocalServer:
     url: str
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        return self.proc.returncode
+        code = child_process.stop(self.proc, timeout)
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f:
+                f.close()
+        return code
 
 
 def start(gguf: str, *, threads: int, parallel: int, ctx_per_slot: int, api_key: str | None = None,

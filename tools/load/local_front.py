@@ -8,8 +8,8 @@ fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +17,14 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tools.load import child_process
+
+if TYPE_CHECKING:
+    from tools.load.local_daemon import LocalDaemon
 
 
 @dataclass
@@ -27,21 +34,10 @@ class LocalFront:
     log_path: str
 
     def log_tail(self, n: int = 3000) -> str:
-        try:
-            with open(self.log_path, errors="replace") as fh:
-                return fh.read()[-n:]
-        except FileNotFoundError:
-            return ""
+        return child_process.log_tail(self.log_path, n)
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return child_process.stop(self.proc, timeout)
 
     def cleanup(self) -> None:
         self.stop()
@@ -81,3 +77,27 @@ def start(upstream: str, *, extra: list[str] | tuple[str, ...] = (), timeout: fl
     tail = front.log_tail()
     front.cleanup()
     raise SystemExit(f"the HTTP front on {front.url} did not answer /health within {timeout:.0f} s:\n{tail}")
+
+
+@contextlib.contextmanager
+def daemon_and_front(prog: str, *, backend: str, chips: int, settings: list[str], prefix: str,
+                     front_extra: list[str] | tuple[str, ...] = ()) -> Iterator[tuple["LocalDaemon", LocalFront, dict]]:
+    """A daemon (`local_daemon.start`) and a front on it: (daemon, front, the daemon's model); both logs' tails
+    on stderr when the body fails, both stopped after."""
+    from tools.load import local_daemon
+
+    d = local_daemon.start(backend=backend, chips=chips, settings=settings, prefix=prefix)
+    front = None
+    try:
+        model = local_daemon.wait_healthy(d.endpoint, d, timeout=300)["model"]
+        front = start(d.endpoint, extra=front_extra)
+        yield d, front, model
+    except BaseException:
+        sys.stderr.write(f"{prog}: daemon log tail:\n{d.log_tail()}\n")
+        if front is not None:
+            sys.stderr.write(f"{prog}: front log tail:\n{front.log_tail()}\n")
+        raise
+    finally:
+        if front is not None:
+            front.cleanup()
+        d.cleanup()

@@ -9,6 +9,7 @@ the order flips every round, and the verdict is on the medians over rounds.
 from __future__ import annotations
 
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -102,8 +103,23 @@ def format_comparison(comparison: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def print_report(title: str, rows: list[dict], comparison: list[dict]) -> None:
-    print(title)
-    print(table(rows))
-    print("(latencies in ms; medians over rounds below)")
-    print(format_comparison(comparison))
+def report(prog: str, title: str, rows: list[dict], comparison: list[dict], as_json: bool, summary: dict) -> int:
+    """Print the runs and the comparison (a table, or JSON Lines: the rows, then one summary); the exit status."""
+    met = [c["met"] for c in comparison if "met" in c]
+    if as_json:
+        from tools.json_lines import emit
+
+        for r in rows:
+            emit("row", r)
+        emit("summary", {**summary, "comparison": comparison, "targets_met": all(met) if met else None})
+    else:
+        print(title)
+        print(table(rows))
+        print("(latencies in ms; subject against baseline on the medians over rounds below)")
+        for c in dict.fromkeys(x.get("concurrency") for x in comparison):
+            print(f" concurrency {c}:")
+            print(format_comparison([x for x in comparison if x.get("concurrency") == c]))
+    errors = sum(r["errors"] for r in rows)
+    if errors:
+        print(f"{prog}: {errors} requests failed (see error_codes)", file=sys.stderr)
+    return 0 if errors == 0 else 1

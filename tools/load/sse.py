@@ -32,6 +32,8 @@ class SseDecoder:
         self._cr = False  # the chunk before ended in \r: a \n starting this one belongs to it
 
     def feed(self, chunk: bytes) -> list[SseEvent]:
+        if not chunk:
+            return []
         if self._cr and chunk.startswith(b"\n"):
             chunk = chunk[1:]
         self._cr = chunk.endswith(b"\r")
