@@ -147,17 +147,20 @@ class OpenAIDriver:
             self.headers["authorization"] = f"Bearer {spec['api_key']}"
         self.model = spec.get("model")
         self.session = None
+        self.fresh = None  # for a retry, see `one`
 
     async def __aenter__(self) -> "OpenAIDriver":
         import aiohttp
 
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=self.timeout), headers=self.headers)
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.session.close()
+        if self.fresh is not None:
+            await self.fresh.close()
 
     async def ready(self) -> None:
         """One round trip before the clock starts (connection open, server answering)."""
@@ -169,15 +172,16 @@ class OpenAIDriver:
 
         tally = StreamTally(time.time())
         body = orjson.dumps(completion_body(r, self.model))
-        for attempt in (1, 2):
+        for session in (self.session, None):
             try:
-                await self._stream(body, tally)
+                await self._stream(session or self._fresh_session(), body, tally)
                 break
             except (aiohttp.ClientConnectionError, OSError) as e:
                 # A pooled keep-alive connection the server closed after its last stream (llama.cpp's
-                # server does, though it says keep-alive) fails before any response: send it again on a
-                # fresh connection once, as curl does. A failure once the response began is the server's.
-                if attempt == 1 and tally.status is None and not isinstance(e, aiohttp.ClientConnectorError):
+                # server does, though it says keep-alive) fails before any response: send it again once,
+                # on a new connection (the pool may hold more dead ones), as curl does. A failure once
+                # the response began is the server's.
+                if session is not None and tally.status is None and not isinstance(e, aiohttp.ClientConnectorError):
                     continue
                 tally.finish(CUT_OFF)
                 break
@@ -186,8 +190,17 @@ class OpenAIDriver:
                 break
         write(tally.row(r["index"], r["tenant"]))
 
-    async def _stream(self, body: bytes, tally: "StreamTally") -> None:
-        async with self.session.post(self.url + "/v1/completions", data=body) as resp:
+    def _fresh_session(self):
+        """A session whose connections are never pooled: each request gets a new one."""
+        import aiohttp
+
+        if self.fresh is None:
+            self.fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                               timeout=self.session.timeout, headers=self.headers)
+        return self.fresh
+
+    async def _stream(self, session, body: bytes, tally: "StreamTally") -> None:
+        async with session.post(self.url + "/v1/completions", data=body) as resp:
             tally.status = resp.status
             if resp.status != 200:
                 raw = await resp.read()
