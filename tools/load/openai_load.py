@@ -162,10 +162,16 @@ class OpenAIDriver:
         if self.fresh is not None:
             await self.fresh.close()
 
-    async def ready(self) -> None:
-        """One round trip before the clock starts (connection open, server answering)."""
-        async with self.session.get(self.url + "/v1/models") as resp:
-            await resp.read()
+    async def ready(self, streams: int = 1) -> None:
+        """Before the clock starts: `streams` connections opened (concurrent `GET /v1/models`) and kept alive,
+        so the first requests do not pay TCP set-up that the ZeroMQ client paid before its clock."""
+        import asyncio
+
+        async def models() -> None:
+            async with self.session.get(self.url + "/v1/models") as resp:
+                await resp.read()
+
+        await asyncio.gather(*(models() for _ in range(max(1, streams))))
 
     async def one(self, r: dict, write) -> None:
         import aiohttp

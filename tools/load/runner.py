@@ -66,8 +66,8 @@ class _ZmqDriver:
     async def __aexit__(self, *exc) -> None:
         await self.c.__aexit__(*exc)
 
-    async def ready(self) -> None:
-        await self.c.health()  # connected before the clock starts
+    async def ready(self, streams: int = 1) -> None:
+        await self.c.health()  # connected before the clock starts (one DEALER carries every stream)
 
     async def one(self, r: dict, write) -> None:
         from engine.client import build_generate
@@ -114,7 +114,7 @@ async def _drive(spec: dict) -> None:
         Driver = _ZmqDriver
     reqs = spec["requests"]
     async with Driver(spec) as d:
-        await d.ready()
+        await d.ready(min(len(reqs), spec["concurrency"] or 64))  # open loop: a guess at what is outstanding
         start = spec["start_at"]
         await asyncio.sleep(max(0.0, start - time.time()))
         if spec["concurrency"]:  # closed loop
