@@ -1,6 +1,7 @@
 """`npuserve bench`: the load generator -- closed or open loop, sweeps, SLO goodput, the Pareto frontier.
 
-Against `--endpoint` (a daemon or a balancer) or a daemon it starts itself
+Against `--endpoint` (a daemon or a balancer), `--openai URL` (any
+OpenAI-compatible server, over HTTP) or a daemon it starts itself
 (`--backend`, `--chips`). With `--sweep` it runs one point per concurrency cap
 (or arrival rate) and marks the throughput / TTFT-P99 Pareto frontier; with
 `--variant NAME:KEY=VALUE,...` it starts one daemon per variant (e.g. static
@@ -68,6 +69,11 @@ def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("target")
     g.add_argument("--endpoint", help="drive this daemon or balancer instead of starting a daemon")
+    g.add_argument("--openai", metavar="URL",
+                   help="drive this OpenAI-compatible server over HTTP (streamed /v1/completions), e.g. "
+                        "http://127.0.0.1:8000: npuserve's front, llama.cpp's server, a vLLM")
+    g.add_argument("--api-key", help="with --openai: sent as `Authorization: Bearer KEY`")
+    g.add_argument("--model", help="with --openai: the `model` of each request (default: the first of /v1/models)")
     g.add_argument("--backend", choices=tuple(DEFAULTS), default="stub", help="backend of the daemon it starts")
     g.add_argument("--chips", type=int, default=2)
     g.add_argument("--max-inflight", type=int, default=2,
@@ -109,8 +115,12 @@ def parse_args(argv: list[str], prog: str = "npuserve bench") -> argparse.Namesp
         p.error("--chips, --concurrency, --clients and --rate must be positive")
     if (a.prefixes > 0) != (a.prefix_len > 0):
         p.error("shared-prefix mode needs both --prefixes N and --prefix-len L")
-    if a.endpoint and a.variant:
-        p.error("--variant starts its own daemons; it cannot be combined with --endpoint")
+    if (a.endpoint or a.openai) and a.variant:
+        p.error("--variant starts its own daemons; it cannot be combined with --endpoint or --openai")
+    if a.endpoint and a.openai:
+        p.error("--endpoint (ZeroMQ) and --openai (HTTP) name two targets; give one")
+    if (a.api_key or a.model) and not a.openai:
+        p.error("--api-key and --model go with --openai")
     from tools.load.workload import LengthDist, parse_tenants
 
     per_slot, prompt, output = DEFAULTS[a.backend]
@@ -158,7 +168,7 @@ def workload(a: argparse.Namespace, pt: dict, i: int, model: dict):
 
 def predict(a: argparse.Namespace, settings: list[str], pt: dict, reqs, model: dict):
     """The simulator's run of the same requests and scheduler settings (sim backend, closed loop)."""
-    if a.backend != "sim" or a.endpoint or a.no_predict or not pt.get("concurrency"):
+    if a.backend != "sim" or a.endpoint or a.openai or a.no_predict or not pt.get("concurrency"):
         return None
     from engine.config import load_config
     from engine.core.scheduler_config import scheduler_config_from
@@ -217,24 +227,32 @@ def run_variant(a: argparse.Namespace, v: Variant, progress: Progress) -> list[d
     settings = [f"executor.max_inflight={a.max_inflight}", *a.set, *v.settings]
     d = None
     rows = []
+    external = a.endpoint or a.openai
     try:
-        if a.endpoint:
-            endpoint = a.endpoint
+        if a.openai:
+            from tools.load.openai_load import probe
+
+            endpoint = None
+            served = probe(a.openai, a.api_key)
+            model = {"vocab_size": served["vocab_size"], "max_seq": served["max_seq"]}
         else:
-            d = local_daemon.start(backend=a.backend, chips=a.chips, settings=settings,
-                                   backend_options=a.backend_option, prefix="npb-", extra=a.daemon_arg)
-            endpoint = d.endpoint
-        health = local_daemon.wait_healthy(endpoint, d)
-        model = health["model"]
+            if a.endpoint:
+                endpoint = a.endpoint
+            else:
+                d = local_daemon.start(backend=a.backend, chips=a.chips, settings=settings,
+                                       backend_options=a.backend_option, prefix="npb-", extra=a.daemon_arg)
+                endpoint = d.endpoint
+            model = local_daemon.wait_healthy(endpoint, d)["model"]
         for i, pt in enumerate(points(a)):
             reqs = workload(a, pt, i, model)
             label = v.name
             progress.point(f"{label} " + (f"c={pt['concurrency']}" if pt.get("concurrency") else f"rate={pt['rate']}"))
             before = _stats_or_none(endpoint)
             recs = runner.run(endpoint, reqs, concurrency=pt.get("concurrency"), clients=a.clients,
-                              on_record=progress.record)
+                              on_record=progress.record, openai=a.openai, api_key=a.api_key,
+                              model=a.model or (served["id"] if a.openai else None))
             after = _stats_or_none(endpoint)
-            row = {"label": label, "backend": a.backend if not a.endpoint else None, "chips": a.chips,
+            row = {"label": label, "backend": a.backend if not external else None, "chips": a.chips,
                    "concurrency": pt.get("concurrency"), "rate": pt.get("rate"), **summarize(recs, a.slo),
                    "prompt": str(a.prompt_dist), "output": str(a.output_dist), "settings": settings}
             try:  # a board daemon's stats; a balancer's may not have the per-chip counters
@@ -256,10 +274,12 @@ def run_variant(a: argparse.Namespace, v: Variant, progress: Progress) -> list[d
     return rows
 
 
-def _stats_or_none(endpoint: str) -> dict | None:
+def _stats_or_none(endpoint: str | None) -> dict | None:
     from engine.errors import ClientError
     from tools.load import local_daemon
 
+    if endpoint is None:  # an HTTP server: no daemon stats
+        return None
     try:
         return local_daemon.stats(endpoint)
     except ClientError:
@@ -314,7 +334,7 @@ def compare(rows: list[dict]) -> list[dict]:
 
 
 def run(a: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    variants = a.variant or [Variant(a.backend if not a.endpoint else "endpoint")]
+    variants = a.variant or [Variant("openai" if a.openai else a.backend if not a.endpoint else "endpoint")]
     total = sum(point_requests(a, pt) for pt in points(a)) * len(variants)
     progress = Progress(total, not a.no_progress)
     rows: list[dict] = []
@@ -368,7 +388,7 @@ def main(argv: list[str]) -> int:
     if a.plot:
         from tools.load.plot import pareto_png
 
-        title = (f"{a.backend if not a.endpoint else a.endpoint}: {a.chips} chip(s), prompt {a.prompt_dist}, "
+        title = (f"{a.openai or a.endpoint or a.backend}: {a.chips} chip(s), prompt {a.prompt_dist}, "
                  f"output {a.output_dist}")
         pareto_png(rows, a.plot, title)
         print(f"bench: plot written to {a.plot}", file=sys.stderr)

@@ -37,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "golden": ("tools.golden_cmd", "run a package's golden cases against a live endpoint"),
     "admin": ("tools.admin_cmd", "manage a board's models: load, unload, replace, rollback, models"),
     "http": ("engine.http.main", "serve the OpenAI API over HTTP in front of a daemon or balancer"),
+    "bench-http": ("tools.bench_http", "benchmark the HTTP front against ZeroMQ on one daemon (its targets)"),
+    "bench-http-peer": ("tools.bench_http_peer", "benchmark npuserve against llama.cpp's server, both over HTTP"),
 }
 
 

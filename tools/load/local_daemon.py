@@ -17,6 +17,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from tools.load import child_process
+
 # What the load tools start a daemon with unless told otherwise: the load
 # generator, not the waiting room, decides how much is queued.
 LOAD_SETTINGS = ("admission.max_waiting_requests=100000", "admission.max_waiting_prompt_tokens=1000000000")
@@ -36,22 +38,11 @@ class LocalDaemon:
         return self.proc.pid
 
     def log_tail(self, n: int = 3000) -> str:
-        try:
-            with open(self.log_path, errors="replace") as fh:
-                return fh.read()[-n:]
-        except FileNotFoundError:
-            return ""
+        return child_process.log_tail(self.log_path, n)
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait, SIGKILL if it does not exit; returns the exit status (negative = signal)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.exit_code = self.proc.returncode
+        self.exit_code = child_process.stop(self.proc, timeout)
         return self.exit_code
 
     def process_tree(self) -> list[int]:

@@ -72,6 +72,9 @@ def summarize(records: list[Record], slo: Slo | None = None) -> dict:
         "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9), "ttft_p99_ms": pct(ttft, 0.99),
         "tpot_p50_ms": pct(tpot, 0.5), "tpot_p99_ms": pct(tpot, 0.99),
     }
+    if any(r.itl_ms is not None for r in ok):  # gaps between token events, pooled over the requests
+        itl = [g for r in ok for g in (r.itl_ms or ())]
+        row.update(itl_p50_ms=pct(itl, 0.5), itl_p99_ms=pct(itl, 0.99))
     if slo is not None:
         good = [r for r in records if slo.met(r)]
         row.update(slo=str(slo), slo_met=len(good), goodput_requests_per_s=round(len(good) / window, 3),
@@ -101,10 +104,11 @@ def _fmt(v) -> str:
 
 
 # The columns of the table `npuserve bench` prints, (key, header).
-COLUMNS = [("label", "run"), ("concurrency", "conc"), ("rate", "rate/s"), ("requests", "reqs"),
+COLUMNS = [("label", "run"), ("round", "round"), ("concurrency", "conc"), ("rate", "rate/s"), ("requests", "reqs"),
            ("errors", "err"), ("tokens_per_s", "tok/s"), ("predicted_tokens_per_s", "pred tok/s"),
            ("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("predicted_ttft_p99_ms", "pred p99"),
-           ("tpot_p50_ms", "TPOT p50"), ("tpot_p99_ms", "TPOT p99"),
+           ("tpot_p50_ms", "TPOT p50"), ("tpot_p99_ms", "TPOT p99"), ("itl_p50_ms", "ITL p50"),
+           ("itl_p99_ms", "ITL p99"),
            ("goodput_requests_per_s", "good req/s"), ("goodput_tokens_per_s", "good tok/s"),
            ("pareto", "frontier")]
 

@@ -1,4 +1,4 @@
-"""Driving a workload against an endpoint from several client processes, through `AsyncClient`.
+"""Driving a workload from several client processes: through `AsyncClient`, or over HTTP (`openai_load`).
 
 Several processes, so the client is not the bottleneck; they connect first and
 start on a shared wall-clock instant (the measurement window starts like the
@@ -35,6 +35,7 @@ class Record:
     last: float | None
     tokens: int
     error: int | None  # the error code, None when it finished
+    itl_ms: list[float] | None = None  # gaps between the stream's token events (one event may carry several)
 
     @property
     def ttft_ms(self) -> float | None:
@@ -50,45 +51,70 @@ class Record:
 # ---------------------------------------------------------------- client process
 
 
-async def _one(c, r: dict, write) -> None:
-    from engine.client import build_generate
-    from engine.errors import ClientError
+class _ZmqDriver:
+    """The client library over ZeroMQ (`AsyncClient`); `openai_load.OpenAIDriver` is the HTTP one."""
 
-    t0 = time.time()
-    first = last = None
-    n = 0
-    err = None
-    try:
-        if r.get("text") is not None:
-            rid = c.new_id()
-            msg = build_generate(rid, [0], True, r["fields"])
-            del msg["prompt"]
-            msg["text"] = r["text"]
-            chunks = c.stream_message(msg)
-        else:
-            chunks = c.stream(r["prompt"], **r["fields"])
-        async for chunk in chunks:
-            last = time.time()
-            if first is None:
-                first = last
-            n += len(chunk)
-    except ClientError as e:
-        err = e.code or 0
-    write([r["index"], r["tenant"], t0, first, last, n, err])
+    def __init__(self, spec: dict) -> None:
+        self.spec = spec
+
+    async def __aenter__(self) -> "_ZmqDriver":
+        from engine.async_client import AsyncClient
+
+        self.c = await AsyncClient(self.spec["endpoint"], timeout=self.spec.get("timeout", 600)).__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.c.__aexit__(*exc)
+
+    async def ready(self, streams: int = 1) -> None:
+        await self.c.health()  # connected before the clock starts (one DEALER carries every stream)
+
+    async def one(self, r: dict, write) -> None:
+        from engine.client import build_generate
+        from engine.errors import ClientError
+
+        c = self.c
+        t0 = time.time()
+        first = last = None
+        n = 0
+        err = None
+        gaps: list[float] = []
+        try:
+            if r.get("text") is not None:
+                rid = c.new_id()
+                msg = build_generate(rid, [0], True, r["fields"])
+                del msg["prompt"]
+                msg["text"] = r["text"]
+                chunks = c.stream_message(msg)
+            else:
+                chunks = c.stream(r["prompt"], **r["fields"])
+            async for chunk in chunks:
+                now = time.time()
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(round((now - last) * 1000.0, 3))
+                last = now
+                n += len(chunk)
+        except ClientError as e:
+            err = e.code or 0
+        write([r["index"], r["tenant"], t0, first, last, n, err, gaps])
 
 
 async def _drive(spec: dict) -> None:
-    from engine.async_client import AsyncClient
-
     out = sys.stdout.buffer
 
     def write(row: list) -> None:
         out.write(orjson.dumps(row) + b"\n")
         out.flush()
 
+    if spec.get("openai"):
+        from tools.load.openai_load import OpenAIDriver as Driver
+    else:
+        Driver = _ZmqDriver
     reqs = spec["requests"]
-    async with AsyncClient(spec["endpoint"], timeout=spec.get("timeout", 600)) as c:
-        await c.health()  # connected before the clock starts
+    async with Driver(spec) as d:
+        await d.ready(min(len(reqs), spec["concurrency"] or 64))  # open loop: a guess at what is outstanding
         start = spec["start_at"]
         await asyncio.sleep(max(0.0, start - time.time()))
         if spec["concurrency"]:  # closed loop
@@ -96,14 +122,14 @@ async def _drive(spec: dict) -> None:
 
             async def slot() -> None:
                 for r in it:
-                    await _one(c, r, write)
+                    await d.one(r, write)
 
             await asyncio.gather(*(slot() for _ in range(spec["concurrency"])))
         else:  # open loop
             tasks = []
             for r in reqs:
                 await asyncio.sleep(max(0.0, start + r["at"] - time.time()))
-                tasks.append(asyncio.create_task(_one(c, r, write)))
+                tasks.append(asyncio.create_task(d.one(r, write)))
             await asyncio.gather(*tasks)
 
 
@@ -120,9 +146,14 @@ def _wire(r: Request) -> dict:
             "at": r.at}
 
 
-def run(endpoint: str, requests: list[Request], *, concurrency: int | None, clients: int = 2,
-        on_record: Callable[[Record], None] | None = None, timeout: float = 600.0) -> list[Record]:
-    """Send `requests` (closed loop at `concurrency`, or open loop when it is None); one Record each."""
+def run(endpoint: str | None, requests: list[Request], *, concurrency: int | None, clients: int = 2,
+        on_record: Callable[[Record], None] | None = None, timeout: float = 600.0, openai: str | None = None,
+        api_key: str | None = None, model: str | None = None) -> list[Record]:
+    """Send `requests` (closed loop at `concurrency`, or open loop when it is None); one Record each.
+
+    Over ZeroMQ to `endpoint`, or with `openai` (a server's base URL) over HTTP to an OpenAI-compatible
+    server, `model` and `api_key` going into each request.
+    """
     k = max(1, min(clients, concurrency or clients, len(requests)))
     start_at = time.time() + 1.0 + 0.2 * k
     procs = []
@@ -131,6 +162,7 @@ def run(endpoint: str, requests: list[Request], *, concurrency: int | None, clie
         if concurrency:
             share = concurrency // k + (1 if i < concurrency % k else 0)
         spec = {"endpoint": endpoint, "concurrency": share, "start_at": start_at, "timeout": timeout,
+                "openai": openai, "api_key": api_key, "model": model,
                 "requests": [_wire(r) for r in requests[i::k]]}
         p = subprocess.Popen([sys.executable, "-m", "tools.load.runner"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE)

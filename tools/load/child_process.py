@@ -1,0 +1,26 @@
+"""Stopping a server a load tool started (SIGTERM, then SIGKILL) and reading the end of its log."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """SIGTERM, wait up to `timeout`, SIGKILL if it did not exit; the exit status (negative = signal)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def log_tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read()[-n:]
+    except FileNotFoundError:
+        return ""

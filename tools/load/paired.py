@@ -1,0 +1,125 @@
+"""One workload over two routes side by side: rounds in alternating order, medians, ratios, distance from targets.
+
+What `bench-http` (front vs ZeroMQ on one daemon) and `bench-http-peer`
+(npuserve vs llama.cpp's server, both over HTTP) share. The machine is
+noisy, so each round runs both routes on the same requests back to back,
+the order flips every round, and the verdict is on the medians over rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from tools.load.report import summarize, table
+from tools.load.runner import Record
+from tools.load.workload import Request
+
+METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms")
+
+
+@dataclass(frozen=True)
+class Target:
+    """`ratio >= bound` (min), `ratio <= bound` (max) of subject over baseline, or `subject - baseline <= bound`
+    (diff), on the medians of `metric`."""
+
+    metric: str
+    kind: str  # "min" | "max" | "diff"
+    bound: float
+
+    def __str__(self) -> str:
+        if self.kind == "diff":
+            return f"{self.metric} +{self.bound:g} at most"
+        return f"{'>=' if self.kind == 'min' else '<='} {self.bound:g}x"
+
+
+def run_rounds(routes: dict[str, Callable[[list[Request]], list[Record]]], make_requests: Callable[[int], list[Request]],
+               rounds: int, extra: dict | None = None, on_row: Callable[[dict], None] | None = None,
+               on_start: Callable[[str], None] | None = None) -> list[dict]:
+    """Each round: the same requests (`make_requests(round)`) over every route, order flipped every round."""
+    rows = []
+    labels = list(routes)
+    for rnd in range(rounds):
+        reqs = make_requests(rnd)
+        for label in labels if rnd % 2 == 0 else labels[::-1]:
+            if on_start:
+                on_start(f"round {rnd + 1}/{rounds}: {label}")
+            row = {"label": label, "round": rnd + 1, **(extra or {}), **summarize(routes[label](reqs))}
+            rows.append(row)
+            if on_row:
+                on_row(row)
+    return rows
+
+
+def medians(rows: list[dict], label: str) -> dict[str, float | None]:
+    out = {}
+    for m in METRICS:
+        vals = [r[m] for r in rows if r["label"] == label and r.get(m) is not None]
+        out[m] = statistics.median(vals) if vals else None
+    return out
+
+
+def compare(rows: list[dict], subject: str, baseline: str, targets: list[Target], extra: dict | None = None) -> list[dict]:
+    """Per metric: subject / baseline on the medians (and the TTFT difference), with any target's verdict."""
+    s, b = medians(rows, subject), medians(rows, baseline)
+    out = []
+    for m in METRICS:
+        if s[m] is None or b[m] is None:
+            continue
+        row = {"subject": subject, "baseline": baseline, **(extra or {}), "metric": m, "subject_median": s[m],
+               "baseline_median": b[m], "ratio": round(s[m] / b[m], 3) if b[m] else None,
+               "difference": round(s[m] - b[m], 3)}
+        for t in targets:
+            if t.metric != m:
+                continue
+            if t.kind == "diff":
+                value, ok, dist = row["difference"], row["difference"] <= t.bound, t.bound - row["difference"]
+            elif row["ratio"] is None:
+                continue
+            else:
+                value = row["ratio"]
+                ok = value >= t.bound if t.kind == "min" else value <= t.bound
+                dist = value - t.bound if t.kind == "min" else t.bound - value
+            out.append({**row, "target": str(t), "target_kind": t.kind, "bound": t.bound, "value": value, "met": ok,
+                        "margin": round(dist, 3)})
+            break
+        else:
+            out.append(row)
+    return out
+
+
+def format_comparison(comparison: list[dict]) -> str:
+    lines = []
+    for c in comparison:
+        line = (f"  {c['metric']:<13} {c['subject']} {c['subject_median']:,.3f} vs {c['baseline']} "
+                f"{c['baseline_median']:,.3f}: ratio {c['ratio'] if c['ratio'] is not None else '-'}, "
+                f"difference {c['difference']:+,.3f}")
+        if "target" in c:
+            verdict = "met" if c["met"] else "MISSED"
+            line += f"  [target {c['target']}: {verdict}, margin {c['margin']:+.3f}]"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def report(prog: str, title: str, rows: list[dict], comparison: list[dict], as_json: bool, summary: dict) -> int:
+    """Print the runs and the comparison (a table, or JSON Lines: the rows, then one summary); the exit status."""
+    met = [c["met"] for c in comparison if "met" in c]
+    if as_json:
+        from tools.json_lines import emit
+
+        for r in rows:
+            emit("row", r)
+        emit("summary", {**summary, "comparison": comparison, "targets_met": all(met) if met else None})
+    else:
+        print(title)
+        print(table(rows))
+        print("(latencies in ms; subject against baseline on the medians over rounds below)")
+        for c in dict.fromkeys(x.get("concurrency") for x in comparison):
+            print(f" concurrency {c}:")
+            print(format_comparison([x for x in comparison if x.get("concurrency") == c]))
+    errors = sum(r["errors"] for r in rows)
+    if errors:
+        print(f"{prog}: {errors} requests failed (see error_codes)", file=sys.stderr)
+    return 0 if errors == 0 else 1
