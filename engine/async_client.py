@@ -156,6 +156,48 @@ class AsyncClient:
             if not finished and not self._closed:
                 await self._send_quiet(build_cancel(rid))
 
+    async def stream_batches(self, msg: dict, *, timeout: float | None = ...) -> AsyncIterator[list[dict]]:
+        """Yield a generate's events in batches: every event that arrived in one receive burst, as one list.
+
+        For relays (the HTTP front) that coalesce what one loop turn brought
+        into one write. The last batch ends with the terminal event (`done` or
+        `error`, not raised). `msg["id"]` must be unique among this client's
+        requests in flight; leaving the loop early cancels the request.
+        """
+        rid = msg["id"]
+        deadline = self._deadline(timeout)
+        q = await self._start(rid, msg)
+        finished = False
+        try:
+            while True:
+                batch = [await self._get(q, rid, deadline)]
+                while not q.empty():
+                    batch.append(q.get_nowait())
+                if batch[-1].get("ev") in ("done", "error"):
+                    finished = True
+                    yield batch
+                    return
+                yield batch
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.cancel_nowait(rid)
+
+    def cancel_nowait(self, id: str) -> None:
+        """`cancel` without awaiting (safe in a `finally` of a cancelled task): a non-blocking send."""
+        if self._closed:
+            return
+        try:
+            zmq.Socket.shadow(self._sock.underlying).send(encode(build_cancel(id)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def abort_all(self, code: int, reason: str, message: str) -> None:
+        """End every request in flight with a local `error` event (the upstream is gone; nobody else will)."""
+        for rid, q in list(self._queues.items()):
+            q.put_nowait({"v": PROTOCOL_VERSION, "ev": "error", "id": rid, "code": code, "reason": reason,
+                          "message": message, "retryable": True})
+
     async def cancel(self, id: str) -> None:
         """Ask the server to cancel request `id` (idempotent; its stream ends with done/cancelled)."""
         await self._send(build_cancel(id))

@@ -269,10 +269,39 @@ class SecurityConfig:
     forwarders: tuple = key((), _key_names, "client key names (balancers) whose requests' `tenant` is trusted")
 
 
+def _listen(v: Any) -> str:
+    if type(v) is not str or not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", v) \
+            or not 0 <= int(v.rsplit(":", 1)[1]) <= 65535:
+        raise _Bad(f"must be HOST:PORT (e.g. \"127.0.0.1:8000\"), got {v!r}")
+    return v
+
+
+def _endpoint_or_empty(v: Any) -> str:
+    return v if v == "" else _endpoint(v)
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    listen: str = key("127.0.0.1:8000", _listen, "HOST:PORT the OpenAI-compatible HTTP front listens on "
+                                                   "(npuserve http)")
+    upstream: str = key("", _endpoint_or_empty, "the daemon or balancer the front sends requests to; "
+                                                "\"\" = this config's first server.endpoints entry")
+    api_keys: str = key("", _str(), "file of `KEY TENANT` lines (relative = to the config file); \"\" = an "
+                                    "open front (tenant from `user`)")
+    package: str = key("", _str(), "model package for the chat template and tokenizer (relative = to the config "
+                                   "file); \"\" = the package the upstream reports")
+    default_temperature: float = key(1.0, _float(0.0, 100.0), "temperature of a request that sends none "
+                                                              "(OpenAI's default is 1)")
+    health_interval_ms: int = key(1000, _int(10, 3_600_000), "how often the front asks the upstream's health")
+    health_timeout_ms: int = key(2000, _int(10, 3_600_000), "an upstream silent this long is down: requests "
+                                                            "get 503 until it answers again")
+
+
 SECTIONS: dict[str, type] = {
     "board": BoardConfig, "model": ModelConfig, "admission": AdmissionConfig, "queues": QueuesConfig,
     "batch": BatchConfig, "executor": ExecutorConfig, "kv": KvConfig, "recovery": RecoveryConfig,
     "server": ServerConfig, "metrics": MetricsConfig, "log": LogConfig, "security": SecurityConfig,
+    "http": HttpConfig,
 }
 
 # Keys SIGHUP applies to a running daemon (fnmatch patterns over dotted keys).
@@ -300,6 +329,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
 
 def section_keys(cls: type) -> dict[str, dataclasses.Field]:

@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "balance": ("engine.balancer.main", "run a balancer in front of daemons or balancers"),
     "bench-balancer": ("tools.bench_balancer", "benchmark a balancer against direct daemon access"),
     "keygen": ("tools.keygen_cmd", "write a CURVE key pair (NAME.key, NAME.key_secret; 0600)"),
+    "http": ("engine.http.main", "serve the OpenAI API over HTTP in front of a daemon or balancer"),
 }
 
 

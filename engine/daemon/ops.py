@@ -71,7 +71,9 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
         fe.reply(conn, cid, "stats", visible_stats(conn, jsonable(d.stats(now))))
         return []
     if op == "models":
-        fe.reply(conn, cid, "models", {"models": [d.model_info()]})
+        # `package`: where an HTTP front on this host finds the chat template and tokenizer (engine/http).
+        package = d.package_path or d.info.extra.get("package") or None
+        fe.reply(conn, cid, "models", {"models": [dict(d.model_info(), package=package)]})
         return []
     if op in ("drain", "resume"):
         if not is_admin(conn):

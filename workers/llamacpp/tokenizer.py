@@ -27,6 +27,15 @@ class GgufTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._model.tokenize(text, add_special=True, parse_special=False)
 
+    def encode_template(self, text: str) -> list[int]:
+        """A rendered chat template: its special-token text (`<start_of_turn>`) becomes the control tokens,
+        and no BOS is added (the template writes `bos_token` itself)."""
+        return self._model.tokenize(text, add_special=False, parse_special=True)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text with special tokens spelled out (`<bos>`): what a chat template calls bos_token."""
+        return self._model.piece(token_id, special=True).decode("utf-8", errors="replace")
+
     def piece(self, token_id: int) -> bytes:
         p = self._pieces.get(token_id)
         if p is None:

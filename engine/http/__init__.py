@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front: a starlette/uvicorn shell around pure request/response mapping."""

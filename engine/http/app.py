@@ -1,0 +1,505 @@
+"""The starlette routes of the OpenAI-compatible front: the shell around openai_request/openai_response.
+
+Per request: authenticate (API key -> tenant), validate the body, check the
+model, send one `generate` per choice to the upstream over the shared
+AsyncClient, and answer: one JSON object, or server-sent events where every
+batch of upstream events that arrived in one receive burst (one event-loop
+turn) leaves as ONE write. The HTTP client going away cancels the upstream
+requests (streams and non-streams alike).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from engine.errors import ClientError
+from engine.http.api_keys import ApiKeys
+from engine.http.chat_template import no_template
+from engine.http.metrics import HttpMetrics
+from engine.http.openai_error import OpenAIError, bad, from_upstream
+from engine.http.openai_request import GenerateRequest, parse_chat, parse_completion, tenant_of_user
+from engine.http.openai_response import (
+    DONE, ChunkWriter, chat_logprobs, chat_object, completion_choice, completion_logprobs, completion_object,
+    error_event, new_id,
+)
+from engine.http.upstream import Upstream
+from ipc.codec import PROTOCOL_VERSION
+
+log = logging.getLogger("npuserve.http")
+JSON = "application/json"
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was complete."""
+
+
+@dataclass
+class Prepared:
+    """A validated request turned into the upstream messages of its choices."""
+
+    req: GenerateRequest
+    model: str  # the `model` the response names
+    msgs: list[dict]
+    prompt_text: list[str | None]  # what the render endpoints show
+
+
+def json_response(obj, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type=JSON)
+
+
+def error_response(e: OpenAIError) -> Response:
+    headers = {"www-authenticate": "Bearer"} if e.status == 401 else None
+    return Response(e.json(), status_code=e.status, media_type=JSON, headers=headers)
+
+
+async def wait_disconnect(receive) -> None:
+    """Return when the ASGI server reports the client gone (the body has been read already)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse(Response):
+    """Server-sent events whose body is `first` then the chunks of `chunks`; a disconnect stops the stream.
+
+    The stream runs in its own task beside a watcher of `http.disconnect`:
+    when the client goes, the stream task is cancelled, which closes the
+    upstream iterators and so cancels the requests upstream.
+    """
+
+    def __init__(self, first: bytes, chunks: AsyncIterator[bytes], on_end) -> None:
+        super().__init__(status_code=200)
+        self.first = first
+        self.chunks = chunks
+        self.on_end = on_end  # called with "done" | "disconnect" | "error"
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        pump = asyncio.ensure_future(self._pump(send))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        outcome = "done"
+        try:
+            await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not pump.done():
+                outcome = "disconnect"
+                pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+        except OSError:
+            outcome = "disconnect"
+        except Exception:  # noqa: BLE001 - the status line is sent: log, end the stream
+            outcome = "error"
+            log.exception("stream failed")
+        finally:
+            watcher.cancel()
+            if not pump.done():
+                pump.cancel()
+            with contextlib.suppress(BaseException):
+                await self.chunks.aclose()
+            self.on_end(outcome)
+
+    async def _pump(self, send) -> None:
+        await send({"type": "http.response.body", "body": self.first, "more_body": True})
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def merged_batches(client, msgs: list[dict]) -> AsyncIterator[tuple[int, list[dict]]]:
+    """(choice index, batch) of several upstream streams as they come; closing it cancels them all."""
+    if len(msgs) == 1:
+        async with contextlib.aclosing(client.stream_batches(msgs[0])) as it:
+            async for batch in it:
+                yield 0, batch
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, msg: dict) -> None:
+        async with contextlib.aclosing(client.stream_batches(msg)) as it:
+            async for batch in it:
+                q.put_nowait((i, batch))
+
+    tasks = [asyncio.ensure_future(pump(i, m)) for i, m in enumerate(msgs)]
+    try:
+        left = len(msgs)
+        while left:
+            i, batch = await q.get()
+            if batch[-1].get("ev") in ("done", "error"):
+                left -= 1
+            yield i, batch
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Front:
+    """The routes' state: upstream link, keys, settings, metrics."""
+
+    def __init__(self, upstream: Upstream, *, keys: ApiKeys | None = None, default_temperature: float = 1.0,
+                 metrics: HttpMetrics | None = None) -> None:
+        self.upstream = upstream
+        self.keys = keys
+        self.default_temperature = default_temperature
+        self.metrics = metrics or HttpMetrics()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _tenant(self, request: Request) -> str | None:
+        """The key's tenant (401 for a missing/unknown key); None on an open front (then `user` decides)."""
+        if self.keys is None:
+            return None
+        return self.keys.tenant_for(request.headers.get("authorization"))
+
+    @staticmethod
+    async def _json(request: Request):
+        data = await request.body()
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            raise bad(None, f"the body is not valid JSON: {e}", "invalid_json") from None
+
+    def _served(self, req: GenerateRequest):
+        """The served model (404 for another name); None when the upstream has not said which it is."""
+        m = self.upstream.model
+        names = {x.get("alias") for x in self.upstream.models}
+        if req.model is not None and names and req.model not in names:
+            raise OpenAIError(404, f"the model {req.model!r} does not exist here (served: "
+                                   f"{', '.join(sorted(n for n in names if n))})", param="model",
+                              code="model_not_found")
+        return m
+
+    def prepare(self, req: GenerateRequest, key_tenant: str | None, render_only: bool = False) -> Prepared:
+        served = self._served(req)
+        base = {"v": PROTOCOL_VERSION, "op": "generate", "id": "", "stream": req.stream,
+                "tenant": key_tenant or tenant_of_user(req.user)}
+        if req.model is not None:
+            base["model"] = req.model
+        if req.logprobs:
+            base["logprobs"] = True
+        for k, v in req.sampling.items():
+            if v is not None:
+                base[k] = v
+        msgs: list[dict] = []
+        texts: list[str | None] = []
+        if req.kind == "chat":
+            name = req.model or (served.alias if served else "")
+            if served is None or served.template is None:
+                raise no_template(name) if served is None or not served.problem else OpenAIError(
+                    400, f"model {name!r} has no chat template: {served.problem}", param="messages",
+                    code="no_chat_template")
+            text = served.template.render(req.messages, req.add_generation_prompt, req.template_kwargs)
+            ids = served.chat_prompt(text)
+            if base.get("max_tokens") is None:
+                room = served.max_seq - len(ids)
+                if room < 1:
+                    raise bad("messages", f"the conversation is {len(ids)} tokens, the model's context is "
+                                          f"{served.max_seq}: no room to answer", "context_length_exceeded")
+                base["max_tokens"] = room
+            msgs.append(dict(base, prompt=ids))
+            texts.append(text)
+        else:
+            for p in req.prompts:
+                msgs.append(dict(base, text=p) if type(p) is str else dict(base, prompt=p))
+                texts.append(p if type(p) is str else None)
+        client = self.upstream.client if render_only else self.upstream.require_up()
+        for m in msgs:
+            m["id"] = client.new_id()
+        model = req.model or (served.alias if served else "")
+        return Prepared(req, model, msgs, texts)
+
+    # -- generation -------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions", parse_completion)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat", parse_chat)
+
+    async def _generate(self, request: Request, endpoint: str, parse) -> Response:
+        t0 = time.perf_counter()
+        try:
+            tenant = self._tenant(request)
+            req = parse(await self._json(request), self.default_temperature)
+            prep = self.prepare(req, tenant)
+            if req.stream:
+                return await self._stream(request, prep, endpoint, t0)
+            return await self._whole(request, prep, endpoint, t0)
+        except OpenAIError as e:
+            self._finish(endpoint, e.status, t0)
+            return error_response(e)
+        except ClientGone:
+            self._finish(endpoint, 499, t0)
+            return Response(status_code=499)
+        except Exception:  # noqa: BLE001 - one bad request must not take the front down
+            log.exception("%s failed", endpoint)
+            self._finish(endpoint, 500, t0)
+            return error_response(OpenAIError(500, "internal error in the HTTP front", code="internal_error"))
+
+    def _finish(self, endpoint: str, status: int, t0: float) -> None:
+        self.metrics.count(endpoint, status)
+        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+    async def _collect(self, prep: Prepared) -> list[dict]:
+        """The `done` event of every choice (non-streamed on the wire); an upstream error raises."""
+        client = self.upstream.client
+
+        async def one(msg: dict) -> dict:
+            async with contextlib.aclosing(client.stream_batches(msg)) as it:
+                async for batch in it:
+                    last = batch[-1]
+                    if last.get("ev") == "error":
+                        raise from_upstream(last)
+                    if last.get("ev") == "done":
+                        return last
+            raise OpenAIError(502, "the upstream ended a request without a terminal event")
+
+        if len(prep.msgs) == 1:
+            return [await one(prep.msgs[0])]
+        results = await asyncio.gather(*(one(m) for m in prep.msgs), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    async def _whole(self, request: Request, prep: Prepared, endpoint: str, t0: float) -> Response:
+        self.metrics.in_flight.inc()
+        task = asyncio.ensure_future(self._collect(prep))
+        watcher = asyncio.ensure_future(wait_disconnect(request.receive))
+        try:
+            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                self.metrics.disconnects.inc()
+                raise ClientGone()
+            dones = task.result()
+        finally:
+            watcher.cancel()
+            self.metrics.in_flight.dec()
+        req, served = prep.req, self.upstream.model
+        token_text = served.token_text if served else (lambda t: f"token_id:{t}")
+        created = int(time.time())
+        if req.kind == "chat":
+            d = dones[0]
+            lp = chat_logprobs(d.get("tokens") or [], d.get("logprobs") or [], token_text) if req.logprobs else None
+            obj = chat_object(new_id("chat"), prep.model, created, d.get("text") or "", d.get("finish_reason"),
+                              d.get("usage") or {}, lp)
+        else:
+            choices = []
+            for i, d in enumerate(dones):
+                lp = completion_logprobs(d.get("tokens") or [], d.get("logprobs") or [], token_text) \
+                    if req.logprobs else None
+                choices.append(completion_choice(i, d.get("text") or "", d.get("finish_reason"), lp))
+            obj = completion_object(new_id("completion"), prep.model, created, choices,
+                                    [d.get("usage") or {} for d in dones])
+        self._finish(endpoint, 200, t0)
+        return json_response(obj)
+
+    async def _stream(self, request: Request, prep: Prepared, endpoint: str, t0: float) -> Response:
+        req = prep.req
+        writer = ChunkWriter(req.kind, new_id(req.kind), prep.model, req.include_usage)
+        served = self.upstream.model
+        token_text = served.token_text if served else (lambda t: f"token_id:{t}")
+        chat = req.kind == "chat"
+        n = len(prep.msgs)
+        usages: list[dict | None] = [None] * n
+        metrics = self.metrics
+        first_at: list[float] = []
+
+        def encode(i: int, batch: list[dict]) -> bytes:
+            """One write for one batch: the text of its tokens events as one chunk, then the end if any."""
+            out = []
+            texts, toks, lps = [], [], []
+            end = None
+            for ev in batch:
+                kind = ev.get("ev")
+                if kind == "tokens":
+                    texts.append(ev.get("text") or "")
+                    if req.logprobs:
+                        toks.extend(ev.get("tokens") or ())
+                        lps.extend(ev.get("logprobs") or ())
+                else:
+                    end = ev
+            text = "".join(texts)
+            if text or toks:
+                lp = None
+                if req.logprobs:
+                    lp = chat_logprobs(toks, lps, token_text) if chat else completion_logprobs(toks, lps, token_text)
+                out.append(writer.text(i, text, lp))
+                if not first_at:
+                    first_at.append(time.perf_counter())
+            if end is not None:
+                if end.get("ev") == "error":
+                    raise from_upstream(end)
+                out.append(writer.finish(i, end.get("finish_reason")))
+                usages[i] = end.get("usage") or {}
+                if n == 1 and first_at:
+                    up_ttft = (end.get("timing") or {}).get("ttft_ms")
+                    ttft = first_at[0] - t0
+                    metrics.ttft.observe(ttft)
+                    if up_ttft is not None:
+                        metrics.added_ttft.observe(max(0.0, ttft - up_ttft / 1000.0))
+            return b"".join(out)
+
+        batches = merged_batches(self.upstream.client, prep.msgs)
+        metrics.in_flight.inc()
+        # Wait for the first batch before the status line: an upstream error (429, 400 prompt too long, ...)
+        # is then still an HTTP status, not an event inside a 200 stream.
+        try:
+            first_batch = await self._first(request, batches)
+            head = b"".join(writer.role(i) for i in range(n)) if chat else b""
+            first = head + encode(*first_batch)
+        except BaseException:
+            metrics.in_flight.dec()
+            with contextlib.suppress(BaseException):
+                await batches.aclose()
+            raise
+        left = n - sum(u is not None for u in usages)
+
+        async def rest() -> AsyncIterator[bytes]:
+            nonlocal left
+            try:
+                chunk = b""
+                if left:
+                    async for i, batch in batches:
+                        try:
+                            chunk = encode(i, batch)
+                        except OpenAIError as e:  # an error after the status line: one error event, then the end
+                            yield error_event(e.body()) + DONE
+                            return
+                        if batch[-1].get("ev") in ("done", "error"):
+                            left -= 1
+                        if not left:
+                            break
+                        yield chunk
+                        chunk = b""
+                tail = writer.usage([u for u in usages if u is not None]) if req.include_usage else b""
+                yield chunk + tail + DONE
+            finally:
+                await batches.aclose()
+
+        def on_end(outcome: str) -> None:
+            metrics.in_flight.dec()
+            if outcome == "disconnect":
+                metrics.disconnects.inc()
+            self._finish(endpoint, 200 if outcome == "done" else 499, t0)
+
+        return SSEResponse(first, rest(), on_end)
+
+    async def _first(self, request: Request, batches: AsyncIterator) -> tuple[int, list[dict]]:
+        """The first batch of a stream, or ClientGone when the client leaves before it comes."""
+        task = asyncio.ensure_future(batches.__anext__())
+        watcher = asyncio.ensure_future(wait_disconnect(request.receive))
+        try:
+            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                self.metrics.disconnects.inc()
+                raise ClientGone()
+            return task.result()
+        finally:
+            watcher.cancel()
+
+    # -- render (vllm-router's cache_aware policy asks for these) ----------------------------------
+    async def render_completions(self, request: Request) -> Response:
+        return await self._render(request, "completions_render", parse_completion)
+
+    async def render_chat(self, request: Request) -> Response:
+        return await self._render(request, "chat_render", parse_chat)
+
+    async def _render(self, request: Request, endpoint: str, parse) -> Response:
+        t0 = time.perf_counter()
+        try:
+            tenant = self._tenant(request)
+            req = parse(await self._json(request), self.default_temperature)
+            prep = self.prepare(req, tenant, render_only=True)
+            served = self.upstream.model
+            out = []
+            for msg, text in zip(prep.msgs, prep.prompt_text):
+                ids = msg.get("prompt")
+                if ids is None:
+                    if served is None or served.tokenizer is None:
+                        raise OpenAIError(503, "the front does not know the model's tokenizer yet",
+                                          code="upstream_unavailable")
+                    ids = served.tokenizer.encode(msg["text"])
+                if text is None:
+                    text = "".join(served.token_text(t) for t in ids) if served else ""
+                out.append({"prompt_token_ids": ids, "prompt": text})
+            self._finish(endpoint, 200, t0)
+            if req.kind == "chat":
+                return json_response([req.messages, out])
+            return json_response(out)
+        except OpenAIError as e:
+            self._finish(endpoint, e.status, t0)
+            return error_response(e)
+
+    # -- the rest ----------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        try:
+            self._tenant(request)
+            if not self.upstream.models:
+                self.upstream.require_up()
+                await self.upstream.refresh_models()
+            if not self.upstream.models:
+                raise self.upstream.unavailable()
+        except OpenAIError as e:
+            return error_response(e)
+        data = [{"id": m["alias"], "object": "model", "created": 0, "owned_by": "npuserve",
+                 "max_model_len": m.get("max_seq")} for m in self.upstream.models]
+        return json_response({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        answered = await self.upstream.check()
+        h = self.upstream.last_health or {}
+        if answered and h.get("ok", True):
+            return json_response({"status": "ok", "upstream": self.upstream.endpoint})
+        why = "does not answer" if not answered else "answers but is not ok (draining, no chip up or stalled)"
+        return json_response({"status": "unavailable", "upstream": self.upstream.endpoint,
+                              "message": f"the upstream {why}"}, 503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        families = None
+        if self.upstream.up:
+            try:
+                stats = await self.upstream.client.stats(timeout=self.upstream.health_timeout_s)
+                families = stats.get("metrics")
+            except ClientError:
+                families = None
+        return Response(self.metrics.exposition(families), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def build_app(front: Front) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await front.upstream.start()
+        try:
+            yield
+        finally:
+            await front.upstream.close()
+
+    routes = [
+        Route("/v1/completions", front.completions, methods=["POST"]),
+        Route("/v1/chat/completions", front.chat, methods=["POST"]),
+        Route("/v1/completions/render", front.render_completions, methods=["POST"]),
+        Route("/v1/chat/completions/render", front.render_chat, methods=["POST"]),
+        Route("/v1/models", front.models, methods=["GET"]),
+        Route("/health", front.health, methods=["GET"]),
+        Route("/metrics", front.metrics_endpoint, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

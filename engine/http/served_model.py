@@ -1,0 +1,84 @@
+"""What the front knows of the served model: alias, context, chat template and tokenizer.
+
+The upstream's `models` reply names the model and, on a board daemon, the
+package folder it serves (`package`); `--package` overrides it (an upstream
+on another host). The package gives the chat template (manifest
+`tokenizer.chat_template`, copied from the GGUF's `tokenizer.chat_template`
+by `npuserve import-gguf`) and the tokenizer, which the front needs to turn a
+rendered chat prompt into token ids (the template's control tokens are
+parsed as such there, never in user text sent as `text`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.http.chat_template import ChatTemplate, TemplateError
+from engine.http.openai_error import OpenAIError
+
+
+@dataclass
+class ServedModel:
+    alias: str
+    max_seq: int
+    vocab_size: int
+    package: str | None
+    template: ChatTemplate | None = None
+    tokenizer: object | None = None  # workers.tokenizer.Tokenizer (+ encode_template for GGUF ones)
+    problem: str = ""  # why there is no template/tokenizer (shown in the 400)
+
+    def token_text(self, token_id: int) -> str:
+        """A generated token as logprobs show it: its text, or `token_id:N` without a tokenizer (as vLLM)."""
+        tok = self.tokenizer
+        if tok is None:
+            return f"token_id:{token_id}"
+        return tok.piece(token_id).decode("utf-8", errors="replace")
+
+    def chat_prompt(self, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt (control tokens parsed; BOS once, where the model wants it)."""
+        tok = self.tokenizer
+        encode = getattr(tok, "encode_template", None)
+        if encode is None:
+            raise OpenAIError(400, f"model {self.alias!r}: its tokenizer cannot parse a chat template's control "
+                                   "tokens", param="messages", code="no_chat_template")
+        ids = encode(text)
+        bos = getattr(tok, "bos_id", None)
+        if getattr(tok, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+
+def load_served_model(info: dict, package_override: str | None = None) -> ServedModel:
+    """Build the view of one `models` entry; reads the package (blocking: run it in a thread)."""
+    from workers.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, tokenizer_spec
+
+    path = package_override or info.get("package") or None
+    m = ServedModel(alias=str(info.get("alias", "")), max_seq=int(info.get("max_seq") or 0),
+                    vocab_size=int(info.get("vocab_size") or 0), package=path)
+    if not path:
+        m.tokenizer = ByteTokenizer(m.vocab_size) if m.vocab_size >= 256 else None
+        m.problem = "the upstream serves no model package (stub/sim backend)"
+        return m
+    from workers.model_package import PackageError, load_package
+
+    try:
+        package = load_package(path)
+        spec = tokenizer_spec(package.manifest)
+        if spec["kind"] != "none":
+            m.tokenizer = load_tokenizer(package)
+    except (PackageError, TokenizerError, OSError) as e:
+        m.problem = f"cannot read the model package {path}: {e}"
+        return m
+    source = spec.get("chat_template")
+    if not source:
+        m.problem = "its package has no tokenizer.chat_template"
+        return m
+    tok = m.tokenizer
+    text_of = getattr(tok, "token_text", None)
+    bos = text_of(tok.bos_id) if text_of and getattr(tok, "bos_id", None) is not None else ""
+    eos = text_of(tok.eos_id) if text_of and getattr(tok, "eos_id", None) is not None else ""
+    try:
+        m.template = ChatTemplate(source, bos, eos)
+    except TemplateError as e:
+        m.problem = str(e)
+    return m

@@ -1,0 +1,112 @@
+"""The front's one link to its upstream (a board daemon or a balancer): one AsyncClient for every request.
+
+One DEALER socket multiplexes all requests (the AsyncClient demultiplexes by
+id). A heartbeat (`health` every `health_interval_ms`) tells whether the
+upstream answers: while it does not, new requests get 503 at once, and when
+it stops answering, the requests in flight are ended with 503 and the socket
+is replaced, so that nothing sent into the void is delivered to a restarted
+upstream later. When it answers again the front serves again: no restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from engine.async_client import AsyncClient
+from engine.errors import ClientError
+from engine.http.openai_error import OpenAIError
+from engine.http.served_model import ServedModel, load_served_model
+
+log = logging.getLogger("npuserve.http")
+
+
+class Upstream:
+    def __init__(self, endpoint: str, *, health_interval_s: float = 1.0, health_timeout_s: float = 2.0,
+                 package: str | None = None) -> None:
+        self.endpoint = endpoint
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.package = package
+        self.client = AsyncClient(endpoint)
+        self.up = False
+        self.last_health: dict | None = None
+        self.model: ServedModel | None = None
+        self.models: list[dict] = []
+        self._task: asyncio.Task | None = None
+        self._model_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        await self.check()
+        self._task = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        await self.client.close()
+
+    def unavailable(self) -> OpenAIError:
+        return OpenAIError(503, f"the upstream {self.endpoint} does not answer; retry later",
+                           code="upstream_unavailable")
+
+    def require_up(self) -> AsyncClient:
+        if not self.up:
+            raise self.unavailable()
+        return self.client
+
+    async def check(self) -> bool:
+        """Ask the upstream's health once; update `up` (and recover the socket when it went away)."""
+        try:
+            body = await self.client.health(timeout=self.health_timeout_s)
+        except (ClientError, OSError) as e:
+            if self.up:
+                log.warning("upstream %s stopped answering (%s); in-flight requests get 503", self.endpoint, e)
+                self._lost()
+            return False
+        self.last_health = body
+        if not self.up:
+            log.info("upstream %s answers", self.endpoint)
+        self.up = True
+        if self.model is None:
+            await self.refresh_models()
+        return True
+
+    async def refresh_models(self) -> None:
+        """Learn the served model(s) (`models` op) and load the chat template and tokenizer of the first."""
+        async with self._model_lock:
+            try:
+                body = await self.client.call("models", timeout=self.health_timeout_s)
+            except ClientError as e:
+                log.warning("upstream %s: models failed: %s", self.endpoint, e)
+                return
+            models = [m for m in body.get("models") or [] if isinstance(m, dict) and m.get("alias")]
+            if not models:
+                return
+            self.models = models
+            first = models[0]
+            if self.model is None or self.model.alias != first["alias"] or \
+                    (self.package or first.get("package")) != self.model.package:
+                self.model = await asyncio.to_thread(load_served_model, first, self.package)
+                if self.model.template is None:
+                    log.info("model %s: no chat template (%s)", self.model.alias, self.model.problem)
+
+    def _lost(self) -> None:
+        self.up = False
+        self.client.abort_all(503, "upstream_unavailable", f"the upstream {self.endpoint} stopped answering")
+        self._replace_client()
+
+    def _replace_client(self) -> None:
+        old = self.client
+        self.client = AsyncClient(self.endpoint)
+        asyncio.get_running_loop().create_task(old.close())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check()
+            except Exception:  # noqa: BLE001 - the heartbeat must outlive any one failure
+                log.exception("upstream heartbeat failed")
