@@ -290,6 +290,8 @@ class HttpConfig:
                                     "open front (tenant from `user`)")
     package: str = key("", _str(), "model package for the chat template and tokenizer (relative = to the config "
                                    "file); \"\" = the package the upstream reports")
+    chat_template: str = key("", _str(), "file with a Jinja2 chat template used instead of the package's "
+                                         "(relative = to the config file); \"\" = the package's")
     default_temperature: float = key(1.0, _float(0.0, 100.0), "temperature of a request that sends none "
                                                               "(OpenAI's default is 1)")
     health_interval_ms: int = key(1000, _int(10, 3_600_000), "how often the front asks the upstream's health")

@@ -8,6 +8,7 @@ exited 0 and left no shared-memory object of its pid and no worker behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -452,3 +453,119 @@ def wait_for_log(d: "DaemonProc", event: str, timeout: float = 30.0, count: int 
         if time.monotonic() > deadline or d.proc.poll() is not None and len(found) < count:
             raise AssertionError(f"no {event!r} log line within {timeout} s:\n{d.log()[-3000:]}")
         time.sleep(0.05)
+
+
+# -- the OpenAI-compatible HTTP front (engine/http) -----------------------------------------------
+def free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class HttpFrontProc:
+    """A real `npuserve http` process; `url` is its base URL (http://127.0.0.1:PORT)."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return ""
+
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+        """(status, body) of a GET; errors statuses are returned, not raised."""
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"http front did not exit within {timeout} s:\n{self.log()[-3000:]}")
+
+
+def start_http_front(upstream: str, log_path: str, args: list[str] | None = None, *, wait_up: bool = True,
+                     timeout: float = START_TIMEOUT_S) -> HttpFrontProc:
+    """Start `npuserve http` on a free port in front of `upstream`; wait until it listens (and, with
+    `wait_up`, until its /health says the upstream answers)."""
+    import urllib.error
+
+    port = free_tcp_port()
+    cmd = [sys.executable, "-m", "engine.http.main", "--listen", f"127.0.0.1:{port}", "--upstream", upstream,
+           *(args or [])]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    front = HttpFrontProc(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"http front exited with {proc.returncode}:\n{front.log()[-3000:]}")
+        try:
+            status, _ = front.get("/health", timeout=5)
+            if status == 200 or not wait_up:
+                return front
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            front.stop()
+            raise AssertionError(f"http front not ready within {timeout} s:\n{front.log()[-3000:]}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def http_front(short_dir):
+    """Factory: `http_front(upstream_endpoint, args=[...], wait_up=True)` -> HttpFrontProc; stopped (exit 0
+    asserted) on teardown."""
+    started: list[HttpFrontProc] = []
+
+    def start(upstream: str, args: list[str] | None = None, wait_up: bool = True) -> HttpFrontProc:
+        f = start_http_front(upstream, os.path.join(short_dir, f"http{len(started)}.log"), args, wait_up=wait_up)
+        started.append(f)
+        return f
+
+    yield start
+    problems = [f"http front exited {rc}:\n{f.log()[-3000:]}" for f in started if (rc := f.stop()) != 0]
+    assert not problems, "\n".join(problems)
+
+
+@contextlib.contextmanager
+def daemon_process(backend: str = "stub", chips: int = 1, *, settings: dict | None = None,
+                   backend_options: dict | None = None, extra: list[str] | None = None):
+    """A daemon for a whole test module (the `daemon` fixture is per test): yields a DaemonProc, then stops it
+    and checks it exited 0 and left no shared memory."""
+    d = tempfile.mkdtemp(prefix="npm-", dir="/tmp")
+    rt = os.path.join(d, "r")
+    os.makedirs(rt, mode=0o700)
+    endpoint = f"ipc://{rt}/d.sock"
+    log_path = os.path.join(d, "daemon.log")
+    cmd = daemon_command(endpoint, rt, backend=backend, chips=chips, config=None, settings=settings,
+                         backend_options=backend_options, extra=extra)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    dp = DaemonProc(proc, endpoint, rt, log_path)
+    try:
+        _wait_healthy(dp, START_TIMEOUT_S)
+        yield dp
+    finally:
+        rc = dp.stop() if proc.poll() is None else proc.returncode
+        left = shm_objects_of(dp.pid)
+        text = dp.log()
+        shutil.rmtree(d, ignore_errors=True)
+    assert rc == 0 and not left, f"daemon exited {rc}, left {left}:\n{text[-3000:]}"

@@ -11,6 +11,7 @@ after SIGTERM/SIGINT, 2 for a configuration error, 1 when it cannot start.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -29,6 +30,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api-keys", help="file of `KEY TENANT` lines; without it the front is open")
     p.add_argument("--package", help="model package to read the chat template and tokenizer from "
                                      "(default: the one the upstream reports)")
+    p.add_argument("--chat-template", help="file with a Jinja2 chat template to use instead of the package's")
     p.add_argument("--config", help="board config file; its [http] section (flags override it)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p.parse_args(argv)
@@ -40,7 +42,7 @@ def settings_from(args: argparse.Namespace) -> tuple[HttpConfig, str]:
         cfg = load_config(args.config)
         http = cfg.http
         base = os.path.dirname(os.path.abspath(args.config))
-        fix = {k: os.path.join(base, v) for k in ("api_keys", "package")
+        fix = {k: os.path.join(base, v) for k in ("api_keys", "package", "chat_template")
                if (v := getattr(http, k)) and not os.path.isabs(v)}
         http = HttpConfig(**{**http.__dict__, **fix})
         upstream = http.upstream or cfg.server.endpoints[0]
@@ -62,6 +64,8 @@ def settings_from(args: argparse.Namespace) -> tuple[HttpConfig, str]:
         over["api_keys"] = os.path.abspath(args.api_keys)
     if args.package is not None:
         over["package"] = os.path.abspath(args.package)
+    if args.chat_template is not None:
+        over["chat_template"] = os.path.abspath(args.chat_template)
     http = HttpConfig(**{**http.__dict__, **over})
     upstream = over.get("upstream") or upstream
     if not upstream:
@@ -69,6 +73,22 @@ def settings_from(args: argparse.Namespace) -> tuple[HttpConfig, str]:
 
         upstream = default_endpoint()
     return http, upstream
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises the signal that stopped it after its graceful shutdown (so the process dies of
+        it); the front exits 0 instead, as the daemon and balancer do."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return Server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                 keys = ApiKeys(load_key_file(http.api_keys))
             except KeyFileError as e:
                 raise ConfigError(str(e)) from None
+        template = None
+        if http.chat_template:
+            try:
+                with open(http.chat_template, encoding="utf-8") as fh:
+                    template = fh.read()
+            except OSError as e:
+                raise ConfigError(f"chat template {http.chat_template}: cannot read it ({e.strerror})") from None
     except ConfigError as e:
         print("npuserve http: configuration error:\n  " + "\n  ".join(e.errors), file=sys.stderr)
         return EXIT_CONFIG
@@ -91,17 +118,18 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    _Server = _server_class()
     from engine.http.app import Front, build_app
     from engine.http.upstream import Upstream
 
     upstream = Upstream(upstream_endpoint, health_interval_s=http.health_interval_ms / 1000.0,
-                        health_timeout_s=http.health_timeout_ms / 1000.0, package=http.package or None)
+                        health_timeout_s=http.health_timeout_ms / 1000.0, package=http.package or None, chat_template=template)
     front = Front(upstream, keys=keys, default_temperature=http.default_temperature)
     host, port = http.listen.rsplit(":", 1)
     host = host.strip("[]")
     config = uvicorn.Config(build_app(front), host=host, port=int(port), loop="uvloop", http="httptools",
                             lifespan="on", access_log=False, log_level=args.log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = _Server(config)
     print(f"npuserve http: listening on http://{http.listen} (upstream {upstream_endpoint}, "
           f"{'API keys from ' + http.api_keys if keys else 'open: no API keys'})", file=sys.stderr, flush=True)
     server.run()

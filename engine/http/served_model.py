@@ -48,8 +48,12 @@ class ServedModel:
         return ids
 
 
-def load_served_model(info: dict, package_override: str | None = None) -> ServedModel:
-    """Build the view of one `models` entry; reads the package (blocking: run it in a thread)."""
+def load_served_model(info: dict, package_override: str | None = None,
+                      template_override: str | None = None) -> ServedModel:
+    """Build the view of one `models` entry; reads the package (blocking: run it in a thread).
+
+    `template_override`: a chat template (Jinja2 source) to use instead of the package's (`--chat-template`),
+    for models whose GGUF carries none."""
     from workers.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, tokenizer_spec
 
     path = package_override or info.get("package") or None
@@ -69,9 +73,9 @@ def load_served_model(info: dict, package_override: str | None = None) -> Served
     except (PackageError, TokenizerError, OSError) as e:
         m.problem = f"cannot read the model package {path}: {e}"
         return m
-    source = spec.get("chat_template")
+    source = template_override or spec.get("chat_template")
     if not source:
-        m.problem = "its package has no tokenizer.chat_template"
+        m.problem = "its package has no tokenizer.chat_template (give the front one with --chat-template FILE)"
         return m
     tok = m.tokenizer
     text_of = getattr(tok, "token_text", None)

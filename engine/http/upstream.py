@@ -24,11 +24,12 @@ log = logging.getLogger("npuserve.http")
 
 class Upstream:
     def __init__(self, endpoint: str, *, health_interval_s: float = 1.0, health_timeout_s: float = 2.0,
-                 package: str | None = None) -> None:
+                 package: str | None = None, chat_template: str | None = None) -> None:
         self.endpoint = endpoint
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.package = package
+        self.chat_template = chat_template  # Jinja2 source overriding the package's
         self.client = AsyncClient(endpoint)
         self.up = False
         self.last_health: dict | None = None
@@ -89,7 +90,8 @@ class Upstream:
             first = models[0]
             if self.model is None or self.model.alias != first["alias"] or \
                     (self.package or first.get("package")) != self.model.package:
-                self.model = await asyncio.to_thread(load_served_model, first, self.package)
+                self.model = await asyncio.to_thread(load_served_model, first, self.package,
+                                                      self.chat_template)
                 if self.model.template is None:
                     log.info("model %s: no chat template (%s)", self.model.alias, self.model.problem)
 
