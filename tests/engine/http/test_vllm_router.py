@@ -1,0 +1,230 @@
+"""Two npuserve boards behind a real `vllm-router` (0.1.17, from PyPI) with its cache-aware policy.
+
+Each board is a real daemon (the `sim` backend: stub tokens at a modelled ~18 ms per decode step, so a
+long stream stays in flight while the test looks) plus its real HTTP front process (`npuserve http`).
+The router polls the fronts' /health, asks every front's /v1/completions/render for the prompt's token
+ids, routes on its prefix tree over them and forwards the OpenAI request (see docs/cluster.md). Which
+board served a request is read from that board's daemon (`stats` -> frontend.requests), never from the
+router's say-so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import openai
+import pytest
+
+from conftest import ROOT, DaemonProc, HttpFrontProc, free_tcp_port, start_http_front, wait_until
+
+pytestmark = pytest.mark.integration
+
+VLLM_ROUTER = os.path.join(os.path.dirname(sys.executable), "vllm-router")
+MODEL = "tiny"  # the stub/sim model's alias
+START_TIMEOUT_S = 60.0
+
+# Prompts whose byte tokens share no prefix: the router has no cache match for the second one.
+ALPHA = "alpha: the first conversation, long enough to be a prefix worth keeping"
+ZULU = "zulu: a second and unrelated conversation, also long enough to matter"
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """GET `url`: its HTTP status, or None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, urllib.error.URLError):
+        return None
+
+
+def tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read()[-n:]
+    except FileNotFoundError:
+        return ""
+
+
+def wait_ready(router: subprocess.Popen, url: str, log_path: str) -> None:
+    """Until the router answers /readiness (it first waits for every worker's /health)."""
+    def up() -> bool:
+        if router.poll() is not None:
+            raise AssertionError(f"vllm-router exited {router.returncode} during start-up:\n{tail(log_path)}")
+        return http_status(f"{url}/readiness") == 200
+
+    try:
+        wait_until(up, timeout=START_TIMEOUT_S, interval=0.1, what="vllm-router ready")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{tail(log_path)}") from None
+
+
+@dataclass
+class Board:
+    """One board: a daemon and the HTTP front in front of it."""
+
+    daemon: DaemonProc
+    front: HttpFrontProc
+
+    def served(self) -> int:
+        """Requests the daemon has accepted (render calls never reach it: the front tokenizes itself)."""
+        with self.daemon.client(timeout=10.0) as c:
+            return c.stats()["frontend"]["requests"]
+
+    def kill(self) -> None:
+        """The board dies: its front is killed outright, its daemon stopped."""
+        self.front.proc.kill()
+        self.front.proc.wait()
+        self.daemon.stop()
+
+
+@dataclass
+class Cluster:
+    boards: list[Board]
+    router: subprocess.Popen
+    router_url: str
+    router_log: str
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.router_url}/v1", api_key="unused", max_retries=0, timeout=60.0)
+
+    def counts(self) -> list[int]:
+        return [b.served() for b in self.boards]
+
+    def which_served(self, before: list[int], n: int = 1) -> int:
+        """The index of the board that served the last `n` requests (each board's count checked)."""
+        after = self.counts()
+        delta = [a - b for a, b in zip(after, before)]
+        assert sorted(delta) == [0, n], f"expected one board to serve {n} request(s), got deltas {delta}"
+        return delta.index(n)
+
+
+@pytest.fixture
+def cluster(daemon, short_dir):
+    boards = []
+    router = None
+    try:
+        for i in range(2):
+            d = daemon(backend="sim")
+            boards.append(Board(d, start_http_front(d.endpoint, os.path.join(short_dir, f"front{i}.log"))))
+        port = free_tcp_port()
+        router_log = os.path.join(short_dir, "router.log")
+        with open(router_log, "wb") as log:
+            router = subprocess.Popen(
+                [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port),
+                 "--worker-urls", *[b.front.url for b in boards], "--policy", "cache_aware",
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_tcp_port()),
+                 "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1",
+                 "--log-level", "debug"],
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        router_url = f"http://127.0.0.1:{port}"
+        wait_ready(router, router_url, router_log)
+        yield Cluster(boards, router, router_url, router_log)
+    finally:
+        if router is not None and router.poll() is None:
+            router.send_signal(signal.SIGTERM)
+            try:
+                router.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait()
+        # a board the test killed has a dead front; the others must stop cleanly (the daemons are the
+        # `daemon` fixture's: stopped and checked after this)
+        rcs = [b.front.stop() for b in boards if b.front.proc.returncode is None]
+        assert all(rc == 0 for rc in rcs), f"HTTP fronts exited {rcs}"
+
+
+def open_stream(client: openai.OpenAI, prompt: str):
+    """A long streamed completion, read up to its first chunk: in flight at the router until closed."""
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1500, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].finish_reason is None
+    return stream
+
+
+def complete(client: openai.OpenAI, prompt: str, stream: bool = False) -> str:
+    """One short completion through the router; its text, and it ran to max_tokens."""
+    if stream:
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, stream=True))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        return "".join(c.choices[0].text for c in chunks)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+    return r.choices[0].text
+
+
+def spread_over_both(c: Cluster, client: openai.OpenAI) -> tuple[int, int]:
+    """ALPHA lands on one board while it streams, ZULU (no prefix match) on the least-loaded other one."""
+    before = c.counts()
+    s1 = open_stream(client, ALPHA)
+    x = c.which_served(before)
+    before = c.counts()
+    s2 = open_stream(client, ZULU)
+    y = c.which_served(before)
+    s1.close()
+    s2.close()
+    assert x != y, "the router sent an unrelated prompt to the busy board"
+    return x, y
+
+
+def test_router_serves_through_both_boards_and_follows_prefixes(cluster):
+    c = cluster
+    client = c.client()
+    x, y = spread_over_both(c, client)
+
+    # Cache-aware: a prompt extending ALPHA goes back to the board that has ALPHA, ZULU's to the other,
+    # streamed or not. Needs the fronts' render endpoint: without token ids every request lands on one board.
+    for prompt, board, stream in ((ALPHA + " again", x, False), (ZULU + " again", y, False),
+                                  (ALPHA + " once more", x, True), (ZULU + " once more", y, True)):
+        before = c.counts()
+        assert complete(client, prompt, stream) != ""
+        assert c.which_served(before) == board, f"{prompt!r} did not follow its prefix to board {board}"
+
+    # Chat through the router: the sim model has no chat template, and the board's own OpenAI-shaped 400
+    # reaches the client unchanged (the router retries only 408/429/5xx).
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert e.value.body["code"] == "no_chat_template"
+
+    # /v1/models through the router comes from a board.
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_router_stops_sending_to_a_killed_board(cluster):
+    c = cluster
+    client = c.client()
+    x, y = spread_over_both(c, client)
+    c.boards[x].kill()
+    survivor = c.boards[y]
+
+    # ALPHA's prefix points at the dead board. The router retries a refused connection 5 times on the same
+    # board and then answers 500; after 10 failed attempts its circuit breaker opens (and after 3 failed
+    # health checks the board is out anyway), so at most 2 clients see an error.
+    failed = 0
+
+    def served_again() -> bool:
+        nonlocal failed
+        before = survivor.served()
+        try:
+            complete(client, ALPHA + " after the crash")
+        except (openai.InternalServerError, openai.APIConnectionError):
+            failed += 1
+            return False
+        assert survivor.served() == before + 1
+        return True
+
+    wait_until(served_again, timeout=30.0, interval=0.2, what="a request served after the board died")
+    assert failed <= 2, f"{failed} clients got an error while the router dropped the dead board"
+
+    before = survivor.served()
+    for i, prompt in enumerate((ALPHA, ZULU, ALPHA + " later", ZULU + " later")):
+        assert complete(client, prompt, stream=bool(i % 2)) != ""
+    assert survivor.served() == before + 4
+    assert c.router.poll() is None
