@@ -424,30 +424,47 @@ class Front:
         return await self._render(request, "chat_render", parse_chat)
 
     async def _render(self, request: Request, endpoint: str, parse) -> Response:
+        """The prompt token ids the board would prefill, without generating (vllm-router's cache_aware policy
+        keys its prefix tree on them): completions `[{"token_ids", "prompt"}, ...]` one per prompt, chat one
+        `{"token_ids", "prompt"}` (template applied). No upstream round trip: the front tokenizes itself."""
         t0 = time.perf_counter()
         try:
             tenant = self._tenant(request)
             req = parse(await self._json(request), self.default_temperature)
             prep = self.prepare(req, tenant, render_only=True)
-            served = self.upstream.model
-            out = []
-            for msg, text in zip(prep.msgs, prep.prompt_text):
-                ids = msg.get("prompt")
-                if ids is None:
-                    if served is None or served.tokenizer is None:
-                        raise OpenAIError(503, "the front does not know the model's tokenizer yet",
-                                          code="upstream_unavailable")
-                    ids = served.tokenizer.encode(msg["text"])
-                if text is None:
-                    text = "".join(served.token_text(t) for t in ids) if served else ""
-                out.append({"prompt_token_ids": ids, "prompt": text})
+            out = [{"token_ids": self._prompt_ids(msg), "prompt": text} for msg, text in zip(prep.msgs,
+                                                                                              prep.prompt_text)]
             self._finish(endpoint, 200, t0)
-            if req.kind == "chat":
-                return json_response([req.messages, out])
-            return json_response(out)
+            return json_response(out[0] if req.kind == "chat" else out)
         except OpenAIError as e:
             self._finish(endpoint, e.status, t0)
             return error_response(e)
+
+    def _prompt_ids(self, msg: dict) -> list[int]:
+        """The token ids of a prepared generate message (its `text` tokenized as the daemon does)."""
+        if "prompt" in msg:
+            return msg["prompt"]
+        served = self.upstream.model
+        if served is None or served.tokenizer is None:
+            raise OpenAIError(503, "the front does not know the model's tokenizer yet (the upstream has not "
+                                   "answered)", code="upstream_unavailable")
+        return served.tokenizer.encode(msg["text"])
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's `/tokenize` (`{"model", "prompt"}` -> `{"tokens", "count", "max_model_len"}`): the router's
+        fallback when render is missing, and handy for clients."""
+        try:
+            self._tenant(request)
+            body = await self._json(request)
+            if type(body) is not dict or type(body.get("prompt")) is not str:
+                raise bad("prompt", "must be a string", "invalid_type")
+            if body.get("model") is not None:
+                self._served(GenerateRequest("completion", body["model"], False, False, False, None, {}))
+            ids = self._prompt_ids({"text": body["prompt"]})
+        except OpenAIError as e:
+            return error_response(e)
+        served = self.upstream.model
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": served.max_seq if served else None})
 
     # -- the rest ----------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -498,6 +515,7 @@ def build_app(front: Front) -> Starlette:
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
         Route("/v1/completions/render", front.render_completions, methods=["POST"]),
         Route("/v1/chat/completions/render", front.render_chat, methods=["POST"]),
+        Route("/tokenize", front.tokenize, methods=["POST"]),
         Route("/v1/models", front.models, methods=["GET"]),
         Route("/health", front.health, methods=["GET"]),
         Route("/metrics", front.metrics_endpoint, methods=["GET"]),

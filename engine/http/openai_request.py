@@ -142,6 +142,7 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "skip_special_tokens": (lambda v: v is None or v is True, "special tokens are never part of the text; "
                                                              "skip_special_tokens = false is not supported"),
     "return_hidden_states": (_falsy, "hidden states are not returned"),
+    "min_tokens": (lambda v: v is None or v == 0 and type(v) is int, "min_tokens is not supported (send 0)"),
     "continue_final_message": (_falsy, "continue_final_message is not supported"),
     "tools": (lambda v: v is None or v == [], "tool calling is not supported"),
     "functions": (lambda v: v is None or v == [], "function calling is not supported"),

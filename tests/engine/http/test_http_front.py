@@ -117,6 +117,7 @@ BAD = [
     ({"prompt": "x", "no_stop_trim": True}, "no_stop_trim"),
     ({"prompt": "x", "return_hidden_states": True}, "return_hidden_states"),
     ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
+    ({"prompt": "x", "min_tokens": 4}, "min_tokens"),
     ({"prompt": []}, "prompt"),
     ({}, "prompt"),
 ]
@@ -153,7 +154,11 @@ def test_router_fields_with_neutral_values_are_accepted(board):
     r = httpx.post(front.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
     r = httpx.post(front.url + "/v1/completions/render", json=body, timeout=30)
-    assert r.status_code == 200 and r.json() == [{"prompt_token_ids": [72, 105], "prompt": "Hi"}]
+    assert r.status_code == 200 and r.json() == [{"token_ids": [72, 105], "prompt": "Hi"}]
+    r = httpx.post(front.url + "/v1/completions/render", json=dict(body, prompt=["Hi", "Yo"]), timeout=30)
+    assert [x["token_ids"] for x in r.json()] == [[72, 105], [89, 111]]
+    r = httpx.post(front.url + "/tokenize", json={"model": "tiny", "prompt": "Hi"}, timeout=30)
+    assert r.json() == {"tokens": [72, 105], "count": 2, "max_model_len": 2048}
 
 
 def test_chat_on_a_model_without_template_is_a_clear_400(oai):
