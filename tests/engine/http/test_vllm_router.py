@@ -107,13 +107,16 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(daemon, short_dir):
-    boards = []
-    router = None
-    try:
+def cluster_of(daemon, short_dir):
+    """Factory: `cluster_of(front_args=[...], **daemon_options)` -> two boards behind a started router."""
+    boards: list[Board] = []
+    routers: list[subprocess.Popen] = []
+
+    def start(front_args: list[str] | None = None, **daemon_options) -> Cluster:
         for i in range(2):
-            d = daemon(backend="sim")
-            boards.append(Board(d, start_http_front(d.endpoint, os.path.join(short_dir, f"front{i}.log"))))
+            d = daemon(**daemon_options)
+            log = os.path.join(short_dir, f"front{len(boards)}.log")
+            boards.append(Board(d, start_http_front(d.endpoint, log, front_args)))
         port = free_tcp_port()
         router_log = os.path.join(short_dir, "router.log")
         with open(router_log, "wb") as log:
@@ -124,21 +127,31 @@ def cluster(daemon, short_dir):
                  "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1",
                  "--log-level", "debug"],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        routers.append(router)
         router_url = f"http://127.0.0.1:{port}"
         wait_ready(router, router_url, router_log)
-        yield Cluster(boards, router, router_url, router_log)
+        return Cluster(boards, router, router_url, router_log)
+
+    try:
+        yield start
     finally:
-        if router is not None and router.poll() is None:
-            router.send_signal(signal.SIGTERM)
-            try:
-                router.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                router.kill()
-                router.wait()
+        for router in routers:
+            if router.poll() is None:
+                router.send_signal(signal.SIGTERM)
+                try:
+                    router.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    router.kill()
+                    router.wait()
         # a board the test killed has a dead front; the others must stop cleanly (the daemons are the
         # `daemon` fixture's: stopped and checked after this)
         rcs = [b.front.stop() for b in boards if b.front.proc.returncode is None]
         assert all(rc == 0 for rc in rcs), f"HTTP fronts exited {rcs}"
+
+
+@pytest.fixture
+def cluster(cluster_of):
+    return cluster_of(backend="sim")
 
 
 def open_stream(client: openai.OpenAI, prompt: str):
@@ -228,3 +241,48 @@ def test_router_stops_sending_to_a_killed_board(cluster):
         assert complete(client, prompt, stream=bool(i % 2)) != ""
     assert survivor.served() == before + 4
     assert c.router.poll() is None
+
+
+GEMMA = "gemma3-270m"
+GEMMA_TEMPLATE = os.path.join(os.path.dirname(__file__), "gemma_chat_template.jinja")  # its GGUF has none
+
+
+def test_router_chat_follows_conversations_on_gemma_boards(cluster_of, gemma_package):
+    """Chat through the router on a real model: /v1/chat/completions/render gives the template's token ids,
+    so a conversation's next turn goes back to the board that holds its beginning."""
+    c = cluster_of(["--chat-template", GEMMA_TEMPLATE], backend="llamacpp", extra=["--package", gemma_package],
+                   settings={"board.threads_per_chip": 1, "model.alias": GEMMA})
+    client = c.client()
+    first = {"paris": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+             "rome": [{"role": "user", "content": "Name a famous Roman monument, please, in a few words."}]}
+
+    # Spread the two conversations: the first one's stream stays open (ignore_eos, passed on by the router
+    # as the client sent it) while the second is routed to the less loaded board.
+    home = {}
+    streams = []
+    for name, messages in first.items():
+        before = c.counts()
+        stream = client.chat.completions.create(model=GEMMA, messages=messages, max_tokens=400, stream=True,
+                                                temperature=0, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        home[name] = c.which_served(before)
+        streams.append(stream)
+    for stream in streams:
+        stream.close()
+    assert home["paris"] != home["rome"]
+
+    for name, stream in (("paris", False), ("rome", True), ("paris", True), ("rome", False)):
+        messages = first[name] + [{"role": "assistant", "content": "Sure."},
+                                  {"role": "user", "content": "Thank you! And one more thing?"}]
+        before = c.counts()
+        if stream:
+            chunks = list(client.chat.completions.create(model=GEMMA, messages=messages, max_tokens=4,
+                                                         stream=True, temperature=0))
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("length", "stop")
+        else:
+            r = client.chat.completions.create(model=GEMMA, messages=messages, max_tokens=4, temperature=0)
+            text = r.choices[0].message.content
+            assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens >= 1
+        assert text.strip(), f"empty chat answer for {name}"
+        assert c.which_served(before) == home[name], f"the {name} conversation left its board"
