@@ -87,6 +87,7 @@ class Daemon:
         self.links: list[ChipLink] = []
         self.frontend: Frontend | None = None
         self.security = None  # engine.daemon.curve.CurveSetup when security.server_secret_key is set
+        self.kv_events = None  # engine.daemon.kv_events.KvEventPublisher when kv_events.endpoint is set
         self.scheduler: Scheduler | None = None
         self.supervisor: Supervisor | None = None
         self.liveness = LoopLiveness(cfg.server.loop_stall_ms / 1000.0)
@@ -196,6 +197,8 @@ class Daemon:
             ep = cfg.server.endpoints[i]
             if ep.startswith("ipc://"):
                 os.chmod(ep[len("ipc://"):], 0o600)
+        if cfg.kv_events.endpoint:
+            self._start_kv_events()
         self.started_at = self.clock()
         if cfg.metrics.port:
             log("metrics_serving", url=f"http://{cfg.metrics.host}:{self.observe.metrics.port}/metrics")
@@ -264,6 +267,17 @@ class Daemon:
         return self._stop_signal is not None
 
     # -- the loop ------------------------------------------------------------------
+    def _start_kv_events(self) -> None:
+        from engine.daemon.kv_events import KvEventPublisher, prefix_caches
+
+        ep = self.cfg.kv_events.endpoint
+        caches = prefix_caches(self.scheduler)
+        try:
+            self.kv_events = KvEventPublisher(self.ctx, ep, self.cfg.kv_events.topic, caches)
+        except zmq.ZMQError as e:
+            raise StartupError(f"cannot publish KV events on {ep}: {e}") from None
+        log("kv_events_publishing", endpoint=ep, block_size=sorted({c.block_size for c in caches.values()}))
+
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (exit 0) or an unrecoverable failure (non-zero)."""
         assert self.scheduler is not None and self.frontend is not None
@@ -310,6 +324,8 @@ class Daemon:
             self._retry_backlog()
             actions += sched.tick(now)
             self._apply(actions, now)
+            if self.kv_events is not None:
+                self.kv_events.flush()
             dead = fe.flush()
             if dead:
                 self._cancel_dead(dead, now)
@@ -547,6 +563,9 @@ class Daemon:
         if self.security is not None:
             self.security.stop()
             self.security = None
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self.ctx is not None:
             for ep in self.cfg.server.endpoints:
                 if ep.startswith("ipc://"):
