@@ -11,7 +11,9 @@ router's say-so.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import struct
 import subprocess
 import sys
 import urllib.error
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import openai
 import pytest
+import zmq
 
 from conftest import ROOT, DaemonProc, HttpFrontProc, free_tcp_port, start_http_front, wait_until
 
@@ -27,6 +30,7 @@ pytestmark = pytest.mark.integration
 
 VLLM_ROUTER = os.path.join(os.path.dirname(sys.executable), "vllm-router")
 MODEL = "tiny"  # the stub/sim model's alias
+SIM_BLOCK_SIZE = 16  # the sim backend's KV block
 START_TIMEOUT_S = 60.0
 
 # Prompts whose byte tokens share no prefix: the router has no cache match for the second one.
@@ -72,6 +76,7 @@ class Board:
 
     daemon: DaemonProc
     front: HttpFrontProc
+    kv_events: str = ""  # the daemon's KV-event PUB endpoint, when it publishes
 
     def served(self) -> int:
         """Requests the daemon has accepted (render calls never reach it: the front tokenizes itself)."""
@@ -112,17 +117,28 @@ def cluster_of(daemon, short_dir):
     boards: list[Board] = []
     routers: list[subprocess.Popen] = []
 
-    def start(front_args: list[str] | None = None, **daemon_options) -> Cluster:
+    def start(front_args: list[str] | None = None, kv_events: bool = False, **daemon_options) -> Cluster:
+        """`kv_events`: the daemons publish KV events and the router runs `--policy kv_aware` on them."""
         for i in range(2):
-            d = daemon(**daemon_options)
+            settings = dict(daemon_options.pop("settings", {}))
+            kv = f"tcp://127.0.0.1:{free_tcp_port()}" if kv_events else ""
+            if kv:
+                settings["kv_events.endpoint"] = kv
+            d = daemon(settings=settings, **daemon_options)
+            daemon_options["settings"] = {k: v for k, v in settings.items() if not k.startswith("kv_events.")}
             log = os.path.join(short_dir, f"front{len(boards)}.log")
-            boards.append(Board(d, start_http_front(d.endpoint, log, front_args)))
+            boards.append(Board(d, start_http_front(d.endpoint, log, front_args), kv))
+        policy = ["--policy", "cache_aware"]
+        if kv_events:
+            policy = ["--policy", "kv_aware", "--kv-event-block-size", str(SIM_BLOCK_SIZE), "--kv-event-model", MODEL]
+            for b in boards:
+                policy += ["--kv-event-source", f"{b.front.url}={b.kv_events}"]
         port = free_tcp_port()
         router_log = os.path.join(short_dir, "router.log")
         with open(router_log, "wb") as log:
             router = subprocess.Popen(
                 [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port),
-                 "--worker-urls", *[b.front.url for b in boards], "--policy", "cache_aware",
+                 "--worker-urls", *[b.front.url for b in boards], *policy,
                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_tcp_port()),
                  "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1",
                  "--log-level", "debug"],
@@ -286,3 +302,48 @@ def test_router_chat_follows_conversations_on_gemma_boards(cluster_of, gemma_pac
             assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens >= 1
         assert text.strip(), f"empty chat answer for {name}"
         assert c.which_served(before) == home[name], f"the {name} conversation left its board"
+
+
+def router_saw(c: Cluster, board: Board, seq: int) -> bool:
+    """The router's KV index has applied `board`'s event message `seq` (its debug log says so)."""
+    pat = re.compile(rf"live sequence advanced source={re.escape(board.front.url)} rank=0 seq=(\d+)")
+    return any(int(m) >= seq for m in pat.findall(ANSI.sub("", tail(c.router_log, 1 << 20))))
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def test_kv_aware_router_follows_what_each_board_holds(cluster_of):
+    """Each board is warmed DIRECTLY (the router never sees those requests); its KV events alone tell the
+    router's kv_aware policy where each prefix lives, so follow-ups through the router land there."""
+    c = cluster_of(kv_events=True, backend="sim")
+    ctx = zmq.Context()
+    subs = []
+    try:
+        for b in c.boards:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(b.kv_events)
+            subs.append(sub)
+        prompts = [ALPHA, ZULU]
+        for b, sub, prompt in zip(c.boards, subs, prompts):
+            with openai.OpenAI(base_url=f"{b.front.url}/v1", api_key="unused", max_retries=0, timeout=60) as direct:
+                seq = None
+                while seq is None:  # PUB/SUB drops messages sent before the subscription is in place
+                    direct.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+                    prompt += "!"  # a fresh prompt next time: a cached one publishes nothing
+                    if sub.poll(2000):
+                        seq = struct.unpack(">Q", sub.recv_multipart()[1])[0]
+            wait_until(lambda: router_saw(c, b, seq), timeout=30.0, interval=0.05,
+                       what=f"the router applying {b.front.url}'s KV events")
+
+        client = c.client()
+        for i, (prompt, board) in enumerate(((ALPHA + " again", 0), (ZULU + " again", 1),
+                                             (ALPHA + " once more", 0), (ZULU + " once more", 1))):
+            before = c.counts()
+            assert complete(client, prompt, stream=bool(i // 2)) != ""
+            assert c.which_served(before) == board, f"{prompt!r} did not go to the board holding its prefix"
+    finally:
+        for sub in subs:
+            sub.close(linger=0)
+        ctx.term()
