@@ -1,11 +1,11 @@
-"""Two npuserve boards behind a real `vllm-router` (0.1.17, from PyPI) with its cache-aware policy.
+"""Two npuserve boards behind a real `vllm-router` (0.1.17, from PyPI): cache_aware and kv_aware.
 
 Each board is a real daemon (the `sim` backend: stub tokens at a modelled ~18 ms per decode step, so a
-long stream stays in flight while the test looks) plus its real HTTP front process (`npuserve http`).
-The router polls the fronts' /health, asks every front's /v1/completions/render for the prompt's token
-ids, routes on its prefix tree over them and forwards the OpenAI request (see docs/cluster.md). Which
-board served a request is read from that board's daemon (`stats` -> frontend.requests), never from the
-router's say-so.
+long stream stays in flight while the test looks; Gemma on llama.cpp for chat) plus its real HTTP front
+process (`npuserve http`). The router polls the fronts' /health, asks every front's /render for the
+prompt's token ids, routes on its prefix tree over them (cache_aware) or on the boards' KV events
+(kv_aware) and forwards the OpenAI request (see docs/cluster.md). Which board served a request is read
+from that board's daemon (`stats` -> frontend.requests), never from the router's say-so.
 """
 
 from __future__ import annotations
@@ -117,15 +117,13 @@ def cluster_of(daemon, short_dir):
     boards: list[Board] = []
     routers: list[subprocess.Popen] = []
 
-    def start(front_args: list[str] | None = None, kv_events: bool = False, **daemon_options) -> Cluster:
+    def start(front_args: list[str] | None = None, kv_events: bool = False, settings: dict | None = None,
+              **daemon_options) -> Cluster:
         """`kv_events`: the daemons publish KV events and the router runs `--policy kv_aware` on them."""
         for i in range(2):
-            settings = dict(daemon_options.pop("settings", {}))
             kv = f"tcp://127.0.0.1:{free_tcp_port()}" if kv_events else ""
-            if kv:
-                settings["kv_events.endpoint"] = kv
-            d = daemon(settings=settings, **daemon_options)
-            daemon_options["settings"] = {k: v for k, v in settings.items() if not k.startswith("kv_events.")}
+            board_settings = {**(settings or {}), **({"kv_events.endpoint": kv} if kv else {})}
+            d = daemon(settings=board_settings, **daemon_options)
             log = os.path.join(short_dir, f"front{len(boards)}.log")
             boards.append(Board(d, start_http_front(d.endpoint, log, front_args), kv))
         policy = ["--policy", "cache_aware"]
