@@ -86,6 +86,15 @@ def sweep_shm(prefix: str) -> None:
     assert (segs, sems) == ([], [])
 
 
+def read_log(path: str) -> str:
+    """A process's captured output so far ("" before it wrote any)."""
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return ""
+
+
 @dataclass
 class DaemonProc:
     proc: subprocess.Popen
@@ -105,11 +114,7 @@ class DaemonProc:
         return Client(self.endpoint, **kw)
 
     def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as fh:
-                return fh.read()
-        except FileNotFoundError:
-            return ""
+        return read_log(self.log_path)
 
     def health(self, timeout: float = 5.0) -> dict:
         with self.client(timeout=timeout) as c:
@@ -473,11 +478,7 @@ class HttpFrontProc:
     log_path: str
 
     def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as fh:
-                return fh.read()
-        except FileNotFoundError:
-            return ""
+        return read_log(self.log_path)
 
     def get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
         """(status, body) of a GET; errors statuses are returned, not raised."""
@@ -527,6 +528,20 @@ def start_http_front(upstream: str, log_path: str, args: list[str] | None = None
             front.stop()
             raise AssertionError(f"http front not ready within {timeout} s:\n{front.log()[-3000:]}")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def http_front_process(upstream: str, args: list[str] | None = None):
+    """A front for a whole test module: yields the HttpFrontProc, then stops it and checks it exited 0."""
+    log_dir = tempfile.mkdtemp(prefix="nph-", dir="/tmp")
+    front = start_http_front(upstream, os.path.join(log_dir, "http.log"), args)
+    try:
+        yield front
+    finally:
+        rc = front.stop()
+        text = front.log()
+        shutil.rmtree(log_dir, ignore_errors=True)
+    assert rc == 0, f"http front exited {rc}:\n{text[-3000:]}"
 
 
 @pytest.fixture

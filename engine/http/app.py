@@ -38,6 +38,7 @@ from ipc.codec import PROTOCOL_VERSION
 
 log = logging.getLogger("npuserve.http")
 JSON = "application/json"
+MAX_BODY_BYTES = 32 << 20  # a prompt of 2^20 characters, JSON-escaped, fits with room; the upstream checks the rest
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
@@ -166,7 +167,12 @@ class Front:
 
     @staticmethod
     async def _json(request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise OpenAIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
         data = await request.body()
+        if len(data) > MAX_BODY_BYTES:
+            raise OpenAIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError as e:
@@ -197,8 +203,11 @@ class Front:
         texts: list[str | None] = []
         if req.kind == "chat":
             name = req.model or (served.alias if served else "")
-            if served is None or served.template is None:
-                raise no_template(name) if served is None or not served.problem else OpenAIError(
+            if served is None:
+                raise OpenAIError(503, "the front has not learned the served model from the upstream yet",
+                                  code="upstream_unavailable")
+            if served.template is None:
+                raise no_template(name) if not served.problem else OpenAIError(
                     400, f"model {name!r} has no chat template: {served.problem}", param="messages",
                     code="no_chat_template")
             text = served.template.render(req.messages, req.add_generation_prompt, req.template_kwargs)
@@ -268,27 +277,23 @@ class Front:
 
         if len(prep.msgs) == 1:
             return [await one(prep.msgs[0])]
-        results = await asyncio.gather(*(one(m) for m in prep.msgs), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results
+        tasks = [asyncio.ensure_future(one(m)) for m in prep.msgs]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                if t.done() and t.exception() is not None:
+                    raise t.exception()
+            return [t.result() for t in tasks]
+        finally:  # one choice failed or the client left: the others are cancelled upstream too
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _whole(self, request: Request, prep: Prepared, endpoint: str, t0: float) -> Response:
         self.metrics.in_flight.inc()
-        task = asyncio.ensure_future(self._collect(prep))
-        watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
-            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                self.metrics.disconnects.inc()
-                raise ClientGone()
-            dones = task.result()
+            dones = await self._unless_gone(request, self._collect(prep))
         finally:
-            watcher.cancel()
             self.metrics.in_flight.dec()
         req, served = prep.req, self.upstream.model
         token_text = served.token_text if served else (lambda t: f"token_id:{t}")
@@ -329,6 +334,10 @@ class Front:
                 kind = ev.get("ev")
                 if kind == "tokens":
                     texts.append(ev.get("text") or "")
+                    if not first_at and ev.get("tokens"):
+                        first_at.append(time.perf_counter())
+                        if n == 1:
+                            metrics.ttft.observe(first_at[0] - t0)
                     if req.logprobs:
                         toks.extend(ev.get("tokens") or ())
                         lps.extend(ev.get("logprobs") or ())
@@ -340,8 +349,6 @@ class Front:
                 if req.logprobs:
                     lp = chat_logprobs(toks, lps, token_text) if chat else completion_logprobs(toks, lps, token_text)
                 out.append(writer.text(i, text, lp))
-                if not first_at:
-                    first_at.append(time.perf_counter())
             if end is not None:
                 if end.get("ev") == "error":
                     raise from_upstream(end)
@@ -349,10 +356,8 @@ class Front:
                 usages[i] = end.get("usage") or {}
                 if n == 1 and first_at:
                     up_ttft = (end.get("timing") or {}).get("ttft_ms")
-                    ttft = first_at[0] - t0
-                    metrics.ttft.observe(ttft)
                     if up_ttft is not None:
-                        metrics.added_ttft.observe(max(0.0, ttft - up_ttft / 1000.0))
+                        metrics.added_ttft.observe(max(0.0, first_at[0] - t0 - up_ttft / 1000.0))
             return b"".join(out)
 
         batches = merged_batches(self.upstream.client, prep.msgs)
@@ -360,7 +365,7 @@ class Front:
         # Wait for the first batch before the status line: an upstream error (429, 400 prompt too long, ...)
         # is then still an HTTP status, not an event inside a 200 stream.
         try:
-            first_batch = await self._first(request, batches)
+            first_batch = await self._unless_gone(request, batches.__anext__())
             head = b"".join(writer.role(i) for i in range(n)) if chat else b""
             first = head + encode(*first_batch)
         except BaseException:
@@ -400,9 +405,10 @@ class Front:
 
         return SSEResponse(first, rest(), on_end)
 
-    async def _first(self, request: Request, batches: AsyncIterator) -> tuple[int, list[dict]]:
-        """The first batch of a stream, or ClientGone when the client leaves before it comes."""
-        task = asyncio.ensure_future(batches.__anext__())
+    async def _unless_gone(self, request: Request, aw):
+        """The result of `aw`, or ClientGone (and `aw` cancelled, so its upstream requests too) when the
+        client disconnects first."""
+        task = asyncio.ensure_future(aw)
         watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
             await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
@@ -23,6 +23,7 @@ ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05
 
 class HttpMetrics:
     def __init__(self) -> None:
+        disable_created_metrics()  # the *_created series only add noise to every scrape (as the daemon's)
         r = self.registry = CollectorRegistry()
         self.requests = Counter(PREFIX + "http_requests", "HTTP requests answered by the front, by endpoint and "
                                 "status code.", ["endpoint", "status"], registry=r)
@@ -30,7 +31,7 @@ class HttpMetrics:
                                  "(to the last byte), by endpoint.", ["endpoint"], buckets=REQUEST_LATENCY_BUCKETS,
                                  registry=r)
         self.ttft = Histogram(PREFIX + "http_time_to_first_token_seconds", "Time from the HTTP request's arrival "
-                              "to its first token written (streams).", buckets=TTFT_BUCKETS, registry=r)
+                              "to its first tokens coming from the upstream (single-prompt streams).", buckets=TTFT_BUCKETS, registry=r)
         self.added_ttft = Histogram(PREFIX + "http_added_ttft_seconds", "The front's share of a stream's TTFT: "
                                     "its TTFT minus the upstream's (ttft_ms of `done`).", buckets=ADDED_BUCKETS,
                                     registry=r)

@@ -11,6 +11,9 @@ parsed as such there, never in user text sent as `text`).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 
 from engine.http.chat_template import ChatTemplate, TemplateError
@@ -48,6 +51,26 @@ class ServedModel:
         return ids
 
 
+@dataclass(frozen=True)
+class _Package:
+    """What `workers.tokenizer.load_tokenizer` reads of a package."""
+
+    path: str
+    manifest: dict
+
+
+def read_manifest(path: str) -> tuple[dict, str]:
+    """A package's manifest and its sha256 (the package identity the upstream reports as `sha256`).
+
+    The daemon verified the package's files against this manifest when it loaded them; matching the
+    identity is enough here, without hashing the model file again."""
+    from workers.model_package import MANIFEST
+
+    with open(os.path.join(path, MANIFEST), "rb") as fh:
+        raw = fh.read()
+    return json.loads(raw), hashlib.sha256(raw).hexdigest()
+
+
 def load_served_model(info: dict, package_override: str | None = None,
                       template_override: str | None = None) -> ServedModel:
     """Build the view of one `models` entry; reads the package (blocking: run it in a thread).
@@ -63,14 +86,16 @@ def load_served_model(info: dict, package_override: str | None = None,
         m.tokenizer = ByteTokenizer(m.vocab_size) if m.vocab_size >= 256 else None
         m.problem = "the upstream serves no model package (stub/sim backend)"
         return m
-    from workers.model_package import PackageError, load_package
-
     try:
-        package = load_package(path)
-        spec = tokenizer_spec(package.manifest)
+        manifest, digest = read_manifest(path)
+        if info.get("sha256") and digest != info["sha256"]:
+            m.problem = (f"the package {path} (manifest sha256 {digest[:12]}) is not the one the upstream serves "
+                         f"({str(info['sha256'])[:12]})")
+            return m
+        spec = tokenizer_spec(manifest)
         if spec["kind"] != "none":
-            m.tokenizer = load_tokenizer(package)
-    except (PackageError, TokenizerError, OSError) as e:
+            m.tokenizer = load_tokenizer(_Package(path, manifest))
+    except (TokenizerError, OSError, ValueError) as e:
         m.problem = f"cannot read the model package {path}: {e}"
         return m
     source = template_override or spec.get("chat_template")

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
-import tempfile
 import time
 
 import httpx
 import openai
+import orjson
 import pytest
-from conftest import daemon_process, start_http_front, wait_until
+from conftest import ROOT, daemon_process, http_front_process, start_http_front, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.client import Client
 from workers.tokenizer import ByteTokenizer
@@ -24,14 +27,8 @@ SIM = {"decode_base_ms": 2.0, "decode_per_lane_ms": 0.0}
 @pytest.fixture(scope="module")
 def board():
     """One daemon and one open front for the module."""
-    with daemon_process("sim", backend_options=SIM) as d:
-        log_dir = tempfile.mkdtemp(prefix="nph-", dir="/tmp")
-        front = start_http_front(d.endpoint, os.path.join(log_dir, "http.log"))
-        try:
-            yield d, front
-        finally:
-            rc = front.stop()
-        assert rc == 0, front.log()[-3000:]
+    with daemon_process("sim", backend_options=SIM) as d, http_front_process(d.endpoint) as front:
+        yield d, front
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +166,7 @@ def test_chat_on_a_model_without_template_is_a_clear_400(oai):
 
 def test_models_health_and_metrics(board, oai):
     _, front = board
+    oai.completions.create(model="tiny", prompt="x", max_tokens=1)
     assert [m.id for m in oai.models.list().data] == ["tiny"]
     status, body = front.get("/health")
     assert status == 200 and b'"ok"' in body
@@ -177,6 +175,12 @@ def test_models_health_and_metrics(board, oai):
     assert status == 200
     assert 'npuserve:http_requests_total{endpoint="completions",status="200"}' in text
     assert "npuserve:request_success_total" in text  # the upstream daemon's own series
+    # docs/http.md lists exactly the front's own series
+    ours = {f.name + ("_total" if f.type == "counter" else "") for f in text_string_to_metric_families(text)
+            if f.name.startswith("npuserve:http_")}
+    with open(os.path.join(ROOT, "docs", "http.md")) as fh:
+        documented = set(re.findall(r"^\| `(npuserve:http_[a-z0-9_]+)` \|", fh.read(), re.M))
+    assert documented == ours and len(ours) == 6
 
 
 def test_disconnect_mid_stream_cancels_the_request_upstream(board, lib):
@@ -249,3 +253,42 @@ def test_upstream_down_gives_503_and_the_front_recovers(daemon, http_front, shor
         except openai.InternalServerError:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+
+
+def test_several_prompts_stream_as_indexed_choices(oai):
+    prompts = ["one", "two", "three"]
+    whole = oai.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0)
+    texts = ["", "", ""]
+    finished = []
+    for chunk in oai.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                finished.append(ch.index)
+        last = chunk
+    assert texts == [c.text for c in whole.choices]
+    assert sorted(finished) == [0, 1, 2] and last.usage.completion_tokens == 18
+
+
+def test_an_upstream_that_stops_answering_ends_streams_in_flight_and_comes_back(daemon, http_front):
+    """SIGSTOP: the daemon keeps its socket but answers nothing; the front's heartbeat declares it down."""
+    d = daemon(backend="sim", backend_options=SIM)
+    front = http_front(d.endpoint)
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", front.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                rest = [line for line in lines if line.startswith("data: ")]
+                assert front.get("/health")[0] == 503
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+    assert rest[-1] == "data: [DONE]"
+    err = orjson.loads(rest[-2][len("data: "):])["error"]
+    assert err["type"] == "service_unavailable_error" and err["code"] == "upstream_unavailable"
+    wait_until(lambda: front.get("/health")[0] == 200, timeout=60, what="/health 200 again")
+    with openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0) as c:
+        assert c.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
