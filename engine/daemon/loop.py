@@ -275,7 +275,8 @@ class Daemon:
         try:
             self.kv_events = KvEventPublisher(self.ctx, ep, self.cfg.kv_events.topic, caches)
         except zmq.ZMQError as e:
-            raise StartupError(f"cannot publish KV events on {ep}: {e}") from None
+            raise StartupError(f"cannot publish KV events on {ep}: {e}; set kv_events.endpoint to a free "
+                               "address (or \"\" to turn them off)") from None
         log("kv_events_publishing", endpoint=ep, block_size=sorted({c.block_size for c in caches.values()}))
 
     def run(self) -> int:

@@ -6,6 +6,7 @@ routes on it is tests/engine/http/test_vllm_router.py::test_kv_aware_router_foll
 
 from __future__ import annotations
 
+import socket
 import struct
 import time
 
@@ -97,3 +98,18 @@ def test_daemon_publishes_the_blocks_a_prompt_fills_and_what_it_evicts(daemon):
     finally:
         sub.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.integration
+def test_a_busy_kv_events_address_fails_startup_with_a_clear_message(daemon):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        d = daemon(backend="stub", settings={"kv_events.endpoint": f"tcp://127.0.0.1:{port}"}, wait=False)
+        d.expect_exit = 1
+        rc = d.proc.wait(60)
+    log = d.log()
+    assert rc == 1, log
+    assert f"cannot publish KV events on tcp://127.0.0.1:{port}" in log and "kv_events.endpoint" in log
+    assert '"event":"serving"' not in log
