@@ -24,7 +24,7 @@ import openai
 import pytest
 import zmq
 
-from conftest import ROOT, DaemonProc, HttpFrontProc, free_tcp_port, start_http_front, wait_until
+from conftest import ROOT, DaemonProc, HttpFrontProc, _wait_healthy, free_tcp_port, start_http_front, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -120,10 +120,14 @@ def cluster_of(daemon, short_dir):
     def start(front_args: list[str] | None = None, kv_events: bool = False, settings: dict | None = None,
               **daemon_options) -> Cluster:
         """`kv_events`: the daemons publish KV events and the router runs `--policy kv_aware` on them."""
-        for i in range(2):
+        started = []
+        for i in range(2):  # both daemons load at once (a model takes seconds), then both fronts
             kv = f"tcp://127.0.0.1:{free_tcp_port()}" if kv_events else ""
             board_settings = {**(settings or {}), **({"kv_events.endpoint": kv} if kv else {})}
-            d = daemon(settings=board_settings, **daemon_options)
+            started.append((daemon(settings=board_settings, wait=False, **daemon_options), kv))
+        for d, kv in started:
+            _wait_healthy(d, START_TIMEOUT_S)
+            d.remember_children()
             log = os.path.join(short_dir, f"front{len(boards)}.log")
             boards.append(Board(d, start_http_front(d.endpoint, log, front_args), kv))
         policy = ["--policy", "cache_aware"]
