@@ -27,10 +27,10 @@ from engine.client import (
     reply_body,
 )
 from engine.errors import ClientError, ClientTimeout, InvalidRequest
-from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_event, encode
+from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_event, decode_trusted_event, encode
 
 
-def drain_events(raw: zmq.Socket) -> Iterator[dict | None]:
+def drain_events(raw: zmq.Socket, decode=decode_event) -> Iterator[dict | None]:
     """Every frame ready on `raw` (NOBLOCK receives), decoded; None for one that is not a valid event."""
     while True:
         try:
@@ -38,7 +38,7 @@ def drain_events(raw: zmq.Socket) -> Iterator[dict | None]:
         except zmq.Again:
             return
         try:
-            yield decode_event(data)
+            yield decode(data)
         except ProtocolError:
             yield None
 
@@ -51,8 +51,11 @@ class AsyncClient:
     """
 
     def __init__(self, endpoint: str | None = None, timeout: float | None = None, *,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None, validate: bool = True) -> None:
+        """`validate=False`: events are parsed without the protocol's per-field checks
+        (`ipc.codec.decode_trusted_event`), for a relay whose upstream is our own daemon or balancer."""
         self.endpoint = endpoint or default_endpoint()
+        self._decode = decode_event if validate else decode_trusted_event
         self.timeout = timeout
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
@@ -272,7 +275,7 @@ class AsyncClient:
         queues = self._queues
         while True:
             await sock.poll(flags=zmq.POLLIN)
-            for ev in drain_events(raw):
+            for ev in drain_events(raw, self._decode):
                 if ev is None:
                     continue
                 q = queues.get(ev.get("id"))

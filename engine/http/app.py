@@ -43,10 +43,6 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
                (b"x-accel-buffering", b"no")]
 
 
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was complete."""
-
-
 @dataclass
 class Prepared:
     """A validated request turned into the upstream messages of its choices."""
@@ -74,50 +70,74 @@ async def wait_disconnect(receive) -> None:
             return
 
 
-class SSEResponse(Response):
-    """Server-sent events whose body is `first` then the chunks of `chunks`; a disconnect stops the stream.
+class Hangup:
+    """Watches one request for `http.disconnect` and, if the client leaves while the request is served,
+    cancels the request's own task (whose upstream iterators then cancel the requests upstream).
 
-    The stream runs in its own task beside a watcher of `http.disconnect`:
-    when the client goes, the stream task is cancelled, which closes the
-    upstream iterators and so cancels the requests upstream.
+    One idle task per request, nothing per token, and the request is served inline in uvicorn's task:
+    no extra task turn stands between a token arriving and its write (that is most of the front's added
+    TTFT when many streams share the loop).
     """
 
-    def __init__(self, first: bytes, chunks: AsyncIterator[bytes], on_end) -> None:
+    __slots__ = ("task", "gone", "serving", "_watcher")
+
+    def __init__(self, receive) -> None:
+        self.task = asyncio.current_task()
+        self.gone = False
+        self.serving = True
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive) -> None:
+        await wait_disconnect(receive)
+        if self.serving:  # after the last byte, uvicorn reports every request "disconnected"
+            self.gone = True
+            self.task.cancel()
+
+    def absorb(self) -> bool:
+        """In `except CancelledError`: True, and the cancellation taken back, when it was the hang-up."""
+        if not self.gone:
+            return False
+        self.task.uncancel()
+        return True
+
+    def stop(self) -> None:
+        self.serving = False
+        self._watcher.cancel()
+
+
+class SSEResponse(Response):
+    """Server-sent events: `first`, then the chunks of `chunks`; `hangup` ends it when the client leaves."""
+
+    def __init__(self, first: bytes, chunks: AsyncIterator[bytes], hangup: Hangup, on_end) -> None:
         super().__init__(status_code=200)
         self.first = first
         self.chunks = chunks
+        self.hangup = hangup
         self.on_end = on_end  # called with "done" | "disconnect" | "error"
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        pump = asyncio.ensure_future(self._pump(send))
-        watcher = asyncio.ensure_future(wait_disconnect(receive))
         outcome = "done"
         try:
-            await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if not pump.done():
-                outcome = "disconnect"
-                pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pump
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            await send({"type": "http.response.body", "body": self.first, "more_body": True})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.hangup.serving = False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not self.hangup.absorb():
+                raise
+            outcome = "disconnect"
         except OSError:
             outcome = "disconnect"
         except Exception:  # noqa: BLE001 - the status line is sent: log, end the stream
             outcome = "error"
             log.exception("stream failed")
         finally:
-            watcher.cancel()
-            if not pump.done():
-                pump.cancel()
-            with contextlib.suppress(BaseException):
+            self.hangup.stop()
+            with contextlib.suppress(Exception):
                 await self.chunks.aclose()
             self.on_end(outcome)
-
-    async def _pump(self, send) -> None:
-        await send({"type": "http.response.body", "body": self.first, "more_body": True})
-        async for chunk in self.chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def merged_batches(client, msgs: list[dict]) -> AsyncIterator[tuple[int, list[dict]]]:
@@ -239,23 +259,31 @@ class Front:
 
     async def _generate(self, request: Request, endpoint: str, parse) -> Response:
         t0 = time.perf_counter()
+        hangup = response = None
         try:
             tenant = self._tenant(request)
             req = parse(await self._json(request), self.default_temperature)
             prep = self.prepare(req, tenant)
-            if req.stream:
-                return await self._stream(request, prep, endpoint, t0)
-            return await self._whole(request, prep, endpoint, t0)
+            hangup = Hangup(request.receive)
+            serve = self._stream if req.stream else self._whole
+            response = await serve(prep, endpoint, t0, hangup)
+            return response
         except OpenAIError as e:
             self._finish(endpoint, e.status, t0)
             return error_response(e)
-        except ClientGone:
+        except asyncio.CancelledError:
+            if hangup is None or not hangup.absorb():
+                raise
+            self.metrics.disconnects.inc()
             self._finish(endpoint, 499, t0)
             return Response(status_code=499)
         except Exception:  # noqa: BLE001 - one bad request must not take the front down
             log.exception("%s failed", endpoint)
             self._finish(endpoint, 500, t0)
             return error_response(OpenAIError(500, "internal error in the HTTP front", code="internal_error"))
+        finally:
+            if hangup is not None and not isinstance(response, SSEResponse):  # a stream's response owns it
+                hangup.stop()
 
     def _finish(self, endpoint: str, status: int, t0: float) -> None:
         self.metrics.count(endpoint, status)
@@ -289,10 +317,10 @@ class Front:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _whole(self, request: Request, prep: Prepared, endpoint: str, t0: float) -> Response:
+    async def _whole(self, prep: Prepared, endpoint: str, t0: float, hangup: Hangup) -> Response:
         self.metrics.in_flight.inc()
         try:
-            dones = await self._unless_gone(request, self._collect(prep))
+            dones = await self._collect(prep)
         finally:
             self.metrics.in_flight.dec()
         req, served = prep.req, self.upstream.model
@@ -314,7 +342,7 @@ class Front:
         self._finish(endpoint, 200, t0)
         return json_response(obj)
 
-    async def _stream(self, request: Request, prep: Prepared, endpoint: str, t0: float) -> Response:
+    async def _stream(self, prep: Prepared, endpoint: str, t0: float, hangup: Hangup) -> Response:
         req = prep.req
         writer = ChunkWriter(req.kind, new_id(req.kind), prep.model, req.include_usage)
         served = self.upstream.model
@@ -365,7 +393,7 @@ class Front:
         # Wait for the first batch before the status line: an upstream error (429, 400 prompt too long, ...)
         # is then still an HTTP status, not an event inside a 200 stream.
         try:
-            first_batch = await self._unless_gone(request, batches.__anext__())
+            first_batch = await batches.__anext__()
             head = b"".join(writer.role(i) for i in range(n)) if chat else b""
             first = head + encode(*first_batch)
         except BaseException:
@@ -403,24 +431,7 @@ class Front:
                 metrics.disconnects.inc()
             self._finish(endpoint, 200 if outcome == "done" else 499, t0)
 
-        return SSEResponse(first, rest(), on_end)
-
-    async def _unless_gone(self, request: Request, aw):
-        """The result of `aw`, or ClientGone (and `aw` cancelled, so its upstream requests too) when the
-        client disconnects first."""
-        task = asyncio.ensure_future(aw)
-        watcher = asyncio.ensure_future(wait_disconnect(request.receive))
-        try:
-            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                self.metrics.disconnects.inc()
-                raise ClientGone()
-            return task.result()
-        finally:
-            watcher.cancel()
+        return SSEResponse(first, rest(), hangup, on_end)
 
     # -- render (vllm-router's cache_aware policy asks for these) ----------------------------------
     async def render_completions(self, request: Request) -> Response:

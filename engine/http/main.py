@@ -123,12 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     from engine.http.upstream import Upstream
 
     upstream = Upstream(upstream_endpoint, health_interval_s=http.health_interval_ms / 1000.0,
-                        health_timeout_s=http.health_timeout_ms / 1000.0, package=http.package or None, chat_template=template)
+                        health_timeout_s=http.health_timeout_ms / 1000.0, package=http.package or None,
+                        chat_template=template)
     front = Front(upstream, keys=keys, default_temperature=http.default_temperature)
     host, port = http.listen.rsplit(":", 1)
     host = host.strip("[]")
     config = uvicorn.Config(build_app(front), host=host, port=int(port), loop="uvloop", http="httptools",
-                            lifespan="on", access_log=False, log_level=args.log_level, timeout_graceful_shutdown=5)
+                            lifespan="on", access_log=False, proxy_headers=False, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
     server = _Server(config)
     print(f"npuserve http: listening on http://{http.listen} (upstream {upstream_endpoint}, "
           f"{'API keys from ' + http.api_keys if keys else 'open: no API keys'})", file=sys.stderr, flush=True)

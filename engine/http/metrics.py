@@ -31,7 +31,8 @@ class HttpMetrics:
                                  "(to the last byte), by endpoint.", ["endpoint"], buckets=REQUEST_LATENCY_BUCKETS,
                                  registry=r)
         self.ttft = Histogram(PREFIX + "http_time_to_first_token_seconds", "Time from the HTTP request's arrival "
-                              "to its first tokens coming from the upstream (single-prompt streams).", buckets=TTFT_BUCKETS, registry=r)
+                              "to its first tokens coming from the upstream (single-prompt streams).",
+                              buckets=TTFT_BUCKETS, registry=r)
         self.added_ttft = Histogram(PREFIX + "http_added_ttft_seconds", "The front's share of a stream's TTFT: "
                                     "its TTFT minus the upstream's (ttft_ms of `done`).", buckets=ADDED_BUCKETS,
                                     registry=r)

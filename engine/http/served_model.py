@@ -26,6 +26,7 @@ class ServedModel:
     max_seq: int
     vocab_size: int
     package: str | None
+    sha256: str | None = None  # the upstream's package identity when this view was built
     template: ChatTemplate | None = None
     tokenizer: object | None = None  # workers.tokenizer.Tokenizer (+ encode_template for GGUF ones)
     problem: str = ""  # why there is no template/tokenizer (shown in the 400)
@@ -81,7 +82,7 @@ def load_served_model(info: dict, package_override: str | None = None,
 
     path = package_override or info.get("package") or None
     m = ServedModel(alias=str(info.get("alias", "")), max_seq=int(info.get("max_seq") or 0),
-                    vocab_size=int(info.get("vocab_size") or 0), package=path)
+                    vocab_size=int(info.get("vocab_size") or 0), package=path, sha256=info.get("sha256"))
     if not path:
         m.tokenizer = ByteTokenizer(m.vocab_size) if m.vocab_size >= 256 else None
         m.problem = "the upstream serves no model package (stub/sim backend)"

@@ -1,7 +1,8 @@
 """The front's one link to its upstream (a board daemon or a balancer): one AsyncClient for every request.
 
 One DEALER socket multiplexes all requests (the AsyncClient demultiplexes by
-id). A heartbeat (`health` every `health_interval_ms`) tells whether the
+id; events are parsed without the per-field checks, the upstream being our
+own daemon or balancer). A heartbeat (`health` every `health_interval_ms`) tells whether the
 upstream answers: while it does not, new requests get 503 at once, and when
 it stops answering, the requests in flight are ended with 503 and the socket
 is replaced, so that nothing sent into the void is delivered to a restarted
@@ -30,7 +31,7 @@ class Upstream:
         self.health_timeout_s = health_timeout_s
         self.package = package
         self.chat_template = chat_template  # Jinja2 source overriding the package's
-        self.client = AsyncClient(endpoint)
+        self.client = AsyncClient(endpoint, validate=False)
         self.up = False
         self.last_health: dict | None = None
         self.model: ServedModel | None = None
@@ -69,10 +70,10 @@ class Upstream:
             return False
         self.last_health = body
         if not self.up:
+            # (Re)learn the model before admitting requests: a restarted upstream may serve another one.
+            await self.refresh_models()
             log.info("upstream %s answers", self.endpoint)
         self.up = True
-        if self.model is None:
-            await self.refresh_models()
         return True
 
     async def refresh_models(self) -> None:
@@ -88,8 +89,9 @@ class Upstream:
                 return
             self.models = models
             first = models[0]
-            if self.model is None or self.model.alias != first["alias"] or \
-                    (self.package or first.get("package")) != self.model.package:
+            m = self.model
+            if m is None or (m.alias, m.package, m.sha256) != (first["alias"], self.package or first.get("package"),
+                                                               first.get("sha256")):
                 self.model = await asyncio.to_thread(load_served_model, first, self.package,
                                                       self.chat_template)
                 if self.model.template is None:
@@ -102,7 +104,7 @@ class Upstream:
 
     def _replace_client(self) -> None:
         old = self.client
-        self.client = AsyncClient(self.endpoint)
+        self.client = AsyncClient(self.endpoint, validate=False)
         asyncio.get_running_loop().create_task(old.close())
 
     async def _heartbeat(self) -> None:

@@ -175,3 +175,14 @@ def test_decode_event_reads_every_builder():
 def test_decode_event_rejects_a_request():
     with pytest.raises(ProtocolError):
         decode_event(encode({"v": 1, "op": "health", "id": "h"}))
+
+
+def test_trusted_events_are_parsed_without_field_checks():
+    from ipc.codec import decode_trusted_event
+
+    ev = {"v": 1, "ev": "tokens", "id": "r1", "tokens": [1], "text": "a"}
+    assert decode_trusted_event(orjson.dumps(ev)) == ev
+    assert decode_trusted_event(b'{"ev": "tokens", "tokens": "not checked"}')["tokens"] == "not checked"
+    for bad in (b"[1]", b"{nope", "text", b"x" * (MAX_MESSAGE_BYTES + 1)):
+        with pytest.raises(ProtocolError):
+            decode_trusted_event(bad)
