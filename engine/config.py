@@ -308,11 +308,19 @@ class HttpConfig:
                                                             "get 503 until it answers again")
 
 
+@dataclass(frozen=True)
+class KvEventsConfig:
+    endpoint: str = key("", _endpoint_or_empty, "ZeroMQ PUB endpoint the board publishes its prefix-cache "
+                                                "changes on, in the KV-event format vllm-router's kv_aware "
+                                                "policy reads (e.g. \"tcp://*:5557\"); \"\" = off")
+    topic: str = key("", _str(), "topic frame of every KV-event message (vllm-router subscribes to all)")
+
+
 SECTIONS: dict[str, type] = {
     "board": BoardConfig, "model": ModelConfig, "admission": AdmissionConfig, "queues": QueuesConfig,
     "batch": BatchConfig, "executor": ExecutorConfig, "kv": KvConfig, "recovery": RecoveryConfig,
     "server": ServerConfig, "metrics": MetricsConfig, "log": LogConfig, "security": SecurityConfig,
-    "http": HttpConfig,
+    "http": HttpConfig, "kv_events": KvEventsConfig,
 }
 
 # Keys SIGHUP applies to a running daemon (fnmatch patterns over dotted keys).
@@ -341,6 +349,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
 
 
 def section_keys(cls: type) -> dict[str, dataclasses.Field]:

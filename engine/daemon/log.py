@@ -22,6 +22,7 @@ EVENTS: dict[str, str] = {
     "reaped_stale_shm": "info",
     "metrics_serving": "info",
     "serving": "info",
+    "kv_events_publishing": "info",
     "startup_failed": "error",
     # chips
     "chip_up": "info",

@@ -81,6 +81,7 @@ class Daemon:
         self.ctx: zmq.Context | None = None
         self.frontend: Frontend | None = None
         self.security = None  # engine.daemon.curve.CurveSetup when security.server_secret_key is set
+        self.kv_events = None  # engine.daemon.kv_events.KvEventPublisher when kv_events.endpoint is set
         self.liveness = LoopLiveness(cfg.server.loop_stall_ms / 1000.0)
         self.accepting = True
         self.started_at = clock()
@@ -207,6 +208,8 @@ class Daemon:
             ep = cfg.server.endpoints[i]
             if ep.startswith("ipc://"):
                 os.chmod(ep[len("ipc://"):], 0o600)
+        if cfg.kv_events.endpoint:
+            self._start_kv_events()
         self.started_at = self.clock()
         if cfg.metrics.port:
             log("metrics_serving", url=f"http://{cfg.metrics.host}:{self.observe.metrics.port}/metrics")
@@ -388,6 +391,19 @@ class Daemon:
         return self._stop_signal is not None
 
     # -- the loop ------------------------------------------------------------------
+    def _start_kv_events(self) -> None:
+        from engine.daemon.kv_events import KvEventPublisher, prefix_caches
+
+        ep = self.cfg.kv_events.endpoint
+        g = self.default_generation()
+        caches = prefix_caches(g.scheduler) if g is not None and g.scheduler is not None else {}
+        try:
+            self.kv_events = KvEventPublisher(self.ctx, ep, self.cfg.kv_events.topic, caches, owner=g)
+        except zmq.ZMQError as e:
+            raise StartupError(f"cannot publish KV events on {ep}: {e}; set kv_events.endpoint to a free "
+                               "address (or \"\" to turn them off)") from None
+        log("kv_events_publishing", endpoint=ep, block_size=sorted({c.block_size for c in caches.values()}))
+
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (exit 0) or an unrecoverable failure (non-zero)."""
         assert self.frontend is not None
@@ -456,7 +472,10 @@ class Daemon:
                 self.exit_code = EXIT_UNRECOVERABLE
             self._drains(now)
             next_supervise = now + SUPERVISE_INTERVAL_S
-            if fe is not None:
+            if self.kv_events is not None:
+            self.kv_events.follow(self.default_generation())
+            self.kv_events.flush()
+        if fe is not None:
                 self.observe.publish(self, now)
         elif self._unloading or (self.models.next_deadline() is not None and now >= self.models.next_deadline()):
             self._drains(now)
@@ -467,6 +486,9 @@ class Daemon:
             n_actions += len(acts)
             self.apply(acts, g, now)
             blocked = blocked or g.scheduler.admission_blocked
+        if self.kv_events is not None:
+            self.kv_events.follow(self.default_generation())
+            self.kv_events.flush()
         if fe is not None:
             dead = fe.flush()
             if dead:
@@ -693,6 +715,9 @@ class Daemon:
         if self.security is not None:
             self.security.stop()
             self.security = None
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self.ctx is not None:
             for ep in self.cfg.server.endpoints:
                 if ep.startswith("ipc://"):

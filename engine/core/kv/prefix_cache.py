@@ -61,6 +61,10 @@ class PrefixCache:
         # Bumped whenever nodes vanish other than by eviction (clear, drop_key):
         # a holder's remembered path end may then be gone, see `extend`.
         self.epoch = 0
+        # None, or a list the cache appends its changes to for a shell to drain (KV events for a cluster
+        # router, engine/daemon/kv_events.py): ("stored", parent block | None, [(block, edge tokens), ...])
+        # for a chain of new nodes, ("removed", [block, ...]) for nodes gone.
+        self.journal: list[tuple] | None = None
 
     # -- lookup --------------------------------------------------------------
     def _walk(self, key: PrefixKey, tokens: Sequence[int]) -> list[_Node]:
@@ -154,6 +158,8 @@ class PrefixCache:
             level = parent.children
         self._tick += 1
         done = start
+        stored: list[tuple[int, tuple[int, ...]]] | None = None  # new nodes: one chain below `chain_parent`
+        chain_parent: _Node | None = None
         for i in range(start, n_full):
             edge = tuple(tokens[i * bs : (i + 1) * bs])
             block = blocks[i]
@@ -164,6 +170,10 @@ class PrefixCache:
                 node = _Node(block=block, key=key, edge=edge, parent=parent, last_used=self._tick)
                 level[edge] = node
                 self._by_block[block] = node
+                if self.journal is not None:
+                    if stored is None:
+                        stored, chain_parent = [], parent
+                    stored.append((block, edge))
             elif node.block != block:
                 break
             else:
@@ -173,6 +183,8 @@ class PrefixCache:
             level = node.children
         if after_block is None and not self._roots[key]:
             del self._roots[key]
+        if stored:
+            self.journal.append(("stored", None if chain_parent is None else chain_parent.block, stored))
         return done
 
     # -- reference tracking ----------------------------------------------------
@@ -207,6 +219,8 @@ class PrefixCache:
                     parent.last_used = node.last_used
                 self._push_if_evictable(parent)
         self.evictions += len(out)
+        if out and self.journal is not None:
+            self.journal.append(("removed", list(out)))
         return out
 
     def clear(self) -> list[int]:
@@ -219,6 +233,8 @@ class PrefixCache:
         self._by_block.clear()
         self._heap.clear()
         self._unreferenced = 0
+        if out and self.journal is not None:
+            self.journal.append(("removed", list(out)))
         return out
 
     def drop_key(self, key: PrefixKey) -> list[int]:
@@ -231,15 +247,19 @@ class PrefixCache:
         level = self._roots.pop(key, None)
         self.epoch += 1
         out: list[int] = []
+        gone: list[int] = []
         stack = list(level.values()) if level else []
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             node.alive = False
             del self._by_block[node.block]
+            gone.append(node.block)
             if not node.referenced:
                 self._unreferenced -= 1
                 out.append(node.block)
+        if gone and self.journal is not None:
+            self.journal.append(("removed", gone))
         return out
 
     # -- internals -----------------------------------------------------------
