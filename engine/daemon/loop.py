@@ -472,10 +472,7 @@ class Daemon:
                 self.exit_code = EXIT_UNRECOVERABLE
             self._drains(now)
             next_supervise = now + SUPERVISE_INTERVAL_S
-            if self.kv_events is not None:
-            self.kv_events.follow(self.default_generation())
-            self.kv_events.flush()
-        if fe is not None:
+            if fe is not None:
                 self.observe.publish(self, now)
         elif self._unloading or (self.models.next_deadline() is not None and now >= self.models.next_deadline()):
             self._drains(now)
