@@ -113,3 +113,35 @@ def test_a_busy_kv_events_address_fails_startup_with_a_clear_message(daemon):
     assert rc == 1, log
     assert f"cannot publish KV events on tcp://127.0.0.1:{port}" in log and "kv_events.endpoint" in log
     assert '"event":"serving"' not in log
+
+
+def test_the_publisher_follows_the_default_generation_and_clears_the_router_on_a_switch():
+    """A replace moves the default model to a new generation: its caches are published from then on, the
+    old ones are no longer journalled, and the router is told to forget what the old generation held."""
+    from types import SimpleNamespace as NS
+
+    from engine.daemon.kv_events import KvEventPublisher
+
+    def generation():
+        cache = NS(journal=None, block_size=4)
+        return NS(scheduler=NS(chips={0: NS(kv=NS(cache=cache))})), cache
+
+    old, old_cache = generation()
+    new, new_cache = generation()
+    ctx = zmq.Context()
+    try:
+        pub = KvEventPublisher(ctx, f"tcp://127.0.0.1:{free_tcp_port()}", "t", {0: old_cache}, owner=old)
+        sent: list[list[str]] = []
+        pub._send = lambda events: sent.append([e["type"] for e in events])
+        assert old_cache.journal == [] and new_cache.journal is None
+        pub.follow(old)  # the same generation: nothing happens
+        assert sent == []
+        pub.follow(new)
+        assert old_cache.journal is None and new_cache.journal == [] and pub.owner is new
+        new_cache.journal.append(("stored", None, [(1, (1, 2, 3, 4))]))
+        old_cache.journal = [("stored", None, [(2, (5, 6, 7, 8))])]  # the old generation's: not published
+        pub.flush()
+        assert sent == [["AllBlocksCleared"], ["BlockStored"]]
+        pub.close()
+    finally:
+        ctx.term()
