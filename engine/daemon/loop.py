@@ -390,7 +390,6 @@ class Daemon:
     def stop_requested(self) -> bool:
         return self._stop_signal is not None
 
-    # -- the loop ------------------------------------------------------------------
     def _start_kv_events(self) -> None:
         from engine.daemon.kv_events import KvEventPublisher, prefix_caches
 
@@ -404,6 +403,7 @@ class Daemon:
                                "address (or \"\" to turn them off)") from None
         log("kv_events_publishing", endpoint=ep, block_size=sorted({c.block_size for c in caches.values()}))
 
+    # -- the loop ------------------------------------------------------------------
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (exit 0) or an unrecoverable failure (non-zero)."""
         assert self.frontend is not None
