@@ -27,7 +27,7 @@ def test_contract_constants():
     {"v": 1, "op": "cancel", "id": "g"},
     {"v": 1, "op": "health", "id": "h"},
     {"v": 1, "op": "stats", "id": "s"},
-    {"v": 1, "op": "load", "id": "a", "model": "m2", "package": "/srv/m2", "auth": "secret"},
+    {"v": 1, "op": "load", "id": "a", "alias": "m2", "package": "/srv/m2", "auth": "secret"},
     {"v": 1, "op": "drain", "id": "d", "timeout_ms": 5000, "auth": None},
 ])
 def test_valid_request_round_trips(msg):
@@ -150,10 +150,10 @@ def test_any_value_in_any_field_is_accepted_or_one_protocol_error(case):
     msg = {"v": 1, **base}
     if base["op"] == "generate":
         msg["prompt"] = [1]
-    if base["op"] == "replace":
+    if base["op"] in ("load", "replace"):
         msg.setdefault("package", "/p")
     if base["op"] in ("load", "unload", "replace", "rollback"):
-        msg.setdefault("model", "m")
+        msg.setdefault("alias", "m")
     msg[field] = value
     try:
         out = validate_request(msg)

@@ -98,8 +98,10 @@ def test_integer_temperature_is_accepted_as_a_float():
     ({"v": "1", "op": "health", "id": "r1"}, "bad_version"),
     ({"v": 1, "op": "cancel", "id": "r1", "target": "r0"}, "unknown_field"),
     ({"v": 1, "op": "load", "id": "r1"}, "missing_field"),
-    ({"v": 1, "op": "replace", "id": "r1", "model": "tiny"}, "missing_field"),
-    ({"v": 1, "op": "replace", "id": "r1", "model": "tiny", "package": ""}, "out_of_range"),
+    ({"v": 1, "op": "replace", "id": "r1", "alias": "tiny"}, "missing_field"),
+    ({"v": 1, "op": "replace", "id": "r1", "alias": "tiny", "package": ""}, "out_of_range"),
+    ({"v": 1, "op": "load", "id": "r1", "model": "tiny", "package": "/p"}, "unknown_field"),  # `alias` names it
+    ({"v": 1, "op": "unload", "id": "r1", "alias": "tiny", "deadline_s": -1}, "out_of_range"),
     ({"v": 1, "op": "drain", "id": "r1", "timeout_ms": -1}, "out_of_range"),
     ({"v": 1, "op": "health", "id": "r1", "auth": "t"}, "unknown_field"),   # auth only on admin ops
 ])
@@ -140,8 +142,8 @@ def test_every_op_has_a_minimal_valid_form(op):
     if op == "generate":
         minimal["prompt"] = [1]
     if op in ("load", "unload", "replace", "rollback"):
-        minimal["model"] = "tiny"
-    if op == "replace":
+        minimal["alias"] = "tiny"
+    if op in ("load", "replace"):
         minimal["package"] = "/srv/models/tiny-v2"
     out = validate_request(minimal)
     assert out["op"] == op and out["id"] == "q"
