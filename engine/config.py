@@ -274,7 +274,8 @@ class SecurityConfig:
                                                           "for the tcp:// endpoints; \"\" = no CURVE")
     client_keys_dir: str = key("", _abs_path_or_empty, "directory of allowed client public keys (NAME.key); "
                                                         "a key's NAME is its tenant")
-    admins: tuple = key((), _key_names, "client key names allowed admin ops (drain, resume) over tcp://")
+    admins: tuple = key((), _key_names, "client key names allowed admin ops (drain, resume, load, unload, "
+                                         "replace, rollback) over tcp://")
     forwarders: tuple = key((), _key_names, "client key names (balancers) whose requests' `tenant` is trusted")
 
 
