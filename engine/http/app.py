@@ -33,6 +33,7 @@ from engine.http.openai_response import (
     DONE, ChunkWriter, chat_logprobs, chat_object, completion_choice, completion_logprobs, completion_object,
     error_event, new_id,
 )
+from engine.http.served_model import ServedModel
 from engine.http.upstream import Upstream
 from ipc.codec import PROTOCOL_VERSION
 
@@ -51,6 +52,7 @@ class Prepared:
     model: str  # the `model` the response names
     msgs: list[dict]
     prompt_text: list[str | None]  # what the render endpoints show
+    served: ServedModel | None = None  # its tokenizer and template (None: not learned yet)
 
 
 def json_response(obj, status: int = 200) -> Response:
@@ -199,8 +201,9 @@ class Front:
             raise bad(None, f"the body is not valid JSON: {e}", "invalid_json") from None
 
     def _served(self, req: GenerateRequest):
-        """The served model (404 for another name); None when the upstream has not said which it is."""
-        m = self.upstream.model
+        """The served model a request names (404 for a name the board does not serve); None when the
+        upstream has not said what it serves."""
+        m = self.upstream.model_for(req.model)
         names = {x.get("alias") for x in self.upstream.models}
         if req.model is not None and names and req.model not in names:
             raise OpenAIError(404, f"the model {req.model!r} does not exist here (served: "
@@ -248,7 +251,7 @@ class Front:
         for m in msgs:
             m["id"] = client.new_id()
         model = req.model or (served.alias if served else "")
-        return Prepared(req, model, msgs, texts)
+        return Prepared(req, model, msgs, texts, served)
 
     # -- generation -------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -323,7 +326,7 @@ class Front:
             dones = await self._collect(prep)
         finally:
             self.metrics.in_flight.dec()
-        req, served = prep.req, self.upstream.model
+        req, served = prep.req, prep.served
         token_text = served.token_text if served else (lambda t: f"token_id:{t}")
         created = int(time.time())
         if req.kind == "chat":
@@ -345,7 +348,7 @@ class Front:
     async def _stream(self, prep: Prepared, endpoint: str, t0: float, hangup: Hangup) -> Response:
         req = prep.req
         writer = ChunkWriter(req.kind, new_id(req.kind), prep.model, req.include_usage)
-        served = self.upstream.model
+        served = prep.served
         token_text = served.token_text if served else (lambda t: f"token_id:{t}")
         chat = req.kind == "chat"
         n = len(prep.msgs)
@@ -449,19 +452,18 @@ class Front:
             tenant = self._tenant(request)
             req = parse(await self._json(request), self.default_temperature)
             prep = self.prepare(req, tenant, render_only=True)
-            out = [{"token_ids": self._prompt_ids(msg), "prompt": text} for msg, text in zip(prep.msgs,
-                                                                                              prep.prompt_text)]
+            out = [{"token_ids": self._prompt_ids(msg, prep.served), "prompt": text}
+                   for msg, text in zip(prep.msgs, prep.prompt_text)]
             self._finish(endpoint, 200, t0)
             return json_response(out[0] if req.kind == "chat" else out)
         except OpenAIError as e:
             self._finish(endpoint, e.status, t0)
             return error_response(e)
 
-    def _prompt_ids(self, msg: dict) -> list[int]:
+    def _prompt_ids(self, msg: dict, served: ServedModel | None) -> list[int]:
         """The token ids of a prepared generate message (its `text` tokenized as the daemon does)."""
         if "prompt" in msg:
             return msg["prompt"]
-        served = self.upstream.model
         if served is None or served.tokenizer is None:
             raise OpenAIError(503, "the front does not know the model's tokenizer yet (the upstream has not "
                                    "answered)", code="upstream_unavailable")
@@ -475,12 +477,12 @@ class Front:
             body = await self._json(request)
             if type(body) is not dict or type(body.get("prompt")) is not str:
                 raise bad("prompt", "must be a string", "invalid_type")
-            if body.get("model") is not None:
-                self._served(GenerateRequest("completion", body["model"], False, False, False, None, {}))
-            ids = self._prompt_ids({"text": body["prompt"]})
+            if body.get("model") is not None and type(body["model"]) is not str:
+                raise bad("model", "must be a string", "invalid_type")
+            served = self._served(GenerateRequest("completion", body.get("model"), False, False, False, None, {}))
+            ids = self._prompt_ids({"text": body["prompt"]}, served)
         except OpenAIError as e:
             return error_response(e)
-        served = self.upstream.model
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": served.max_seq if served else None})
 
     # -- the rest ----------------------------------------------------------------------------------

@@ -34,8 +34,9 @@ class Upstream:
         self.client = AsyncClient(endpoint, validate=False)
         self.up = False
         self.last_health: dict | None = None
-        self.model: ServedModel | None = None
-        self.models: list[dict] = []
+        self.model: ServedModel | None = None  # the board's default model
+        self.served: dict[str, ServedModel] = {}  # every Ready alias
+        self.models: list[dict] = []  # their `models` entries
         self._task: asyncio.Task | None = None
         self._model_lock = asyncio.Lock()
 
@@ -69,33 +70,43 @@ class Upstream:
                 self._lost()
             return False
         self.last_health = body
+        # (Re)learn the models before admitting requests: a restarted upstream may serve others, and a
+        # board's admin may load, replace or unload one at any time.
+        await self.refresh_models()
         if not self.up:
-            # (Re)learn the model before admitting requests: a restarted upstream may serve another one.
-            await self.refresh_models()
             log.info("upstream %s answers", self.endpoint)
         self.up = True
         return True
 
     async def refresh_models(self) -> None:
-        """Learn the served model(s) (`models` op) and load the chat template and tokenizer of the first."""
+        """Learn the served models (`models` op: the Ready generations) and load the chat template and
+        tokenizer of each alias whose package changed. Called on every heartbeat, so a model loaded,
+        replaced or unloaded on the board is seen here within `health_interval_ms`."""
         async with self._model_lock:
             try:
                 body = await self.client.call("models", timeout=self.health_timeout_s)
             except ClientError as e:
                 log.warning("upstream %s: models failed: %s", self.endpoint, e)
                 return
-            models = [m for m in body.get("models") or [] if isinstance(m, dict) and m.get("alias")]
+            models = [m for m in body.get("models") or [] if isinstance(m, dict) and m.get("alias")
+                      and m.get("state", "ready") == "ready"]
             if not models:
                 return
-            self.models = models
-            first = models[0]
-            m = self.model
-            if m is None or (m.alias, m.package, m.sha256) != (first["alias"], self.package or first.get("package"),
-                                                               first.get("sha256")):
-                self.model = await asyncio.to_thread(load_served_model, first, self.package,
-                                                      self.chat_template)
-                if self.model.template is None:
-                    log.info("model %s: no chat template (%s)", self.model.alias, self.model.problem)
+            served: dict[str, ServedModel] = {}
+            for entry in models:
+                m = self.served.get(entry["alias"])
+                path = self.package or entry.get("path") or entry.get("package")
+                if m is None or (m.package, m.sha256) != (path, entry.get("sha256")):
+                    m = await asyncio.to_thread(load_served_model, entry, self.package, self.chat_template)
+                    if m.template is None:
+                        log.info("model %s: no chat template (%s)", m.alias, m.problem)
+                served[entry["alias"]] = m
+            default = next((e for e in models if e.get("default")), models[0])
+            self.models, self.served, self.model = models, served, served[default["alias"]]
+
+    def model_for(self, name: str | None) -> ServedModel | None:
+        """The served model a request names (None: the board's default)."""
+        return self.model if name is None else self.served.get(name)
 
     def _lost(self) -> None:
         self.up = False
