@@ -24,7 +24,7 @@ import openai
 import pytest
 import zmq
 
-from conftest import ROOT, DaemonProc, HttpFrontProc, _wait_healthy, free_tcp_port, start_http_front, wait_until
+from conftest import ROOT, DaemonProc, HttpFrontProc, _wait_healthy, free_tcp_port, read_log, start_http_front, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -49,25 +49,17 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
         return None
 
 
-def tail(path: str, n: int = 3000) -> str:
-    try:
-        with open(path, errors="replace") as fh:
-            return fh.read()[-n:]
-    except FileNotFoundError:
-        return ""
-
-
 def wait_ready(router: subprocess.Popen, url: str, log_path: str) -> None:
     """Until the router answers /readiness (it first waits for every worker's /health)."""
     def up() -> bool:
         if router.poll() is not None:
-            raise AssertionError(f"vllm-router exited {router.returncode} during start-up:\n{tail(log_path)}")
+            raise AssertionError(f"vllm-router exited {router.returncode} during start-up:\n{read_log(log_path)[-3000:]}")
         return http_status(f"{url}/readiness") == 200
 
     try:
         wait_until(up, timeout=START_TIMEOUT_S, interval=0.1, what="vllm-router ready")
     except AssertionError as e:
-        raise AssertionError(f"{e}\n{tail(log_path)}") from None
+        raise AssertionError(f"{e}\n{read_log(log_path)[-3000:]}") from None
 
 
 @dataclass
@@ -317,7 +309,7 @@ def test_router_chat_follows_conversations_on_gemma_boards(cluster_of, gemma_pac
 def router_saw(c: Cluster, board: Board, seq: int) -> bool:
     """The router's KV index has applied `board`'s event message `seq` (its debug log says so)."""
     pat = re.compile(rf"live sequence advanced source={re.escape(board.front.url)} rank=0 seq=(\d+)")
-    return any(int(m) >= seq for m in pat.findall(ANSI.sub("", tail(c.router_log, 1 << 20))))
+    return any(int(m) >= seq for m in pat.findall(ANSI.sub("", read_log(c.router_log)[-(1 << 20):])))
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
