@@ -24,7 +24,8 @@ import openai
 import pytest
 import zmq
 
-from conftest import ROOT, DaemonProc, HttpFrontProc, _wait_healthy, free_tcp_port, read_log, start_http_front, wait_until
+from conftest import (ROOT, DaemonProc, HttpFrontProc, _wait_healthy, free_tcp_port, read_log, start_http_front,
+                      wait_until)
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +54,8 @@ def wait_ready(router: subprocess.Popen, url: str, log_path: str) -> None:
     """Until the router answers /readiness (it first waits for every worker's /health)."""
     def up() -> bool:
         if router.poll() is not None:
-            raise AssertionError(f"vllm-router exited {router.returncode} during start-up:\n{read_log(log_path)[-3000:]}")
+            raise AssertionError(f"vllm-router exited {router.returncode} during start-up:\n"
+                                 f"{read_log(log_path)[-3000:]}")
         return http_status(f"{url}/readiness") == 200
 
     try:
