@@ -17,7 +17,7 @@ class InflightJob:
     seq_ids: list[int]
     start_lens: list[int]  # committed_len of each lane before the job
     new_lens: list[int]  # committed_len of each lane after the job
-    final: bool  # prefill: the last chunk (its lane samples a token)
+    sampled: list[bool]  # per lane: a token is sampled (decode lanes, a prompt's last chunk)
     batch: int
     submitted_at: float
     timeout_at: float

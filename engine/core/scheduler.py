@@ -67,6 +67,7 @@ class ModelSpec:
     max_seq: int
     profiles: tuple[int, ...]  # compiled decode batches the model declares
     chunked_prefill: bool  # incremental prefill numerically equal to one-shot
+    mixed_batch_tokens: int = 0  # > 0: a prefill job may mix lanes (decode + prompt chunks) up to this many tokens
 
 
 class Scheduler:
@@ -530,14 +531,15 @@ class Scheduler:
         # Runs once per job; its loop once per lane, i.e. per generated token: keep the loop body lean.
         requests, kv, service = self._requests, ch.kv, self.tenant_service
         job_id = job.job_id
-        sampled = job.kind is not JobKind.PREFILL or job.final
-        toks = result.tokens.tolist() if sampled else None  # Python ints once, not a numpy scalar per lane
+        any_sampled = any(job.sampled)
+        toks = result.tokens.tolist() if any_sampled else None  # Python ints once, not a numpy scalar per lane
         lps = result.logprobs
-        lps = [] if lps is None or not sampled else lps.tolist()
+        lps = [] if lps is None or not any_sampled else lps.tolist()
         n_lps = len(lps)
         vocab = self.model.vocab_size
         start_lens = job.start_lens
-        for lane, (rid, seq_id, new_len) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens)):
+        for lane, (rid, seq_id, new_len, sampled) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens,
+                                                                   job.sampled)):
             r = requests[rid]
             assert r.job_id == job_id and r.seq_id == seq_id
             r.job_id = None
@@ -630,8 +632,22 @@ class Scheduler:
         return emit, "".join(parts), stop
 
     # -------------------------------------------------------------- dispatch
+    def _mixed_budget(self) -> int:
+        """Tokens per mixed job; 0 when jobs are not mixed (the model does not declare it, or it is off)."""
+        limit = self.model.mixed_batch_tokens
+        if not (self.config.mixed_batches and limit > 0):
+            return 0
+        budget = self.config.mixed_token_budget
+        return limit if budget <= 0 else min(budget, limit)
+
     def _dispatch(self, ch: ChipState, now: float, out: list[Action]) -> None:
         """Fill the chip's free job slots, choosing decode vs prefill classes by weighted round robin."""
+        budget = self._mixed_budget()
+        if budget:
+            while ch.in_service and len(ch.inflight) < self.config.max_inflight:
+                if not self._submit_mixed(ch, budget, now, out):
+                    return
+            return
         while ch.in_service and len(ch.inflight) < self.config.max_inflight:
             classes = ch.prefill.nonempty()
             if ch.decode_ready and self._decode_may_fire(ch, now):
@@ -729,19 +745,24 @@ class Scheduler:
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
         )
 
-    def _submit_decode(self, ch: ChipState, now: float, out: list[Action]) -> None:
-        cands = self._decode_candidates(ch)
-        table = self._profile_for_ready
-        batch = table[min(len(cands), len(table) - 1)]  # == lanes_for(len(cands), ...)[0]
-        picked = self._pick_lanes(cands, batch)
+    def _with_room(self, ch: ChipState, picked: list[RequestRecord]) -> list[RequestRecord]:
+        """The picked decode lanes that have KV for their next position (growing, or preempting, for it)."""
         ready = ch.decode_ready
         chosen: list[RequestRecord] = []
         for r in picked:
             # committed < reserved: the next position already has KV room (_ensure_room's fast case)
             if r.request_id in ready and (r.committed < r.reserved or self._ensure_room(ch, r, chosen)):
                 chosen.append(r)
+        return chosen
+
+    def _submit_decode(self, ch: ChipState, now: float, out: list[Action]) -> None:
+        cands = self._decode_candidates(ch)
+        table = self._profile_for_ready
+        batch = table[min(len(cands), len(table) - 1)]  # == lanes_for(len(cands), ...)[0]
+        chosen = self._with_room(ch, self._pick_lanes(cands, batch))
         if not chosen:
             return
+        ready = ch.decode_ready
         batch = self._profile_fitting[len(chosen)]
         job_id = next(self._job_ids)
         kv = ch.kv
@@ -765,7 +786,8 @@ class Scheduler:
             del ready[r.request_id]
             r.move(S.DECODE_RUNNING)
             r.job_id = job_id
-        lanes_rids = self._record_job(ch, JobKind.DECODE, job_id, chosen, starts, ends, True, batch, now)
+        lanes_rids = self._record_job(ch, JobKind.DECODE, job_id, chosen, starts, ends, [True] * len(chosen), batch,
+                                      now)
         self.counters["decode_jobs"] += 1
         self.counters["decode_lanes"] += len(chosen)
         self.counters["decode_lane_slots"] += batch
@@ -790,11 +812,82 @@ class Scheduler:
         r.job_id = job_id
         if r.t_first_sched is None:
             r.t_first_sched = now
-        lanes_rids = self._record_job(ch, JobKind.PREFILL, job_id, [r], [start], [end], final, 1, now)
+        lanes_rids = self._record_job(ch, JobKind.PREFILL, job_id, [r], [start], [end], [final], 1, now)
         self.counters["prefill_jobs"] += 1
         self.counters["prefill_tokens"] += end - start
         self._release_freed(ch, out)  # before the job: it may reuse a freed block
         out.append(SubmitJob(ch.chip, job, lanes_rids))
+
+    def _submit_mixed(self, ch: ChipState, budget: int, now: float, out: list[Action]) -> bool:
+        """One job of the ready decode lanes plus prompt chunks, `budget` tokens in all; False when idle.
+
+        Mixed batches (vLLM's token budget, llama.cpp's server loop): decode
+        lanes ride along with every job, so a prompt burst no longer stalls
+        the streams already generating, and several prompts share one pass
+        over the weights. Prompts are taken by the prefill classes' weighted
+        round robin; a prompt that does not fit the budget left is chunked
+        when chunked prefill is on (its next chunk goes first next time), and
+        otherwise waits for the next job (it always fits an empty one: the
+        backend's limit is at least max_seq).
+        """
+        top = max(self.profiles)
+        decode: list[RequestRecord] = []
+        if ch.decode_ready and (len(ch.prefill) or self._decode_may_fire(ch, now)):
+            cands = self._decode_candidates(ch)
+            decode = self._with_room(ch, self._pick_lanes(cands, min(len(cands), top, budget)))
+        left = budget - len(decode)
+        prompts: list[tuple[RequestRecord, int, int]] = []
+        requests = self._requests
+        while left > 0 and len(prompts) < top:
+            classes = ch.prefill.nonempty()
+            if not classes:
+                break
+            cls = ch.wrr.pick(classes)
+            assert cls is not None
+            r = requests[ch.prefill.members(cls)[0]]
+            start = r.committed
+            end = r.prefill_target
+            if self.chunked:
+                end = min(end, start + left, start + self.config.prefill_chunk_tokens)
+            elif end - start > left and (prompts or decode):
+                break  # does not fit beside what is taken: first in the next job
+            ch.prefill.pop(cls)
+            prompts.append((r, start, end))
+            left -= end - start  # below 0 only for an unchunked prompt alone in the job
+        if not decode and not prompts:
+            return False
+        job_id = next(self._job_ids)
+        kv = ch.kv
+        lanes = [self._lane(r, ch, r.committed, r.committed + 1, True) for r in decode]
+        lanes += [self._lane(r, ch, start, end, end == r.prefill_target) for r, start, end in prompts]
+        job = build_job(JobKind.PREFILL, lanes, job_id=job_id, generation=self.model.generation,
+                        table_width=ch.max_blocks_per_seq)
+        rs, starts, ends, sampled = [], [], [], []
+        ready = ch.decode_ready
+        for r in decode:
+            rs.append(r), starts.append(r.committed), ends.append(r.committed + 1), sampled.append(True)
+            kv.begin_update(r.seq_id, job_id, r.committed + 1)
+            del ready[r.request_id]
+            r.move(S.DECODE_RUNNING)
+            r.job_id = job_id
+        for r, start, end in prompts:
+            rs.append(r), starts.append(start), ends.append(end), sampled.append(end == r.prefill_target)
+            kv.begin_update(r.seq_id, job_id, end)
+            r.move(S.PREFILL_RUNNING)
+            r.job_id = job_id
+            if r.t_first_sched is None:
+                r.t_first_sched = now
+        lanes_rids = self._record_job(ch, JobKind.PREFILL, job_id, rs, starts, ends, sampled, len(rs), now)
+        self.counters["mixed_jobs"] += 1
+        if decode:
+            self.counters["decode_lanes"] += len(decode)
+            self.counters["decode_lane_slots"] += len(decode)  # no padded lanes in a mixed job
+        if prompts:
+            self.counters["prefill_jobs"] += 1
+            self.counters["prefill_tokens"] += sum(end - start for _, start, end in prompts)
+        self._release_freed(ch, out)  # before the job: it may reuse a freed block
+        out.append(SubmitJob(ch.chip, job, lanes_rids))
+        return True
 
     def _release_freed(self, ch: ChipState, out: list[Action]) -> None:
         freed = ch.kv.take_freed()
@@ -802,12 +895,12 @@ class Scheduler:
             out.append(ReleaseBlocks(ch.chip, freed))
 
     def _record_job(self, ch: ChipState, kind: JobKind, job_id: int, rs: list[RequestRecord], starts: list[int],
-                    ends: list[int], final: bool, batch: int, now: float) -> list[int]:
+                    ends: list[int], sampled: list[bool], batch: int, now: float) -> list[int]:
         """Remember the job in flight; returns its lanes' request ids (lane order)."""
         lanes = [r.request_id for r in rs]
         ch.inflight[job_id] = InflightJob(
             job_id=job_id, kind=kind, lanes=lanes, seq_ids=[r.seq_id for r in rs],
-            start_lens=starts, new_lens=ends, final=final, batch=batch, submitted_at=now,
+            start_lens=starts, new_lens=ends, sampled=sampled, batch=batch, submitted_at=now,
             timeout_at=now + self.config.job_timeout_s,
         )
         ch.jobs_submitted += 1

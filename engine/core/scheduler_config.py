@@ -50,6 +50,11 @@ class SchedulerConfig:
     batching_window_s: float = 0.0
     chunked_prefill: bool = True  # effective only when the model declares it
     prefill_chunk_tokens: int = 512
+    # Mixed batches (when the model declares them): each job carries the ready decode lanes and, beside
+    # them, prompt chunks up to `mixed_token_budget` tokens in all (0: the backend's limit), as
+    # llama.cpp's server and vLLM do; one pass over the weights serves both.
+    mixed_batches: bool = True
+    mixed_token_budget: int = 0
     # executor
     max_inflight: int = 1
     job_timeout_s: float = 30.0
@@ -70,6 +75,8 @@ class SchedulerConfig:
         for name in ("decode_weight", "short_prefill_weight", "medium_prefill_weight", "long_prefill_weight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (a zero weight starves its queue)")
+        if self.mixed_token_budget < 0:
+            raise ValueError("mixed_token_budget must be >= 0 (0: the backend's limit)")
         if self.batching_window_s < 0 or self.job_timeout_s <= 0:
             raise ValueError("batching_window_s must be >= 0 and job_timeout_s > 0")
         if not 0 < self.max_tenant_lane_share <= 1:
@@ -135,6 +142,8 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         batching_window_s=float(_get(b, "batching_window_us", 0)) / 1e6,
         chunked_prefill=bool(_get(b, "chunked_prefill", d.chunked_prefill)),
         prefill_chunk_tokens=int(_get(b, "prefill_chunk_tokens", d.prefill_chunk_tokens)),
+        mixed_batches=bool(_get(b, "mixed_batches", d.mixed_batches)),
+        mixed_token_budget=int(_get(b, "mixed_token_budget", d.mixed_token_budget)),
         max_inflight=int(_get(ex, "max_inflight", d.max_inflight)),
         job_timeout_s=float(_get(ex, "job_timeout_ms", d.job_timeout_s * 1000)) / 1000.0,
         prefix_cache=bool(_get(kv, "prefix_cache", d.prefix_cache)),

@@ -53,6 +53,10 @@ class BackendInfo:
     kv: KvLayout
     chunked_prefill: bool = False  # incremental prefill numerically equal to one-shot
     model_sha256: str = ""  # identity of the loaded weights (generation key)
+    # > 0: one prefill job may carry many lanes, each with its own number of new tokens (decode lanes
+    # with one, prompt chunks with many), up to this many tokens in all: the scheduler's mixed batches.
+    # 0: a prefill job carries one lane (the backend's compiled shapes separate prefill from decode).
+    mixed_batch_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -65,6 +69,7 @@ class BackendInfo:
             "kv": self.kv.__dict__.copy(),
             "chunked_prefill": self.chunked_prefill,
             "model_sha256": self.model_sha256,
+            "mixed_batch_tokens": self.mixed_batch_tokens,
             "extra": dict(self.extra),
         }
 
@@ -79,6 +84,7 @@ class BackendInfo:
             kv=KvLayout(**d["kv"]),
             chunked_prefill=bool(d.get("chunked_prefill", False)),
             model_sha256=d.get("model_sha256", ""),
+            mixed_batch_tokens=int(d.get("mixed_batch_tokens", 0)),
             extra=dict(d.get("extra", {})),
         )
 

@@ -33,8 +33,9 @@ release notices (`release_blocks`):
   next requests start on an empty pool, laid out as when run alone.
 
 A decode job is one `llama_decode` over all valid lanes; a prefill job is
-one `llama_decode` over its lane's tokens (chunked when the scheduler
-chunks). Sampling stays npuserve's (the worker samples the logits returned
+one `llama_decode` over its lanes' tokens: one prompt (chunked when the
+scheduler chunks), or, in a mixed batch, several prompts' chunks beside
+decode lanes of one token each, as llama.cpp's own server batches them. Sampling stays npuserve's (the worker samples the logits returned
 here). Block copies and host swap are not supported: `describe()` says so.
 """
 
@@ -160,6 +161,7 @@ class LlamacppBackend(OneStepBackend):
                         num_kv_heads=info["n_head_kv"], head_dim=head_dim, dtype="float16"),
             chunked_prefill=True,
             model_sha256=pkg.sha256,
+            mixed_batch_tokens=info["n_batch"],  # one llama_decode takes any mix of sequences and lengths
             extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
                    "architecture": pkg.architecture, "bos_id": pkg.bos_id, "pad_id": pkg.pad_id,
                    "threads": self.threads, "n_seq_max": self.n_seq_max, "kv_cells": info["n_ctx"],

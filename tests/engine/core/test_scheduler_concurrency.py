@@ -11,12 +11,12 @@ from engine.core.scheduler_config import SchedulerConfig
 from test_scheduler_fakes import FakeExecutor, default_token, kv_fully_free, make_scheduler, params
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_thousand_requests_random_cancel_deadline_fault_shutdown(seed):
+@pytest.mark.parametrize("seed, mixed", [(1, 0), (2, 0), (3, 256)])  # 256: mixed batches (decode + prompt chunks)
+def test_thousand_requests_random_cancel_deadline_fault_shutdown(seed, mixed):
     rng = random.Random(seed)
     cfg = SchedulerConfig(max_sequences=48, max_inflight=3, max_waiting_requests=2000,
                           max_waiting_prompt_tokens=10**7, prefill_chunk_tokens=32, job_timeout_s=5.0)
-    s = make_scheduler(cfg, chips=2, num_blocks=160, block_size=16)  # small pools: preemption happens
+    s = make_scheduler(cfg, chips=2, num_blocks=160, block_size=16, mixed=mixed)  # small pools: preemption happens
     ex = FakeExecutor(s, rng=rng)
     accepted: set[int] = set()
     submitted = {}

@@ -1,0 +1,151 @@
+"""Mixed batches: one job carries the ready decode lanes and prompt chunks, within a token budget."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.core.scheduler_config import SchedulerConfig
+from ipc.records import JobKind
+from test_scheduler_fakes import FakeExecutor, default_token, kv_fully_free, make_scheduler, params
+
+
+def lanes_of(job) -> list[tuple[int, int, int]]:
+    """(seed, new tokens, sample) per valid lane."""
+    qs = job.query_start
+    return [(int(job.seed[k]), int(qs[k + 1] - qs[k]), int(job.sample[k])) for k in range(job.batch)
+            if job.lane_valid[k]]
+
+
+def expected_tokens(p) -> list[int]:
+    n = len(p.prompt)
+    return [default_token(p.seed, n + i) for i in range(p.max_tokens)]
+
+
+def generating(n: int, budget_cfg: int = 0, mixed: int = 4096, **cfg):
+    """A mixed-batch scheduler with n sequences past their prompt, waiting for their next decode."""
+    s = make_scheduler(SchedulerConfig(mixed_token_budget=budget_cfg, **cfg), mixed=mixed)
+    ex = FakeExecutor(s)
+    for i in range(n):
+        ex.submit(i, params(n_prompt=8, max_tokens=20, seed=i))
+    now = 0.0
+    while len(s.chips[0].decode_ready) < n:  # each job takes at most the largest profile's count of prompts
+        ex.step(now)
+        now += 0.001
+    return s, ex
+
+
+def test_a_mixed_job_carries_every_ready_decode_lane_and_the_new_prompts():
+    s, ex = generating(4)
+    ex.submit(10, params(n_prompt=30, max_tokens=5, seed=10))
+    ex.submit(11, params(n_prompt=12, max_tokens=5, seed=11))
+    ex.handle(s.tick(0.01))
+    (_, job), = ex.pending
+    assert job.kind == JobKind.PREFILL
+    assert lanes_of(job) == [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1), (10, 30, 1), (11, 12, 1)]
+    assert s.stats()["counters"]["mixed_jobs"] == 2  # the first job carried the four prompts only
+
+
+def test_the_token_budget_chunks_a_prompt_and_its_next_chunk_goes_first():
+    s, ex = generating(2, budget_cfg=20)
+    ex.submit(10, params(n_prompt=40, max_tokens=3, seed=10))
+    ex.submit(11, params(n_prompt=5, max_tokens=3, seed=11))
+    seen = []
+    now = 0.01
+    while 10 not in ex.terminal or 11 not in ex.terminal:
+        ex.handle(s.tick(now))
+        for _, job in ex.pending:
+            assert len(job.tokens) <= 20
+            seen.append(lanes_of(job))
+        ex.complete_all(now)
+        now += 0.01
+    # job 1: two decode lanes + 18 of 40; job 2: the next 18 first, the short prompt gets nothing
+    # (budget spent); job 3: the last 4, then the short prompt
+    assert seen[0] == [(0, 1, 1), (1, 1, 1), (10, 18, 0)]
+    assert seen[1] == [(0, 1, 1), (1, 1, 1), (10, 18, 0)]
+    assert seen[2] == [(0, 1, 1), (1, 1, 1), (10, 4, 1), (11, 5, 1)]
+    ex.run(now)
+    for rid, p in ((10, params(n_prompt=40, max_tokens=3, seed=10)), (11, params(n_prompt=5, max_tokens=3, seed=11))):
+        assert ex.tokens[rid] == expected_tokens(p)
+    assert kv_fully_free(s)
+
+
+def test_the_budget_is_the_smaller_of_the_configured_one_and_the_backends():
+    s, ex = generating(0, budget_cfg=100, mixed=16)
+    ex.submit(10, params(n_prompt=40, max_tokens=1, seed=10))
+    ex.handle(s.tick(0.01))
+    (_, job), = ex.pending
+    assert lanes_of(job) == [(10, 16, 0)]
+
+
+def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits_for_the_next_job():
+    s, ex = generating(2, budget_cfg=20, chunked_prefill=False)
+    ex.submit(10, params(n_prompt=10, max_tokens=2, seed=10))
+    ex.submit(11, params(n_prompt=12, max_tokens=2, seed=11))
+    ex.submit(12, params(n_prompt=3, max_tokens=2, seed=12))
+    ex.handle(s.tick(0.01))
+    (_, job), = ex.pending
+    # 2 decode + 10 = 12; the 12-token prompt does not fit the 8 left and is not chunked, and the one
+    # behind it waits too (first come, first served within the class)
+    assert lanes_of(job) == [(0, 1, 1), (1, 1, 1), (10, 10, 1)]
+    ex.complete_all(0.01)
+    ex.handle(s.tick(0.02))
+    (_, job), = ex.pending
+    assert lanes_of(job) == [(0, 1, 1), (1, 1, 1), (10, 1, 1), (11, 12, 1), (12, 3, 1)]
+
+
+def test_a_prompt_larger_than_the_budget_left_still_runs_alone_without_chunking():
+    s, ex = generating(0, budget_cfg=20, chunked_prefill=False)
+    ex.submit(10, params(n_prompt=30, max_tokens=2, seed=10))
+    ex.handle(s.tick(0.01))
+    (_, job), = ex.pending
+    assert lanes_of(job) == [(10, 30, 1)]
+
+
+@pytest.mark.parametrize("mixed, enabled", [(0, True), (4096, False)])
+def test_separate_jobs_when_the_backend_does_not_declare_mixed_batches_or_they_are_off(mixed, enabled):
+    s = make_scheduler(SchedulerConfig(mixed_batches=enabled), mixed=mixed)
+    ex = FakeExecutor(s)
+    for i in range(3):
+        ex.submit(i, params(max_tokens=3, seed=i))
+    ex.step(0.0)
+    ex.submit(10, params(max_tokens=3, seed=10))
+    ex.handle(s.tick(0.01))
+    kinds = [j.kind for _, j in ex.pending]
+    assert JobKind.DECODE in kinds and all(j.batch == 1 for _, j in ex.pending if j.kind == JobKind.PREFILL)
+    assert "mixed_jobs" not in s.stats()["counters"]
+
+
+def test_decode_lanes_are_capped_at_the_largest_profile_and_prompts_join_them():
+    s, ex = generating(20, profiles=(1, 4, 8))
+    ex.submit(50, params(n_prompt=6, max_tokens=2, seed=50))
+    ex.handle(s.tick(0.01))
+    (_, job), = ex.pending
+    lanes = lanes_of(job)
+    assert [x for x in lanes if x[1] == 1] == [(i, 1, 1) for i in range(8)]  # earliest admitted first
+    assert lanes[-1] == (50, 6, 1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_arrivals_budgets_and_completion_order_give_every_request_its_tokens(seed):
+    rng = random.Random(seed)
+    s = make_scheduler(SchedulerConfig(mixed_token_budget=rng.choice([8, 24, 64]), max_inflight=rng.choice([1, 2]),
+                                       prefill_chunk_tokens=rng.choice([4, 16, 512])),
+                       mixed=64, num_blocks=64, block_size=4)  # a small pool: preemption happens
+    ex = FakeExecutor(s, rng=rng)
+    ps = {}
+    now = 0.0
+    for rid in range(40):
+        ps[rid] = params(n_prompt=rng.randint(1, 50), max_tokens=rng.randint(1, 12), seed=rid)
+        ex.submit(rid, ps[rid], now)
+        ex.handle(s.tick(now))
+        if ex.pending:
+            ex.complete_one(now, rng.randrange(len(ex.pending)))
+        now += 0.01
+    ex.run(now)
+    assert {r for r, t in ex.terminal.items() if t.finish_reason == "length"} == set(ps)
+    for r, p in ps.items():
+        assert ex.tokens[r] == expected_tokens(p), r
+    assert kv_fully_free(s)
+    assert s.stats()["counters"]["preemptions"] > 0
