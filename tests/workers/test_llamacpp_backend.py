@@ -123,6 +123,26 @@ def test_decode_continues_and_batches_like_recompute(backend, gguf_pkg):
     assert np.abs(logits[1] - full_recompute_logits(npz, b + [9])[-1]).max() < ATOL
 
 
+def test_a_mixed_job_decodes_and_prefills_in_one_call_like_recompute(backend, gguf_pkg):
+    """Decode lanes (one token) beside prompt chunks (many, sampled or not) in one prefill-kind job."""
+    info = backend.describe()
+    assert info.mixed_batch_tokens == backend.model.info["n_batch"] >= gguf_pkg.max_seq
+    npz = load_package(ensure_default_package())
+    a, b, c, d = _prompt(2, 20), _prompt(3, 35), _prompt(9, 40), _prompt(10, 12)
+    _prefill(backend, a, [0, 1])
+    _prefill(backend, b, [4, 5, 6])
+    _prefill(backend, c[:16], [8, 9, 10], sample=False)
+    job = build_job(JobKind.PREFILL, [Lane([7], 20, [0, 1]), Lane(c[16:30], 16, [8, 9, 10], sample=False),
+                                      Lane([9], 35, [4, 5, 6]), Lane(d, 0, [12])])
+    logits = backend.prefill(job).logits.copy()
+    assert np.abs(logits[0] - full_recompute_logits(npz, a + [7])[-1]).max() < ATOL
+    assert np.abs(logits[2] - full_recompute_logits(npz, b + [9])[-1]).max() < ATOL
+    assert np.abs(logits[3] - full_recompute_logits(npz, d)[-1]).max() < ATOL
+    assert not logits[1].any()  # an unsampled chunk returns no logits
+    rest = _prefill(backend, c[30:], [8, 9, 10], start=30)  # the chunked prompt goes on where it stopped
+    assert np.abs(rest - full_recompute_logits(npz, c)[-1]).max() < ATOL
+
+
 def test_prefix_reuse_copies_the_cached_prefix(backend):
     shared, tail_a, tail_b = _prompt(4, 32), [1, 2, 3], [40, 41, 42, 43]
     _prefill(backend, shared + tail_a, [0, 1, 2])

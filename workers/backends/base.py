@@ -91,7 +91,11 @@ class BackendInfo:
 
 @dataclass
 class StepOutput:
-    """What prefill/decode return: logits [B, V] float32, or tokens [B] int32."""
+    """What prefill/decode return: logits [B, V] float32, or tokens [B] int32.
+
+    The logits may be a read-only view of the runtime's own buffer (llamacpp):
+    read them before the backend's next call.
+    """
 
     logits: np.ndarray | None = None
     tokens: np.ndarray | None = None

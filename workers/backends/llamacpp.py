@@ -214,13 +214,21 @@ class LlamacppBackend(OneStepBackend):
         emit = (job.sample[lanes] != 0) | bool(job.return_logits)
         want[last[emit]] = 1
         out_rows[last] = lanes
-        rc, _ = model.decode(job.tokens[rows], job.positions[rows], seq_ids, want, out_rows, self._out)
+        # Every lane valid and wanting logits (decode steps, mixed jobs of whole prompts): the logits are
+        # read where llama.cpp wrote them, lane i in row i, instead of copied (a MB per lane on Gemma).
+        in_place = len(lane_list) == b and bool(emit.all())
+        if in_place:
+            rc, view = model.decode_in_place(job.tokens[rows], job.positions[rows], seq_ids, want)
+        else:
+            rc, _ = model.decode(job.tokens[rows], job.positions[rows], seq_ids, want, out_rows, self._out)
         if rc != 0:
             for _, seq, p0, _, _ in plans:  # the new cells are in an unknown state: forget them
                 self._truncate(seq, p0)
             raise BackendError(f"llamacpp backend: llama_decode returned {rc}")
         for _, seq, _, ctx, _ in plans:
             seq.length = ctx
+        if in_place:
+            return StepOutput(logits=view)
         quiet = np.ones(b, bool)
         quiet[lanes[emit]] = False
         if quiet.any():

@@ -24,7 +24,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIM_SOURCE = os.path.join(HERE, "npl_shim.c")
 INCLUDE_DIR = os.path.join(HERE, "include")
-ABI_VERSION = 1
+ABI_VERSION = 2
 XLLAMACPP_PIN = "2026.10.11549"
 
 _lock = threading.Lock()
@@ -115,6 +115,7 @@ _SIGS = {
     "npl_meta": (_I, [_P, ctypes.c_char_p, ctypes.c_char_p, _I]),
     "npl_is_eog": (_I, [_P, _I32]),
     "npl_decode": (_I, [_P, _I, _P, _P, _P, _P, _P, _P, _I]),
+    "npl_logits": (ctypes.POINTER(ctypes.c_float), [_P]),
     "npl_seq_rm": (_I, [_P, _I32, _I32, _I32]),
     "npl_seq_cp": (None, [_P, _I32, _I32, _I32, _I32]),
     "npl_seq_pos_max": (_I32, [_P, _I32]),
@@ -214,6 +215,26 @@ class LlamaModel:
         rc = self._lib.npl_decode(self._handle(), n, tokens.ctypes.data, pos.ctypes.data, seq.ctypes.data,
                                   want.ctypes.data, rows.ctypes.data, out.ctypes.data, self.n_vocab)
         return rc, out
+
+    def decode_in_place(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray,
+                        want: np.ndarray) -> tuple[int, np.ndarray | None]:
+        """One llama_decode whose logits are not copied: (rc, read-only [wanted, n_vocab] view of llama.cpp's
+        own output buffer, rows in batch order). The view is valid until the next decode or close."""
+        tokens = np.ascontiguousarray(tokens, np.int32)
+        pos = np.ascontiguousarray(pos, np.int32)
+        seq = np.ascontiguousarray(seq, np.int32)
+        want = np.ascontiguousarray(want, np.int8)
+        n = len(tokens)
+        if not (len(pos) == len(seq) == len(want) == n):
+            raise ValueError("decode: tokens, pos, seq and want differ in length")
+        rc = self._lib.npl_decode(self._handle(), n, tokens.ctypes.data, pos.ctypes.data, seq.ctypes.data,
+                                  want.ctypes.data, None, None, self.n_vocab)
+        n_out = int(np.count_nonzero(want))
+        if rc != 0 or n_out == 0:
+            return rc, None
+        view = np.ctypeslib.as_array(self._lib.npl_logits(self._handle()), shape=(n_out, self.n_vocab))
+        view.flags.writeable = False
+        return rc, view
 
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
         return bool(self._lib.npl_seq_rm(self._handle(), seq, p0, p1))

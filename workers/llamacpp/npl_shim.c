@@ -13,7 +13,7 @@
 
 #include "llama.h"
 
-#define NPL_ABI_VERSION 1
+#define NPL_ABI_VERSION 2
 /* LLAMA_MAX_SEQ of the pinned llama.cpp (src/llama-cparams.h); the wheel does not export
  * llama_max_parallel_sequences(). */
 #define NPL_MAX_SEQ 256
@@ -159,7 +159,8 @@ int npl_is_eog(void *p, int32_t token) {
 }
 
 /* One llama_decode over n tokens. For each token i whose want flag is set,
- * row rows[i] of logits_out receives its logits. Returns llama_decode's
+ * row rows[i] of logits_out receives its logits; with logits_out NULL nothing
+ * is copied (read them in place with npl_logits). Returns llama_decode's
  * code, or -100 for a batch larger than n_batch. */
 int npl_decode(void *p, int n, const int32_t *tokens, const int32_t *pos, const int32_t *seq, const int8_t *want,
                const int32_t *rows, float *logits_out, int n_vocab) {
@@ -177,6 +178,7 @@ int npl_decode(void *p, int n, const int32_t *tokens, const int32_t *pos, const 
     b->n_tokens = n;
     int rc = llama_decode(h->ctx, *b);
     if (rc != 0) return rc;
+    if (!logits_out) return 0;
     for (int i = 0; i < n; i++) {
         if (!want[i]) continue;
         const float *l = llama_get_logits_ith(h->ctx, i);
@@ -184,6 +186,13 @@ int npl_decode(void *p, int n, const int32_t *tokens, const int32_t *pos, const 
         memcpy(logits_out + (size_t)rows[i] * (size_t)n_vocab, l, (size_t)n_vocab * sizeof(float));
     }
     return 0;
+}
+
+/* The last decode's logits in place: one row of n_vocab floats per wanted
+ * token, in batch order. Owned by llama.cpp; valid until the next decode. */
+const float *npl_logits(void *p) {
+    npl_handle *h = (npl_handle *)p;
+    return h->ctx ? llama_get_logits(h->ctx) : NULL;
 }
 
 int npl_seq_rm(void *p, int32_t seq, int32_t p0, int32_t p1) {
