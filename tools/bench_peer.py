@@ -36,12 +36,6 @@ TARGETS = {  # (metric, workload, concurrency): (bound, "min" = ratio at least /
     ("ttft_p99_ms", "plain", 32): (1.0, "max"),
     ("ttft_p50_ms", "shared-prefix", 32): (0.5, "max"),
 }
-# npuserve's queue weights for llama.cpp on CPUs (also `make run`'s): a prompt burst is prefilled before
-# decoding resumes, as llama.cpp's server does, because a decode step costs about the same for 1 lane as
-# for 8 (~0.1 s here: one pass over the weights) while each prompt costs ~1 s; the default weights
-# (decode 8 : prefill 4) run two small decode steps per prompt. docs/models.md has the measurements.
-CPU_QUEUES = ("queues.decode_weight=1", "queues.short_prefill_weight=8", "queues.medium_prefill_weight=8",
-              "queues.long_prefill_weight=8")
 _TEXT = ("The history of the city begins with a small settlement on the river. Over the centuries it grew into a "
          "center of trade, learning and art, attracting merchants, scholars and travelers from distant lands. ")
 
@@ -85,7 +79,7 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
     from engine.async_client import AsyncClient
 
     settings = [f"model.package=\"{package}\"", f"board.threads_per_chip={max(1, a.threads // a.chips)}",
-                "executor.max_inflight=1", "admission.deadline_default_ms=3600000", *CPU_QUEUES, *a.set]
+                "executor.max_inflight=1", "admission.deadline_default_ms=3600000", *a.set]
     d = local_daemon.start(backend="llamacpp", chips=a.chips, settings=settings, prefix="npb-")
     endpoint = d.endpoint
     try:
@@ -271,7 +265,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--chips", type=int, default=1, help="npuserve chip workers (threads are split over them)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (the order flips every round)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="npuserve daemon config override (after CPU_QUEUES), e.g. --set queues.decode_weight=8")
+                    help="npuserve daemon config override, e.g. --set batch.mixed_batches=false")
     ap.add_argument("--json", action="store_true", help="one JSON object per line: rows, then ratios")
     a = ap.parse_args(argv)
 

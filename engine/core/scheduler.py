@@ -884,7 +884,10 @@ class Scheduler:
             self.counters["decode_lane_slots"] += len(decode)  # no padded lanes in a mixed job
         if prompts:
             self.counters["prefill_jobs"] += 1
+            self.counters["prefill_lanes"] += len(prompts)  # prompts per job = prefill_lanes / prefill_jobs
             self.counters["prefill_tokens"] += sum(end - start for _, start, end in prompts)
+            if decode:
+                self.counters["mixed_jobs_decode_and_prefill"] += 1
         self._release_freed(ch, out)  # before the job: it may reuse a freed block
         out.append(SubmitJob(ch.chip, job, lanes_rids))
         return True

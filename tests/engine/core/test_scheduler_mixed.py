@@ -44,7 +44,9 @@ def test_a_mixed_job_carries_every_ready_decode_lane_and_the_new_prompts():
     (_, job), = ex.pending
     assert job.kind == JobKind.PREFILL
     assert lanes_of(job) == [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1), (10, 30, 1), (11, 12, 1)]
-    assert s.stats()["counters"]["mixed_jobs"] == 2  # the first job carried the four prompts only
+    c = s.stats()["counters"]
+    assert c["mixed_jobs"] == 2 and c["mixed_jobs_decode_and_prefill"] == 1  # the first carried 4 prompts only
+    assert c["prefill_jobs"] == 2 and c["prefill_lanes"] == 6
 
 
 def test_the_token_budget_chunks_a_prompt_and_its_next_chunk_goes_first():

@@ -64,14 +64,22 @@ def _check(results, prompts, solo, max_tokens) -> dict:
     return verdicts
 
 
-def test_16_concurrent_greedy_requests_give_the_tokens_each_gives_alone(daemon, solo):
-    d = daemon(backend="llamacpp", chips=1, settings={"board.threads_per_chip": 1})
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed-batches", "separate-jobs"])
+def test_16_concurrent_greedy_requests_give_the_tokens_each_gives_alone(daemon, solo, mixed):
+    d = daemon(backend="llamacpp", chips=1, settings={"board.threads_per_chip": 1, "batch.mixed_batches": mixed})
     prompts = _requests(17, seed=7)
     first = _run_concurrently(d.endpoint, prompts[1:2], 24)  # puts the shared prefix into the prefix cache
     results = first + _run_concurrently(d.endpoint, prompts[:1] + prompts[2:], 24)
     verdicts = _check(results, prompts[1:2] + prompts[:1] + prompts[2:], solo, 24)
     assert verdicts["same"] >= 15
     assert sum(r.usage["cached_tokens"] == 32 for r in results[1:]) == 7  # the shared 40-token prefix, 2 blocks
+    with d.client(timeout=10) as c:
+        counters = c.stats()["scheduler"]["counters"]
+    if mixed:  # every job mixed, and some carried several prompts
+        assert counters["mixed_jobs"] > 0 and "decode_jobs" not in counters
+        assert counters["prefill_lanes"] > counters["prefill_jobs"], counters
+    else:
+        assert "mixed_jobs" not in counters and counters["decode_jobs"] > 0
 
 
 def test_prefix_reuse_preemption_and_resume_equal_recomputing(daemon, solo):
@@ -85,4 +93,5 @@ def test_prefix_reuse_preemption_and_resume_equal_recomputing(daemon, solo):
     with d.client(timeout=10) as c:
         counters = c.stats()["scheduler"]["counters"]
     assert counters["preemptions"] > 0, counters
+    assert counters["mixed_jobs_decode_and_prefill"] > 0, counters  # recomputed prompts beside decode lanes
     assert any(r.usage["cached_tokens"] for r in results)
