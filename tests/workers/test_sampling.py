@@ -218,3 +218,18 @@ def test_rejects_bad_inputs():
     bad[1, 2] = np.nan
     with pytest.raises(ValueError):
         sample(bad, np.ones(2), np.ones(2), np.zeros(2), np.zeros(2, np.uint64), np.zeros(2))
+
+
+def test_an_all_greedy_batch_without_logprobs_is_the_per_lane_argmax_and_still_refuses_nan():
+    rng = np.random.default_rng(3)
+    z = rng.integers(-3, 3, (64, 300)).astype(np.float32)  # many ties: the lowest id must win in every row
+    n = len(z)
+    args = (np.zeros(n), np.ones(n), np.zeros(n), np.arange(n, dtype=np.uint64), np.arange(n))
+    toks, lps = sample(z, *args, want_logprobs=np.zeros(n, np.uint8))
+    assert toks.dtype == np.int32 and not lps.any()
+    assert toks.tolist() == [int(np.flatnonzero(row == row.max())[0]) for row in z]
+    for bad_value in (np.nan, np.inf):
+        bad = z.copy()
+        bad[5, 17] = bad_value
+        with pytest.raises(ValueError, match="row 5"):
+            sample(bad, *args, want_logprobs=np.zeros(n, np.uint8))
