@@ -862,19 +862,19 @@ class Scheduler:
         lanes += [self._lane(r, ch, start, end, end == r.prefill_target) for r, start, end in prompts]
         job = build_job(JobKind.PREFILL, lanes, job_id=job_id, generation=self.model.generation,
                         table_width=ch.max_blocks_per_seq)
-        rs, starts, ends, sampled = [], [], [], []
+        rs = decode + [r for r, _, _ in prompts]
+        starts = [r.committed for r in decode] + [start for _, start, _ in prompts]
+        ends = [r.committed + 1 for r in decode] + [end for _, _, end in prompts]
+        sampled = [True] * len(decode) + [end == r.prefill_target for r, _, end in prompts]
         ready = ch.decode_ready
+        for r, end in zip(rs, ends):
+            kv.begin_update(r.seq_id, job_id, end)
+            r.job_id = job_id
         for r in decode:
-            rs.append(r), starts.append(r.committed), ends.append(r.committed + 1), sampled.append(True)
-            kv.begin_update(r.seq_id, job_id, r.committed + 1)
             del ready[r.request_id]
             r.move(S.DECODE_RUNNING)
-            r.job_id = job_id
-        for r, start, end in prompts:
-            rs.append(r), starts.append(start), ends.append(end), sampled.append(end == r.prefill_target)
-            kv.begin_update(r.seq_id, job_id, end)
+        for r, _, _ in prompts:
             r.move(S.PREFILL_RUNNING)
-            r.job_id = job_id
             if r.t_first_sched is None:
                 r.t_first_sched = now
         lanes_rids = self._record_job(ch, JobKind.PREFILL, job_id, rs, starts, ends, sampled, len(rs), now)
