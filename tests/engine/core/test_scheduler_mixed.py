@@ -81,6 +81,15 @@ def test_the_budget_is_the_smaller_of_the_configured_one_and_the_backends():
     assert lanes_of(job) == [(10, 16, 0)]
 
 
+def test_the_default_budget_is_2048_tokens_under_a_larger_backend_limit():
+    s = make_scheduler(SchedulerConfig(prefill_chunk_tokens=4096), mixed=4096, max_seq=4096)
+    ex = FakeExecutor(s)
+    ex.submit(10, params(n_prompt=3000, max_tokens=1, seed=10))
+    ex.handle(s.tick(0.0))
+    (_, job), = ex.pending
+    assert lanes_of(job) == [(10, 2048, 0)]
+
+
 def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits_for_the_next_job():
     s, ex = generating(2, budget_cfg=20, chunked_prefill=False)
     ex.submit(10, params(n_prompt=10, max_tokens=2, seed=10))
