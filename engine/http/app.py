@@ -145,11 +145,6 @@ class SSEResponse(Response):
 
 async def merged_batches(client, msgs: list[dict]) -> AsyncIterator[tuple[int, list[dict]]]:
     """(choice index, batch) of several upstream streams as they come; closing it cancels them all."""
-    if len(msgs) == 1:
-        async with contextlib.aclosing(client.stream_batches(msgs[0])) as it:
-            async for batch in it:
-                yield 0, batch
-        return
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, msg: dict) -> None:
@@ -370,13 +365,16 @@ class Front:
                     metrics.added_ttft.observe(max(0.0, first_at[0] - t0 - up_ttft / 1000.0))
             return out
 
-        batches = merged_batches(self.upstream.client, prep.msgs)
+        # One choice (nearly every stream): its batches straight from the client, no merging generator between.
+        single = n == 1
+        batches = self.upstream.client.stream_batches(prep.msgs[0]) if single else \
+            merged_batches(self.upstream.client, prep.msgs)
         metrics.in_flight.inc()
         # Wait for the first batch before the status line: an upstream error (429, 400 prompt too long, ...)
         # is then still an HTTP status, not an event inside a 200 stream.
         try:
-            first_batch = await batches.__anext__()
-            first = enc.head() + encode(*first_batch)
+            item = await batches.__anext__()
+            first = enc.head() + (encode(0, item) if single else encode(*item))
         except BaseException:
             metrics.in_flight.dec()
             with contextlib.suppress(BaseException):
@@ -387,9 +385,9 @@ class Front:
             try:
                 chunk = b""
                 if enc.left:
-                    async for i, batch in batches:
+                    async for item in batches:
                         try:
-                            chunk = encode(i, batch)
+                            chunk = encode(0, item) if single else encode(*item)
                         except OpenAIError as e:  # an error after the status line: one error event, then the end
                             yield error_event(e.body()) + DONE
                             return

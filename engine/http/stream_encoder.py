@@ -22,7 +22,7 @@ class StreamEncoder:
     token that completes the text.
     """
 
-    __slots__ = ("writer", "chat", "logprobs", "token_text", "usages", "started")
+    __slots__ = ("writer", "chat", "logprobs", "token_text", "usages", "left", "started")
 
     def __init__(self, writer: ChunkWriter, choices: int, *, logprobs: bool, token_text: TokenText) -> None:
         self.writer = writer
@@ -30,12 +30,8 @@ class StreamEncoder:
         self.logprobs = logprobs
         self.token_text = token_text
         self.usages: list[dict | None] = [None] * choices  # each choice's `done.usage`, once it ended
+        self.left = choices  # choices not ended yet
         self.started = False  # some choice has had tokens
-
-    @property
-    def left(self) -> int:
-        """Choices not ended yet."""
-        return sum(u is None for u in self.usages)
 
     def head(self) -> bytes:
         """What precedes the first batch: a chat stream's assistant-role delta per choice."""
@@ -70,6 +66,7 @@ class StreamEncoder:
                 raise from_upstream(end)
             out.append(self.writer.finish(i, end.get("finish_reason")))
             self.usages[i] = end.get("usage") or {}
+            self.left -= 1
         return b"".join(out)
 
     def tail(self) -> bytes:
