@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import os
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterable, Iterator
 
 import zmq
 import zmq.asyncio
@@ -43,6 +43,33 @@ def drain_events(raw: zmq.Socket, decode=decode_event) -> Iterator[dict | None]:
             yield None
 
 
+def dispatch(events: Iterable[dict | None], queues: dict, unanswered: set[str]) -> None:
+    """Put one receive burst's events into their requests' queues (`put_nowait`), first events first.
+
+    The first event of a request that has had none (`unanswered`, updated
+    here) goes in before the rest of the burst, so its waiting task wakes
+    first: a new request's first tokens do not wait behind every running
+    stream's next tokens. Each request's own events keep their order;
+    events of unknown requests (and None, a frame that did not decode) are
+    dropped.
+    """
+    later = []
+    for ev in events:
+        if ev is None:
+            continue
+        rid = ev.get("id")
+        q = queues.get(rid)
+        if q is None:
+            continue
+        if rid in unanswered:
+            unanswered.discard(rid)
+            q.put_nowait(ev)
+        else:
+            later.append((q, ev))
+    for q, ev in later:
+        q.put_nowait(ev)
+
+
 class AsyncClient:
     """`AsyncClient(endpoint)`: `await generate(...)`, `async for chunk in stream(...)`, cancel, health, stats.
 
@@ -61,6 +88,7 @@ class AsyncClient:
         self._ctx = context or zmq.asyncio.Context()
         self._sock = open_dealer(self._ctx, self.endpoint)
         self._queues: dict[str, asyncio.Queue] = {}
+        self._unanswered: set[str] = set()  # requests in flight that have had no event yet
         self._ids = itertools.count(1)
         self._tag = f"{os.getpid():x}.{id(self) & 0xFFFFFF:x}"
         self._receiver: asyncio.Task | None = None
@@ -106,7 +134,7 @@ class AsyncClient:
             await self._send_quiet(build_cancel(rid))
             raise
         finally:
-            self._queues.pop(rid, None)
+            self._forget(rid)
         return b.result
 
     async def stream(self, prompt: Prompt, *, timeout: float | None = ..., id: str | None = None,
@@ -155,7 +183,7 @@ class AsyncClient:
             finished = not isinstance(e, ClientTimeout)
             raise
         finally:
-            self._queues.pop(rid, None)
+            self._forget(rid)
             if not finished and not self._closed:
                 await self._send_quiet(build_cancel(rid))
 
@@ -182,7 +210,7 @@ class AsyncClient:
                     return
                 yield batch
         finally:
-            self._queues.pop(rid, None)
+            self._forget(rid)
             if not finished:
                 self.cancel_nowait(rid)
 
@@ -219,7 +247,7 @@ class AsyncClient:
         try:
             return reply_body(await self._get(q, rid, deadline))
         finally:
-            self._queues.pop(rid, None)
+            self._forget(rid)
 
     # -- internals ---------------------------------------------------------
     def _deadline(self, timeout) -> float | None:
@@ -245,12 +273,17 @@ class AsyncClient:
                                  reason="duplicate_id", id=rid)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
+        self._unanswered.add(rid)
         try:
             await self._send(msg)
         except BaseException:
-            self._queues.pop(rid, None)
+            self._forget(rid)
             raise
         return q
+
+    def _forget(self, rid: str) -> None:
+        self._queues.pop(rid, None)
+        self._unanswered.discard(rid)
 
     async def _send(self, msg: dict) -> None:
         if self._closed:
@@ -264,7 +297,7 @@ class AsyncClient:
             pass
 
     async def _receive_loop(self) -> None:
-        """Wait for readability once, then drain every queued frame synchronously.
+        """Wait for readability once, then drain every queued frame synchronously and `dispatch` them.
 
         A plain (shadow) socket does the NOBLOCK receives: one awaited poll per
         burst instead of one future per message, which is most of the
@@ -272,13 +305,7 @@ class AsyncClient:
         """
         sock = self._sock
         raw = zmq.Socket.shadow(sock.underlying)
-        queues = self._queues
         while True:
             await sock.poll(flags=zmq.POLLIN)
-            for ev in drain_events(raw, self._decode):
-                if ev is None:
-                    continue
-                q = queues.get(ev.get("id"))
-                if q is not None:
-                    q.put_nowait(ev)
+            dispatch(drain_events(raw, self._decode), self._queues, self._unanswered)
 

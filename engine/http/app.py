@@ -33,6 +33,7 @@ from engine.http.openai_response import (
     DONE, ChunkWriter, chat_logprobs, chat_object, completion_choice, completion_logprobs, completion_object,
     error_event, new_id,
 )
+from engine.http.stream_encoder import StreamEncoder
 from engine.http.served_model import ServedModel
 from engine.http.upstream import Upstream
 from ipc.codec import PROTOCOL_VERSION
@@ -144,11 +145,6 @@ class SSEResponse(Response):
 
 async def merged_batches(client, msgs: list[dict]) -> AsyncIterator[tuple[int, list[dict]]]:
     """(choice index, batch) of several upstream streams as they come; closing it cancels them all."""
-    if len(msgs) == 1:
-        async with contextlib.aclosing(client.stream_batches(msgs[0])) as it:
-            async for batch in it:
-                yield 0, batch
-        return
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, msg: dict) -> None:
@@ -347,84 +343,59 @@ class Front:
 
     async def _stream(self, prep: Prepared, endpoint: str, t0: float, hangup: Hangup) -> Response:
         req = prep.req
-        writer = ChunkWriter(req.kind, new_id(req.kind), prep.model, req.include_usage)
         served = prep.served
-        token_text = served.token_text if served else (lambda t: f"token_id:{t}")
-        chat = req.kind == "chat"
         n = len(prep.msgs)
-        usages: list[dict | None] = [None] * n
+        enc = StreamEncoder(ChunkWriter(req.kind, new_id(req.kind), prep.model, req.include_usage), n,
+                            logprobs=req.logprobs,
+                            token_text=served.token_text if served else (lambda t: f"token_id:{t}"))
         metrics = self.metrics
         first_at: list[float] = []
 
         def encode(i: int, batch: list[dict]) -> bytes:
-            """One write for one batch: the text of its tokens events as one chunk, then the end if any."""
-            out = []
-            texts, toks, lps = [], [], []
-            end = None
-            for ev in batch:
-                kind = ev.get("ev")
-                if kind == "tokens":
-                    texts.append(ev.get("text") or "")
-                    if not first_at and ev.get("tokens"):
-                        first_at.append(time.perf_counter())
-                        if n == 1:
-                            metrics.ttft.observe(first_at[0] - t0)
-                    if req.logprobs:
-                        toks.extend(ev.get("tokens") or ())
-                        lps.extend(ev.get("logprobs") or ())
-                else:
-                    end = ev
-            text = "".join(texts)
-            if text or toks:
-                lp = None
-                if req.logprobs:
-                    lp = chat_logprobs(toks, lps, token_text) if chat else completion_logprobs(toks, lps, token_text)
-                out.append(writer.text(i, text, lp))
-            if end is not None:
-                if end.get("ev") == "error":
-                    raise from_upstream(end)
-                out.append(writer.finish(i, end.get("finish_reason")))
-                usages[i] = end.get("usage") or {}
-                if n == 1 and first_at:
-                    up_ttft = (end.get("timing") or {}).get("ttft_ms")
-                    if up_ttft is not None:
-                        metrics.added_ttft.observe(max(0.0, first_at[0] - t0 - up_ttft / 1000.0))
-            return b"".join(out)
+            """One write for one batch; the front's TTFT figures of a single-choice stream on the way."""
+            out = enc.encode(i, batch)
+            if not first_at and enc.started:
+                first_at.append(time.perf_counter())
+                if n == 1:
+                    metrics.ttft.observe(first_at[0] - t0)
+            end = batch[-1]
+            if n == 1 and first_at and end.get("ev") == "done":
+                up_ttft = (end.get("timing") or {}).get("ttft_ms")
+                if up_ttft is not None:
+                    metrics.added_ttft.observe(max(0.0, first_at[0] - t0 - up_ttft / 1000.0))
+            return out
 
-        batches = merged_batches(self.upstream.client, prep.msgs)
+        # One choice (nearly every stream): its batches straight from the client, no merging generator between.
+        single = n == 1
+        batches = self.upstream.client.stream_batches(prep.msgs[0]) if single else \
+            merged_batches(self.upstream.client, prep.msgs)
         metrics.in_flight.inc()
         # Wait for the first batch before the status line: an upstream error (429, 400 prompt too long, ...)
         # is then still an HTTP status, not an event inside a 200 stream.
         try:
-            first_batch = await batches.__anext__()
-            head = b"".join(writer.role(i) for i in range(n)) if chat else b""
-            first = head + encode(*first_batch)
+            item = await batches.__anext__()
+            first = enc.head() + (encode(0, item) if single else encode(*item))
         except BaseException:
             metrics.in_flight.dec()
             with contextlib.suppress(BaseException):
                 await batches.aclose()
             raise
-        left = n - sum(u is not None for u in usages)
 
         async def rest() -> AsyncIterator[bytes]:
-            nonlocal left
             try:
                 chunk = b""
-                if left:
-                    async for i, batch in batches:
+                if enc.left:
+                    async for item in batches:
                         try:
-                            chunk = encode(i, batch)
+                            chunk = encode(0, item) if single else encode(*item)
                         except OpenAIError as e:  # an error after the status line: one error event, then the end
                             yield error_event(e.body()) + DONE
                             return
-                        if batch[-1].get("ev") in ("done", "error"):
-                            left -= 1
-                        if not left:
+                        if not enc.left:
                             break
                         yield chunk
                         chunk = b""
-                tail = writer.usage([u for u in usages if u is not None]) if req.include_usage else b""
-                yield chunk + tail + DONE
+                yield chunk + enc.tail() + DONE
             finally:
                 await batches.aclose()
 

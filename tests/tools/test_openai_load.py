@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT
 from tools.load.openai_load import BAD_EVENT, CUT_OFF, OpenAIDriver, StreamTally, base_url, completion_body, error_code
 from tools.load.report import summarize
-from tools.load.runner import Record
+from tools.load.runner import Record, run_loop
 from tools.load.sse import SseEvent
 
 
@@ -23,6 +23,15 @@ def _ev(obj) -> SseEvent:
 
 def _chunk(text, reason=None, **extra):
     return {"choices": [{"index": 0, "text": text, "finish_reason": reason}], **extra}
+
+
+def test_load_clients_run_on_uvloop():
+    """Every load client process (HTTP and ZeroMQ alike) runs on uvloop, as the front does."""
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run_loop(loop_module()).startswith("uvloop")
 
 
 def test_base_url_and_body():

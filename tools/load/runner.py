@@ -133,8 +133,23 @@ async def _drive(spec: dict) -> None:
             await asyncio.gather(*tasks)
 
 
+def run_loop(coro):
+    """Run a client process's coroutine on uvloop (installed with uvicorn[standard]), else asyncio's loop.
+
+    The same loop for both routes, and the faster one: asyncio's own loop
+    costs the HTTP client ~0.3 ms of its own per response (read to response
+    object) and a request's send one slow loop turn, which the front's
+    added TTFT would be charged with (docs/benchmarks.md, bench-http).
+    """
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def client_main() -> int:
-    asyncio.run(_drive(orjson.loads(sys.stdin.buffer.read())))
+    run_loop(_drive(orjson.loads(sys.stdin.buffer.read())))
     return 0
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from engine import errors
-from engine.async_client import AsyncClient
+from engine.async_client import AsyncClient, dispatch
 from conftest import CODES, done_ev, echo_server as _echo, error_ev, tokens_ev
 
 
@@ -96,3 +96,62 @@ def test_stream_result_sink_and_done_tokens(fake_server):
 
     chunks, res = run(go())
     assert chunks == [[4, 5]] and res.tokens == [4, 5] and res.finish_reason == "eos"
+
+
+class Recorder:
+    """A queue stand-in that logs, in one list shared by all, which request got which event in what order."""
+
+    def __init__(self, log: list, rid: str) -> None:
+        self.log, self.rid = log, rid
+
+    def put_nowait(self, ev: dict) -> None:
+        self.log.append((self.rid, ev["n"]))
+
+
+def test_dispatch_puts_first_events_first_and_keeps_each_requests_order():
+    log: list = []
+    queues = {rid: Recorder(log, rid) for rid in ("old1", "old2", "new1", "new2")}
+    unanswered = {"new1", "new2"}
+    burst = [{"id": "old1", "n": 1}, {"id": "new1", "n": 1}, {"id": "old2", "n": 1}, {"id": "new1", "n": 2},
+             None, {"id": "gone", "n": 1}, {"id": "old1", "n": 2}, {"id": "new2", "n": 1}]
+    dispatch(burst, queues, unanswered)
+    assert log == [("new1", 1), ("new2", 1), ("old1", 1), ("old2", 1), ("new1", 2), ("old1", 2)]
+    assert unanswered == set()
+    log.clear()
+    dispatch([{"id": "old2", "n": 3}, {"id": "new1", "n": 3}], queues, unanswered)
+    assert log == [("old2", 3), ("new1", 3)]  # answered once: no priority any more
+
+
+def test_a_new_streams_first_tokens_wake_its_task_before_the_running_streams():
+    """One burst carries the running streams' next tokens and, last, a new stream's first: its reader runs first
+    (asyncio wakes a queue's getters in the order of the puts)."""
+
+    async def go():
+        order = []
+        queues = {rid: asyncio.Queue() for rid in ("run0", "run1", "run2", "new")}
+
+        async def reader(rid):
+            await queues[rid].get()
+            order.append(rid)
+
+        readers = [asyncio.ensure_future(reader(rid)) for rid in queues]
+        await asyncio.sleep(0)  # all four wait on their queues
+        dispatch([tokens_ev(f"run{i}", [9]) for i in range(3)] + [tokens_ev("new", [1])], queues, {"new"})
+        await asyncio.gather(*readers)
+        return order
+
+    assert run(go()) == ["new", "run0", "run1", "run2"]
+
+
+def test_finished_and_timed_out_requests_leave_no_bookkeeping(fake_server):
+    srv = fake_server(lambda m: [tokens_ev(m["id"], [4]), done_ev(m["id"])] if m["id"] != "mute" else [])
+
+    async def go():
+        async with AsyncClient(srv.endpoint, timeout=5) as c:
+            await c.generate([1])
+            [ch async for ch in c.stream([1])]
+            with pytest.raises(errors.ClientTimeout):
+                await c.generate([1], id="mute", timeout=0.05)
+            return dict(c._queues), set(c._unanswered)
+
+    assert run(go()) == ({}, set())
