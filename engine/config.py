@@ -211,8 +211,8 @@ class BatchConfig:
     prefill_chunk_tokens: int = key(512, _int(1), "tokens per prefill chunk")
     mixed_batches: bool = key(True, _bool, "one job carries the ready decode lanes and prompt chunks together, "
                                            "only if the backend declares mixed batches (llamacpp)")
-    mixed_token_budget: int = key(2048, _int(0), "tokens per mixed job (decode lanes + prompt chunks), at most "
-                                                 "the backend's limit; 0 = the backend's limit")
+    mixed_token_budget: int = key(0, _int(0), "tokens per mixed job (decode lanes + prompt chunks), at most "
+                                              "the backend's limit; 0 = the backend's limit")
     static_batching: bool = key(False, _bool, "baseline for benchmarks: admit a new batch only once every "
                                               "admitted sequence has finished (off = continuous batching)")
 

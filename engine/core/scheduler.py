@@ -825,20 +825,25 @@ class Scheduler:
         lanes ride along with every job, so a prompt burst no longer stalls
         the streams already generating, and several prompts share one pass
         over the weights. Prompts are taken by the prefill classes' weighted
-        round robin; a prompt that does not fit the budget left is chunked
-        when chunked prefill is on (its next chunk goes first next time), and
-        otherwise waits for the next job (it always fits an empty one: the
-        backend's limit is at least max_seq).
+        round robin; a prompt longer than `prefill_chunk_tokens` is chunked to
+        fit the budget left when chunked prefill is on (its next chunk goes
+        first next time); a shorter one (or any, unchunked) that does not fit
+        waits for the next job, rather than leave a tail of a few tokens for
+        a job of its own (it always fits an empty one: the backend's limit is
+        at least max_seq).
         """
         top = max(self.profiles)
         decode: list[RequestRecord] = []
-        if ch.decode_ready and (len(ch.prefill) or self._decode_may_fire(ch, now)):
+        waiting = len(ch.prefill)
+        if ch.decode_ready and (waiting or self._decode_may_fire(ch, now)):
             cands = self._decode_candidates(ch)
-            decode = self._with_room(ch, self._pick_lanes(cands, min(len(cands), top, budget)))
+            room = max(1, budget // 2) if waiting else budget  # waiting prompts always get half the job
+            decode = self._with_room(ch, self._pick_lanes(cands, min(len(cands), top, room)))
         left = budget - len(decode)
+        chunk = self.config.prefill_chunk_tokens
         prompts: list[tuple[RequestRecord, int, int]] = []
         requests = self._requests
-        while left > 0 and len(prompts) < top:
+        while len(prompts) < top:
             classes = ch.prefill.nonempty()
             if not classes:
                 break
@@ -846,14 +851,24 @@ class Scheduler:
             assert cls is not None
             r = requests[ch.prefill.members(cls)[0]]
             start = r.committed
-            end = r.prefill_target
-            if self.chunked:
-                end = min(end, start + left, start + self.config.prefill_chunk_tokens)
-            elif end - start > left and (prompts or decode):
-                break  # does not fit beside what is taken: first in the next job
+            need = r.prefill_target - start
+            if need <= left:
+                take = min(need, chunk) if self.chunked else need
+            elif prompts and (not self.chunked or need <= chunk):
+                break  # first in the next job: a short prompt is not split to fill a remainder
+            elif self.chunked:
+                if left <= 0:
+                    break
+                take = min(left, chunk)
+            else:
+                take = need  # unchunked and first in the job: whole (the decode lanes make room below)
             ch.prefill.pop(cls)
-            prompts.append((r, start, end))
-            left -= end - start  # below 0 only for an unchunked prompt alone in the job
+            prompts.append((r, start, start + take))
+            left -= take
+        if left < 0:  # an unchunked prompt beyond the budget: keep the job within the backend's limit
+            over = len(decode) + sum(end - start for _, start, end in prompts) - self.model.mixed_batch_tokens
+            if over > 0:
+                decode = decode[:max(0, len(decode) - over)]  # the rest stay ready for the next job
         if not decode and not prompts:
             return False
         job_id = next(self._job_ids)

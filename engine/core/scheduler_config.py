@@ -52,10 +52,10 @@ class SchedulerConfig:
     prefill_chunk_tokens: int = 512
     # Mixed batches (when the model declares them): each job carries the ready decode lanes and, beside
     # them, prompt chunks up to `mixed_token_budget` tokens in all (0: the backend's limit), as
-    # llama.cpp's server and vLLM do; one pass over the weights serves both. 2048 is llama.cpp's
-    # server default (n_batch): a prompt burst stalls the running streams for one such job at most.
+    # llama.cpp's server and vLLM do; one pass over the weights serves both. A lower budget shortens
+    # the step a prompt burst imposes on the running streams, at some cost to the burst's TTFT.
     mixed_batches: bool = True
-    mixed_token_budget: int = 2048
+    mixed_token_budget: int = 0
     # executor
     max_inflight: int = 1
     job_timeout_s: float = 30.0

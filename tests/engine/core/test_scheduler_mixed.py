@@ -81,13 +81,24 @@ def test_the_budget_is_the_smaller_of_the_configured_one_and_the_backends():
     assert lanes_of(job) == [(10, 16, 0)]
 
 
-def test_the_default_budget_is_2048_tokens_under_a_larger_backend_limit():
-    s = make_scheduler(SchedulerConfig(prefill_chunk_tokens=4096), mixed=4096, max_seq=4096)
+def test_the_default_budget_is_the_backends_limit():
+    s = make_scheduler(SchedulerConfig(prefill_chunk_tokens=4096), mixed=3000, max_seq=4096)
     ex = FakeExecutor(s)
-    ex.submit(10, params(n_prompt=3000, max_tokens=1, seed=10))
+    ex.submit(10, params(n_prompt=4000, max_tokens=1, seed=10))
     ex.handle(s.tick(0.0))
     (_, job), = ex.pending
-    assert lanes_of(job) == [(10, 2048, 0)]
+    assert lanes_of(job) == [(10, 3000, 0)]
+
+
+def test_a_short_prompt_is_not_split_to_fill_the_budget_a_long_one_is():
+    s, ex = generating(2, budget_cfg=40, prefill_chunk_tokens=16)
+    ex.submit(10, params(n_prompt=30, max_tokens=2, seed=10))  # long (> 16): chunked
+    ex.submit(11, params(n_prompt=12, max_tokens=2, seed=11))  # short: whole or not at all
+    ex.submit(12, params(n_prompt=14, max_tokens=2, seed=12))
+    ex.handle(s.tick(0.01))
+    (_, job), = ex.pending
+    # 2 decode + 16 of the long one + the 12-token prompt = 30; the 14-token one does not fit the 10 left
+    assert lanes_of(job) == [(0, 1, 1), (1, 1, 1), (10, 16, 0), (11, 12, 1)]
 
 
 def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits_for_the_next_job():
@@ -160,3 +171,24 @@ def test_random_arrivals_budgets_and_completion_order_give_every_request_its_tok
         assert ex.tokens[r] == expected_tokens(p), r
     assert kv_fully_free(s)
     assert s.stats()["counters"]["preemptions"] > 0
+
+
+def test_an_unchunked_prompt_beyond_the_budget_left_runs_and_decode_lanes_yield_to_the_backends_limit():
+    s, ex = generating(6, mixed=40, chunked_prefill=False)
+    ex.submit(10, params(n_prompt=37, max_tokens=1, seed=10))
+    ex.handle(s.tick(0.01))
+    (_, job), = ex.pending
+    # 6 decode lanes leave 34 of the backend's 40: the prompt still runs, beside only 3 of them
+    assert lanes_of(job) == [(0, 1, 1), (1, 1, 1), (2, 1, 1), (10, 37, 1)]
+    ex.complete_all(0.01)
+    ex.handle(s.tick(0.02))
+    (_, job), = ex.pending
+    assert sorted(x[0] for x in lanes_of(job)) == [0, 1, 2, 3, 4, 5]  # the three left out go next
+
+
+def test_waiting_prompts_get_at_least_half_of_a_job_full_of_decode_lanes():
+    s, ex = generating(16, budget_cfg=16)
+    ex.submit(50, params(n_prompt=20, max_tokens=1, seed=50))
+    ex.handle(s.tick(0.01))
+    (_, job), = ex.pending
+    assert lanes_of(job) == [(i, 1, 1) for i in range(8)] + [(50, 8, 0)]
