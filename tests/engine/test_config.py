@@ -234,5 +234,7 @@ def test_any_override_is_accepted_or_one_config_error(overrides):
         section, name = dotted.split(".")
         got = getattr(getattr(cfg, section), name)
         got = list(got) if isinstance(got, tuple) else got  # list keys are kept as tuples (frozen config)
-        if name not in ("endpoints", "tenants", "runtime_dir", "package", "ctypes_library", "profiles"):
+        if dotted in ("model.root", "model.signing_public_key"):  # paths: made absolute at load
+            assert got == (os.path.abspath(value) if value else value), dotted
+        elif name not in ("endpoints", "tenants", "runtime_dir", "package", "ctypes_library", "profiles"):
             assert got == value, dotted
