@@ -103,7 +103,7 @@ def malformed_flood(res: ScenarioResult) -> None:
 
 
 def slow_reader(res: ScenarioResult) -> None:
-    """A client opens 40 long streams and never reads them; another client must not notice."""
+    """A client opens 120 long streams and never reads them; another client must not notice."""
     with DaemonUnderTest(res, backend="stub", chips=1, settings=["server.max_send_queue=16"]) as d:
         before = stats(d.endpoint)
 
@@ -113,7 +113,9 @@ def slow_reader(res: ScenarioResult) -> None:
             try:
                 bad.reading = False
                 t0 = time.monotonic()
-                for i in range(40):
+                # More output than the pipes and socket buffers between the two can absorb before the
+                # streams end (about 480k tokens, > CLIENT_STALL_S of the stub's output), whatever the speed.
+                for i in range(120):
                     await bad.start([5, 6, i % 200], max_tokens=4000, seed=i, ignore_eos=True)
                 good_traces = await stream_all(good, 30, 64, timeout=60)
                 # The daemon must drop the stalled client and cancel its requests.
