@@ -644,9 +644,9 @@ class Scheduler:
         """Fill the chip's free job slots, choosing decode vs prefill classes by weighted round robin."""
         budget = self._mixed_budget()
         if budget:
-            while ch.in_service and len(ch.inflight) < self.config.max_inflight:
-                if not self._submit_mixed(ch, budget, now, out):
-                    return
+            while ch.in_service and len(ch.inflight) < self.config.max_inflight \
+                    and self._submit_mixed(ch, budget, now, out):
+                pass
             return
         while ch.in_service and len(ch.inflight) < self.config.max_inflight:
             classes = ch.prefill.nonempty()
@@ -865,22 +865,21 @@ class Scheduler:
             ch.prefill.pop(cls)
             prompts.append((r, start, start + take))
             left -= take
+        prompt_tokens = budget - len(decode) - left
         if left < 0:  # an unchunked prompt beyond the budget: keep the job within the backend's limit
-            over = len(decode) + sum(end - start for _, start, end in prompts) - self.model.mixed_batch_tokens
+            over = len(decode) + prompt_tokens - self.model.mixed_batch_tokens
             if over > 0:
                 decode = decode[:max(0, len(decode) - over)]  # the rest stay ready for the next job
         if not decode and not prompts:
             return False
         job_id = next(self._job_ids)
         kv = ch.kv
-        lanes = [self._lane(r, ch, r.committed, r.committed + 1, True) for r in decode]
-        lanes += [self._lane(r, ch, start, end, end == r.prefill_target) for r, start, end in prompts]
-        job = build_job(JobKind.PREFILL, lanes, job_id=job_id, generation=self.model.generation,
-                        table_width=ch.max_blocks_per_seq)
         rs = decode + [r for r, _, _ in prompts]
         starts = [r.committed for r in decode] + [start for _, start, _ in prompts]
         ends = [r.committed + 1 for r in decode] + [end for _, _, end in prompts]
         sampled = [True] * len(decode) + [end == r.prefill_target for r, _, end in prompts]
+        job = build_job(JobKind.PREFILL, [self._lane(r, ch, *lane) for r, *lane in zip(rs, starts, ends, sampled)],
+                        job_id=job_id, generation=self.model.generation, table_width=ch.max_blocks_per_seq)
         ready = ch.decode_ready
         for r, end in zip(rs, ends):
             kv.begin_update(r.seq_id, job_id, end)
@@ -900,7 +899,7 @@ class Scheduler:
         if prompts:
             self.counters["prefill_jobs"] += 1
             self.counters["prefill_lanes"] += len(prompts)  # prompts per job = prefill_lanes / prefill_jobs
-            self.counters["prefill_tokens"] += sum(end - start for _, start, end in prompts)
+            self.counters["prefill_tokens"] += prompt_tokens
             if decode:
                 self.counters["mixed_jobs_decode_and_prefill"] += 1
         self._release_freed(ch, out)  # before the job: it may reuse a freed block

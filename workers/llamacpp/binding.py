@@ -190,6 +190,17 @@ class LlamaModel:
     def is_eog(self, token: int) -> bool:
         return bool(self._lib.npl_is_eog(self._handle(), int(token)))
 
+    @staticmethod
+    def _batch(tokens, pos, seq, want) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A decode's per-token inputs as the contiguous arrays the shim reads; ValueError when lengths differ."""
+        tokens = np.ascontiguousarray(tokens, np.int32)
+        pos = np.ascontiguousarray(pos, np.int32)
+        seq = np.ascontiguousarray(seq, np.int32)
+        want = np.ascontiguousarray(want, np.int8)
+        if not (len(pos) == len(seq) == len(want) == len(tokens)):
+            raise ValueError("decode: tokens, pos, seq and want differ in length")
+        return tokens, pos, seq, want
+
     def decode(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, want: np.ndarray,
                rows: np.ndarray | None = None, out: np.ndarray | None = None) -> tuple[int, np.ndarray]:
         """One llama_decode. Token i with want[i] set writes its logits to out[rows[i]].
@@ -197,10 +208,7 @@ class LlamaModel:
         Without `rows`, wanted tokens fill rows 0, 1, ... in order; without
         `out`, a fresh [rows, n_vocab] float32 array is made. Returns (rc, out).
         """
-        tokens = np.ascontiguousarray(tokens, np.int32)
-        pos = np.ascontiguousarray(pos, np.int32)
-        seq = np.ascontiguousarray(seq, np.int32)
-        want = np.ascontiguousarray(want, np.int8)
+        tokens, pos, seq, want = self._batch(tokens, pos, seq, want)
         if rows is None:
             rows = np.cumsum(want, dtype=np.int32) - 1
         rows = np.ascontiguousarray(rows, np.int32)
@@ -210,7 +218,7 @@ class LlamaModel:
         if out.dtype != np.float32 or not out.flags.c_contiguous or out.shape[1] != self.n_vocab or out.shape[0] < n_out:
             raise ValueError("decode: out must be C-contiguous float32 [>= rows, n_vocab]")
         n = len(tokens)
-        if not (len(pos) == len(seq) == len(want) == len(rows) == n):
+        if len(rows) != n:
             raise ValueError("decode: tokens, pos, seq, want and rows differ in length")
         rc = self._lib.npl_decode(self._handle(), n, tokens.ctypes.data, pos.ctypes.data, seq.ctypes.data,
                                   want.ctypes.data, rows.ctypes.data, out.ctypes.data, self.n_vocab)
@@ -220,14 +228,8 @@ class LlamaModel:
                         want: np.ndarray) -> tuple[int, np.ndarray | None]:
         """One llama_decode whose logits are not copied: (rc, read-only [wanted, n_vocab] view of llama.cpp's
         own output buffer, rows in batch order). The view is valid until the next decode or close."""
-        tokens = np.ascontiguousarray(tokens, np.int32)
-        pos = np.ascontiguousarray(pos, np.int32)
-        seq = np.ascontiguousarray(seq, np.int32)
-        want = np.ascontiguousarray(want, np.int8)
-        n = len(tokens)
-        if not (len(pos) == len(seq) == len(want) == n):
-            raise ValueError("decode: tokens, pos, seq and want differ in length")
-        rc = self._lib.npl_decode(self._handle(), n, tokens.ctypes.data, pos.ctypes.data, seq.ctypes.data,
+        tokens, pos, seq, want = self._batch(tokens, pos, seq, want)
+        rc = self._lib.npl_decode(self._handle(), len(tokens), tokens.ctypes.data, pos.ctypes.data, seq.ctypes.data,
                                   want.ctypes.data, None, None, self.n_vocab)
         n_out = int(np.count_nonzero(want))
         if rc != 0 or n_out == 0:
