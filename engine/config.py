@@ -206,6 +206,10 @@ class BatchConfig:
     profiles: tuple = key((), _profiles, "compiled batch sizes to use; [] = every profile the model declares")
     batching_window_us: int = key(0, _int(0, 1_000_000), "wait up to this long to fill a decode batch "
                                                          "(never past the earliest deadline)")
+    prefill_window_us: int = key(2000, _int(0, 1_000_000),
+                                 "mixed batches: hold a job of prompts alone until no prompt has arrived for this "
+                                 "long (at most 8x this long), so that a burst of arrivals shares one job (never "
+                                 "past the earliest deadline)")
     chunked_prefill: bool = key(True, _bool, "split long prefills into chunks, only if the backend declares "
                                              "chunked prefill equal to one-shot")
     prefill_chunk_tokens: int = key(512, _int(1), "tokens per prefill chunk")
@@ -234,8 +238,11 @@ class KvConfig:
 class RecoveryConfig:
     max_resets_per_10min: int = key(2, _int(0), "worker restarts per chip per 10 minutes, then the chip "
                                                 "stays out of service")
-    heartbeat_interval_ms: int = key(200, _int(1), "worker heartbeat period")
-    heartbeat_timeout_ms: int = key(1000, _int(1), "a worker silent this long is declared dead")
+    heartbeat_interval_ms: int = key(1000, _int(1), "worker heartbeat period (a dead worker is seen at once; "
+                                                    "heartbeats find a hung one)")
+    heartbeat_timeout_ms: int = key(3000, _int(1), "a worker silent this long is declared dead")
+    supervise_interval_ms: int = key(1000, _int(10, 60_000), "how often heartbeat silence and start-up timeouts "
+                                                             "are checked (a worker's exit is seen at once)")
 
 
 @dataclass(frozen=True)
@@ -333,7 +340,8 @@ SECTIONS: dict[str, type] = {
 RELOADABLE: tuple[str, ...] = (
     "admission.max_sequences", "admission.max_waiting_requests", "admission.max_waiting_prompt_tokens",
     "admission.deadline_default_ms", "queues.decode_cost_weight", "queues.tenants.*",
-    "batch.batching_window_us", "executor.job_timeout_ms", "server.drain_timeout_s", "server.loop_stall_ms",
+    "batch.batching_window_us", "batch.prefill_window_us", "executor.job_timeout_ms", "server.drain_timeout_s",
+    "server.loop_stall_ms",
     "log.level", "log.format",
 )
 

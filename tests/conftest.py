@@ -328,7 +328,6 @@ class FakeServer:
 
     def _run(self) -> None:
         import orjson
-        import zmq
 
         while not self._stop.is_set():
             if not self._sock.poll(20):

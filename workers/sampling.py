@@ -151,11 +151,13 @@ def sample(
         raise ValueError("seed and positions must have one entry per row")
     want = np.ones(b, dtype=bool) if want_logprobs is None else np.asarray(want_logprobs).astype(bool).reshape(-1)
     if b and not want.any() and bool(np.all((temperature <= 0.0) | (top_k == 1))):
-        # Every lane greedy (a decode step of greedy requests): one argmax pass over the batch. argmax is
-        # exact and per row, the same as the loop below; a NaN or inf maximum takes the loop (its error).
-        best = z.argmax(axis=1)
-        if np.isfinite(z[np.arange(b), best]).all():
-            return best.astype(np.int32), np.zeros(b, dtype=np.float32)
+        # Every lane greedy (a decode step of greedy requests): the row maxima, then the first index holding
+        # each (argmax: exact, lowest id on ties, the same as the loop below); a NaN or inf maximum takes the
+        # loop (its error). Not z.argmax: numpy copies a read-only array (the runtime's own logits buffer,
+        # 33 MB for 32 Gemma rows) before an argmax; max and == read it in place: 3 ms instead of 10.
+        top = z.max(axis=1)
+        if np.isfinite(top).all():
+            return (z == top[:, None]).argmax(axis=1).astype(np.int32), np.zeros(b, dtype=np.float32)
     tokens = np.empty(b, dtype=np.int32)
     logprobs = np.zeros(b, dtype=np.float32)
     for i in range(b):

@@ -50,6 +50,7 @@ __all__ = ["ChipSpec", "ConfigurationError", "ModelSpec", "Scheduler", "Schedule
 
 S = RequestState
 _DECODE_KEY = attrgetter("decode_key")
+PREFILL_WINDOW_CAP = 8  # a held job of prompts leaves at most this many prefill windows after its oldest prompt
 
 
 @dataclass(frozen=True)
@@ -670,18 +671,32 @@ class Scheduler:
     def _decode_may_fire(self, ch: ChipState, now: float) -> bool:
         """The batching window: hold an unfilled batch briefly, never past the window nor near a deadline."""
         window = self.config.batching_window_s
-        if window <= 0:
+        if window <= 0 or len(ch.decode_ready) >= max(self.profiles):
             return True
-        ready = len(ch.decode_ready)
-        if ready >= max(self.profiles):
+        held = [self._requests[rid] for rid in ch.decode_ready]
+        return self._window_passed(min(r.ready_since for r in held) + window, window, held, now)
+
+    def _prompts_may_fire(self, ch: ChipState, budget: int, now: float) -> bool:
+        """The prefill window (mixed jobs): hold a job of prompts alone until the arrivals pause for the
+        window, so that a burst shares one job instead of its first prompt running alone while the rest
+        wait out that whole job; not once the waiting prompts fill a job, nor past PREFILL_WINDOW_CAP
+        windows after the oldest arrived (a steady stream of arrivals never pauses)."""
+        window = self.config.prefill_window_s
+        if window <= 0 or len(ch.prefill) >= max(self.profiles):
             return True
-        oldest = min(self._requests[rid].ready_since for rid in ch.decode_ready)
-        fire_at = oldest + window
-        deadlines = [self._requests[rid].deadline for rid in ch.decode_ready]
-        known = [d for d in deadlines if d is not None]
+        waiting = [self._requests[rid] for rid in ch.prefill.ids()]
+        if sum(r.prefill_target - r.committed for r in waiting) >= budget:
+            return True
+        since = [r.ready_since for r in waiting]
+        return self._window_passed(min(max(since) + window, min(since) + PREFILL_WINDOW_CAP * window), window,
+                                   waiting, now)
+
+    def _window_passed(self, fire_at: float, window: float, held: list[RequestRecord], now: float) -> bool:
+        """True from `fire_at` on, or sooner when holding longer would come within `window` of the
+        earliest deadline of `held`; else note when to look again."""
+        known = [r.deadline for r in held if r.deadline is not None]
         if known:
-            # holding may never eat into the earliest deadline: fire a window ahead of it
-            fire_at = min(fire_at, min(known) - window)
+            fire_at = min(fire_at, min(known) - window)  # holding may never eat into the earliest deadline
         if now >= fire_at:
             return True
         self._window_wakeup = fire_at if self._window_wakeup is None else min(self._window_wakeup, fire_at)
@@ -835,6 +850,8 @@ class Scheduler:
         top = max(self.profiles)
         decode: list[RequestRecord] = []
         waiting = len(ch.prefill)
+        if waiting and not ch.decode_ready and not self._prompts_may_fire(ch, budget, now):
+            return False
         if ch.decode_ready and (waiting or self._decode_may_fire(ch, now)):
             cands = self._decode_candidates(ch)
             room = max(1, budget // 2) if waiting else budget  # waiting prompts always get half the job

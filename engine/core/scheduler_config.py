@@ -48,6 +48,7 @@ class SchedulerConfig:
     profiles: tuple[int, ...] | None = None  # None: every profile the model declares
     profile_fill_ratio: float = 0.75  # seed 001 §8: B16 at >=12 ready, B8 at >=6, B4 at >=3
     batching_window_s: float = 0.0
+    prefill_window_s: float = 0.0  # mixed jobs: hold a job of prompts alone this long for more arrivals
     chunked_prefill: bool = True  # effective only when the model declares it
     prefill_chunk_tokens: int = 512
     # Mixed batches (when the model declares them): each job carries the ready decode lanes and, beside
@@ -78,8 +79,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1 (a zero weight starves its queue)")
         if self.mixed_token_budget < 0:
             raise ValueError("mixed_token_budget must be >= 0 (0: the backend's limit)")
-        if self.batching_window_s < 0 or self.job_timeout_s <= 0:
-            raise ValueError("batching_window_s must be >= 0 and job_timeout_s > 0")
+        if self.batching_window_s < 0 or self.prefill_window_s < 0 or self.job_timeout_s <= 0:
+            raise ValueError("batching_window_s and prefill_window_s must be >= 0 and job_timeout_s > 0")
         if not 0 < self.max_tenant_lane_share <= 1:
             raise ValueError("max_tenant_lane_share must be in (0, 1]")
         if not 0 < self.profile_fill_ratio <= 1:
@@ -141,6 +142,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         default_tenant=default_tenant,
         profiles=tuple(int(p) for p in profiles) if profiles else None,  # [] = every declared profile
         batching_window_s=float(_get(b, "batching_window_us", 0)) / 1e6,
+        prefill_window_s=float(_get(b, "prefill_window_us", d.prefill_window_s * 1e6)) / 1e6,
         chunked_prefill=bool(_get(b, "chunked_prefill", d.chunked_prefill)),
         prefill_chunk_tokens=int(_get(b, "prefill_chunk_tokens", d.prefill_chunk_tokens)),
         mixed_batches=bool(_get(b, "mixed_batches", d.mixed_batches)),

@@ -17,7 +17,6 @@ import os
 import signal
 import time
 import traceback
-from collections import deque
 from typing import Callable
 
 import zmq
@@ -43,7 +42,6 @@ from ipc.stale import reap_stale
 from workers.backends.base import BackendInfo
 from workers.chip_link import SHM_PREFIX, ChipLink
 
-SUPERVISE_INTERVAL_S = 0.1  # how often worker liveness is checked (death is seen within this)
 UNLOAD_STOP_TIMEOUT_S = 5.0  # an unloading generation's workers get this long to exit on SHUTDOWN, then SIGKILL
 DEFAULT_DRAIN_S = 30.0  # unload/replace without deadline_s: server.drain_timeout_s
 EXIT_UNRECOVERABLE = 3  # every chip out of service
@@ -102,6 +100,7 @@ class Daemon:
         self._sig_r = self._sig_w = -1
         self._old_handlers: dict[int, object] = {}
         self._old_wakeup_fd: int | None = None
+        self._child_exited = False  # SIGCHLD arrived: supervise on this turn
         self._retired: dict[str, int] = {}  # counters of generations that are gone
         self.retired_entries: dict[int, dict] = {}  # the last `models` entries of unloaded generations
         self.counters = {"cancelled_dead_clients": 0}
@@ -374,7 +373,11 @@ class Daemon:
         self._old_wakeup_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         for sig in STOP_SIGNALS + self.service.extra_signals():
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        self._old_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, self._on_child_exit)
         self._poller.register(r, zmq.POLLIN)
+
+    def _on_child_exit(self, signum, frame) -> None:
+        self._child_exited = True  # the wake-up fd wakes the loop; it supervises (reaping is the link's job)
 
     def _on_signal(self, signum, frame) -> None:
         if self._serving:
@@ -459,6 +462,9 @@ class Daemon:
             service.turn(now)
         for job in list(self.load_jobs):
             job.poll(now)
+        if self._child_exited:
+            self._child_exited = False
+            next_supervise = now
         if now >= next_supervise:
             for g in self.serving_generations():
                 if g.rec.state in (ModelState.UNLOADING, ModelState.RECOVERING):
@@ -471,7 +477,9 @@ class Daemon:
                 log("fatal", reason="every chip is out of service")
                 self.exit_code = EXIT_UNRECOVERABLE
             self._drains(now)
-            next_supervise = now + SUPERVISE_INTERVAL_S
+            # Heartbeat silence and start-up timeouts. A worker's exit does not wait for this: its SIGCHLD
+            # wakes the loop. Every idle wake-up takes CPU from a CPU backend's compute threads.
+            next_supervise = now + self.cfg.recovery.supervise_interval_ms / 1000.0
             if fe is not None:
                 self.observe.publish(self, now)
         elif self._unloading or (self.models.next_deadline() is not None and now >= self.models.next_deadline()):

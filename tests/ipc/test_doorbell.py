@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from conftest import idle_activity, sweep_shm
-from ipc.doorbell import Doorbell, SemaphoreDoorbell, ZmqDoorbell
+from ipc.doorbell import SemaphoreDoorbell, ZmqDoorbell
 from ipc.ring import Ring
 from ipc.shm import list_semaphores
 

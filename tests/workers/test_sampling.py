@@ -228,6 +228,13 @@ def test_an_all_greedy_batch_without_logprobs_is_the_per_lane_argmax_and_still_r
     toks, lps = sample(z, *args, want_logprobs=np.zeros(n, np.uint8))
     assert toks.dtype == np.int32 and not lps.any()
     assert toks.tolist() == [int(np.flatnonzero(row == row.max())[0]) for row in z]
+    frozen = z.copy()
+    frozen.flags.writeable = False  # as the llamacpp backend hands over llama.cpp's own buffer
+    assert sample(frozen, *args, want_logprobs=np.zeros(n, np.uint8))[0].tolist() == toks.tolist()
+    all_minus_inf = np.full((2, 5), -np.inf, np.float32)
+    with pytest.raises(ValueError, match="row 0"):
+        sample(all_minus_inf, np.zeros(2), np.ones(2), np.zeros(2), np.arange(2, dtype=np.uint64), np.arange(2),
+               want_logprobs=np.zeros(2, np.uint8))
     for bad_value in (np.nan, np.inf):
         bad = z.copy()
         bad[5, 17] = bad_value

@@ -67,7 +67,7 @@ def worker_kill(res: ScenarioResult) -> None:
 def worker_stop(res: ScenarioResult) -> None:
     """SIGSTOP chip 0's worker past the heartbeat timeout (600 ms), then SIGCONT."""
     with DaemonUnderTest(res, backend="sim", chips=2, backend_options=SLOW_SIM,
-                         settings=["recovery.heartbeat_timeout_ms=600"]) as d:
+                         settings=["recovery.heartbeat_interval_ms=200", "recovery.heartbeat_timeout_ms=600"]) as d:
         victim = d.chip(0)["pid"]
 
         def fault():

@@ -192,3 +192,84 @@ def test_waiting_prompts_get_at_least_half_of_a_job_full_of_decode_lanes():
     ex.handle(s.tick(0.01))
     (_, job), = ex.pending
     assert lanes_of(job) == [(i, 1, 1) for i in range(8)] + [(50, 8, 0)]
+
+
+# ---- the prefill window: a burst of arrivals shares one job ----------------------------------------
+
+def test_a_burst_of_prompts_is_held_for_the_prefill_window_and_shares_one_job():
+    s = make_scheduler(SchedulerConfig(prefill_window_s=0.002), mixed=4096)
+    ex = FakeExecutor(s)
+    ex.submit(0, params(n_prompt=30, seed=0), now=0.0)
+    ex.handle(s.tick(0.0))
+    assert ex.pending == [] and s.next_wakeup(0.0) == pytest.approx(0.002)  # held, with a wake-up to end it
+    for rid in (1, 2):
+        ex.submit(rid, params(n_prompt=20, seed=rid), now=0.001)
+    ex.handle(s.tick(0.001))
+    assert ex.pending == [] and s.next_wakeup(0.001) == pytest.approx(0.003)  # until the arrivals pause
+    ex.handle(s.tick(0.002))
+    assert ex.pending == []
+    ex.handle(s.tick(0.003))
+    (_, job), = ex.pending
+    assert lanes_of(job) == [(0, 30, 1), (1, 20, 1), (2, 20, 1)]
+    ex.run(0.004)
+    assert kv_fully_free(s)
+
+
+def test_arrivals_that_never_pause_hold_a_job_at_most_the_window_cap():
+    from engine.core.scheduler import PREFILL_WINDOW_CAP
+
+    s = make_scheduler(SchedulerConfig(prefill_window_s=0.002), mixed=4096, profiles=(1, 4, 8, 16, 32))
+    ex = FakeExecutor(s)
+    now, rid = 0.0, 0
+    while not ex.pending:
+        ex.submit(rid, params(n_prompt=8, seed=rid), now=now)
+        ex.handle(s.tick(now))
+        now, rid = round(now + 0.0015, 6), rid + 1  # every 1.5 ms: closer than the window
+    assert now - 0.0015 == pytest.approx(PREFILL_WINDOW_CAP * 0.002, abs=0.0015)
+    assert len(lanes_of(ex.pending[0][1])) == rid
+
+
+def test_the_prefill_window_ends_once_the_waiting_prompts_fill_a_job():
+    s = make_scheduler(SchedulerConfig(prefill_window_s=0.002), mixed=64)
+    ex = FakeExecutor(s)
+    ex.submit(0, params(n_prompt=40, seed=0))
+    ex.handle(s.tick(0.0))
+    assert ex.pending == []
+    ex.submit(1, params(n_prompt=30, seed=1), now=0.0005)
+    ex.handle(s.tick(0.0005))  # 70 prompt tokens wait: more than a 64-token job takes
+    (_, job), = ex.pending
+    assert lanes_of(job)[0] == (0, 40, 1)
+    # as many prompts as the largest profile has lanes fill a job too
+    s = make_scheduler(SchedulerConfig(prefill_window_s=0.002), mixed=4096, profiles=(1, 2))
+    ex = FakeExecutor(s)
+    ex.submit(0, params(n_prompt=8, seed=0))
+    ex.submit(1, params(n_prompt=8, seed=1))
+    ex.handle(s.tick(0.0))
+    (_, job), = ex.pending
+    assert [lane[0] for lane in lanes_of(job)] == [0, 1]
+
+
+def test_the_prefill_window_does_not_hold_a_job_with_decode_lanes():
+    s, ex = generating(2, prefill_window_s=0.002)
+    ex.submit(10, params(n_prompt=12, seed=10), now=0.5)
+    ex.handle(s.tick(0.5))
+    (_, job), = ex.pending  # the streams already generating do not wait; the prompt rides with them
+    assert lanes_of(job) == [(0, 1, 1), (1, 1, 1), (10, 12, 1)]
+
+
+def test_the_prefill_window_never_holds_a_prompt_into_its_deadline():
+    s = make_scheduler(SchedulerConfig(prefill_window_s=0.002), mixed=4096)
+    ex = FakeExecutor(s)
+    ex.submit(0, params(n_prompt=8, seed=0, deadline_ms=3))
+    ex.handle(s.tick(0.0))
+    assert ex.pending == [] and s.next_wakeup(0.0) == pytest.approx(0.001)  # a window ahead of the deadline
+    ex.handle(s.tick(0.001))
+    assert len(ex.pending) == 1
+
+
+def test_without_mixed_batches_there_is_no_prefill_window():
+    s = make_scheduler(SchedulerConfig(prefill_window_s=0.002, mixed_batches=False), mixed=4096)
+    ex = FakeExecutor(s)
+    ex.submit(0, params(n_prompt=8, seed=0))
+    ex.handle(s.tick(0.0))
+    assert len(ex.pending) == 1

@@ -120,7 +120,8 @@ def test_kill_9_of_a_worker_under_load(daemon):
 
 
 def test_hung_worker_is_detected_by_heartbeat_and_replaced(daemon):
-    d = daemon(backend="stub", chips=1, settings={"recovery.heartbeat_timeout_ms": 600})
+    d = daemon(backend="stub", chips=1,
+               settings={"recovery.heartbeat_interval_ms": 200, "recovery.heartbeat_timeout_ms": 600})
     victim = _chip(d, 0)["pid"]
     os.kill(victim, signal.SIGSTOP)
     try:
@@ -132,6 +133,17 @@ def test_hung_worker_is_detected_by_heartbeat_and_replaced(daemon):
             pass
     assert "heartbeat" in c["last_failure"]
     assert waited < 10.0, f"a 600 ms heartbeat timeout took {waited:.1f} s to act on\n{_restart_lines(d)}"
+    with d.client(timeout=10) as cl:
+        assert cl.generate([1, 2], max_tokens=3).finish_reason == "length"
+
+
+def test_a_dead_worker_is_seen_through_sigchld_not_on_the_supervision_tick(daemon):
+    # Supervision every 60 s: within this test's 30 s only the worker's SIGCHLD can wake the daemon to act.
+    d = daemon(backend="stub", chips=1, settings={"recovery.supervise_interval_ms": 60_000})
+    victim = _chip(d, 0)["pid"]
+    os.kill(victim, signal.SIGKILL)
+    c, _ = _wait_chip(d, 0, lambda c: c["pid"] not in (None, victim) and c["state"] == "up", 30)
+    assert c["last_failure"] == "worker process died", c
     with d.client(timeout=10) as cl:
         assert cl.generate([1, 2], max_tokens=3).finish_reason == "length"
 
