@@ -480,10 +480,10 @@ class Daemon:
             # Heartbeat silence and start-up timeouts. A worker's exit does not wait for this: its SIGCHLD
             # wakes the loop. Every idle wake-up takes CPU from a CPU backend's compute threads.
             next_supervise = now + self.cfg.recovery.supervise_interval_ms / 1000.0
-            if fe is not None:
-                self.observe.publish(self, now)
         elif self._unloading or (self.models.next_deadline() is not None and now >= self.models.next_deadline()):
             self._drains(now)
+        if fe is not None:
+            self.observe.publish(self, now)  # at most every PUBLISH_INTERVAL_S: busy turns keep the snapshot fresh
         blocked = None
         for g in self.serving_generations():
             g.retry_backlog()
