@@ -48,7 +48,9 @@ class SchedulerConfig:
     profiles: tuple[int, ...] | None = None  # None: every profile the model declares
     profile_fill_ratio: float = 0.75  # seed 001 §8: B16 at >=12 ready, B8 at >=6, B4 at >=3
     batching_window_s: float = 0.0
-    prefill_window_s: float = 0.0  # mixed jobs: hold a job of prompts alone this long for more arrivals
+    # mixed jobs: hold a job of prompts alone until arrivals pause this long (0 here, for the tests and the
+    # simulator; the daemon's config default, batch.prefill_window_us, is 2 ms)
+    prefill_window_s: float = 0.0
     chunked_prefill: bool = True  # effective only when the model declares it
     prefill_chunk_tokens: int = 512
     # Mixed batches (when the model declares them): each job carries the ready decode lanes and, beside
