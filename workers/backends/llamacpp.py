@@ -36,7 +36,8 @@ A decode job is one `llama_decode` over all valid lanes; a prefill job is
 one `llama_decode` over its lanes' tokens: one prompt (chunked when the
 scheduler chunks), or, in a mixed batch, several prompts' chunks beside
 decode lanes of one token each, as llama.cpp's own server batches them.
-Sampling stays npuserve's (the worker samples the logits returned here). Block copies and host swap are not supported: `describe()` says so.
+Sampling stays npuserve's (the worker samples the logits returned here).
+Block copies and host swap are not supported: `describe()` says so.
 """
 
 from __future__ import annotations
