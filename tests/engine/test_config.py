@@ -51,6 +51,7 @@ def test_defaults_match_the_contract():
     assert (cfg.kv.block_size, cfg.kv.num_blocks, cfg.kv.prefix_cache) == (16, 0, True)
     r = cfg.recovery
     assert (r.max_resets_per_10min, r.heartbeat_interval_ms, r.heartbeat_timeout_ms) == (2, 1000, 3000)
+    assert r.supervise_interval_ms == 1000 and cfg.batch.prefill_window_us == 2000
     assert (cfg.server.max_message_bytes, cfg.server.max_send_queue, cfg.server.drain_timeout_s) == (1 << 20, 1000, 30.0)
     assert (cfg.metrics.port, cfg.metrics.host) == (0, "127.0.0.1")
 
