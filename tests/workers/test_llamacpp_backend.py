@@ -96,6 +96,33 @@ def test_gguf_logits_match_the_ref_oracle(gguf_pkg):
     assert clear.sum() > 30 and np.array_equal(got.argmax(1)[clear], want.argmax(1)[clear])
 
 
+def test_per_sequence_layout_computes_the_same_burst_as_the_shared_pool(gguf_pkg):
+    """`per_sequence_kv` (llama.cpp server's layout, measured by `npuserve bench-kv-layout`) is the same model:
+    a burst of 3 prompts in one decode gives the shared pool's logits; and it really is a stream per sequence
+    (n_ctx / n_seq_max cells each), so a prompt longer than its stream is refused there but not in the pool."""
+    prompts = [_prompt(k, 24) for k in range(3)]
+    toks = np.concatenate(prompts)
+    pos = np.tile(np.arange(24), 3)
+    seq = np.repeat(np.arange(3), 24)
+    want = np.zeros(72, np.int8)
+    want[23::24] = 1
+    got = {}
+    for per_seq in (False, True):
+        m = binding.LlamaModel(gguf_pkg.gguf_path, n_ctx=3 * 256, n_batch=512, n_seq_max=3, n_threads=1,
+                               per_sequence_kv=per_seq)
+        try:
+            rc, got[per_seq] = m.decode(toks, pos, seq, want)
+            assert rc == 0
+            m.clear()
+            long = _prompt(9, 300)  # more than one stream's 256 cells, less than the pool's 768
+            rc_long, _ = m.decode(np.array(long), np.arange(300), np.zeros(300), np.eye(1, 300, 299)[0])
+            assert (rc_long == 0) is (not per_seq), rc_long
+        finally:
+            m.close()
+    assert np.abs(got[True] - got[False]).max() < ATOL
+    assert np.array_equal(got[True].argmax(1), got[False].argmax(1))
+
+
 def test_check_package_replays_the_ref_golden_cases_through_llamacpp(gguf_pkg):
     report = check_package(gguf_pkg.path)
     assert report.ok and report.passed == report.cases == 4, report

@@ -24,7 +24,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIM_SOURCE = os.path.join(HERE, "npl_shim.c")
 INCLUDE_DIR = os.path.join(HERE, "include")
-ABI_VERSION = 2
+ABI_VERSION = 3
 XLLAMACPP_PIN = "2026.10.11549"
 
 _lock = threading.Lock()
@@ -109,7 +109,7 @@ _I32 = ctypes.c_int32
 _SIGS = {
     "npl_abi_version": (_I, []),
     "npl_set_log_level": (None, [_I]),
-    "npl_open": (_P, [ctypes.c_char_p, _I, _I, _I, _I, _I, _I, ctypes.c_char_p, _I]),
+    "npl_open": (_P, [ctypes.c_char_p, _I, _I, _I, _I, _I, _I, _I, ctypes.c_char_p, _I]),
     "npl_close": (None, [_P]),
     "npl_describe": (_I, [_P, ctypes.POINTER(ctypes.c_int64), _I]),
     "npl_meta": (_I, [_P, ctypes.c_char_p, ctypes.c_char_p, _I]),
@@ -149,13 +149,16 @@ class LlamaModel:
     """One llama.cpp model (and, unless vocab_only, one context). Not thread-safe."""
 
     def __init__(self, path: str, *, vocab_only: bool = False, n_ctx: int = 0, n_batch: int = 512,
-                 n_ubatch: int = 512, n_seq_max: int = 1, n_threads: int = 1) -> None:
+                 n_ubatch: int = 512, n_seq_max: int = 1, n_threads: int = 1, per_sequence_kv: bool = False) -> None:
+        """`per_sequence_kv`: llama.cpp server's cell layout (a stream of n_ctx / n_seq_max cells per
+        sequence) instead of one shared pool. The backend never uses it (prefix copies need the shared
+        pool); `npuserve bench-kv-layout` measures what the shared pool costs a prefill."""
         self._lib = shim()
         err = ctypes.create_string_buffer(512)
         if not os.path.isfile(path):
             raise LlamaCppUnavailable(f"{path}: no such GGUF file")
         self._h = self._lib.npl_open(os.fsencode(path), int(vocab_only), n_ctx, n_batch, n_ubatch, n_seq_max,
-                                     n_threads, err, len(err))
+                                     n_threads, int(per_sequence_kv), err, len(err))
         if not self._h:
             raise LlamaCppUnavailable(f"{path}: {err.value.decode(errors='replace')}")
         self.path = path

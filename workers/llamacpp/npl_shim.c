@@ -13,7 +13,7 @@
 
 #include "llama.h"
 
-#define NPL_ABI_VERSION 2
+#define NPL_ABI_VERSION 3
 /* LLAMA_MAX_SEQ of the pinned llama.cpp (src/llama-cparams.h); the wheel does not export
  * llama_max_parallel_sequences(). */
 #define NPL_MAX_SEQ 256
@@ -58,9 +58,13 @@ static void npl_err(char *err, int errlen, const char *msg) {
     if (err && errlen > 0) snprintf(err, (size_t)errlen, "%s", msg);
 }
 
+/* npl_open flags. 0 is what the backend serves with; the other layout exists only to be measured. */
+#define NPL_PER_SEQUENCE_KV 1 /* one cell stream per sequence (llama.cpp server's layout): n_ctx / n_seq_max
+                                 cells each, no partial prefix copies between sequences */
+
 /* Open a model. vocab_only: no weights, no context (a tokenizer). */
 void *npl_open(const char *path, int vocab_only, int n_ctx, int n_batch, int n_ubatch, int n_seq_max,
-               int n_threads, char *err, int errlen) {
+               int n_threads, int flags, char *err, int errlen) {
     npl_init();
     struct llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
@@ -89,7 +93,8 @@ void *npl_open(const char *path, int vocab_only, int n_ctx, int n_batch, int n_u
     cp.n_threads = n_threads;
     cp.n_threads_batch = n_threads;
     cp.swa_full = true;   /* sequence ops must be able to cut anywhere */
-    cp.kv_unified = true; /* one cell pool shared by all sequences: prefix copies share cells */
+    /* one cell pool shared by all sequences: prefix copies share cells */
+    cp.kv_unified = (flags & NPL_PER_SEQUENCE_KV) ? false : true;
     cp.no_perf = true;
     h->ctx = llama_init_from_model(model, cp);
     if (!h->ctx) {

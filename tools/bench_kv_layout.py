@@ -1,0 +1,140 @@
+"""`npuserve bench-kv-layout`: what npuserve's shared KV cell pool costs a burst prefill, against llama.cpp server's per-slot layout.
+
+Why it exists: bench-peer's TTFT P99 at 32 streams is at parity, and this
+says where the time goes. npuserve's `llamacpp` backend opens one context
+whose cells are one pool shared by every sequence (`kv_unified`): a prefix
+copy then shares cells, which the radix prefix cache needs. llama.cpp's own
+server gives each slot a stream of n_ctx / n_parallel cells instead. In a
+shared pool every prompt token's attention scans every occupied cell (masked
+when it belongs to another sequence), so a burst of S prompts does work that
+grows with the whole burst, where a stream per slot scans only its own.
+
+In one process, the same prompt tokens as bench-peer's `plain` workload
+(S streams x P tokens, the logits of each prompt's last token) go through
+one `llama_decode` in a context of each layout, alternating the order
+every repetition. Rows `{layout, rep, ms, tokens_per_s}`, then the medians
+and the ratio per-sequence / shared. There is no target: the ratio is the
+head start llama.cpp's server has on a burst prefill, which npuserve makes up
+by running the burst as one job (see docs/models.md, "Measured").
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+LAYOUTS = ("shared", "per-sequence")
+
+
+def burst(tok, streams: int, prompt_tokens: int):
+    """bench-peer's `plain` prompts as one decode: (tokens, positions, sequence ids, want-logits flags)."""
+    import numpy as np
+
+    from tools.bench_peer import make_prompts
+
+    prompts, _ = make_prompts(tok, "plain", streams, prompt_tokens)
+    tokens = np.concatenate([np.asarray(p, np.int32) for p in prompts])
+    pos = np.concatenate([np.arange(len(p), dtype=np.int32) for p in prompts])
+    seq = np.concatenate([np.full(len(p), i, np.int32) for i, p in enumerate(prompts)])
+    want = np.zeros(len(tokens), np.int8)
+    want[np.cumsum([len(p) for p in prompts]) - 1] = 1
+    return tokens, pos, seq, want
+
+
+def open_context(gguf: str, layout: str, streams: int, tokens: int, longest: int, threads: int):
+    """Both layouts get the same cells: a stream per sequence holds its longest prompt, rounded up to 256."""
+    from workers.llamacpp.binding import LlamaModel
+
+    per_seq = -(-longest // 256) * 256
+    return LlamaModel(gguf, n_ctx=streams * per_seq, n_batch=tokens, n_ubatch=512, n_seq_max=streams,
+                      n_threads=threads, per_sequence_kv=layout == "per-sequence")
+
+
+def run(gguf: str, tok, streams: int, prompt_tokens: int, reps: int, threads: int, progress) -> list[dict]:
+    tokens, pos, seq, want = burst(tok, streams, prompt_tokens)
+    longest = int(pos.max()) + 1
+    models = {layout: open_context(gguf, layout, streams, len(tokens), longest, threads) for layout in LAYOUTS}
+    rows = []
+    try:
+        for m in models.values():  # untimed: first touch of the weights and the graph
+            m.decode_in_place(tokens[:8], pos[:8], seq[:8], want[:8])
+            m.clear()
+        for rep in range(reps):
+            for layout in (LAYOUTS if rep % 2 == 0 else LAYOUTS[::-1]):
+                m = models[layout]
+                m.clear()
+                t = time.perf_counter()
+                rc, _ = m.decode_in_place(tokens, pos, seq, want)
+                dt = time.perf_counter() - t
+                if rc != 0:
+                    raise RuntimeError(f"llama_decode returned {rc} in the {layout} layout")
+                rows.append({"layout": layout, "rep": rep + 1, "streams": streams, "prompt_tokens": prompt_tokens,
+                             "ms": round(1000 * dt, 1), "tokens_per_s": round(len(tokens) / dt, 1)})
+                progress(rows[-1])
+    finally:
+        for m in models.values():
+            m.close()
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    med = {layout: statistics.median(r["ms"] for r in rows if r["layout"] == layout) for layout in LAYOUTS}
+    return {"median_ms": med, "per_sequence_over_shared": round(med["per-sequence"] / med["shared"], 3)}
+
+
+def main(argv: list[str]) -> int:
+    from workers.backends.llamacpp import default_threads
+
+    ap = argparse.ArgumentParser(prog="npuserve bench-kv-layout", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--package", help="GGUF package (default: Gemma 3 270M, imported on first use)")
+    ap.add_argument("--streams", type=int, default=32, help="prompts in the burst (bench-peer's concurrency)")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=6, help="repetitions; each times both layouts, order flipping")
+    ap.add_argument("--threads", type=int, default=default_threads())
+    ap.add_argument("--json", action="store_true", help="JSON Lines: one row per decode, then the summary")
+    a = ap.parse_args(argv)
+    if min(a.streams, a.prompt_tokens, a.reps, a.threads) < 1:
+        ap.error("--streams, --prompt-tokens, --reps and --threads must be positive")
+
+    from tools.bench_peer import default_package
+    from tools.json_lines import emit
+    from workers.gguf_package import GgufPackage
+    from workers.llamacpp.tokenizer import GgufTokenizer
+    from workers.model_package import load_package
+
+    pkg = load_package(a.package or default_package())
+    if not isinstance(pkg, GgufPackage):
+        print(f"npuserve bench-kv-layout: {pkg.path} is not a GGUF package (import one with `npuserve import-gguf`)",
+              file=sys.stderr)
+        return 2
+    tok = GgufTokenizer(pkg.gguf_path)
+
+    def progress(row: dict) -> None:
+        print(f"rep {row['rep']}/{a.reps} {row['layout']}: {row['ms']:,.0f} ms", file=sys.stderr, flush=True)
+
+    try:
+        rows = run(pkg.gguf_path, tok, a.streams, a.prompt_tokens, a.reps, a.threads, progress)
+    finally:
+        tok.close()
+    summary = summarise(rows)
+    if a.json:
+        for r in rows:
+            emit("row", r)
+        emit("summary", {**summary, "target": None})
+        return 0
+    print(f"one llama_decode of {a.streams} prompts x {a.prompt_tokens} tokens ({pkg.name}, {a.threads} threads), "
+          f"{a.reps} repetitions, order flipping")
+    print(f"{'layout':<13} {'rep':>3} {'ms':>9} {'tok/s':>9}")
+    for r in rows:
+        print(f"{r['layout']:<13} {r['rep']:>3} {r['ms']:>9,.1f} {r['tokens_per_s']:>9,.1f}")
+    med = summary["median_ms"]
+    print(f"medians: shared {med['shared']:,.1f} ms, per-sequence {med['per-sequence']:,.1f} ms; "
+          f"per-sequence / shared = {summary['per_sequence_over_shared']:.3f} (no target: the head start of "
+          f"llama.cpp server's layout on a burst prefill)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
