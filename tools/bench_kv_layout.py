@@ -1,4 +1,4 @@
-"""`npuserve bench-kv-layout`: what npuserve's shared KV cell pool costs a burst prefill, against llama.cpp server's per-slot layout.
+"""`npuserve bench-kv-layout`: what the shared KV cell pool costs a burst prefill, against a stream per slot.
 
 Why it exists: bench-peer's TTFT P99 at 32 streams is at parity, and this
 says where the time goes. npuserve's `llamacpp` backend opens one context
@@ -11,9 +11,11 @@ grows with the whole burst, where a stream per slot scans only its own.
 
 In one process, the same prompt tokens as bench-peer's `plain` workload
 (S streams x P tokens, the logits of each prompt's last token) go through
-one `llama_decode` in a context of each layout, alternating the order
-every repetition. Rows `{layout, rep, ms, tokens_per_s}`, then the medians
-and the ratio per-sequence / shared. There is no target: the ratio is the
+one `llama_decode` in contexts of each layout (`--instances` of each: two
+identical contexts already differ by a few per cent, so the spread between
+them is reported beside the layout ratio), the order flipping every
+repetition. Rows `{layout, instance, rep, ms, tokens_per_s}`, then the
+medians and the ratio per-sequence / shared. There is no target: the ratio is the
 head start llama.cpp's server has on a burst prefill, which npuserve makes up
 by running the burst as one job (see docs/models.md, "Measured").
 """
@@ -52,26 +54,33 @@ def open_context(gguf: str, layout: str, streams: int, tokens: int, longest: int
                       n_threads=threads, per_sequence_kv=layout == "per-sequence")
 
 
-def run(gguf: str, tok, streams: int, prompt_tokens: int, reps: int, threads: int, progress) -> list[dict]:
+def run(gguf: str, tok, streams: int, prompt_tokens: int, reps: int, threads: int, instances: int,
+        progress) -> list[dict]:
+    """Every repetition times every context once: layouts interleaved (shared 1, per-sequence 1, shared 2,
+    ...), the order reversed every other repetition."""
     tokens, pos, seq, want = burst(tok, streams, prompt_tokens)
     longest = int(pos.max()) + 1
-    models = {layout: open_context(gguf, layout, streams, len(tokens), longest, threads) for layout in LAYOUTS}
+    order = [(layout, k + 1) for k in range(instances) for layout in LAYOUTS]
+    models = {}
     rows = []
     try:
+        for layout, k in order:
+            models[layout, k] = open_context(gguf, layout, streams, len(tokens), longest, threads)
         for m in models.values():  # untimed: first touch of the weights and the graph
             m.decode_in_place(tokens[:8], pos[:8], seq[:8], want[:8])
             m.clear()
         for rep in range(reps):
-            for layout in (LAYOUTS if rep % 2 == 0 else LAYOUTS[::-1]):
-                m = models[layout]
+            for layout, k in (order if rep % 2 == 0 else order[::-1]):
+                m = models[layout, k]
                 m.clear()
                 t = time.perf_counter()
                 rc, _ = m.decode_in_place(tokens, pos, seq, want)
                 dt = time.perf_counter() - t
                 if rc != 0:
                     raise RuntimeError(f"llama_decode returned {rc} in the {layout} layout")
-                rows.append({"layout": layout, "rep": rep + 1, "streams": streams, "prompt_tokens": prompt_tokens,
-                             "ms": round(1000 * dt, 1), "tokens_per_s": round(len(tokens) / dt, 1)})
+                rows.append({"layout": layout, "instance": k, "rep": rep + 1, "streams": streams,
+                             "prompt_tokens": prompt_tokens, "ms": round(1000 * dt, 1),
+                             "tokens_per_s": round(len(tokens) / dt, 1)})
                 progress(rows[-1])
     finally:
         for m in models.values():
@@ -80,8 +89,18 @@ def run(gguf: str, tok, streams: int, prompt_tokens: int, reps: int, threads: in
 
 
 def summarise(rows: list[dict]) -> dict:
+    """Medians per layout (over all its instances) and per instance: a layout difference smaller than the
+    spread between instances of one layout is not a layout difference."""
     med = {layout: statistics.median(r["ms"] for r in rows if r["layout"] == layout) for layout in LAYOUTS}
-    return {"median_ms": med, "per_sequence_over_shared": round(med["per-sequence"] / med["shared"], 3)}
+    contexts = dict.fromkeys((r["layout"], r["instance"]) for r in rows)
+    per_instance = {f"{layout} {k}": statistics.median(r["ms"] for r in rows
+                                                      if (r["layout"], r["instance"]) == (layout, k))
+                    for layout, k in contexts}
+    by_layout = {layout: [per_instance[f"{la} {k}"] for la, k in contexts if la == layout] for layout in LAYOUTS}
+    spread = max(max(v) / min(v) for v in by_layout.values())
+    return {"median_ms": med, "instance_median_ms": per_instance,
+            "per_sequence_over_shared": round(med["per-sequence"] / med["shared"], 3),
+            "instance_spread": round(spread, 3)}
 
 
 def main(argv: list[str]) -> int:
@@ -91,12 +110,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--package", help="GGUF package (default: Gemma 3 270M, imported on first use)")
     ap.add_argument("--streams", type=int, default=32, help="prompts in the burst (bench-peer's concurrency)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=6, help="repetitions; each times both layouts, order flipping")
+    ap.add_argument("--reps", type=int, default=6, help="repetitions; each times every context, order flipping")
+    ap.add_argument("--instances", type=int, default=2,
+                    help="contexts of each layout (identical ones differ by a few per cent: the spread is shown)")
     ap.add_argument("--threads", type=int, default=default_threads())
     ap.add_argument("--json", action="store_true", help="JSON Lines: one row per decode, then the summary")
     a = ap.parse_args(argv)
-    if min(a.streams, a.prompt_tokens, a.reps, a.threads) < 1:
-        ap.error("--streams, --prompt-tokens, --reps and --threads must be positive")
+    if min(a.streams, a.prompt_tokens, a.reps, a.threads, a.instances) < 1:
+        ap.error("--streams, --prompt-tokens, --reps, --threads and --instances must be positive")
 
     from tools.bench_peer import default_package
     from tools.json_lines import emit
@@ -112,10 +133,11 @@ def main(argv: list[str]) -> int:
     tok = GgufTokenizer(pkg.gguf_path)
 
     def progress(row: dict) -> None:
-        print(f"rep {row['rep']}/{a.reps} {row['layout']}: {row['ms']:,.0f} ms", file=sys.stderr, flush=True)
+        print(f"rep {row['rep']}/{a.reps} {row['layout']} {row['instance']}: {row['ms']:,.0f} ms", file=sys.stderr,
+              flush=True)
 
     try:
-        rows = run(pkg.gguf_path, tok, a.streams, a.prompt_tokens, a.reps, a.threads, progress)
+        rows = run(pkg.gguf_path, tok, a.streams, a.prompt_tokens, a.reps, a.threads, a.instances, progress)
     finally:
         tok.close()
     summary = summarise(rows)
@@ -125,14 +147,16 @@ def main(argv: list[str]) -> int:
         emit("summary", {**summary, "target": None})
         return 0
     print(f"one llama_decode of {a.streams} prompts x {a.prompt_tokens} tokens ({pkg.name}, {a.threads} threads), "
-          f"{a.reps} repetitions, order flipping")
-    print(f"{'layout':<13} {'rep':>3} {'ms':>9} {'tok/s':>9}")
+          f"{a.instances} context(s) of each layout, {a.reps} repetitions, order flipping")
+    print(f"{'layout':<13} {'ctx':>3} {'rep':>3} {'ms':>9} {'tok/s':>9}")
     for r in rows:
-        print(f"{r['layout']:<13} {r['rep']:>3} {r['ms']:>9,.1f} {r['tokens_per_s']:>9,.1f}")
+        print(f"{r['layout']:<13} {r['instance']:>3} {r['rep']:>3} {r['ms']:>9,.1f} {r['tokens_per_s']:>9,.1f}")
     med = summary["median_ms"]
+    print("medians by context: " + ", ".join(f"{k} {v:,.1f} ms" for k, v in summary["instance_median_ms"].items()))
     print(f"medians: shared {med['shared']:,.1f} ms, per-sequence {med['per-sequence']:,.1f} ms; "
-          f"per-sequence / shared = {summary['per_sequence_over_shared']:.3f} (no target: the head start of "
-          f"llama.cpp server's layout on a burst prefill)")
+          f"per-sequence / shared = {summary['per_sequence_over_shared']:.3f}; largest spread between contexts of "
+          f"one layout {summary['instance_spread']:.3f}x (no target: the head start of llama.cpp server's layout "
+          f"on a burst prefill, where it exceeds that spread)")
     return 0
 
 
