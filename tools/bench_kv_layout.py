@@ -1,13 +1,13 @@
 """`npuserve bench-kv-layout`: what the shared KV cell pool costs a burst prefill, against a stream per slot.
 
 Why it exists: bench-peer's TTFT P99 at 32 streams is at parity, and this
-says where the time goes. npuserve's `llamacpp` backend opens one context
-whose cells are one pool shared by every sequence (`kv_unified`): a prefix
-copy then shares cells, which the radix prefix cache needs. llama.cpp's own
-server gives each slot a stream of n_ctx / n_parallel cells instead. In a
-shared pool every prompt token's attention scans every occupied cell (masked
-when it belongs to another sequence), so a burst of S prompts does work that
-grows with the whole burst, where a stream per slot scans only its own.
+measures the one difference of layout in the prefill itself. npuserve's
+`llamacpp` backend opens one context whose cells are one pool shared by
+every sequence (`kv_unified`): a prefix copy then shares cells, which the
+radix prefix cache needs. llama.cpp's own server gives each slot a stream
+of n_ctx / n_parallel cells instead. In a shared pool each prompt token's
+attention mask spans the occupied cells of every sequence (masked out when
+they are another's); a stream per slot holds only its own.
 
 In one process, the same prompt tokens as bench-peer's `plain` workload
 (S streams x P tokens, the logits of each prompt's last token) go through
@@ -15,9 +15,9 @@ one `llama_decode` in contexts of each layout (`--instances` of each: two
 identical contexts already differ by a few per cent, so the spread between
 them is reported beside the layout ratio), the order flipping every
 repetition. Rows `{layout, instance, rep, ms, tokens_per_s}`, then the
-medians and the ratio per-sequence / shared. There is no target: the ratio is the
-head start llama.cpp's server has on a burst prefill, which npuserve makes up
-by running the burst as one job (see docs/models.md, "Measured").
+medians and the ratio per-sequence / shared. There is no target: the ratio
+is the head start llama.cpp's server has on a burst prefill, which npuserve
+makes up by running the burst as one job (see docs/models.md, "Measured").
 """
 
 from __future__ import annotations
