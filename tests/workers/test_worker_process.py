@@ -467,7 +467,20 @@ def ref_package():
     return ensure_default_package()
 
 
-def test_few_hundred_ref_jobs_equal_in_process_calls(ctx, board, runtime_dir, ref_package):
+@pytest.fixture
+def worker_blas_pool():
+    """This process's OpenBLAS pool sized as a worker's (`worker_environ`: 1 thread unless the operator says),
+    for the time of a test that compares the two bit for bit: on some CPUs (seen on an AVX-512 EPYC) sgemm
+    rounds differently with 1 and 2 threads. The pool size it had is restored afterwards."""
+    from tools.bench_backend import openblas_threads, set_openblas_threads
+    from workers.control import worker_environ
+
+    set_openblas_threads(openblas_threads(worker_environ()) or os.cpu_count() or 1)
+    yield
+    set_openblas_threads(openblas_threads(os.environ) or os.cpu_count() or 1)
+
+
+def test_few_hundred_ref_jobs_equal_in_process_calls(ctx, board, runtime_dir, ref_package, worker_blas_pool):
     from workers.model_package import load_package
 
     oracle = make_backend("ref")
