@@ -27,7 +27,7 @@ from ipc.records import Job, JobKind, JobResult, JobStatus
 from ipc.ring import RingFull
 from ipc.stale import reap_stale
 from workers.backends.registry import make_backend
-from workers.chip_link import SHM_PREFIX, ChipLink, Heartbeat, Ready, Result, WorkerFailed
+from workers.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
