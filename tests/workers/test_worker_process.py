@@ -471,7 +471,8 @@ def ref_package():
 def worker_blas_pool():
     """This process's OpenBLAS pool sized as a worker's (`worker_environ`: 1 thread unless the operator says),
     for the time of a test that compares the two bit for bit: on some CPUs (seen on an AVX-512 EPYC) sgemm
-    rounds differently with 1 and 2 threads. The pool size it had is restored afterwards."""
+    rounds differently with 1 and 2 threads. Afterwards the pool is set back to this process's default
+    (its environment's BLAS thread count, else one per core), which is what it started with."""
     from tools.bench_backend import openblas_threads, set_openblas_threads
     from workers.control import worker_environ
 
