@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from conftest import ROOT
-from tools.load.paired import Target, compare, run_rounds
+from tools.load.paired import Target, compare, format_comparison, run_rounds
 from tools.load.runner import Record
 
 
@@ -38,6 +38,16 @@ def test_compare_takes_medians_ratios_and_target_margins():
     assert t["met"] is True and t["margin"] == pytest.approx(0.1)
     f = cmp["ttft_p50_ms"]
     assert f["difference"] == 2.5 and f["met"] is False and f["margin"] == pytest.approx(-0.5)
+    # each round's own paired value, and whether the bound lies inside their spread
+    assert t["rounds"] == [0.6, 0.7, 0.9] and t["within_spread"] is True
+    assert f["rounds"] == [2.0, 2.5, 29.0] and f["within_spread"] is True
+    text = format_comparison(list(cmp.values()))
+    assert "rounds 0.600-0.900, the bound inside their spread" in text and "rounds +2.000 to +29.000" in text
+    apart = _rows("http", [70, 70, 90], [13.0, 13.0, 40.0]) + _rows("zeromq", [100, 100, 100], [10.0, 10.5, 11.0])
+    cmp = {c["metric"]: c for c in compare(apart, "http", "zeromq", [Target("tokens_per_s", "min", 0.6),
+                                                                       Target("ttft_p50_ms", "diff", 2.0)])}
+    assert cmp["tokens_per_s"]["within_spread"] is False and cmp["ttft_p50_ms"]["within_spread"] is False
+    assert "inside" not in format_comparison(list(cmp.values()))
     # a ratio bound on TTFT: 13 / 10.5 = 1.238
     assert [c["met"] for b in (1.25, 1.2) for c in compare(rows, "http", "zeromq", [Target("ttft_p50_ms", "max", b)])
             if "met" in c] == [True, False]

@@ -61,8 +61,26 @@ def medians(rows: list[dict], label: str) -> dict[str, float | None]:
     return out
 
 
+def round_values(rows: list[dict], subject: str, baseline: str, metric: str, diff: bool) -> list[float]:
+    """Each round's own subject/baseline ratio (or difference): both routes ran that round's requests back to
+    back, so these are paired measurements, and their spread is what the machine's drift alone does."""
+    by = {(r["label"], r["round"]): r.get(metric) for r in rows}
+    out = []
+    for rnd in sorted({r["round"] for r in rows}):
+        s, b = by.get((subject, rnd)), by.get((baseline, rnd))
+        if s is None or b is None or (not diff and not b):
+            continue
+        out.append(round(s - b if diff else s / b, 3))
+    return out
+
+
 def compare(rows: list[dict], subject: str, baseline: str, targets: list[Target], extra: dict | None = None) -> list[dict]:
-    """Per metric: subject / baseline on the medians (and the TTFT difference), with any target's verdict."""
+    """Per metric: subject / baseline on the medians (and the TTFT difference), with any target's verdict.
+
+    A target row also carries the rounds' own values (`rounds`) and
+    `within_spread`: the bound lies between the lowest and highest of them,
+    so whether the median meets it is decided by noise, not by the routes.
+    """
     s, b = medians(rows, subject), medians(rows, baseline)
     out = []
     for m in METRICS:
@@ -82,8 +100,10 @@ def compare(rows: list[dict], subject: str, baseline: str, targets: list[Target]
                 value = row["ratio"]
                 ok = value >= t.bound if t.kind == "min" else value <= t.bound
                 dist = value - t.bound if t.kind == "min" else t.bound - value
+            per_round = round_values(rows, subject, baseline, m, t.kind == "diff")
             out.append({**row, "target": str(t), "target_kind": t.kind, "bound": t.bound, "value": value, "met": ok,
-                        "margin": round(dist, 3)})
+                        "margin": round(dist, 3), "rounds": per_round,
+                        "within_spread": len(per_round) > 1 and min(per_round) <= t.bound <= max(per_round)})
             break
         else:
             out.append(row)
@@ -98,7 +118,13 @@ def format_comparison(comparison: list[dict]) -> str:
                 f"difference {c['difference']:+,.3f}")
         if "target" in c:
             verdict = "met" if c["met"] else "MISSED"
-            line += f"  [target {c['target']}: {verdict}, margin {c['margin']:+.3f}]"
+            line += f"  [target {c['target']}: {verdict}, margin {c['margin']:+.3f}"
+            if len(c["rounds"]) > 1:
+                line += f"; rounds {min(c['rounds']):+,.3f} to {max(c['rounds']):+,.3f}" if c["target_kind"] == "diff" \
+                    else f"; rounds {min(c['rounds']):.3f}-{max(c['rounds']):.3f}"
+            if c["within_spread"]:
+                line += ", the bound inside their spread"
+            line += "]"
         lines.append(line)
     return "\n".join(lines)
 
