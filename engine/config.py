@@ -225,6 +225,9 @@ class BatchConfig:
 class ExecutorConfig:
     max_inflight: int = key(1, _int(1, 8), "jobs in flight per chip (2 = ping/pong)")
     job_timeout_ms: int = key(30000, _int(1), "a job not answered within this is failed and its KV Unknown")
+    worker_spin_us: int = key(200, _int(0, 100_000), "how long a chip worker polls for its next job before it "
+                                                     "parks in the kernel; 0 = park at once (hosts with no spare "
+                                                     "core, where the spin takes CPU the daemon needs)")
 
 
 @dataclass(frozen=True)

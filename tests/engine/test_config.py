@@ -47,7 +47,7 @@ def test_defaults_match_the_contract():
     assert (q.decode_weight, q.short_prefill_weight, q.medium_prefill_weight, q.long_prefill_weight) == (8, 4, 2, 1)
     assert (q.short_prefill_max_tokens, q.medium_prefill_max_tokens, q.tenants) == (512, 4096, {})
     assert (cfg.batch.profiles, cfg.batch.batching_window_us, cfg.batch.chunked_prefill) == ((), 0, True)
-    assert (cfg.executor.max_inflight, cfg.executor.job_timeout_ms) == (1, 30000)
+    assert (cfg.executor.max_inflight, cfg.executor.job_timeout_ms, cfg.executor.worker_spin_us) == (1, 30000, 200)
     assert (cfg.kv.block_size, cfg.kv.num_blocks, cfg.kv.prefix_cache) == (16, 0, True)
     r = cfg.recovery
     assert (r.max_resets_per_10min, r.heartbeat_interval_ms, r.heartbeat_timeout_ms) == (2, 1000, 3000)

@@ -255,3 +255,17 @@ def test_runtime_dir_too_long_for_a_socket_path_fails_cleanly(env):
     with pytest.raises(ValueError, match="too long"):
         link.start()
     assert shm_entries(board) == set() and not link.is_alive()
+
+
+def _worker_config(pid: int) -> dict:
+    """The WorkerConfig a worker was started with (its last argument, JSON)."""
+    return orjson.loads(psutil.Process(pid).cmdline()[-1])
+
+
+def test_the_worker_polls_for_jobs_as_long_as_the_link_says(env):
+    with link_for(env, job_spin_s=0.0) as link:
+        events_until(link, has(Ready))
+        assert _worker_config(link.pid)["job_spin_s"] == 0.0
+    with link_for(env) as link:  # not given: the worker's own default
+        events_until(link, has(Ready))
+        assert _worker_config(link.pid)["job_spin_s"] == WorkerConfig.job_spin_s == 200e-6

@@ -109,6 +109,7 @@ class Generation:
             link = ChipLink(ctx=self.ctx, board=cfg.board.id, chip=chip, backend=cfg.board.backend,
                             backend_options=opts, package_path=self.package_path,
                             runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb, generation=self.id,
+                            job_spin_s=cfg.executor.worker_spin_us / 1e6,
                             package_sha256=self.package.sha256 if self.package is not None else None)
             self.links.append(link)
             try:

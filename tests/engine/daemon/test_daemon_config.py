@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import orjson
+import psutil
 import pytest
 
 from conftest import ROOT, log_events, shm_objects_of
@@ -67,3 +69,10 @@ def test_a_package_that_cannot_load_fails_start_up_with_the_workers_message(shor
     assert p.returncode == 1
     assert b"cannot start" in err and b"no-such-package" in err, err[-2000:]
     assert shm_objects_of(p.pid) == []
+
+
+def test_executor_worker_spin_reaches_every_chip_worker(daemon):
+    d = daemon(backend="stub", chips=2, settings={"executor.worker_spin_us": 50})
+    workers = [p for p in psutil.Process(d.pid).children() if "workers" in p.cmdline()]
+    assert len(workers) == 2
+    assert [orjson.loads(p.cmdline()[-1])["job_spin_s"] for p in workers] == [50e-6, 50e-6]
