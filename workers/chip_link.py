@@ -90,7 +90,7 @@ class ChipLink:
         heartbeat_interval_s: float = 0.2,
         generation: int = 0,
         package_sha256: str | None = None,
-        job_spin_s: float | None = None,
+        job_spin_s: float = WorkerConfig.job_spin_s,
     ) -> None:
         self.ctx = ctx
         self.board = str(board)
@@ -101,7 +101,7 @@ class ChipLink:
         self.runtime_dir = runtime_dir
         self.ring_bytes = int(ring_bytes)
         self.heartbeat_interval_s = float(heartbeat_interval_s)
-        self.job_spin_s = job_spin_s  # None: the worker's default (WorkerConfig.job_spin_s)
+        self.job_spin_s = float(job_spin_s)  # how long the worker polls for its next job before it parks
         self.generation = int(generation)  # model generation (several may run on one board at once)
         self.package_sha256 = package_sha256  # set: the package was verified for this load (the worker trusts it)
         self.socket: zmq.Socket | None = None
@@ -147,8 +147,7 @@ class ChipLink:
                 backend_options=self.backend_options, package_path=self.package_path,
                 package_sha256=self.package_sha256,
                 heartbeat_interval_s=self.heartbeat_interval_s, job_bell=self._bell.name,
-                result_bell_fd=self.result_fd,
-                **({} if self.job_spin_s is None else {"job_spin_s": float(self.job_spin_s)}),
+                result_bell_fd=self.result_fd, job_spin_s=self.job_spin_s,
             )
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "workers", config.to_json()],
