@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from tools.load import local_daemon
+from tools.load.paired import bound_within
 from tools.load.report import pct
 
 TARGETS = {  # (metric, workload, concurrency): (bound, "min" = ratio at least / "max" = ratio at most)
@@ -221,7 +222,7 @@ def ratio_rows(rows: list[Row]) -> list[dict]:
                 ok = ratio >= bound if kind == "min" else ratio <= bound
                 row.update(target=f"{'>=' if kind == 'min' else '<='} {bound}", met=ok,
                            distance=round(ratio - bound, 3),
-                           within_spread=len(per_round) > 1 and min(per_round) <= bound <= max(per_round))
+                           within_spread=bound_within(per_round, bound))
             out.append(row)
     return out
 

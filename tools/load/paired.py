@@ -61,6 +61,12 @@ def medians(rows: list[dict], label: str) -> dict[str, float | None]:
     return out
 
 
+def bound_within(per_round: list[float], bound: float) -> bool:
+    """The bound lies between the lowest and highest of two or more paired rounds: the verdict on the median
+    is then decided by the machine's drift, not by the two sides."""
+    return len(per_round) > 1 and min(per_round) <= bound <= max(per_round)
+
+
 def round_values(rows: list[dict], subject: str, baseline: str, metric: str, diff: bool) -> list[float]:
     """Each round's own subject/baseline ratio (or difference): both routes ran that round's requests back to
     back, so these are paired measurements, and their spread is what the machine's drift alone does."""
@@ -103,7 +109,7 @@ def compare(rows: list[dict], subject: str, baseline: str, targets: list[Target]
             per_round = round_values(rows, subject, baseline, m, t.kind == "diff")
             out.append({**row, "target": str(t), "target_kind": t.kind, "bound": t.bound, "value": value, "met": ok,
                         "margin": round(dist, 3), "rounds": per_round,
-                        "within_spread": len(per_round) > 1 and min(per_round) <= t.bound <= max(per_round)})
+                        "within_spread": bound_within(per_round, t.bound)})
             break
         else:
             out.append(row)
