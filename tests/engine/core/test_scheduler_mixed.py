@@ -216,7 +216,7 @@ def test_a_burst_of_prompts_is_held_for_the_prefill_window_and_shares_one_job():
 
 
 def test_arrivals_that_never_pause_hold_a_job_at_most_the_window_cap():
-    from engine.core.scheduler import PREFILL_WINDOW_CAP
+    from engine.core.batch_planner import PREFILL_WINDOW_CAP
 
     s = make_scheduler(SchedulerConfig(prefill_window_s=0.002), mixed=4096, profiles=(1, 4, 8, 16, 32))
     ex = FakeExecutor(s)
