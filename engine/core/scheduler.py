@@ -730,9 +730,9 @@ class Scheduler:
         plan, requests = self.planner, self._requests
         decode: list[RequestRecord] = []
         waiting = len(ch.prefill)
-        if waiting and not ch.decode_ready and not self._may_fire(plan.prompts_hold(ch.prefill, requests, budget,
-                                                                                     now)):
-            return False
+        if waiting and not ch.decode_ready:
+            if not self._may_fire(plan.prompts_hold(ch.prefill, requests, budget, now)):
+                return False
         if ch.decode_ready and (waiting or self._may_fire(plan.decode_hold(ch.decode_ready, requests, now))):
             cands = plan.decode_candidates(ch.decode_ready, requests)
             decode = self._with_room(ch, plan.mixed_decode_lanes(cands, budget, bool(waiting)))
@@ -767,7 +767,8 @@ class Scheduler:
         starts = [r.committed for r in decode] + [start for _, start, _ in prompts]
         ends = [r.committed + 1 for r in decode] + [end for _, _, end in prompts]
         sampled = [True] * len(decode) + [end == r.prefill_target for r, _, end in prompts]
-        job = build_job(kind, [self._lane(r, ch, *lane) for r, *lane in zip(rs, starts, ends, sampled)],
+        lane = self._lane
+        job = build_job(kind, [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)],
                         job_id=job_id, generation=self.model.generation, batch=batch,
                         table_width=ch.max_blocks_per_seq)
         for r, end in zip(rs, ends):
