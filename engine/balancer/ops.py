@@ -9,18 +9,27 @@ and aggregated; `drain`/`resume` (admin) act on the balancer itself, or with
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.daemon.auth import is_admin, tenant_for
 
 if TYPE_CHECKING:
-    from engine.balancer.shell import Balancer
-    from engine.daemon.frontend import Conn
+    from engine.balancer.core import BalancerCore
+    from engine.daemon.frontend import Conn, Frontend
+
+
+class BalancerPorts(Protocol):
+    """What an op reaches of the balancer shell: its frontend, its core and its request ids."""
+
+    frontend: "Frontend"
+    core: "BalancerCore"
+
+    def next_request_id(self) -> int: ...
 
 NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback"})
 
 
-def handle(bal: "Balancer", conn: "Conn", msg: dict, now: float) -> list:
+def handle(bal: BalancerPorts, conn: "Conn", msg: dict, now: float) -> list:
     op = msg["op"]
     cid = msg["id"]
     fe = bal.frontend
