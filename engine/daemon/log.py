@@ -15,6 +15,8 @@ import time
 import orjson
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+# The human format's level column: the conventional short names, not a cut at five letters ("WARNI").
+HUMAN_LEVELS = {"debug": "DEBUG", "info": "INFO", "warning": "WARN", "error": "ERROR"}
 
 EVENTS: dict[str, str] = {
     # start-up and serving
@@ -103,7 +105,7 @@ def json_line(ts: float, level: str, event: str, fields: dict) -> bytes:
 def human_line(ts: float, level: str, event: str, fields: dict) -> bytes:
     """`20:44:37.123 WARN  chip_down chip=1 reason="..."`; a traceback follows on its own lines."""
     clock = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts * 1000) % 1000:03d}"
-    parts = [clock, level.upper()[:5].ljust(5), event]
+    parts = [clock, HUMAN_LEVELS[level].ljust(5), event]
     tail = ""
     for k, v in fields.items():
         if k == "traceback" and isinstance(v, str):
