@@ -52,28 +52,37 @@ class Record:
 
 
 class _ZmqDriver:
-    """The client library over ZeroMQ (`AsyncClient`); `openai_load.OpenAIDriver` is the HTTP one."""
+    """The client library over ZeroMQ (`AsyncClient`); `openai_load.OpenAIDriver` is the HTTP one.
+
+    One client per endpoint; with several (a load split over daemons), the process's requests take them in
+    turn, in the order they are sent.
+    """
 
     def __init__(self, spec: dict) -> None:
         self.spec = spec
+        self.sent = 0
 
     async def __aenter__(self) -> "_ZmqDriver":
         from engine.async_client import AsyncClient
 
-        self.c = await AsyncClient(self.spec["endpoint"], timeout=self.spec.get("timeout", 600)).__aenter__()
+        self.cs = [await AsyncClient(e, timeout=self.spec.get("timeout", 600)).__aenter__()
+                   for e in self.spec["endpoints"]]
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.c.__aexit__(*exc)
+        for c in self.cs:
+            await c.__aexit__(*exc)
 
     async def ready(self, streams: int = 1) -> None:
-        await self.c.health()  # connected before the clock starts (one DEALER carries every stream)
+        for c in self.cs:
+            await c.health()  # connected before the clock starts (one DEALER carries every stream)
 
     async def one(self, r: dict, write) -> None:
         from engine.client import build_generate
         from engine.errors import ClientError
 
-        c = self.c
+        c = self.cs[self.sent % len(self.cs)]
+        self.sent += 1
         t0 = time.time()
         first = last = None
         n = 0
@@ -161,12 +170,12 @@ def _wire(r: Request) -> dict:
             "at": r.at}
 
 
-def run(endpoint: str | None, requests: list[Request], *, concurrency: int | None, clients: int = 2,
+def run(endpoint: str | list[str] | None, requests: list[Request], *, concurrency: int | None, clients: int = 2,
         on_record: Callable[[Record], None] | None = None, timeout: float = 600.0, openai: str | None = None,
         api_key: str | None = None, model: str | None = None) -> list[Record]:
     """Send `requests` (closed loop at `concurrency`, or open loop when it is None); one Record each.
 
-    Over ZeroMQ to `endpoint`, or with `openai` (a server's base URL) over HTTP to an OpenAI-compatible
+    Over ZeroMQ to `endpoint` (a list: each client process spreads its requests over all of them), or with `openai` (a server's base URL) over HTTP to an OpenAI-compatible
     server, `model` and `api_key` going into each request.
     """
     k = max(1, min(clients, concurrency or clients, len(requests)))
@@ -176,7 +185,7 @@ def run(endpoint: str | None, requests: list[Request], *, concurrency: int | Non
         share = None
         if concurrency:
             share = concurrency // k + (1 if i < concurrency % k else 0)
-        spec = {"endpoint": endpoint, "concurrency": share, "start_at": start_at, "timeout": timeout,
+        spec = {"endpoints": [endpoint] if isinstance(endpoint, str) else endpoint, "concurrency": share, "start_at": start_at, "timeout": timeout,
                 "openai": openai, "api_key": api_key, "model": model,
                 "requests": [_wire(r) for r in requests[i::k]]}
         p = subprocess.Popen([sys.executable, "-m", "tools.load.runner"], stdin=subprocess.PIPE,
