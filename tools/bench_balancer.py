@@ -23,7 +23,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import time
 
 from tools.json_lines import emit
 from tools.load import runner
+from tools.load.ports import free_port
 from tools.load.report import pct, summarize
 from tools.load.workload import Request
 
@@ -51,12 +51,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prefix-requests", type=int, default=60)
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- load
@@ -83,7 +77,7 @@ class _Procs:
         return p
 
     def daemon(self, i: int) -> str:
-        ep = f"tcp://127.0.0.1:{_port()}"
+        ep = f"tcp://127.0.0.1:{free_port()}"
         rt = os.path.join(self.tmp, f"d{i}")
         self.spawn(f"daemon{i}", [sys.executable, "-m", "engine.daemon.main", "--backend", "stub", "--chips", "1",
                                   "--board", f"bb{i}", "--runtime-dir", rt, "--endpoint", ep,
@@ -92,7 +86,7 @@ class _Procs:
         return ep
 
     def balancer(self, backends: list[str], policy: str) -> tuple[subprocess.Popen, str]:
-        ep = f"tcp://127.0.0.1:{_port()}"
+        ep = f"tcp://127.0.0.1:{free_port()}"
         p = self.spawn(f"bal{len(self.procs)}", [sys.executable, "-m", "engine.balancer.main", "--endpoint", ep,
                                                  "--backends", ",".join(backends), "--policy", policy])
         return p, ep

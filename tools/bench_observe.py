@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -27,6 +26,7 @@ import urllib.request
 
 from tools.json_lines import emit
 from tools.load.paired import medians
+from tools.load.ports import free_port
 
 TARGETS = {"metrics": 0.97, "trace": 0.90}
 
@@ -42,12 +42,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_run(a: argparse.Namespace, variant: str, tmp: str) -> dict:
     from tools import bench_serve
 
@@ -56,7 +50,7 @@ def _serve_run(a: argparse.Namespace, variant: str, tmp: str) -> dict:
     scrapes = [0]
     trace = os.path.join(tmp, "t.json")
     if variant == "metrics":
-        port = _free_port()
+        port = free_port()
         argv += ["--set", f"metrics.port={port}"]
 
         def scrape() -> None:
