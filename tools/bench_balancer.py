@@ -22,14 +22,13 @@ import argparse
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 from tools.json_lines import emit
-from tools.load import runner
+from tools.load import child_process, runner
 from tools.load.ports import free_port
 from tools.load.report import pct, summarize
 from tools.load.workload import Request
@@ -92,13 +91,7 @@ class _Procs:
         return p, ep
 
     def stop(self, p: subprocess.Popen) -> None:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        child_process.stop(p, 30)
 
     def close(self) -> None:
         for p in reversed(self.procs):

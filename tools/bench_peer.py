@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 from tools.json_lines import emit
 from tools.load import local_daemon, paired, runner
-from tools.load.report import summarize
+from tools.load.report import summarize, table
 from tools.load.runner import Record
 from tools.load.workload import Request
 
@@ -37,6 +37,9 @@ TARGETS = {  # (metric, workload, concurrency): npuserve / llama.cpp at least (m
     ("ttft_p50_ms", "shared-prefix", 32): paired.Target("ttft_p50_ms", "max", 0.5),
 }
 METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+COLUMNS = [("engine", "engine"), ("concurrency", "conc"), ("workload", "workload"), ("round", "round"),
+           ("tokens_per_s", "tok/s"), ("ttft_p50_ms", "ttft p50"), ("ttft_p99_ms", "ttft p99"),
+           ("tpot_p50_ms", "tpot p50"), ("tpot_p99_ms", "tpot p99")]
 _TEXT = ("The history of the city begins with a small settlement on the river. Over the centuries it grew into a "
          "center of trade, learning and art, attracting merchants, scholars and travelers from distant lands. ")
 
@@ -184,12 +187,7 @@ def ratio_rows(rows: list[Row]) -> list[dict]:
 
 
 def format_table(rows: list[Row], ratios: list[dict]) -> str:
-    head = f"{'engine':<10} {'conc':>4} {'workload':<13} {'round':>5} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} " \
-           f"{'tpot p50':>9} {'tpot p99':>9}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r.engine:<10} {r.concurrency:>4} {r.workload:<13} {r.round:>5} {r.tokens_per_s:>8.1f} "
-                     f"{r.ttft_p50_ms:>9.1f} {r.ttft_p99_ms:>9.1f} {r.tpot_p50_ms:>9.1f} {r.tpot_p99_ms:>9.1f}")
+    lines = [table([asdict(r) for r in rows], COLUMNS)]
     lines += ["", "npuserve / llama.cpp (median over rounds; in brackets the rounds' own ratios, lowest to highest):"]
     for x in ratios:
         spread = ""
