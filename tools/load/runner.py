@@ -24,8 +24,24 @@ import orjson
 from tools.load.workload import Request
 
 
+class Timed:
+    """TTFT and TPOT of a request from its `sent`, `first` and `last` instants (seconds) and `token_count`:
+    what `Record` and the wire client's `Trace` both report."""
+
+    __slots__ = ()
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first is None else (self.first - self.sent) * 1000.0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        n = self.token_count
+        return None if n < 2 or self.first is None else (self.last - self.first) * 1000.0 / (n - 1)
+
+
 @dataclass(slots=True)
-class Record:
+class Record(Timed):
     """One request as the client saw it (wall-clock seconds)."""
 
     index: int
@@ -38,14 +54,8 @@ class Record:
     itl_ms: list[float] | None = None  # gaps between the stream's token events (one event may carry several)
 
     @property
-    def ttft_ms(self) -> float | None:
-        return None if self.first is None else (self.first - self.sent) * 1000.0
-
-    @property
-    def tpot_ms(self) -> float | None:
-        if self.tokens < 2 or self.first is None:
-            return None
-        return (self.last - self.first) * 1000.0 / (self.tokens - 1)
+    def token_count(self) -> int:
+        return self.tokens
 
 
 # ---------------------------------------------------------------- client process

@@ -21,10 +21,11 @@ import zmq.asyncio
 from engine.async_client import drain_events
 from engine.client import build_cancel, build_generate, open_dealer
 from ipc.codec import encode
+from tools.load.runner import Timed
 
 
 @dataclass(slots=True)
-class Trace:
+class Trace(Timed):
     """Everything the wire said about one request."""
 
     rid: str
@@ -50,13 +51,8 @@ class Trace:
         return t.get("code") if t is not None and t["ev"] == "error" else None
 
     @property
-    def ttft_ms(self) -> float | None:
-        return None if self.first is None else (self.first - self.sent) * 1000.0
-
-    @property
-    def tpot_ms(self) -> float | None:
-        n = len(self.tokens)
-        return None if n < 2 or self.first is None else (self.last - self.first) * 1000.0 / (n - 1)
+    def token_count(self) -> int:
+        return len(self.tokens)
 
     def wire_violations(self, full_length: bool = True) -> list[str]:
         """Where the stream broke the protocol's promises (empty = it kept them): exactly one terminal event,
