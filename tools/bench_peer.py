@@ -2,11 +2,12 @@
 
 The same GGUF, the same total CPU threads, the same workload (prompt and
 output lengths, greedy, `ignore_eos`), in alternating runs: an npuserve
-daemon with the `llamacpp` backend driven through the async client library
-from a load client process (`tools.load.runner`), then llama.cpp's server
+daemon with the `llamacpp` backend driven in-process through the async
+client library (`tools.load.runner.run_here`), then llama.cpp's server
 engine (xllamacpp `Server`, `n_parallel` = concurrency, continuous batching)
-driven in-process by one thread per stream, then again in the other order. Each engine gets a fresh process /
-server per run. TTFT and TPOT are measured at the caller for both.
+driven in-process by one thread per stream, then again in the other order.
+Each engine gets a fresh process / server per run. TTFT and TPOT are
+measured at the caller for both.
 
 Workloads: `plain` (distinct prompts) and, with `--shared-prefix`,
 `shared-prefix` (a few long system prompts, each followed by a short
@@ -90,7 +91,7 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
             for p in warm:
                 cl.generate(p, max_tokens=1, temperature=0.0)
         reqs = [Request(i, p, out_tokens, seed=i, extra={"temperature": 0.0}) for i, p in enumerate(prompts)]
-        records = runner.run(endpoint, reqs, concurrency=c, clients=1, timeout=900)
+        records = runner.run_here(endpoint, reqs, concurrency=c, timeout=900)
     except BaseException:
         print(f"npuserve daemon log (tail):\n{d.log_tail()}", file=sys.stderr)
         raise

@@ -120,12 +120,14 @@ class _ZmqDriver:
         write([r["index"], r["tenant"], t0, first, last, n, err, gaps])
 
 
-async def _drive(spec: dict) -> None:
-    out = sys.stdout.buffer
+async def _drive(spec: dict, write: Callable[[list], None] | None = None) -> None:
+    """Send `spec["requests"]`, each finished one as a row to `write` (default: a JSON line on stdout)."""
+    if write is None:
+        out = sys.stdout.buffer
 
-    def write(row: list) -> None:
-        out.write(orjson.dumps(row) + b"\n")
-        out.flush()
+        def write(row: list) -> None:
+            out.write(orjson.dumps(row) + b"\n")
+            out.flush()
 
     if spec.get("openai"):
         from tools.load.openai_load import OpenAIDriver as Driver
@@ -134,7 +136,7 @@ async def _drive(spec: dict) -> None:
     reqs = spec["requests"]
     async with Driver(spec) as d:
         await d.ready(min(len(reqs), spec["concurrency"] or 64))  # open loop: a guess at what is outstanding
-        start = spec["start_at"]
+        start = spec["start_at"] or time.time()  # None: as soon as this one client is connected
         await asyncio.sleep(max(0.0, start - time.time()))
         if spec["concurrency"]:  # closed loop
             it = iter(reqs)
@@ -178,6 +180,17 @@ def client_main() -> int:
 def _wire(r: Request) -> dict:
     return {"index": r.index, "tenant": r.tenant, "prompt": r.prompt, "text": r.text, "fields": r.wire(),
             "at": r.at}
+
+
+def run_here(endpoint: str, requests: list[Request], *, concurrency: int | None,
+             timeout: float = 600.0) -> list[Record]:
+    """`run` with one client in this process and no start barrier: for a benchmark whose other side is driven
+    in-process too (`bench-peer`), so neither pays for a client process the other does not have."""
+    records: list[Record] = []
+    spec = {"endpoints": [endpoint], "concurrency": concurrency, "start_at": None, "timeout": timeout,
+            "requests": [_wire(r) for r in requests]}
+    run_loop(_drive(spec, lambda row: records.append(Record(*row))))
+    return records
 
 
 def run(endpoint: str | list[str] | None, requests: list[Request], *, concurrency: int | None, clients: int = 2,
