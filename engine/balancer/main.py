@@ -10,10 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import ConfigError
-
-EXIT_CONFIG = 2
-EXIT_STARTUP = 1
+from engine.config_schema import ConfigError
+from engine.exit_codes import EXIT_CONFIG, EXIT_STARTUP
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

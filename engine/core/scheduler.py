@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
+from engine.config_schema import ConfigError as ConfigurationError  # one class; the old name until the split merges
 from engine.core.actions import Action, EmitTokens, FailRequest, FinishRequest, ReleaseBlocks, SubmitJob
 from engine.core.admission import (
     AdmissionOutcome,
@@ -33,7 +34,7 @@ from engine.core.admission import (
     WaitingLoad,
     decide_submit,
 )
-from engine.core.batch_profiles import ConfigurationError, lanes_for, resolve_profiles
+from engine.core.batch_profiles import lanes_for, resolve_profiles
 from engine.core.chip_state import ChipState, InflightJob
 from engine.core.dispatch import ChipCandidate, choose_chip
 from engine.core.fair_queue import WeightedFairQueue
