@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config_schema import (BadValue, ConfigError, abs_path_or_empty, boolean, check_section, host_port, integer,
-                                  key, name_list, number, section_keys, string, unknown, zmq_endpoint,
+                                  key, name_list, number, string, unknown, zmq_endpoint,
                                   zmq_endpoint_or_empty, zmq_endpoints)
 from engine.core.scheduler_config import SchedulerConfig, TenantPolicy
 from ipc.schema import NAME_RE  # model aliases and tenant names: the wire's rule

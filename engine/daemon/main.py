@@ -64,11 +64,11 @@ def resolve_package(cfg: Config) -> str | None:
     if cfg.model.package:
         return cfg.model.package
     if cfg.board.backend == "ref":
-        from workers.model_package import ensure_default_package
+        from workers.default_package import ensure_default_package
 
         return ensure_default_package()
     if cfg.board.backend == "llamacpp":
-        from workers.tiny_gguf_package import ensure_default_gguf_package
+        from workers.default_package import ensure_default_gguf_package
 
         return ensure_default_gguf_package()
     return None
