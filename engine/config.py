@@ -7,8 +7,10 @@ never accepted as a number), and `validate_against_model` rejects a batch
 profile the model package does not declare (seed 001 §15).
 
 Every key is declared once, as a dataclass field whose metadata carries its
-check and its one-line documentation; the loader, the example file and the
-README are checked against those declarations by the tests.
+check and its one-line documentation (`engine.config_schema.key`); the loader,
+the example file and the README are checked against those declarations by
+the tests. Keys that set the scheduler take their defaults from
+`SchedulerConfig`, so the core and the file agree by construction.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import argparse
 import shlex
 import sys
 
-from engine.config import BACKENDS, Config, ConfigError, load_config
+from engine.config import BACKENDS, LOG_FORMATS, Config, ConfigError, load_config
 from engine.daemon.log import configure as configure_log
 from engine.daemon.log import log
 from engine.exit_codes import EXIT_CONFIG, EXIT_STARTUP
@@ -37,7 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="load PACKAGE (under the model root) as ALIAS at start-up (repeatable; the first is "
                         "the board's default unless model.alias names another)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (metrics.port)")
-    p.add_argument("--log-format", choices=("auto", "json", "human"),
+    p.add_argument("--log-format", choices=LOG_FORMATS,
                    help="log lines on stderr: json (one object per line), human, or auto = human on a terminal "
                         "(log.format)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON of jobs, request phases "

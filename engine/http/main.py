@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from engine.config import HttpConfig, load_config
+from engine.config import LOG_LEVELS, HttpConfig, load_config
 from engine.config_schema import BadValue, ConfigError, host_port, zmq_endpoint
 from engine.exit_codes import EXIT_CONFIG
 
@@ -32,7 +32,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      "(default: the one the upstream reports)")
     p.add_argument("--chat-template", help="file with a Jinja2 chat template to use instead of the package's")
     p.add_argument("--config", help="board config file; its [http] section (flags override it)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p.parse_args(argv)
 
 
