@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from workers.package_manifest import GOLDEN, MANIFEST, check_manifest, common_fields, is_int, need, verify_listed_files
+from workers.package_manifest import (GOLDEN, MANIFEST, PackageFacts, check_manifest, common_fields, is_int, need,
+                                      verify_listed_files)
 from workers.package_manifest import write_manifest as write_package_manifest
 
 FORMAT = "gguf"
@@ -26,35 +27,16 @@ KV_SHAPE_KEYS = ("layers", "kv_heads", "key_length", "value_length")
 TOKENIZER_KINDS = ("bytes", "gguf")
 
 
-@dataclass(frozen=True)
-class GgufPackage:
-    path: str
-    manifest: dict
-    sha256: str  # sha256 of manifest.json: the package identity
-    name: str
+@dataclass(frozen=True, kw_only=True)
+class GgufPackage(PackageFacts):
     architecture: str  # the GGUF's general.architecture (llama, gemma3, ...)
-    vocab_size: int
-    eos_ids: tuple[int, ...]
-    bos_id: int
-    pad_id: int
-    max_seq: int
-    block_size: int
-    profiles: list[int]
-    kv_num_blocks: int
     context_length: int  # what the model was trained for (GGUF metadata)
     tokenizer: dict
-    golden_cases: list[dict] = field(repr=False, default_factory=list)
     kv_shape: dict | None = None  # {"layers", "kv_heads", "key_length", "value_length"}; None in older packages
 
     @property
     def gguf_path(self) -> str:
         return os.path.join(self.path, GGUF_FILE)
-
-    def file_path(self, name: str) -> str:
-        return os.path.join(self.path, name)
-
-    def golden(self) -> list[dict]:
-        return [dict(c, prompt=list(c["prompt"]), tokens=list(c["tokens"])) for c in self.golden_cases]
 
 
 def is_gguf_manifest(manifest) -> bool:

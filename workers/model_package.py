@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from workers.package_manifest import (
     GOLDEN,
     MANIFEST,
     PackageError,
+    PackageFacts,
     check_manifest,
     common_fields,
     need,
@@ -33,22 +34,9 @@ WEIGHTS = "weights.npz"
 REQUIRED_FILES = (WEIGHTS, GOLDEN)
 
 
-@dataclass(frozen=True)
-class ModelPackage:
-    path: str
-    manifest: dict
-    sha256: str  # sha256 of manifest.json: the package identity
-    name: str
-    vocab_size: int
-    eos_ids: tuple[int, ...]
-    bos_id: int
-    pad_id: int
-    max_seq: int
-    block_size: int
-    profiles: list[int]
-    kv_num_blocks: int
+@dataclass(frozen=True, kw_only=True)
+class ModelPackage(PackageFacts):
     dims: ModelDims
-    golden_cases: list[dict] = field(repr=False, default_factory=list)
 
     @property
     def layers(self) -> int:
@@ -69,9 +57,6 @@ class ModelPackage:
     @property
     def head_dim(self) -> int:
         return self.dims.head_dim
-
-    def file_path(self, name: str) -> str:
-        return os.path.join(self.path, name)
 
     def weights(self) -> dict[str, np.ndarray]:
         """The weight tensors, re-verified against the manifest hash and the dims."""
@@ -102,9 +87,6 @@ class ModelPackage:
                 raise PackageError(f"{fpath}: tensor {name!r} holds non-finite values")
         return arrays
 
-    def golden(self) -> list[dict]:
-        """[{"prompt": [...], "max_tokens": n, "tokens": [...]}]: greedy, EOS ignored."""
-        return [dict(c, prompt=list(c["prompt"]), tokens=list(c["tokens"])) for c in self.golden_cases]
 
 
 def check_npz_manifest(m, where: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass, field
 
 SCHEMA = "npuserve-model/v1"
 MANIFEST = "manifest.json"
@@ -22,6 +23,32 @@ SIGNATURE = "manifest.sig"  # optional detached signature of manifest.json (engi
 
 class PackageError(Exception):
     """A package is missing, incomplete, tampered or malformed; the message names the file."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackageFacts:
+    """What every package kind tells about itself, from its verified manifest (`common_fields`)."""
+
+    path: str
+    manifest: dict
+    sha256: str  # sha256 of manifest.json: the package identity
+    name: str
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    bos_id: int
+    pad_id: int
+    max_seq: int
+    block_size: int
+    profiles: list[int]
+    kv_num_blocks: int
+    golden_cases: list[dict] = field(repr=False, default_factory=list)
+
+    def file_path(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def golden(self) -> list[dict]:
+        """[{"prompt": [...], "max_tokens": n, "tokens": [...]}]: greedy, EOS ignored."""
+        return [dict(c, prompt=list(c["prompt"]), tokens=list(c["tokens"])) for c in self.golden_cases]
 
 
 def file_sha256(path: str) -> str:
@@ -135,7 +162,7 @@ def read_golden(path: str, manifest: dict) -> list[dict]:
 
 
 def common_fields(path: str, manifest: dict, raw: bytes) -> dict:
-    """The fields every package kind shares, from a verified manifest (`raw` = its bytes)."""
+    """The `PackageFacts` fields, from a verified manifest (`raw` = its bytes)."""
     return dict(
         path=path,
         manifest=manifest,
