@@ -184,3 +184,38 @@ def test_cycle_checker_sees_a_cycle_hidden_by_type_checking(tmp_path: Path) -> N
     probe = ROOT / "engine" / "daemon" / "_probe.py"
     src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.daemon.loop import Daemon\n"
     assert "engine.daemon.loop" in _imports(probe, src)
+
+
+def _private_engine_names(path: Path, source: str | None = None) -> set[str]:
+    """`engine.x._name` for every underscore name (module or attribute) `path` imports from engine."""
+    tree = ast.parse(path.read_text() if source is None else source, filename=str(path))
+    out: set[str] = set()
+
+    def private(part: str) -> bool:
+        return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names
+                       if a.name.split(".")[0] == "engine" and any(map(private, a.name.split("."))))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "engine":
+            parts = node.module.split(".")
+            out.update(f"{node.module}.{a.name}" for a in node.names
+                       if private(a.name) or any(map(private, parts)))
+    return out
+
+
+# Outside engine/, engine is used through its public names only, so engine can rename its internals freely.
+@pytest.mark.parametrize("package", ["tools", "workers", "ipc"])
+def test_no_private_engine_names_outside_engine(package: str) -> None:
+    offenders = [f"{path.relative_to(ROOT)} imports {name}"
+                 for path in _modules(package) for name in sorted(_private_engine_names(path))]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_private_name_checker_sees_a_private_import(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("from engine.daemon.main import _pairs, main\nimport engine._hidden.mod\n"
+                   "from engine import __version__\n")
+    assert _private_engine_names(bad) == {"engine.daemon.main._pairs", "engine._hidden.mod"}

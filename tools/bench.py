@@ -172,12 +172,12 @@ def predict(a: argparse.Namespace, settings: list[str], pt: dict, reqs, model: d
         return None
     from engine.config import load_config
     from engine.core.scheduler_config import scheduler_config_from
-    from engine.daemon.main import _pairs
+    from engine.flag_pairs import parse_pairs
     from engine.sim import SimRequest, simulate
     from workers.backends.sim_latency import LatencyModel
 
-    cfg = load_config(None, {"board.backend": "sim", **_pairs(settings, "--set")})
-    opts = _pairs(a.backend_option, "--backend-option")
+    cfg = load_config(None, {"board.backend": "sim", **parse_pairs(settings, "--set")})
+    opts = parse_pairs(a.backend_option, "--backend-option")
     lat = LatencyModel(**{k: float(v) for k, v in opts.items() if k in LatencyModel.__dataclass_fields__})
     sim_reqs = [SimRequest(r.index, r.prompt, r.max_tokens) for r in reqs]
     return simulate("continuous", pt["concurrency"], sim_reqs, chips=a.chips, latency=lat,

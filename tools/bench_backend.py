@@ -274,7 +274,7 @@ def main(argv: list[str]) -> int:
     batches = tuple(int(x) for x in args.batches.split(","))
     package = args.package
     if args.backend == "ref" and package is None:
-        from workers.model_package import ensure_default_package
+        from workers.default_package import ensure_default_package
 
         package = ensure_default_package()
     options: dict = {}
@@ -297,7 +297,7 @@ def main(argv: list[str]) -> int:
 def _run(args, backend, options: dict, package: str | None, batches: tuple[int, ...], worker_blas) -> int:
     loaded = None
     if package is not None:
-        from workers.model_package import load_package
+        from workers.package_loader import load_package
 
         loaded = load_package(package)
     backend.load(loaded)

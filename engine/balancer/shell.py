@@ -34,10 +34,9 @@ from engine.config import ConfigError
 from engine.daemon.auth import visible_stats
 from engine.daemon.frontend import Frontend
 from engine.daemon.log import log
+from engine.exit_codes import EXIT_INTERNAL
 from ipc.codec import ProtocolError, decode_event
 from ipc.schema import TOKEN_ID_MAX
-
-EXIT_INTERNAL = 4
 
 
 class Balancer:

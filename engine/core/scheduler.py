@@ -24,6 +24,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine.config_schema import ConfigError
 from engine.core.actions import Action, EmitTokens, FailRequest, FinishRequest, ReleaseBlocks, SubmitJob
 from engine.core.admission import (
     AdmissionOutcome,
@@ -33,7 +34,7 @@ from engine.core.admission import (
     decide_submit,
 )
 from engine.core.batch_planner import BatchPlanner, PromptChunk
-from engine.core.batch_profiles import ConfigurationError, resolve_profiles
+from engine.core.batch_profiles import resolve_profiles
 from engine.core.chip_state import ChipState, InflightJob
 from engine.core.dispatch import ChipCandidate, choose_chip
 from engine.core.fair_queue import WeightedFairQueue
@@ -47,7 +48,7 @@ from engine.core.stop_conditions import StepVerdict, StopChecker, StopReason
 from engine.core.text_stream import TextStream
 from ipc.records import JobKind, JobResult, JobStatus, Lane, build_job
 
-__all__ = ["ChipSpec", "ConfigurationError", "ModelSpec", "Scheduler", "SchedulerConfig"]
+__all__ = ["ChipSpec", "ModelSpec", "Scheduler", "SchedulerConfig"]
 
 S = RequestState
 
@@ -76,14 +77,14 @@ class Scheduler:
         """`piece(token_id)` is the tokenizer's bytes of a token: with it every request's output is also
         decoded to text (and may stop on strings); without it (no tokenizer) requests get token ids only."""
         if not chips:
-            raise ConfigurationError("at least one chip is required")
+            raise ConfigError("at least one chip is required")
         if len({c.chip for c in chips}) != len(chips):
-            raise ConfigurationError("chip ids must be unique")
+            raise ConfigError("chip ids must be unique")
         if model.max_seq < 2 or model.vocab_size < 1:
-            raise ConfigurationError("model max_seq must be >= 2 and vocab_size >= 1")
+            raise ConfigError("model max_seq must be >= 2 and vocab_size >= 1")
         for c in chips:
             if c.num_blocks < 1 or c.block_size < 1:
-                raise ConfigurationError(f"chip {c.chip}: num_blocks and block_size must be >= 1")
+                raise ConfigError(f"chip {c.chip}: num_blocks and block_size must be >= 1")
         self.config = config
         self.model = model
         self.profiles = resolve_profiles(config.profiles, model.profiles)

@@ -147,7 +147,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         tenants=tenants,
         default_tenant=default_tenant,
         profiles=tuple(int(p) for p in profiles) if profiles else None,  # [] = every declared profile
-        batching_window_s=float(_get(b, "batching_window_us", 0)) / 1e6,
+        batching_window_s=float(_get(b, "batching_window_us", d.batching_window_s * 1e6)) / 1e6,
         prefill_window_s=float(_get(b, "prefill_window_us", d.prefill_window_s * 1e6)) / 1e6,
         chunked_prefill=bool(_get(b, "chunked_prefill", d.chunked_prefill)),
         prefill_chunk_tokens=int(_get(b, "prefill_chunk_tokens", d.prefill_chunk_tokens)),

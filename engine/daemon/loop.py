@@ -38,14 +38,13 @@ from engine.daemon.observe import MetricsPortBusy, Observers
 from engine.daemon.models.generation import Generation
 from engine.daemon.models.load_job import STARTUP_TIMEOUT_S, LoadJob
 from engine.daemon.supervisor import Supervisor
+from engine.exit_codes import EXIT_INTERNAL, EXIT_UNRECOVERABLE
 from ipc.stale import reap_stale
 from workers.backends.base import BackendInfo
 from workers.chip_link import SHM_PREFIX, ChipLink
 
 UNLOAD_STOP_TIMEOUT_S = 5.0  # an unloading generation's workers get this long to exit on SHUTDOWN, then SIGKILL
 DEFAULT_DRAIN_S = 30.0  # unload/replace without deadline_s: server.drain_timeout_s
-EXIT_UNRECOVERABLE = 3  # every chip out of service
-EXIT_INTERNAL = 4  # a bug: the core's state can no longer be trusted
 
 
 class StartupError(RuntimeError):

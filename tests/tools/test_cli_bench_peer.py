@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from workers.tiny_gguf_package import ensure_default_gguf_package
+from workers.default_package import ensure_default_gguf_package
 
 
 def test_bench_peer_prints_rows_for_both_engines_and_ratios():

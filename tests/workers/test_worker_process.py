@@ -462,7 +462,7 @@ class RefStream:
 
 @pytest.fixture(scope="module")
 def ref_package():
-    from workers.model_package import ensure_default_package
+    from workers.default_package import ensure_default_package
 
     return ensure_default_package()
 
@@ -482,7 +482,7 @@ def worker_blas_pool():
 
 
 def test_few_hundred_ref_jobs_equal_in_process_calls(ctx, board, runtime_dir, ref_package, worker_blas_pool):
-    from workers.model_package import load_package
+    from workers.package_loader import load_package
 
     oracle = make_backend("ref")
     oracle.load(load_package(ref_package))

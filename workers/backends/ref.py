@@ -16,7 +16,9 @@ import numpy as np
 
 from ipc.records import Job
 from workers.backends.base import BackendError, BackendInfo, BatchProfile, KvLayout, OneStepBackend, StepOutput
-from workers.model_package import ModelPackage, ensure_default_package, load_package
+from workers.default_package import ensure_default_package
+from workers.model_package import ModelPackage
+from workers.package_loader import load_package
 from workers.paged_kv import PagedKvCache
 from workers.transformer import Transformer
 

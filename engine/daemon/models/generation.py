@@ -21,7 +21,8 @@ import zmq
 
 from engine.config import Config, validate_against_model
 from engine.core.model_table import GenerationRecord
-from engine.core.scheduler import ChipSpec, ConfigurationError, ModelSpec, Scheduler
+from engine.config_schema import ConfigError
+from engine.core.scheduler import ChipSpec, ModelSpec, Scheduler
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon.log import log
 from engine.daemon.supervisor import ChipState, Decision, Supervisor
@@ -161,7 +162,7 @@ class Generation:
                                        max_waiting_prompt_tokens=max(sc.max_waiting_prompt_tokens, 1 << 22))
         try:
             self.scheduler = Scheduler(checking, model, chips, piece=piece)
-        except ConfigurationError as e:
+        except ConfigError as e:
             raise GenerationError("validate", f"configuration does not fit the model: {e}") from None
         self.supervisor = Supervisor(cfg.board.chips, max_resets_per_10min=cfg.recovery.max_resets_per_10min,
                                      heartbeat_timeout_s=cfg.recovery.heartbeat_timeout_ms / 1000.0,
