@@ -123,7 +123,9 @@ def _own(path: str, user: str) -> None:
     try:
         pw = pwd.getpwnam(user)
     except KeyError:
-        return  # the user is created after this command (the printed next steps); chown then
+        print(f"warning: no user {user!r} yet: {path} stays root's; create the user, then "
+              f"chown {user}: {path}", file=sys.stderr)
+        return
     os.chown(path, pw.pw_uid, pw.pw_gid)
 
 
