@@ -2,7 +2,9 @@
 
 `generate`/`cancel` go to the balancer core; `health` is answered from the
 backends' last heartbeats; `stats`/`models` are fanned out to the backends
-and aggregated; `drain`/`resume` (admin) act on the balancer itself, or with
+and aggregated; `drain`/`resume` (admin) act on the balancer itself (with
+`timeout_ms`, what is still in flight then ends with 503 `shutdown`; without
+it the balancer, having no drain budget of its own, lets it finish), or with
 `backend` on one backend (no new requests there, in-flight ones finish).
 """
 
@@ -27,6 +29,7 @@ class BalancerPorts(Protocol):
     def next_request_id(self) -> int: ...
 
 NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback"})
+MAX_DRAIN_TIMEOUT_MS = 86_400_000  # docs/protocol.md
 
 
 def handle(bal: BalancerPorts, conn: "Conn", msg: dict, now: float) -> list:
@@ -54,8 +57,17 @@ def handle(bal: BalancerPorts, conn: "Conn", msg: dict, now: float) -> list:
             fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc:// or an admin key)")
             return []
         target = msg.get("backend")
-        if target is None:
-            core.accepting = op == "resume"
+        timeout_ms = msg.get("timeout_ms") if op == "drain" else None
+        if timeout_ms is not None and (type(timeout_ms) is not int or not 0 <= timeout_ms <= MAX_DRAIN_TIMEOUT_MS):
+            fe.error(conn, cid, 400, "bad_request", f"drain: timeout_ms must be an int 0..{MAX_DRAIN_TIMEOUT_MS} "
+                                                    f"or null, got {timeout_ms!r}")
+            return []
+        if target is None and op == "drain":
+            core.drain(now, None if timeout_ms is None else timeout_ms / 1000.0)
+            fe.reply(conn, cid, op, {"accepting": core.accepting,
+                                     **({} if timeout_ms is None else {"timeout_ms": timeout_ms})})
+        elif target is None:
+            core.resume()
             fe.reply(conn, cid, op, {"accepting": core.accepting})
         elif core.set_drained(target, op == "drain"):
             fe.reply(conn, cid, op, {"backend": target, "drained": op == "drain"})

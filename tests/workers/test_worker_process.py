@@ -359,13 +359,22 @@ def test_chaos_hang_silences_the_worker_then_it_resumes(ctx, board, runtime_dir)
     with make_link(ctx, board, runtime_dir) as link:
         collect(link, lambda ev: any(isinstance(e, Ready) for e in ev))
         collect(link, lambda ev: any(isinstance(e, Heartbeat) for e in ev))  # heartbeats flow
-        link.chaos("hang", 2.0)
-        time.sleep(0.3)
-        link.handle_events()  # whatever was sent before the hang began
+        hang_s = 3.0
+        sent = time.monotonic()
+        link.chaos("hang", hang_s)
+        # The hang has begun once the heartbeats (every HB) stop: wait for a quiet stretch of 6 HB rather
+        # than assume the worker got the message within a fixed time (a loaded machine delays it).
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < 6 * HB:
+            assert time.monotonic() - sent < hang_s, "the worker never went quiet"
+            if link.handle_events():  # whatever was sent before the hang began
+                quiet_since = time.monotonic()
+            time.sleep(0.01)
         link.submit(random_stub_job(rng, 1))
-        t0 = time.monotonic()
+        # It began after `sent`, so it lasts until sent + hang_s at least: look inside that window only.
+        window_end = min(time.monotonic() + 1.0, sent + hang_s - 0.1)
         silent = []
-        while time.monotonic() - t0 < 1.0:
+        while time.monotonic() < window_end:
             silent += link.handle_events()
             time.sleep(0.05)
         assert silent == [], "a hung worker answered"
