@@ -86,3 +86,58 @@ def test_rule_checker_resolves_relative_and_dynamic_imports() -> None:
     src = ("from ..engine.core import scheduler\nfrom . import ring\nfrom .records import Job\n"
            "import importlib\nimportlib.import_module('engine.daemon.loop')\n__import__('workers.main')\n")
     assert {"engine.core", "ipc.ring", "ipc.records", "engine.daemon.loop", "workers.main"} <= _imports(path, src)
+
+
+# -- the daemon's layout (docs/architecture.md, "engine/daemon") --------------------------------------
+DAEMON = ROOT / "engine" / "daemon"
+LOOP = "engine.daemon.loop"
+LOOP_BUILDERS = ("engine/daemon/main.py", "engine/daemon/loop.py")  # the construction site, and the loop itself
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.resolve().relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """`_imports`, plus `from pkg import mod` read as pkg.mod (TYPE_CHECKING imports count too)."""
+    names = _imports(path)
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("module", ["engine/daemon/generations.py", "engine/daemon/views.py"])
+def test_the_generations_registry_and_the_views_import_no_zmq(module: str) -> None:
+    offenders = [n for n in _imports(ROOT / module) if n == "zmq" or n.startswith("zmq.")]
+    assert not offenders, f"{module} imports {offenders}"
+
+
+def test_only_the_construction_site_imports_the_loop() -> None:
+    offenders = []
+    for package in ("engine", "workers", "ipc", "tools"):
+        for path in _modules(package):
+            rel = str(path.relative_to(ROOT))
+            if rel not in LOOP_BUILDERS and LOOP in _imported_modules(path):
+                offenders.append(f"{rel} imports {LOOP}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_import_cycle_among_the_daemon_modules() -> None:
+    graph = {_module_name(p): set() for p in sorted(DAEMON.rglob("*.py"))}
+    for path in sorted(DAEMON.rglob("*.py")):
+        graph[_module_name(path)] = {n for n in _imported_modules(path) if n in graph} - {_module_name(path)}
+    done: set[str] = set()
+
+    def visit(m: str, trail: list[str]) -> None:
+        if m in trail:
+            raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(m):] + [m]))
+        if m in done:
+            return
+        for n in sorted(graph[m]):
+            visit(n, trail + [m])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])
