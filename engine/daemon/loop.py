@@ -315,7 +315,7 @@ class Daemon:
         elif gens.drains_due(now):
             gens.drains(now)
         if fe is not None:
-            self.observe.publish(self.views, now)  # at most every PUBLISH_INTERVAL_S: busy turns keep the snapshot fresh
+            self.observe.publish(self.views, now)  # at most every PUBLISH_INTERVAL_S: busy turns keep it fresh
         blocked = None
         for g in gens.serving_generations():
             g.retry_backlog()
