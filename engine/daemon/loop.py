@@ -6,6 +6,12 @@ result doorbell fd per chip and a self-pipe that signals write to; each
 wake-up feeds what arrived into the sans-I/O scheduler core, calls `tick`,
 and carries out the actions it returns. The poll timeout is the core's
 `next_wakeup` bounded by the supervision period, so an idle daemon sleeps.
+
+The loop holds the turn, `apply`, signals and start/stop only: the model
+generations and the requests pinned to them are the registry's
+(engine/daemon/generations.py), the health/stats/models answers the views'
+(engine/daemon/views.py); each collaborator is handed the narrow object it
+needs, so nothing but the construction site (main.py) imports this module.
 """
 
 from __future__ import annotations
