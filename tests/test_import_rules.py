@@ -219,3 +219,33 @@ def test_private_name_checker_sees_a_private_import(tmp_path: Path) -> None:
     bad.write_text("from engine.daemon.main import _pairs, main\nimport engine._hidden.mod\n"
                    "from engine import __version__\n")
     assert _private_engine_names(bad) == {"engine.daemon.main._pairs", "engine._hidden.mod"}
+
+
+# -- the daemon's layout (docs/architecture.md, "engine/daemon") --------------------------------------
+LOOP = "engine.daemon.loop"
+LOOP_BUILDERS = ("engine/daemon/main.py", "engine/daemon/loop.py")  # the construction site, and the loop itself
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """`_imports`, plus `from pkg import mod` read as pkg.mod (TYPE_CHECKING imports count too)."""
+    names = _imports(path)
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("module", ["engine/daemon/generations.py", "engine/daemon/views.py"])
+def test_the_generations_registry_and_the_views_import_no_zmq(module: str) -> None:
+    offenders = [n for n in _imports(ROOT / module) if n == "zmq" or n.startswith("zmq.")]
+    assert not offenders, f"{module} imports {offenders}"
+
+
+def test_only_the_construction_site_imports_the_loop() -> None:
+    offenders = []
+    for package in ("engine", "workers", "ipc", "tools"):
+        for path in _modules(package):
+            rel = str(path.relative_to(ROOT))
+            if rel not in LOOP_BUILDERS and LOOP in _imported_modules(path):
+                offenders.append(f"{rel} imports {LOOP}")
+    assert not offenders, "\n".join(offenders)

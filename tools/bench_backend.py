@@ -185,7 +185,7 @@ class WorkerRunner:
     def __init__(self, backend_name: str, options: dict, package: str | None):
         import zmq
 
-        from workers.chip_link import ChipLink, Result
+        from engine.daemon.chip_link import ChipLink, Result
 
         self._zmq = zmq
         self._result = Result
@@ -196,7 +196,7 @@ class WorkerRunner:
         self.poller = zmq.Poller()
 
     def start(self) -> None:
-        from workers.chip_link import Ready, WorkerFailed
+        from engine.daemon.chip_link import Ready, WorkerFailed
 
         self.link.start()
         self.poller.register(self.link.socket, self._zmq.POLLIN)  # READY, FAILED, heartbeats

@@ -1,6 +1,6 @@
 """The per-chip worker process: the only place that calls a chip runtime.
 
-Started by `workers.chip_link.ChipLink` as `python -m workers CONFIG_JSON`.
+Started by `engine.daemon.chip_link.ChipLink` as `python -m workers CONFIG_JSON`.
 It attaches the chip's two rings (jobs in, results out), loads the backend,
 announces READY, then serves: job records are read as zero-copy ring views,
 run through the backend (and sampling, when the backend returns logits), and

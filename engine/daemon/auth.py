@@ -14,10 +14,7 @@ clients' `tenant` on. Without CURVE, tcp:// peers are anonymous: their
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    import zmq
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -29,14 +26,14 @@ class Peer:
     forwarder: bool = False
 
 
-class Connection(Protocol):
-    """What this module reads of a connection (the frontend's `Conn` has it), so it need not import the frontend."""
+class Client(Protocol):
+    """What the rules here read of a connection (engine.daemon.frontend.Conn)."""
 
-    local: bool
-    peer: "Peer | None"
+    local: bool  # arrived on an ipc:// endpoint
+    peer: Peer | None
 
 
-def tenant_for(conn: Connection, requested: str) -> str:
+def tenant_for(conn: Client, requested: str) -> str:
     """The tenant a request runs as: the authenticated key's, unless the key forwards for others."""
     peer = getattr(conn, "peer", None)
     if peer is None or peer.forwarder:
@@ -44,7 +41,7 @@ def tenant_for(conn: Connection, requested: str) -> str:
     return peer.name
 
 
-def is_admin(conn: Connection) -> bool:
+def is_admin(conn: Client) -> bool:
     peer = getattr(conn, "peer", None)
     return bool(conn.local or (peer is not None and peer.admin))
 
@@ -53,7 +50,7 @@ def is_admin(conn: Connection) -> bool:
 TENANT_KEYED_STATS = ("tenant_active", "tenant_service_tokens")
 
 
-def visible_stats(conn: Connection, body: Any) -> Any:
+def visible_stats(conn: Client, body: Any) -> Any:
     """What a connection may see of a stats tree: other tenants' entries are removed for a tenant key."""
     peer = getattr(conn, "peer", None)
     if peer is None or peer.admin or peer.forwarder:

@@ -27,7 +27,7 @@ from ipc.records import Job, JobKind, JobResult, JobStatus
 from ipc.ring import RingFull
 from ipc.stale import reap_stale
 from workers.backends.registry import make_backend
-from workers.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
+from engine.daemon.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -290,10 +290,10 @@ def test_sigkill_mid_job_leaves_no_shm_after_stop(ctx, board, runtime_dir):
 def test_worker_exits_when_its_parent_dies(board, runtime_dir):
     script = textwrap.dedent(f"""
         import sys, time, zmq
-        import workers.chip_link
-        from workers.chip_link import ChipLink, Ready
+        import engine.daemon.chip_link
+        from engine.daemon.chip_link import ChipLink, Ready
         # A prefix no daemon's start-up reap_stale sweeps: only the worker may unlink these.
-        workers.chip_link.SHM_PREFIX = {ORPHAN_PREFIX!r}
+        engine.daemon.chip_link.SHM_PREFIX = {ORPHAN_PREFIX!r}
         link = ChipLink(ctx=zmq.Context(), board={board!r}, chip=0, backend="stub",
                         runtime_dir={runtime_dir!r}, heartbeat_interval_s={HB})
         link.start()

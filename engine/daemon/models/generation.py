@@ -15,7 +15,7 @@ import dataclasses
 import inspect
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import zmq
 
@@ -24,17 +24,23 @@ from engine.core.model_table import GenerationRecord
 from engine.config_schema import ConfigError
 from engine.core.scheduler import ChipSpec, ModelSpec, Scheduler
 from engine.core.scheduler_config import scheduler_config_from
+from engine.daemon.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
 from engine.daemon.log import log
 from engine.daemon.supervisor import ChipState, Decision, Supervisor
 from engine.daemon.text_io import piece_function, served_tokenizer
-from ipc.records import Job
+from ipc.records import Job, JobResult
 from ipc.ring import RingFull
 from ipc.shm import ShmFull
 from workers.backends.base import BackendInfo
-from workers.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
 
-if TYPE_CHECKING:
-    from engine.daemon.observe import Observers
+
+class ChipObserver(Protocol):
+    """What a generation tells the observers (engine.daemon.observe.Observers) of its chips."""
+
+    def on_result(self, chip: int, result: JobResult, now: float, generation: int = 0) -> None: ...
+
+    def on_chip_down(self, chip: int, now: float, generation: int = 0) -> None: ...
+
 
 RESTART_TIMEOUT_S = 30.0  # READY of a restarted worker
 
@@ -69,7 +75,7 @@ class Generation:
     def __init__(self, rec: GenerationRecord, cfg: Config, ctx: zmq.Context, *, package_path: str | None,
                  package=None, extra_backend_options: dict | None = None,
                  register: Callable[["Generation", int], None], unregister: Callable[["Generation", int], None],
-                 observe: Callable[[], "Observers | None"]) -> None:
+                 observe: Callable[[], ChipObserver | None]) -> None:
         self.rec = rec
         self.cfg = cfg
         self.ctx = ctx

@@ -161,7 +161,7 @@ def test_start_up_reaps_shared_memory_of_dead_owners(daemon, short_dir, monkeypa
 
 # Workers that take a minute to start: the daemon is still starting up.
 SLOW_WORKERS = """
-import subprocess as _sp, workers.chip_link as _cl
+import subprocess as _sp, engine.daemon.chip_link as _cl
 class _SlowPopen(_sp.Popen):
     def __init__(self, args, *a, **kw):
         if list(args[1:3]) == ["-m", "workers"]:

@@ -17,7 +17,7 @@ import zmq
 
 from ipc.records import Job, JobKind
 from ipc.ring import RingFull
-from workers.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
+from engine.daemon.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
 from workers.control import (BLAS_THREAD_VARS, ControlError, Msg, WorkerConfig, decode, encode,
                              worker_environ)
 
