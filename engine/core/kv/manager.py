@@ -210,9 +210,13 @@ class KvManager:
         if self.paranoid:
             self.check_invariants()
 
-    def commit(self, seq_id: int, job_id: int, tokens: Sequence[int]) -> None:
+    def commit(self, seq_id: int, job_id: int, tokens: Sequence[int], upto: int | None = None) -> None:
         """`tokens`: the sequence's tokens, at least its first pending_len (longer is fine; never copied).
 
+        `upto` (committed_len < upto <= pending_len) commits only that many
+        tokens: the job wrote further (a speculative chunk, a multi-step job
+        that stopped early) but the positions past `upto` are not kept; the
+        next job overwrites them, and they never reach the prefix cache.
         Runs once per sequence per job, so it stays O(1) except when a block
         fills, which costs O(new full blocks) in the prefix cache.
         """
@@ -221,6 +225,10 @@ class KvManager:
             seq = self._pending(seq_id, job_id)  # raises StaleJob with the details
         new_len = seq.pending_len
         assert new_len is not None
+        if upto is not None:
+            if not seq.committed_len < upto <= new_len:
+                raise ValueError(f"seq {seq_id}: commit upto={upto} outside ({seq.committed_len}, {new_len}]")
+            new_len = upto
         if len(tokens) < new_len:
             raise ValueError(f"seq {seq_id}: commit of {new_len} tokens given only {len(tokens)}")
         seq.committed_len = new_len
@@ -232,6 +240,34 @@ class KvManager:
         assert seq.committed_len <= seq.reserved_len <= self.max_seq, seq
         if self.paranoid:
             self.check_invariants()
+
+    def rollback_tail(self, seq_id: int, new_len: int) -> list[int]:
+        """Roll a lane's KV back to its first `new_len` tokens and give back the blocks past them.
+
+        For a lane between jobs (RESERVED / ACTIVE) whose last job wrote or
+        reserved past where it ends: a discarded queued step, rejected draft
+        tokens. committed_len becomes min(committed_len, new_len),
+        reserved_len min(reserved_len, new_len), and the block table keeps
+        only the blocks that length needs; the rest go back to the pool
+        (announced by take_freed(), so a backend frees them too). Blocks
+        already offered to the prefix cache are shared and immutable, so the
+        tail may not reach into them (ValueError). Returns the blocks dropped.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None or (seq.state is not S.RESERVED and seq.state is not S.ACTIVE):
+            raise KvStateError(f"rollback_tail on seq {seq_id} in state {self.state(seq_id).name}")
+        floor = max(seq.cached_len, seq.cache_blocks * self.block_size)
+        if not floor <= new_len:
+            raise ValueError(f"seq {seq_id}: rollback to {new_len} below its cached prefix ({floor} tokens)")
+        seq.committed_len = min(seq.committed_len, new_len)
+        seq.reserved_len = min(seq.reserved_len, new_len)
+        keep = self.blocks_needed(seq.reserved_len)
+        dropped = seq.blocks[keep:]
+        if dropped:
+            del seq.blocks[keep:]
+            self._drop_refs(dropped)
+        self._after(seq_id)
+        return dropped
 
     def fail(self, seq_id: int, job_id: int) -> None:
         seq = self._seqs.get(seq_id)
