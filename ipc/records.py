@@ -49,7 +49,8 @@ class JobStatus(enum.IntEnum):
     INVALID = 2  # the worker rejected the job's inputs before running it
 
 
-_META_LEN = 8
+_META_LEN = 10  # job id, generation, kind, status, device_us, worker_us, 2 spare, device_start_ns, idle_us
+RESULT_META_LEN = _META_LEN
 _JOB_META_LEN = 24  # 4 scalars, 15 field sizes, submitted_ns, spare
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 
@@ -249,10 +250,14 @@ class JobResult:
     logits: np.ndarray | None = None  # float32 [B, V] when the job asked for them
     device_us: int = 0  # time spent in the backend call
     worker_us: int = 0  # time from reading the job to writing this result
+    # Seeing whether the chip is kept busy (issue 23), from the worker's own clock:
+    device_start_ns: int = 0  # time.monotonic_ns() when the backend call began (0 = unknown)
+    idle_us: int = -1  # the chip's idle time from the end of its previous backend call to this one's start; -1 = first
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         meta = np.zeros(_META_LEN, dtype=np.int64)
         meta[:6] = (self.job_id, self.generation, int(self.kind), int(self.status), self.device_us, self.worker_us)
+        meta[8:10] = (self.device_start_ns, self.idle_us)
         out = {
             "meta": meta,
             "tokens": _i32(self.tokens),
@@ -265,7 +270,9 @@ class JobResult:
     @classmethod
     def from_arrays(cls, a) -> "JobResult":
         """Build a JobResult from a mapping of arrays (ring views are copied out)."""
-        job_id, generation, kind, status, device_us, worker_us = a["meta"].tolist()[:6]
+        m = a["meta"].tolist()
+        job_id, generation, kind, status, device_us, worker_us = m[:6]
+        device_start_ns, idle_us = m[8:10] if len(m) >= 10 else (0, -1)
         logits = a["logits"] if "logits" in a else None
         return cls(
             job_id=job_id,
@@ -274,6 +281,8 @@ class JobResult:
             status=JobStatus(status),
             device_us=device_us,
             worker_us=worker_us,
+            device_start_ns=device_start_ns,
+            idle_us=idle_us,
             tokens=np.array(a["tokens"]),
             logprobs=np.array(a["logprobs"]),
             logits=None if logits is None else np.array(logits),

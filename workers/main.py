@@ -29,7 +29,7 @@ import orjson
 import zmq
 
 from ipc.doorbell import SemaphoreDoorbell
-from ipc.records import Job, JobKind, JobResult, JobStatus
+from ipc.records import RESULT_META_LEN, Job, JobKind, JobResult, JobStatus
 from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
@@ -146,6 +146,8 @@ class WorkerProcess:
         self.ctl_seen = 0  # control messages received (jobs carry how many precede them)
         self._releases: list[tuple[int, list[int]]] = []  # (control message index, blocks) not applied yet
         self.slow_s = 0.0
+        self._device_end_ns = 0  # time.monotonic_ns() when the last backend call ended (0: none yet)
+        self._occupancy = (0, -1)  # (device_start_ns, idle_us) of the job being answered
         self.running = True
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
@@ -268,10 +270,14 @@ class WorkerProcess:
             if self.slow_s > 0:  # chaos only: say which job is now on the "device", so a test can act mid-job
                 self.send(encode(Msg.HEARTBEAT, at=time.monotonic(), jobs_done=self.jobs_done, busy_job=job.job_id))
             self._set_in_job(True)
+            start_ns = time.monotonic_ns()
             try:
                 outcome = execute_job(self.backend, job, self.slow_s)
             finally:
                 self._set_in_job(False)
+            # the chip's idle gap before this job: what keeping it busy (issue 23) is measured by
+            last, self._device_end_ns = self._device_end_ns, time.monotonic_ns()
+            self._occupancy = (start_ns, -1 if last == 0 else max(0, start_ns - last) // 1000)
             self.write_result(job, outcome, t0)
             # Wake the link first: the bookkeeping below overlaps its wake-up.
             self.ring_result_bell(job.job_id)
@@ -307,7 +313,8 @@ class WorkerProcess:
         with writer:
             a = writer.arrays
             meta = a["meta"]
-            meta[:] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, 0, 0)
+            meta[:8] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, 0, 0)
+            meta[8:10] = self._occupancy
             a["tokens"][:] = outcome.tokens
             a["logprobs"][:] = outcome.logprobs
             if logits is not None:
@@ -339,7 +346,7 @@ def _result_spec(b: int, logits_shape: tuple[int, ...] | None) -> dict:
     Callers must not mutate it. dtype strings, not numpy types: the ring keys
     its layout cache on them.
     """
-    spec: dict = {"meta": ((8,), "<i8"), "tokens": ((b,), "<i4"), "logprobs": ((b,), "<f4")}
+    spec: dict = {"meta": ((RESULT_META_LEN,), "<i8"), "tokens": ((b,), "<i4"), "logprobs": ((b,), "<f4")}
     if logits_shape is not None:
         spec["logits"] = (tuple(logits_shape), "<f4")
     return spec

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
 from engine.core.model_state import ModelState
+from engine.daemon.chip_occupancy import ChipOccupancy
 
 if TYPE_CHECKING:
     from engine.daemon.generations import Generations
@@ -54,6 +55,10 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 # npuserve's own: one chip job, from the loop handing it over to the loop seeing its result.
 JOB_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                        2.5, 5.0, 10.0, 30.0)
+# The idle gap of a chip between two backend calls (worker clock): tens of microseconds when the next job was
+# already queued, the scheduler's turn when it was not, seconds when there was no work.
+IDLE_GAP_BUCKETS = (0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 1.0, 5.0)
 KV_BLOCK_STATES = ("free", "used", "evictable", "quarantined")  # a partition of every chip's blocks
 ADMISSION_BLOCK_REASONS = ("kv", "max_sequences", "tenant_cap", "static_batching")  # Scheduler.admission_blocked
 
@@ -274,6 +279,11 @@ class MetricsRecorder:
                                      "the scheduler loop sees them, by chip and kind.",
                                      ["model_name", "chip", "kind"], buckets=JOB_LATENCY_BUCKETS, registry=r)
         self._job_children: dict[tuple[str, int, str], object] = {}
+        self.idle_gap = Histogram(PREFIX + "chip_idle_gap_seconds", "Time a chip sat idle between the end of one "
+                                  "backend call and the start of the next (the worker's clock), by chip.",
+                                  ["model_name", "chip"], buckets=IDLE_GAP_BUCKETS, registry=r)
+        self._gap_children: dict[tuple[str, int], object] = {}
+        self.occupancy = ChipOccupancy()
         self._success_children: dict[tuple[str, str], object] = {}
         self._series: dict[str, _ModelSeries] = {}  # model alias -> its histogram children
         self.series(model)  # the default model's histograms exist (empty) from the first scrape
@@ -362,6 +372,13 @@ class MetricsRecorder:
         start = self._job_start.pop((generation, result.job_id), None)
         if start is None or start[1] != chip:
             return
+        gap_key = (start[3], chip)
+        self.occupancy.observe(gap_key, result.device_us)
+        if result.idle_us >= 0:
+            gap = self._gap_children.get(gap_key)
+            if gap is None:
+                gap = self._gap_children[gap_key] = self.idle_gap.labels(start[3], str(chip))
+            gap.observe(result.idle_us / 1e6)
         key = (start[3], chip, start[2])
         child = self._job_children.get(key)
         if child is None:
@@ -388,7 +405,11 @@ class MetricsRecorder:
             return
         self._last_activity = activity
         self._next_idle_publish = now + IDLE_PUBLISH_INTERVAL_S
-        self.collector.snapshot = build_snapshot(v, now, self.bounded_tenants)
+        busy = self.occupancy.window(now)
+        self.collector.snapshot = build_snapshot(v, now, self.bounded_tenants) + (
+            Family("gauge", "chip_busy_fraction", "Device time / wall time of each chip over the last publish "
+                   "window (about 0.5 s while busy): below 1 while work waits, the chip waited on the host.",
+                   ("model_name", "chip"), tuple(((m, str(c)), f) for (m, c), f in sorted(busy.items()))),)
 
     # -- for the stats op ------------------------------------------------------------------
     def families(self) -> list[dict]:
