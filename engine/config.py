@@ -148,6 +148,9 @@ class BatchConfig:
 @dataclass(frozen=True)
 class ExecutorConfig:
     max_inflight: int = key(_SCHED.max_inflight, integer(1, 8), "jobs in flight per chip (2 = ping/pong)")
+    queue_next_step: bool = key(_SCHED.queue_next_step, boolean, "submit a decode lane's next step while its "
+                                "current one runs (its token: the one the worker samples), so the chip does not "
+                                "wait for the scheduler's turn (decode jobs without mixed batches)")
     job_timeout_ms: int = key(round(_SCHED.job_timeout_s * 1000), integer(1), "a job not answered within this is failed and its KV Unknown")
     worker_spin_us: int = key(200, integer(0, 100_000), "how long a chip worker polls for its next job before it "
                                                      "parks in the kernel; 0 = park at once (hosts with no spare "

@@ -25,6 +25,13 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
   sampled token) where that position is context_lens[lane].
 * want_logprobs[B] uint8.
 * src_blocks[K], dst_blocks[K] int32: block ids for KV copy / swap jobs.
+
+A decode lane's token may be FOLLOW_PREVIOUS (-1) instead of an id: "the
+token this lane's previous job samples", so the scheduler can queue step N+1
+while step N runs (issue 23). The worker resolves it from its own last sample
+for the lane, found by (position, the block holding position - 1): that block
+was written by step N, so no other lane holds it then. A follow token it
+cannot resolve (step N failed) makes the job INVALID.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class JobStatus(enum.IntEnum):
     INVALID = 2  # the worker rejected the job's inputs before running it
 
 
+FOLLOW_PREVIOUS = -1  # a lane's token: the one the lane's previous job samples (resolved by the worker)
 _META_LEN = 10  # job id, generation, kind, status, device_us, worker_us, 2 spare, device_start_ns, idle_us
 RESULT_META_LEN = _META_LEN
 _JOB_META_LEN = 24  # 4 scalars, 15 field sizes, submitted_ns, spare

@@ -33,6 +33,7 @@ from ipc.records import RESULT_META_LEN, Job, JobKind, JobResult, JobStatus
 from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
+from workers.follow_tokens import FollowTokens, UnresolvedFollow
 from workers.sampling import sample
 
 _PR_SET_PDEATHSIG = 1
@@ -148,6 +149,7 @@ class WorkerProcess:
         self.slow_s = 0.0
         self._device_end_ns = 0  # time.monotonic_ns() when the last backend call ended (0: none yet)
         self._occupancy = (0, -1)  # (device_start_ns, idle_us) of the job being answered
+        self.follow = FollowTokens(backend.describe().kv.block_size)  # queued next steps' input tokens
         self.running = True
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
@@ -272,7 +274,16 @@ class WorkerProcess:
             self._set_in_job(True)
             start_ns = time.monotonic_ns()
             try:
-                outcome = execute_job(self.backend, job, self.slow_s)
+                try:
+                    self.follow.resolve(job)
+                except UnresolvedFollow as exc:
+                    b = job.batch
+                    outcome = JobOutcome(JobStatus.INVALID, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
+                                         0, f"invalid job: {exc}")
+                else:
+                    outcome = execute_job(self.backend, job, self.slow_s)
+                    if outcome.status == JobStatus.OK:
+                        self.follow.record(job, outcome.tokens)
             finally:
                 self._set_in_job(False)
             # the chip's idle gap before this job: what keeping it busy (issue 23) is measured by

@@ -21,6 +21,8 @@ class InflightJob:
     batch: int
     submitted_at: float
     timeout_at: float
+    # lanes whose request no longer waits for this job's output (a queued step whose predecessor was lost)
+    dropped: set[int] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -36,6 +38,8 @@ class ChipState:
     inflight: dict[int, InflightJob] = field(default_factory=dict)
     decode_ready: dict[int, None] = field(default_factory=dict)  # ordered set of request ids
     bound: set[int] = field(default_factory=set)  # request ids holding a KV sequence here
+    # decode lanes whose job is in flight with no next step queued behind it (executor.queue_next_step)
+    followable: dict[int, None] = field(default_factory=dict)
     jobs_submitted: int = 0
     faults: int = 0
 

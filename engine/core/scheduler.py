@@ -21,7 +21,7 @@ import heapq
 import itertools
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from engine.config_schema import ConfigError
@@ -46,11 +46,12 @@ from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_stats import JobCounts, queue_stats, scheduler_stats
 from engine.core.stop_conditions import StepVerdict, StopChecker, StopReason
 from engine.core.text_stream import TextStream
-from ipc.records import JobKind, JobResult, JobStatus, Lane, build_job
+from ipc.records import FOLLOW_PREVIOUS, JobKind, JobResult, JobStatus, Lane, build_job
 
 __all__ = ["ChipSpec", "ModelSpec", "Scheduler", "SchedulerConfig"]
 
 S = RequestState
+_FOLLOW = (FOLLOW_PREVIOUS,)  # a queued next step's input token: the one the lane's running job samples
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class Scheduler:
         self.profiles = resolve_profiles(config.profiles, model.profiles)
         self.chunked = bool(config.chunked_prefill and model.chunked_prefill)
         self.planner = BatchPlanner(config, self.profiles, self.chunked, model.mixed_batch_tokens)
+        # Queued next steps (issue 23): decode jobs only; a mixed job's lanes take prompts as they come.
+        self._follow = bool(config.queue_next_step and not self.planner.mixed_budget)
         self._eos = tuple(model.eos_ids)
         self._piece = piece
         weights = {
@@ -231,8 +234,11 @@ class Scheduler:
         ch.faults += 1
         self.counters["chip_faults"] += 1
         self._dirty = True
-        inflight_lanes = [rid for job in ch.inflight.values() for rid in job.lanes]
+        # a lane in a job and in its queued next step counts once; a dropped lane is not this job's any more
+        inflight_lanes = list(dict.fromkeys(rid for job in ch.inflight.values() for rid in job.lanes
+                                            if rid not in job.dropped))
         ch.inflight.clear()
+        ch.followable.clear()
         ch.kv.chip_fault()
         for rid in inflight_lanes:
             r = self._requests.get(rid)
@@ -295,7 +301,8 @@ class Scheduler:
     # Settings baked into per-chip state at construction; a reload must leave them alone.
     _FIXED_SETTINGS = ("profiles", "profile_fill_ratio", "chunked_prefill", "max_inflight", "prefix_cache",
                        "decode_weight", "short_prefill_weight", "medium_prefill_weight", "long_prefill_weight",
-                       "short_prefill_max_tokens", "medium_prefill_max_tokens", "static_batching", "max_kv_tokens")
+                       "short_prefill_max_tokens", "medium_prefill_max_tokens", "static_batching", "max_kv_tokens",
+                       "queue_next_step")
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Take new admission budgets, tenant policies, deadlines and windows (a SIGHUP reload).
@@ -480,6 +487,8 @@ class Scheduler:
             ch.prefill.remove(r.request_id)
             ch.decode_ready.pop(r.request_id, None)
             self._unbind(r, released=True)
+        elif old is S.DECODE_RUNNING and self._follow and r.chip is not None:
+            self.chips[r.chip].followable.pop(r.request_id, None)  # no next step for it now
         if state is S.COMPLETED:
             r.move(S.FINISHING)
         r.move(state)
@@ -512,7 +521,10 @@ class Scheduler:
                   out: list[Action]) -> None:
         """Every lane of a failed job: KV Unknown (quarantined until the chip recovers), request retried or 500."""
         self._dirty = True
+        dropped = job.dropped
         for rid, seq_id in zip(job.lanes, job.seq_ids):
+            if rid in dropped:
+                continue  # lost with the job before it, already handled
             r = self._requests.get(rid)
             try:
                 ch.kv.fail(seq_id, job.job_id)
@@ -524,12 +536,27 @@ class Scheduler:
 
     def _lane_lost(self, r: RequestRecord, reason: str, message: str, now: float, out: list[Action]) -> None:
         """A lane of a job that will never complete (job failed, chip down): unbind; retry or fail unless ended."""
+        if r.next_job is not None or self._follow:
+            self._drop_from_other_job(r)
         r.job_id = None
+        r.next_job = None
         self._unbind(r, released=False)
         if r.terminal:
             self._forget_if_done(r)
         else:
             self._retry_or_fail(r, reason, message, now, out)
+
+    def _drop_from_other_job(self, r: RequestRecord) -> None:
+        """r's lane is lost: the other job that carries it (its queued next step, or the step that one follows)
+        no longer answers for it; its KV went with this failure."""
+        ch = self.chips[r.chip] if r.chip is not None else None
+        if ch is None:
+            return
+        ch.followable.pop(r.request_id, None)
+        for j in (r.job_id, r.next_job):
+            other = ch.inflight.get(j) if j is not None else None
+            if other is not None:
+                other.dropped.add(r.request_id)
 
     def _complete_job(self, ch: ChipState, job: InflightJob, result: JobResult, now: float,
                       out: list[Action]) -> None:
@@ -543,18 +570,31 @@ class Scheduler:
         n_lps = len(lps)
         vocab = self.model.vocab_size
         start_lens = job.start_lens
+        dropped, followable = job.dropped, ch.followable if self._follow else None
         for lane, (rid, seq_id, new_len, sampled) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens,
                                                                    job.sampled)):
+            if dropped and rid in dropped:
+                continue  # its step before failed: the lane was handled then
             r = requests[rid]
             assert r.job_id == job_id and r.seq_id == seq_id
-            r.job_id = None
+            nxt = r.next_job  # a queued next step takes the lane over (KV: the hand-off at commit)
+            r.job_id, r.next_job = nxt, None
+            if followable is not None and nxt is None:
+                followable.pop(rid, None)
+            if r.state in TERMINAL_STATES:  # cancelled / expired / shut down while running: drop the output
+                if len(r.tokens) >= new_len:
+                    kv.commit(seq_id, job_id, r.tokens)
+                    r.committed = new_len
+                else:  # a queued step whose input token was never accepted: nothing of it is kept
+                    kv.abandon(seq_id, job_id)
+                    self.counters["queued_steps_discarded"] += 1
+                if nxt is None:  # else its queued step drains first: it still writes this lane's blocks
+                    self._unbind(r, released=True)
+                    self._forget_if_done(r)
+                continue
             kv.commit(seq_id, job_id, r.tokens)  # holds >= new_len tokens; the KV manager reads only those
             r.committed = new_len
             service[r.params.tenant] += new_len - start_lens[lane]
-            if r.state in TERMINAL_STATES:  # cancelled / expired / shut down while running: drop the output
-                self._unbind(r, released=True)
-                self._forget_if_done(r)
-                continue
             if not sampled:
                 r.move(S.PREFILL_READY)
                 ch.prefill.push(rid, r.prefill_target, front=True)
@@ -570,8 +610,12 @@ class Scheduler:
             self._accept_token(r, ch, token, lps[lane] if n_lps > lane else 0.0, now, out)
 
     def _terminate_running(self, r: RequestRecord, ch: ChipState, state: RequestState) -> None:
-        """Terminal state for a request whose job just completed (its KV is committed, not in flight)."""
-        self._unbind(r, released=True)
+        """Terminal state for a request whose job just completed (its KV is committed; a queued next step
+        still in flight keeps it bound until it drains, and its output is dropped)."""
+        if r.job_id is None:
+            self._unbind(r, released=True)
+        else:
+            self.counters["queued_steps_past_end"] += 1
         self._terminate(r, state)
 
     def _accept_token(self, r: RequestRecord, ch: ChipState, token: int, logprob: float, now: float,
@@ -599,12 +643,18 @@ class Scheduler:
                 r.t_first_token = r.t_last_token = now
             reason = stop.value
             self.counters[f"finished_{reason}"] += 1
-            self._unbind(r, released=True)
+            if r.job_id is None:
+                self._unbind(r, released=True)
+            else:  # its queued next step is past the end: it drains, then the lane is released
+                self.counters["queued_steps_past_end"] += 1
             r.move(S.FINISHING)
             out.append(FinishRequest(r.request_id, reason, r.usage(), r.timing(now)))
             r.terminal_emitted = True
             r.move(S.COMPLETED)
             self._forget_if_done(r)
+            return
+        if r.job_id is not None:  # its queued next step already carries it (still DECODE_RUNNING)
+            self._may_follow(ch, r)
             return
         r.move(S.DECODE_READY)
         r.ready_since = now
@@ -645,15 +695,24 @@ class Scheduler:
                     and self._submit_mixed(ch, budget, now, out):
                 pass
             return
-        while ch.in_service and len(ch.inflight) < self.config.max_inflight:
+        limit = self.config.max_inflight
+        decode_failed = False  # no decode job could go this time (no KV room): the slot goes to prompts
+        while ch.in_service:
+            n = len(ch.inflight)
+            if n >= limit:
+                # a queued next step goes past the limit by one: the chip runs it after the job it follows
+                if n == limit and self._follow and ch.followable:
+                    self._submit_decode(ch, now, out, queued_only=True)
+                return
             classes = ch.prefill.nonempty()
-            if ch.decode_ready and self._may_fire(self.planner.decode_hold(ch.decode_ready, self._requests, now)):
+            if not decode_failed and ((self._follow and ch.followable) or (
+                    ch.decode_ready and self._may_fire(self.planner.decode_hold(ch.decode_ready, self._requests, now)))):
                 classes.append(WorkClass.DECODE)
             cls = ch.wrr.pick(classes)
             if cls is None:
                 return
             if cls is WorkClass.DECODE:
-                self._submit_decode(ch, now, out)
+                decode_failed = not self._submit_decode(ch, now, out)
             else:
                 self._submit_prefill(ch, ch.prefill.pop(cls), now, out)
 
@@ -698,20 +757,51 @@ class Scheduler:
         ready = ch.decode_ready
         chosen: list[RequestRecord] = []
         for r in picked:
+            if r.job_id is not None:  # a queued next step: room for the position after its running job's
+                if r.request_id in ch.followable and self._room_for_next(ch, r):
+                    chosen.append(r)
+                continue
             # committed < reserved: the next position already has KV room (_ensure_room's fast case)
             if r.request_id in ready and (r.committed < r.reserved or self._ensure_room(ch, r, chosen)):
                 chosen.append(r)
         return chosen
 
-    def _submit_decode(self, ch: ChipState, now: float, out: list[Action]) -> None:
+    @staticmethod
+    def _may_follow(ch: ChipState, r: RequestRecord) -> None:
+        """r's job is running: its next step may be queued unless that job's token is its last (max_tokens)."""
+        if r.stop.max_tokens - r.stop.produced > 1:
+            ch.followable[r.request_id] = None
+
+    def _room_for_next(self, ch: ChipState, r: RequestRecord) -> bool:
+        """KV for the position after the one r's running job writes. Never preempts: without room the lane
+        waits for its job's result and goes the usual way."""
+        need = r.committed + 2
+        if need <= r.reserved:
+            return True
+        if need > self.model.max_seq:
+            return False
+        target = min(self.model.max_seq, -(-need // ch.block_size) * ch.block_size)
+        if not ch.kv.grow(r.seq_id, target):
+            return False
+        self._kv_reserved += target - r.reserved
+        r.reserved = target
+        return True
+
+    def _submit_decode(self, ch: ChipState, now: float, out: list[Action], queued_only: bool = False) -> bool:
+        """One decode job; False when none could go. With queued next steps, the lanes running now that may
+        be followed are candidates beside the ready ones (`queued_only`: only they, past the in-flight limit)."""
         plan = self.planner
-        cands = plan.decode_candidates(ch.decode_ready, self._requests)
+        pool: Collection[int] = ch.decode_ready
+        if self._follow and ch.followable:
+            pool = ch.followable if queued_only else {**ch.decode_ready, **ch.followable}
+        cands = plan.decode_candidates(pool, self._requests)
         chosen = self._with_room(ch, plan.pick_lanes(cands, plan.decode_profile(len(cands))))
         if not chosen:
-            return
+            return False
         batch = plan.fitting_profile(len(chosen))
         self.job_counts.decode_job(batch, len(chosen))
         self._launch(ch, JobKind.DECODE, chosen, [], batch, now, out)
+        return True
 
     def _submit_prefill(self, ch: ChipState, rid: int, now: float, out: list[Action]) -> None:
         r = self._requests[rid]
@@ -765,20 +855,47 @@ class Scheduler:
         job_id = next(self._job_ids)
         kv = ch.kv
         rs = decode + [r for r, _, _ in prompts]
-        starts = [r.committed for r in decode] + [start for _, start, _ in prompts]
-        ends = [r.committed + 1 for r in decode] + [end for _, _, end in prompts]
+        # a decode lane whose job is still running gets its next step queued: one position further on
+        queued = [r.job_id is not None for r in decode] if self._follow else None
+        starts = [r.committed for r in decode] if queued is None else \
+            [r.committed + q for r, q in zip(decode, queued)]
+        ends = [s + 1 for s in starts]
+        starts += [start for _, start, _ in prompts]
+        ends += [end for _, _, end in prompts]
         sampled = [True] * len(decode) + [end == r.prefill_target for r, _, end in prompts]
         lane = self._lane
-        job = build_job(kind, [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)],
-                        job_id=job_id, generation=self.model.generation, batch=batch,
+        lanes = [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)]
+        if queued is not None and any(queued):
+            lanes = [ln._replace(tokens=_FOLLOW) if i < len(queued) and queued[i] else ln
+                     for i, ln in enumerate(lanes)]
+        job = build_job(kind, lanes, job_id=job_id, generation=self.model.generation, batch=batch,
                         table_width=ch.max_blocks_per_seq)
-        for r, end in zip(rs, ends):
-            kv.begin_update(r.seq_id, job_id, end)
-            r.job_id = job_id
         ready = ch.decode_ready
-        for r in decode:
-            del ready[r.request_id]
-            r.move(S.DECODE_RUNNING)
+        if queued is None:
+            for r, end in zip(rs, ends):
+                kv.begin_update(r.seq_id, job_id, end)
+                r.job_id = job_id
+            for r in decode:
+                del ready[r.request_id]
+                r.move(S.DECODE_RUNNING)
+        else:
+            followable = ch.followable
+            for i, r in enumerate(decode):
+                rid = r.request_id
+                if queued[i]:  # the hand-off: this job takes the lane when the running one commits
+                    kv.queue_next(r.seq_id, job_id, ends[i])
+                    r.next_job = job_id
+                    del followable[rid]
+                    self.counters["queued_steps"] += 1
+                else:
+                    kv.begin_update(r.seq_id, job_id, ends[i])
+                    r.job_id = job_id
+                    del ready[rid]
+                    r.move(S.DECODE_RUNNING)
+                    self._may_follow(ch, r)
+            for r, end in zip(rs[len(decode):], ends[len(decode):]):
+                kv.begin_update(r.seq_id, job_id, end)
+                r.job_id = job_id
         for r, _, _ in prompts:
             r.move(S.PREFILL_RUNNING)
             if r.t_first_sched is None:

@@ -62,6 +62,8 @@ class SchedulerConfig:
     mixed_token_budget: int = 0
     # executor
     max_inflight: int = 1
+    # Queue a decode lane's next step while its current one runs (issue 23); off until measured faster.
+    queue_next_step: bool = False
     job_timeout_s: float = 30.0
     max_retries: int = 2  # requeues of a request whose job failed before any token was emitted
     # kv
@@ -154,6 +156,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         mixed_batches=bool(_get(b, "mixed_batches", d.mixed_batches)),
         mixed_token_budget=int(_get(b, "mixed_token_budget", d.mixed_token_budget)),
         max_inflight=int(_get(ex, "max_inflight", d.max_inflight)),
+        queue_next_step=bool(_get(ex, "queue_next_step", d.queue_next_step)),
         job_timeout_s=float(_get(ex, "job_timeout_ms", d.job_timeout_s * 1000)) / 1000.0,
         prefix_cache=bool(_get(kv, "prefix_cache", d.prefix_cache)),
         static_batching=bool(_get(b, "static_batching", d.static_batching)),

@@ -236,14 +236,19 @@ class KvManager:
     def abandon(self, seq_id: int, job_id: int) -> None:
         """The pending job finished and nothing it wrote is kept (a queued step past the lane's end).
 
-        UPDATING -> ACTIVE with committed_len unchanged: the positions it wrote
-        lie past committed_len, so the next job overwrites them, or
-        `rollback_tail` / `release` gives their blocks back. A job queued
-        behind it is abandoned too (it wrote after these positions).
+        committed_len is unchanged: the positions it wrote lie past it, so the
+        next job overwrites them, or `rollback_tail` / `release` gives their
+        blocks back. A job queued behind it becomes the pending one (it may
+        still be writing: the lane stays UPDATING until it drains too);
+        otherwise the lane is ACTIVE.
         """
         seq = self._pending(seq_id, job_id)
-        seq.state = S.ACTIVE  # legal from UPDATING (checked at import)
-        seq.pending_job = seq.pending_len = seq.next_job = seq.next_len = None
+        if seq.next_job is not None:
+            seq.pending_job, seq.pending_len = seq.next_job, seq.next_len
+            seq.next_job = seq.next_len = None
+        else:
+            seq.state = S.ACTIVE  # legal from UPDATING (checked at import)
+            seq.pending_job = seq.pending_len = None
         self._after(seq_id)
 
     def commit(self, seq_id: int, job_id: int, tokens: Sequence[int], upto: int | None = None) -> None:
