@@ -703,10 +703,9 @@ class Scheduler:
         decode_failed = False  # no decode job could go this time (no KV room): the slot goes to prompts
         while ch.in_service:
             n = len(ch.inflight)
-            if n >= limit:
-                # a queued next step goes past the limit by one: the chip runs it after the job it follows
-                if n == limit and self._follow and ch.followable:
-                    self._submit_decode(ch, now, out, queued_only=True)
+            # With queued next steps the chip takes one job past the limit while a running lane may be
+            # followed: its next step, or a prompt's job in its place (the chip then runs that instead).
+            if n >= limit and not (n == limit and self._follow and ch.followable):
                 return
             classes = ch.prefill.nonempty()
             if not decode_failed and ((self._follow and ch.followable) or (
@@ -791,13 +790,13 @@ class Scheduler:
         r.reserved = target
         return True
 
-    def _submit_decode(self, ch: ChipState, now: float, out: list[Action], queued_only: bool = False) -> bool:
+    def _submit_decode(self, ch: ChipState, now: float, out: list[Action]) -> bool:
         """One decode job; False when none could go. With queued next steps, the lanes running now that may
-        be followed are candidates beside the ready ones (`queued_only`: only they, past the in-flight limit)."""
+        be followed are candidates beside the ready ones."""
         plan = self.planner
         pool: Collection[int] = ch.decode_ready
         if self._follow and ch.followable:
-            pool = ch.followable if queued_only else {**ch.decode_ready, **ch.followable}
+            pool = {**ch.decode_ready, **ch.followable}
         cands = plan.decode_candidates(pool, self._requests)
         chosen = self._with_room(ch, plan.pick_lanes(cands, plan.decode_profile(len(cands))))
         if not chosen:

@@ -62,6 +62,15 @@ def test_two_jobs_in_flight_per_chip_still_match_the_ref_backend_alone(daemon, o
     assert max(seen) == 2, f"never two jobs in flight on a chip: {sorted(set(seen))}"
 
 
+def test_queued_next_steps_still_match_the_ref_backend_alone(daemon, oracle):
+    """executor.queue_next_step: the worker resolves each queued step's input token from its own sample."""
+    d = daemon(backend="ref", chips=2, settings={"admission.max_waiting_requests": 512,
+                                                 "executor.queue_next_step": True})
+    _streams_match_the_oracle(d, oracle, _workload(80))
+    counters = d.client(timeout=10).stats()["scheduler"]["counters"]
+    assert counters["queued_steps"] > 100 and counters.get("failed_jobs", 0) == 0, counters
+
+
 def _streams_match_the_oracle(d, oracle, reqs: list[dict]) -> None:
 
     async def one(c: AsyncClient, r: dict):
