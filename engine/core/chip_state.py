@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.inflight_governor import InflightGovernor
 from engine.core.kv import KvManager
 from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin
 from ipc.records import JobKind
@@ -40,6 +41,7 @@ class ChipState:
     bound: set[int] = field(default_factory=set)  # request ids holding a KV sequence here
     # decode lanes whose job is in flight with no next step queued behind it (executor.queue_next_step)
     followable: dict[int, None] = field(default_factory=dict)
+    governor: InflightGovernor | None = None  # jobs in flight allowed now (ping/pong and its downgrade)
     jobs_submitted: int = 0
     faults: int = 0
 

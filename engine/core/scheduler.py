@@ -38,6 +38,7 @@ from engine.core.batch_profiles import resolve_profiles
 from engine.core.chip_state import ChipState, InflightJob
 from engine.core.dispatch import ChipCandidate, choose_chip
 from engine.core.fair_queue import WeightedFairQueue
+from engine.core.inflight_governor import GovernorPolicy, InflightGovernor
 from engine.core.kv import KvManager, OutOfBlocks, PrefixKey, StaleJob
 from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin, WorkClass
 from engine.core.request_record import RequestRecord
@@ -102,13 +103,18 @@ class Scheduler:
             WorkClass.LONG: config.long_prefill_weight,
         }
         self.chips: dict[int, ChipState] = {}
+        policy = GovernorPolicy(max_inflight=config.max_inflight, timeouts=config.downgrade_timeouts,
+                                tpot_regression=config.downgrade_tpot_p99_ratio, window=config.downgrade_window)
+        self._tpot_watch = policy.tpot_regression > 0 and policy.max_inflight > 1
+        # (event, chip, reason): what the shell logs (a ping/pong downgrade); drained by take_notices()
+        self.notices: list[tuple[str, int, str]] = []
         for c in chips:
             self.chips[c.chip] = ChipState(
                 chip=c.chip, num_blocks=c.num_blocks, block_size=c.block_size,
                 max_blocks_per_seq=math.ceil(model.max_seq / c.block_size),
                 kv=KvManager(c.chip, c.num_blocks, c.block_size, model.max_seq, prefix_cache=config.prefix_cache),
                 prefill=PrefillQueues(config.short_prefill_max_tokens, config.medium_prefill_max_tokens),
-                wrr=SmoothWeightedRoundRobin(weights),
+                wrr=SmoothWeightedRoundRobin(weights), governor=InflightGovernor(policy),
             )
         self.limits = ModelLimits(
             vocab_size=model.vocab_size, max_seq=model.max_seq,
@@ -214,11 +220,16 @@ class Scheduler:
         assert ch is not None
         self._dirty = True
         out: list[Action] = []
-        if result.generation != self.model.generation or result.kind != job.kind:
+        if result.generation != self.model.generation or result.kind != job.kind \
+                or result.tokens.shape[0] != job.batch:
             self.counters["stale_results"] += 1
+            if ch.governor.on_crosstalk():  # with two jobs in flight, the answer may be the other job's
+                self._downgraded(ch)
             self._fail_job(ch, job, "stale_result", "the job's result did not match its generation", now, out)
         elif result.status != JobStatus.OK:
             self.counters["failed_jobs"] += 1
+            if ch.governor.on_status_anomaly():
+                self._downgraded(ch)
             reason = "job_invalid" if result.status == JobStatus.INVALID else "job_failed"
             self._fail_job(ch, job, reason, f"the chip reported {result.status.name}", now, out)
         else:
@@ -294,6 +305,28 @@ class Scheduler:
             times.append(self._window_wakeup)
         return min(times) if times else None
 
+    def reenable_inflight(self, chip: int | None = None) -> list[int]:
+        """The operator's re-enable of ping/pong after a downgrade (all chips, or one); the chips it restored."""
+        done = []
+        for ch in self.chips.values():
+            if (chip is None or ch.chip == chip) and ch.governor.reenable():
+                done.append(ch.chip)
+                self.counters["inflight_reenabled"] += 1
+        self._dirty = True
+        return done
+
+    def take_notices(self) -> list[tuple[str, int, str]]:
+        """Events for the shell's log since the last call: ("inflight_downgraded", chip, reason)."""
+        out, self.notices = self.notices, []
+        return out
+
+    def _downgraded(self, ch: ChipState) -> None:
+        reason = ch.governor.downgraded
+        assert reason is not None
+        self.counters["inflight_downgrades"] += 1
+        self.counters[f"inflight_downgrades_{reason.value}"] += 1
+        self.notices.append(("inflight_downgraded", ch.chip, reason.value))
+
     def set_accepting(self, accepting: bool, reason: str = "draining") -> None:
         self._accepting = bool(accepting)
         self._unavailable_reason = reason
@@ -302,7 +335,7 @@ class Scheduler:
     _FIXED_SETTINGS = ("profiles", "profile_fill_ratio", "chunked_prefill", "max_inflight", "prefix_cache",
                        "decode_weight", "short_prefill_weight", "medium_prefill_weight", "long_prefill_weight",
                        "short_prefill_max_tokens", "medium_prefill_max_tokens", "static_batching", "max_kv_tokens",
-                       "queue_next_step")
+                       "queue_next_step", "downgrade_timeouts", "downgrade_tpot_p99_ratio", "downgrade_window")
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Take new admission budgets, tenant policies, deadlines and windows (a SIGHUP reload).
@@ -518,6 +551,8 @@ class Scheduler:
             for job in late:
                 del ch.inflight[job.job_id]
                 self.counters["timed_out_jobs"] += 1
+                if ch.governor.on_timeout():
+                    self._downgraded(ch)
                 self._fail_job(ch, job, "job_timeout", "the chip did not answer within job_timeout", now, out)
 
     # ------------------------------------------------------------ completions
@@ -638,6 +673,8 @@ class Scheduler:
         if emit or text:
             if r.t_first_token is None:
                 r.t_first_token = now
+            elif self._tpot_watch and ch.governor.on_interval(now - r.t_last_token):
+                self._downgraded(ch)
             r.t_last_token = now
             r.emitted += len(emit)
             out.append(EmitTokens(r.request_id, emit,
@@ -695,11 +732,11 @@ class Scheduler:
         """Fill the chip's free job slots, choosing decode vs prefill classes by weighted round robin."""
         budget = self.planner.mixed_budget
         if budget:
-            while ch.in_service and len(ch.inflight) < self.config.max_inflight \
+            while ch.in_service and len(ch.inflight) < ch.governor.limit() \
                     and self._submit_mixed(ch, budget, now, out):
                 pass
             return
-        limit = self.config.max_inflight
+        limit = ch.governor.limit()
         decode_failed = False  # no decode job could go this time (no KV room): the slot goes to prompts
         while ch.in_service:
             n = len(ch.inflight)

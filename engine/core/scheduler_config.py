@@ -64,6 +64,11 @@ class SchedulerConfig:
     max_inflight: int = 1
     # Queue a decode lane's next step while its current one runs (issue 23); off until measured faster.
     queue_next_step: bool = False
+    # Ping/pong's automatic downgrade to one job in flight (engine/core/inflight_governor.py): after this
+    # many job timeouts (0 = never), or when TPOT P99 passes this ratio x the one-in-flight window's (0 = off).
+    downgrade_timeouts: int = 2
+    downgrade_tpot_p99_ratio: float = 0.0
+    downgrade_window: int = 256
     job_timeout_s: float = 30.0
     max_retries: int = 2  # requeues of a request whose job failed before any token was emitted
     # kv
@@ -157,6 +162,8 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         mixed_token_budget=int(_get(b, "mixed_token_budget", d.mixed_token_budget)),
         max_inflight=int(_get(ex, "max_inflight", d.max_inflight)),
         queue_next_step=bool(_get(ex, "queue_next_step", d.queue_next_step)),
+        downgrade_timeouts=int(_get(ex, "downgrade_timeouts", d.downgrade_timeouts)),
+        downgrade_tpot_p99_ratio=float(_get(ex, "downgrade_tpot_p99_ratio", d.downgrade_tpot_p99_ratio)),
         job_timeout_s=float(_get(ex, "job_timeout_ms", d.job_timeout_s * 1000)) / 1000.0,
         prefix_cache=bool(_get(kv, "prefix_cache", d.prefix_cache)),
         static_batching=bool(_get(b, "static_batching", d.static_batching)),

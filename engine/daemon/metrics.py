@@ -225,6 +225,13 @@ def _generation_families(b: _Builder, st: dict, chips: list[dict], bounded_tenan
           [((str(c["chip"]),), 1 if c["state"] == "up" else 0) for c in chips])
     b.add("counter", "worker_restarts", "Worker processes restarted after a failure.", ("chip",),
           [((str(c["chip"]),), c["restarts_total"]) for c in chips])
+    b.add("counter", "inflight_downgrades", "Chips dropped from ping/pong to one job in flight, by reason "
+          "(crosstalk, status_anomaly, repeated_timeouts, tpot_regression).", ("reason",),
+          [((k[len("inflight_downgrades_"):],), v) for k, v in sorted(counters.items())
+           if k.startswith("inflight_downgrades_")])
+    b.add("gauge", "inflight_limit", "Jobs a chip may hold in flight now (executor.max_inflight, or 1 after a "
+          "downgrade).", ("chip",), [((chip,), c["inflight_governor"]["limit"]) for chip, c in st["chips"].items()
+                                     if "inflight_governor" in c])
     b.add("counter", "chip_device_seconds", "Time the chip backend calls took.", ("chip",),
           [((str(c["chip"]),), c["device_s"]) for c in chips])
     # fairness, for the tenants the configuration names
