@@ -50,11 +50,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backends", default="ref,sim", help="comma-separated: ref, sim, stub")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=32, help="32: two full B16 batches for ping/pong")
+    p.add_argument("--requests", type=int, default=128)
     p.add_argument("--chips", type=int, default=1)
     p.add_argument("--gen-mean", type=int, help="mean generated tokens (default: bench-serve's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
+    p.add_argument("--sim-host-ms", type=float, default=4.0,
+                   help="sim: the host side of each step (h2d, launch, d2h) that an early hand-over hides "
+                        "(LatencyModel.host_ms; default 4)")
     p.add_argument("--json", action="store_true", help="JSON Lines: a `row` per run, `comparison` rows, a `summary`")
     return p.parse_args(argv)
 
@@ -70,6 +73,8 @@ def _run(a: argparse.Namespace, backend: str, mode: str) -> dict:
         argv += ["--gen-mean", str(a.gen_mean)]
     for kv in a.set:
         argv += ["--set", kv]
+    if backend == "sim":
+        argv += ["--backend-option", f"host_ms={a.sim_host_ms}"]
     res = bench_serve.run(bench_serve.parse_args(argv))
     ran = res.get("daemon_run") or {}
     busy = ran.get("device_busy") or []

@@ -42,7 +42,7 @@ class VirtualChip:
 
     def run(self, job: Job, now: float) -> tuple[float, JobResult]:
         """(completion time, result): jobs queue behind each other on the device."""
-        start = max(now, self.busy_until)
+        start = self.latency.compute_start(now, self.busy_until)
         d = self.duration(job)
         self.busy_until = start + d
         self.busy_time += d

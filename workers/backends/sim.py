@@ -40,6 +40,7 @@ class SimBackend(StubBackend):
         flops_per_token: float = 2 * 7e9,
         throughput_flops: float = 312e12,
         prefill_base_ms: float = 0.0,
+        host_ms: float = 0.0,
         busy_wait: bool = False,
         spin_ms: float = 1.5,
         time_scale: float = 1.0,
@@ -65,6 +66,7 @@ class SimBackend(StubBackend):
             flops_per_token=flops_per_token,
             throughput_flops=throughput_flops,
             prefill_base_ms=prefill_base_ms,
+            host_ms=host_ms,
         )
         if spin_ms < 0:
             raise ValueError("spin_ms must be >= 0")
@@ -109,7 +111,9 @@ class SimBackend(StubBackend):
     def _device_end(self, job: Job, called: float, seconds: float) -> float:
         """When the modelled device finishes `job`: queued behind the previous job, from its submission."""
         arrived = min(job.submitted_ns / 1e9, called) if job.submitted_ns else called
-        end = max(arrived, self._device_free_at) + seconds * self.time_scale
+        scale = self.time_scale
+        host = self.latency.host_ms / 1000.0 * scale
+        end = max(arrived + host, self._device_free_at) + seconds * scale
         self._device_free_at = end
         return end
 
