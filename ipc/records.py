@@ -159,7 +159,7 @@ class Job:
             if getattr(self, name).ndim != 1:
                 raise ValueError(f"{name} must be 1-D to be sent")
         return (
-            2 * self.tokens.size + self.query_start.size + self.context_lens.size + self.top_k.size
+            self.tokens.size + self.positions.size + self.query_start.size + self.context_lens.size + self.top_k.size
             + bt.size + self.src_blocks.size + self.dst_blocks.size,
             self.temperature.size + self.top_p.size,
             self.lane_valid.size + self.sample.size + self.want_logprobs.size,

@@ -19,7 +19,7 @@ from engine.core.scheduler import ChipSpec, ModelSpec, Scheduler
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.tier_transfers import KvTiers
 from ipc.kv_slots import KvSlotPool, record_bytes
-from ipc.records import JobResult
+from ipc.records import Job, JobResult
 from workers.backends.ref import RefBackend
 from workers.kv_transfer import HostKv
 from workers.main import execute_job
@@ -80,7 +80,8 @@ class Board:
         for a in actions:
             if isinstance(a, SubmitJob):
                 a.job.validate()
-                self.queues[a.chip].append(a.job)
+                job = Job.from_arrays(a.job.to_arrays())  # what crosses the ring
+                self.queues[a.chip].append(job)
                 self.kinds.append((a.chip, a.job.kind.name))
             elif isinstance(a, FinishRequest | FailRequest):
                 assert a.request_id not in self.terminal
