@@ -13,7 +13,9 @@ import os
 import pytest
 
 from engine.core.kv.tier_policy import PromoteMode
+from ipc.records import JobResult
 from tests.engine.core.tier_harness import Board
+from workers.main import execute_job
 
 SHARED = [(7 * i + 3) % 300 + 1 for i in range(48)]  # 3 full blocks
 
@@ -145,3 +147,116 @@ def test_cost_policy_declines_when_recompute_is_cheaper(boards):
     board.run()
     assert board.tiers.counters["hit_host_blocks"] == 0
     assert board.tiers.counters["miss_not_worth"] >= 1
+
+
+def _evicting_history(board: Board) -> None:
+    board.submit(1, prompt(0), 4)
+    board.run()
+    for j in range(2):
+        board.submit(10 + j, other(j), 4)
+        board.run()
+
+
+def _tick(board: Board) -> None:
+    board.now += 0.001
+    board.handle(board.sched.tick(board.now))
+
+
+def _run_until_export(board: Board) -> int:
+    """Run jobs until some chip has a KV_EXPORT queued (not run); returns that chip."""
+    for _ in range(200):
+        _tick(board)
+        exports = [c for c, q in enumerate(board.queues) if any(j.kind.name == "KV_EXPORT" for j in q)]
+        if exports:
+            return exports[0]
+        for c, q in enumerate(board.queues):
+            if q:
+                job = q.popleft()
+                out = execute_job(board.backends[c], job, 0.0, board.host_kv[c])
+                board.handle(board.sched.on_result(c, JobResult(job.job_id, job.generation, job.kind, out.status,
+                                                                out.tokens, out.logprobs), board.now))
+    raise AssertionError("no export queued")
+
+
+def test_cancel_while_the_import_is_in_flight_leaks_nothing(boards):
+    board = boards()
+    _evicting_history(board)
+    board.submit(2, prompt(1), 4)
+    _tick(board)
+    assert [j.kind.name for j in board.queues[0]] == ["KV_IMPORT"]
+    board.handle(board.sched.cancel(2, board.now))
+    assert board.terminal[2].finish_reason == "cancelled"
+    board.run()  # the import completes after the cancel: its blocks go to the prefix cache, nothing leaks
+    board.check_idle()
+    kv = board.sched.chips[0].kv
+    assert kv.pool.num_free() + kv.cache.evictable() == kv.num_blocks
+
+
+def test_worker_killed_mid_import_requeues_and_recovers(boards):
+    board = boards()
+    _evicting_history(board)
+    board.submit(2, prompt(1), 4)
+    _tick(board)
+    assert [j.kind.name for j in board.queues[0]] == ["KV_IMPORT"]
+    board.queues[0].clear()  # the worker died with it
+    board.handle(board.sched.on_chip_down(0, board.now))
+    board.handle(board.sched.on_chip_up(0, board.now))
+    board.run()
+    ref = Board(tiers_on=False)
+    try:
+        ref.submit(2, prompt(1), 4)
+        ref.run()
+        assert board.tokens[2] == ref.tokens[2]
+    finally:
+        ref.close()
+    board.check_idle()
+    assert board.tiers.counters["import_failed"] == 1  # counted; its slots were unpinned (check_idle)
+
+
+def test_worker_killed_mid_export_drops_the_pending_entries(boards):
+    board = boards()
+    board.submit(1, prompt(0), 4)
+    assert _run_until_export(board) == 0
+    assert board.tiers.host.pending_count() > 0
+    board.queues[0].clear()
+    board.handle(board.sched.on_chip_down(0, board.now))
+    assert board.tiers.host.pending_count() == 0 and len(board.tiers.host) == 0
+    board.handle(board.sched.on_chip_up(0, board.now))
+    board.run()
+    board.check_idle()
+
+
+def test_host_pool_full_keeps_outputs_right(boards):
+    ref = run_workload(boards(tiers_on=False), False, True)
+    board = boards(host_slots=2)
+    assert run_workload(board, False, True) == ref
+    c = board.tiers.host.counters
+    assert c["full"] + c["evicted"] > 0
+    board.check_idle()
+
+
+def test_disk_cap_evicts_least_recent_files(boards, tmp_path):
+    board = boards(host_slots=0, disk_dir=str(tmp_path), disk_blocks=4)
+    run_workload(board, False, False)
+    for chain in board.tiers.take_disk_deletes():  # what the shell does with them
+        path = os.path.join(tmp_path, chain.hex() + ".kv")
+        if chain not in board.tiers.disk and os.path.exists(path):  # a chain may be let go twice
+            os.unlink(path)
+    files = [f for f in os.listdir(tmp_path) if f.endswith(".kv")]
+    assert len(files) == len(board.tiers.disk) <= 4
+    assert board.tiers.disk.counters["evicted"] > 0
+    board.check_idle()
+
+
+def test_block_mid_demotion_is_a_miss_not_a_hit(boards):
+    board = boards(chips=2, num_blocks=16)
+    board.submit(1, prompt(0), 1)
+    chip = _run_until_export(board)  # its export of the prompt is queued, not run
+    board.sched.chips[chip].in_service = False
+    board.submit(2, prompt(1), 4)
+    _tick(board)
+    assert board.tiers.counters["miss_pending"] >= 1
+    assert not any(j.kind.name == "KV_IMPORT" for q in board.queues for j in q)
+    board.sched.chips[chip].in_service = True
+    board.run()
+    board.check_idle()
