@@ -12,6 +12,7 @@ import os
 import signal
 
 from tests.conftest import wait_until
+from tools.stats_view import render
 
 SHARED = [(7 * i + 3) % 300 + 1 for i in range(48)]  # 3 full blocks of 16
 PROMPT_A = SHARED + [11, 12, 13, 14, 15]
@@ -40,6 +41,15 @@ def test_host_hit_after_the_worker_that_computed_it_died(daemon, short_dir):
         before = _tiers(c)["counters"].get("hit_host_blocks", 0)
         warm = c.generate(PROMPT_B, max_tokens=6).tokens
         t = _tiers(c)
+
+        def host_hits() -> float:
+            st = c.stats()
+            return sum(v for f in st["metrics"] for name, labels, v in f["samples"]
+                       if name == "npuserve:kv_tier_hits_total" and labels.get("tier") == "host")
+
+        wait_until(lambda: host_hits() >= 3, 10, what="the tier metrics")
+        view = render(c.stats())
+    assert "kv tiers" in view and "host" in view, view
     assert warm == cold
     assert t["counters"]["hit_host_blocks"] - before == 3, t
     assert t["host"]["pending"] == 0
