@@ -23,6 +23,13 @@ DISK = 2
 DIGEST = 16
 
 
+def layout_of(info: BackendInfo) -> int:
+    """The layout tag of a backend's KV blocks (ipc.kv_slots.layout_tag): records of another are refused."""
+    kv = info.kv
+    return layout_tag(info.model_sha256, kv.dtype, kv.block_size, kv.num_layers, kv.num_kv_heads,
+                      kv.head_dim or kv.bytes_per_token)
+
+
 def block_file(disk_dir: str, chain: bytes) -> str:
     """Where the disk tier keeps the block of this chain hash (disk_dir is already per KV layout)."""
     return os.path.join(disk_dir, chain.hex() + ".kv")
@@ -33,12 +40,10 @@ class HostKv:
 
     def __init__(self, pool: KvSlotPool | None, backend: ChipBackend, info: BackendInfo,
                  disk_dir: str | None = None) -> None:
-        kv = info.kv
         self.pool = pool
         self.disk_dir = disk_dir
         self.backend = backend
-        self.layout = layout_tag(info.model_sha256, kv.dtype, kv.block_size, kv.num_layers, kv.num_kv_heads,
-                                 kv.head_dim)
+        self.layout = layout_of(info)
         probe = backend.swap_out(np.zeros(0, np.int32))  # [0, *block shape]: the host format of one block
         self.block_shape = tuple(probe.shape[1:])
         self.dtype = probe.dtype

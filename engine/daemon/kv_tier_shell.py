@@ -23,8 +23,9 @@ from engine.config import Config
 from engine.core.kv.tier_policy import PromoteMode, TierPolicy, TransferCost
 from engine.core.tier_transfers import KvTiers
 from engine.daemon.log import log
-from ipc.kv_slots import KvSlotPool, layout_tag, record_bytes
+from ipc.kv_slots import KvSlotPool, record_bytes
 from workers.backends.base import BackendInfo
+from workers.kv_transfer import layout_of
 
 INDEX = "index.json"
 INDEX_VERSION = 1
@@ -33,8 +34,7 @@ INDEX_VERSION = 1
 class KvTierShell:
     def __init__(self, cfg: Config, info: BackendInfo, shm_prefix: str) -> None:
         kv, c = info.kv, cfg.kv
-        self.layout = layout_tag(info.model_sha256, kv.dtype, kv.block_size, kv.num_layers, kv.num_kv_heads,
-                                 kv.head_dim)
+        self.layout = layout_of(info)
         self.layout_hex = f"{self.layout:016x}"
         self.block_bytes = kv.block_bytes()
         self.slot_bytes = record_bytes(self.block_bytes)

@@ -41,9 +41,12 @@ class KvLayout:
     num_kv_heads: int = 0
     head_dim: int = 0
     dtype: str = "float32"
+    bytes_per_token: int = 0  # > 0: a token's KV is this many opaque bytes (a vendor layout, `ctypes`)
 
     def block_bytes(self) -> int:
         """Bytes of one block in the host format (K and V of every layer): the size of a host slot's payload."""
+        if self.bytes_per_token:
+            return self.block_size * self.bytes_per_token
         item = 2 if self.dtype in ("float16", "bfloat16") else 1 if self.dtype in ("int8", "uint8") else 4
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * item
 
