@@ -9,7 +9,8 @@ per tier configuration, the same conversations for each, side by side:
 
 * device: prefix cache on the chips only;
 * host:   + the board's host pool (`kv.host_pool_mb`);
-* disk:   + the disk tier (`kv.disk_dir`, a fresh directory).
+* disk:   + the disk tier (`kv.disk_dir`, a fresh directory);
+* disk-only: the disk tier without a host pool (every hit is a block file read).
 
 Per configuration: TTFT P50/P99 (the server's `timing.ttft_ms`), prompt
 tokens computed (prompt - cached), the hit rate, and the tier counters.
@@ -146,14 +147,15 @@ def _tiers_of(endpoint: str) -> dict | None:
 
 def run(a: argparse.Namespace) -> int:
     configs = [t.strip() for t in a.tiers.split(",") if t.strip()]
-    bad = [t for t in configs if t not in ("device", "host", "disk")]
+    bad = [t for t in configs if t not in ("device", "host", "disk", "disk-only")]
     if bad:
-        sys.stderr.write(f"bench: --tiers takes device, host, disk; not {bad}\n")
+        sys.stderr.write(f"bench: --tiers takes device, host, disk, disk-only; not {bad}\n")
         return 2
     disk_root = tempfile.mkdtemp(prefix="npc-kv-", dir="/tmp")
     base = [f"kv.num_blocks={a.device_blocks}", f"executor.max_inflight={a.max_inflight}", "kv.promote=\"cost\""]
     per = {"device": [], "host": [f"kv.host_pool_mb={a.host_mb}"],
-           "disk": [f"kv.host_pool_mb={a.host_mb}", f"kv.disk_dir=\"{disk_root}\""]}
+           "disk": [f"kv.host_pool_mb={a.host_mb}", f"kv.disk_dir=\"{disk_root}\""],
+           "disk-only": [f"kv.disk_dir=\"{disk_root}-only\""]}
     rows: list[dict] = []
     concurrency = max(1, min(a.concurrency, a.conversations))
     convs = None
@@ -202,6 +204,7 @@ def run(a: argparse.Namespace) -> int:
                          "target": "replay <= 1.5x warm, cold >= 3x replay"})
     finally:
         shutil.rmtree(disk_root, ignore_errors=True)
+        shutil.rmtree(disk_root + "-only", ignore_errors=True)
     _print(a, rows)
     return 0
 
@@ -213,12 +216,12 @@ def _print(a: argparse.Namespace, rows: list[dict]) -> None:
         return
     print(f"conversations {a.conversations} x {a.turns} turns on {a.backend}, {a.chips} chip(s), "
           f"{a.device_blocks} device blocks per chip")
-    print(f"{'tiers':8} {'TTFT p50':>9} {'p99':>9} {'later p50':>9} {'computed':>9} {'of prompt':>9} "
+    print(f"{'tiers':9} {'TTFT p50':>9} {'p99':>9} {'later p50':>9} {'computed':>9} {'of prompt':>9} "
           f"{'hit rate':>8} {'host hit':>8} {'disk hit':>8}")
     for r in rows:
         if r["kind"] != "conversations":
             continue
-        print(f"{r['label']:8} {r['ttft_p50_ms']:>9} {r['ttft_p99_ms']:>9} {r['ttft_p50_later_turns_ms']:>9} "
+        print(f"{r['label']:9} {r['ttft_p50_ms']:>9} {r['ttft_p99_ms']:>9} {r['ttft_p50_later_turns_ms']:>9} "
               f"{r['prompt_tokens_computed']:>9} {r['prompt_tokens']:>9} {r['hit_rate']:>8} "
               f"{r['host_hit_blocks']:>8} {r['disk_hit_blocks']:>8}")
     for r in rows:
