@@ -43,6 +43,7 @@ class ChipState:
     followable: dict[int, None] = field(default_factory=dict)
     governor: InflightGovernor | None = None  # jobs in flight allowed now (ping/pong and its downgrade)
     jobs_submitted: int = 0
+    transfers: int = 0  # KV_EXPORT / KV_IMPORT jobs among `inflight` (they take no compute slot)
     faults: int = 0
 
     @property
