@@ -151,6 +151,9 @@ class ExecutorConfig:
     queue_next_step: bool = key(_SCHED.queue_next_step, boolean, "submit a decode lane's next step while its "
                                 "current one runs (its token: the one the worker samples), so the chip does not "
                                 "wait for the scheduler's turn (decode jobs without mixed batches)")
+    decode_steps: int = key(_SCHED.decode_steps, integer(1, 64), "multi-step decode: a decode job runs up to this "
+                            "many steps on the worker before it answers, when no prompt waits and no deadline "
+                            "is near (1 = one step per job)")
     downgrade_timeouts: int = key(_SCHED.downgrade_timeouts, integer(0, 1000), "ping/pong drops to one job in "
                                   "flight on a chip after this many job timeouts (0 = never for timeouts)")
     downgrade_tpot_p99_ratio: float = key(_SCHED.downgrade_tpot_p99_ratio, number(0.0), "ping/pong drops to one "

@@ -97,6 +97,10 @@ class Job:
     # (CLOCK_MONOTONIC is system-wide); 0 = unknown. A backend that models a
     # device queue (sim) starts the job no earlier than this.
     submitted_ns: int = 0
+    # Multi-step decode (issue 23, executor.decode_steps): a decode job the worker runs this many steps before
+    # it answers, each step's input the token the step before sampled; its result's tokens are [B, n]. The
+    # scheduler truncates each lane at its end (EOS, stop, max tokens) and rolls the KV past it back.
+    decode_steps: int = 1
 
     @property
     def batch(self) -> int:
@@ -188,7 +192,7 @@ class Job:
             self.tokens.size, self.positions.size, self.query_start.size, self.context_lens.size,
             self.top_k.size, bt.shape[0], bt.shape[1], self.src_blocks.size, self.dst_blocks.size,
             self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
-            self.want_logprobs.size, self.seed.size, self.submitted_ns, 0, 0, 0, 0,
+            self.want_logprobs.size, self.seed.size, self.submitted_ns, 0, 0, 0, self.decode_steps,
         )
         np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
                         bt.ravel(), self.src_blocks, self.dst_blocks), out=dst["i32"], casting="unsafe")
@@ -230,7 +234,7 @@ class Job:
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
             top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7], dst_blocks=i32[o7:],
             temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv], sample=u8[nlv:nlv + nsm],
-            want_logprobs=u8[nlv + nsm:], seed=u64, submitted_ns=m[19],
+            want_logprobs=u8[nlv + nsm:], seed=u64, submitted_ns=m[19], decode_steps=max(1, m[23]),
         )
 
     @classmethod
@@ -332,7 +336,8 @@ class Lane(NamedTuple):
 
 
 def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, generation: int = 0,
-              batch: int | None = None, table_width: int | None = None, return_logits: bool = False) -> Job:
+              batch: int | None = None, table_width: int | None = None, return_logits: bool = False,
+              decode_steps: int = 1) -> Job:
     """Pack per-lane inputs into a Job; `None` lanes (and lanes past len(lanes) up to `batch`) are inactive.
 
     The packed layout (query_start offsets, -1 padded block tables,
@@ -380,4 +385,5 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
         query_start=query_start, lane_valid=lane_valid, context_lens=context_lens,
         block_tables=block_tables, sample=sample, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, want_logprobs=want_logprobs, return_logits=return_logits,
+        decode_steps=decode_steps,
     )

@@ -49,6 +49,8 @@ class FollowTokens:
 
     def record(self, job: Job, tokens: np.ndarray) -> None:
         """Remember the token each sampled lane of a finished job produced."""
+        if tokens.ndim != 1:
+            return  # a multi-step job's lanes are not followed (the scheduler queues no step behind one)
         last = self._last
         lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
         if not lanes.size:

@@ -35,6 +35,7 @@ from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
 from workers.follow_tokens import FollowTokens, UnresolvedFollow
+from workers.multi_step import next_step
 from workers.kv_transfer import HostKv
 from workers.sampling import sample
 
@@ -94,18 +95,36 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
         device_us = (time.perf_counter_ns() - t0) // 1000
         lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
-        if out.logits is not None:
-            if lanes.size:
-                _sample_lanes(job, out.logits, lanes, tokens, logprobs)
-        elif out.tokens is not None:
-            tokens[lanes] = out.tokens[lanes]
-        else:
-            raise RuntimeError("backend returned neither logits nor tokens")
+        _step_tokens(job, out, lanes, tokens, logprobs)
+        if job.kind == JobKind.DECODE and job.decode_steps > 1:
+            # multi-step decode: the next steps on this worker, each fed the token the step before sampled
+            steps = [tokens]
+            lp_steps = [logprobs]
+            step = job
+            for _ in range(job.decode_steps - 1):
+                step = next_step(step, steps[-1])
+                t, lp = np.full(b, -1, np.int32), np.zeros(b, np.float32)
+                _step_tokens(step, backend.decode(step), lanes, t, lp)
+                steps.append(t)
+                lp_steps.append(lp)
+            tokens, logprobs = np.stack(steps, axis=1), np.stack(lp_steps, axis=1)
+            device_us = (time.perf_counter_ns() - t0) // 1000
     except Exception as exc:  # a device-level fault fails this job, never the worker
         return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                           (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
     logits = out.logits if job.return_logits else None
     return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us)
+
+
+def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+    """One step's tokens into `tokens`/`logprobs`: sampled from its logits, or as the backend chose them."""
+    if out.logits is not None:
+        if lanes.size:
+            _sample_lanes(job, out.logits, lanes, tokens, logprobs)
+    elif out.tokens is not None:
+        tokens[lanes] = out.tokens[lanes]
+    else:
+        raise RuntimeError("backend returned neither logits nor tokens")
 
 
 def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
@@ -330,14 +349,14 @@ class WorkerProcess:
         b = job.batch
         logits = outcome.logits
         status = outcome.status
-        spec = _result_spec(b, None if logits is None else logits.shape)
+        spec = _result_spec(b, None if logits is None else logits.shape, job.decode_steps)
         while True:
             try:
                 writer = self.result_ring.reserve(spec, timeout=self.interval)
                 break
             except RecordTooLarge:
                 _log("worker.result_too_large", job_id=job.job_id, shape=list(logits.shape) if logits is not None else None)
-                spec = _result_spec(b, None)
+                spec = _result_spec(b, None, job.decode_steps)
                 logits, status = None, JobStatus.FAILED
                 outcome.tokens[:] = -1
                 outcome.logprobs[:] = 0
@@ -377,13 +396,14 @@ class WorkerProcess:
 
 
 @functools.lru_cache(maxsize=256)
-def _result_spec(b: int, logits_shape: tuple[int, ...] | None) -> dict:
+def _result_spec(b: int, logits_shape: tuple[int, ...] | None, steps: int = 1) -> dict:
     """The ring spec of a JobResult record (cached: a worker sees few distinct shapes).
 
     Callers must not mutate it. dtype strings, not numpy types: the ring keys
     its layout cache on them.
     """
-    spec: dict = {"meta": ((RESULT_META_LEN,), "<i8"), "tokens": ((b,), "<i4"), "logprobs": ((b,), "<f4")}
+    shape = (b,) if steps <= 1 else (b, steps)  # multi-step decode: a row of tokens per lane
+    spec: dict = {"meta": ((RESULT_META_LEN,), "<i8"), "tokens": (shape, "<i4"), "logprobs": (shape, "<f4")}
     if logits_shape is not None:
         spec["logits"] = (tuple(logits_shape), "<f4")
     return spec

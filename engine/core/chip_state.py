@@ -22,6 +22,7 @@ class InflightJob:
     batch: int
     submitted_at: float
     timeout_at: float
+    steps: int = 1  # decode steps the worker runs before answering (multi-step decode)
     # lanes whose request no longer waits for this job's output (a queued step whose predecessor was lost)
     dropped: set[int] = field(default_factory=set)
 

@@ -244,6 +244,8 @@ class Scheduler:
                 self._downgraded(ch)
             reason = "job_invalid" if result.status == JobStatus.INVALID else "job_failed"
             self._fail_job(ch, job, reason, f"the chip reported {result.status.name}", now, out)
+        elif job.steps > 1:
+            self._complete_steps(ch, job, result, now, out)
         else:
             self._complete_job(ch, job, result, now, out)
         return out
@@ -354,7 +356,7 @@ class Scheduler:
     _FIXED_SETTINGS = ("profiles", "profile_fill_ratio", "chunked_prefill", "max_inflight", "prefix_cache",
                        "decode_weight", "short_prefill_weight", "medium_prefill_weight", "long_prefill_weight",
                        "short_prefill_max_tokens", "medium_prefill_max_tokens", "static_batching", "max_kv_tokens",
-                       "queue_next_step", "downgrade_timeouts", "downgrade_tpot_p99_ratio", "downgrade_window")
+                       "queue_next_step", "decode_steps", "downgrade_timeouts", "downgrade_tpot_p99_ratio", "downgrade_window")
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Take new admission budgets, tenant policies, deadlines and windows (a SIGHUP reload).
@@ -691,8 +693,70 @@ class Scheduler:
             self.counters["queued_steps_past_end"] += 1
         self._terminate(r, state)
 
+    def _complete_steps(self, ch: ChipState, job: InflightJob, result: JobResult, now: float,
+                        out: list[Action]) -> None:
+        """A multi-step decode job: each lane's row of tokens, kept up to the lane's end (the rest dropped)."""
+        requests, kv, job_id, vocab = self._requests, ch.kv, job.job_id, self.model.vocab_size
+        rows = result.tokens.tolist()
+        lps = result.logprobs.tolist() if result.logprobs is not None and result.logprobs.ndim == 2 else None
+        n = job.steps
+        for lane, (rid, seq_id, new_len, start) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens,
+                                                                 job.start_lens)):
+            if rid in job.dropped:
+                continue
+            r = requests[rid]
+            assert r.job_id == job_id and r.seq_id == seq_id
+            r.job_id = None
+            if r.state in TERMINAL_STATES:
+                kv.abandon(seq_id, job_id)
+                self._unbind(r, released=True)
+                self._forget_if_done(r)
+                continue
+            row = rows[lane]
+            # the KV of steps 2..n was computed from this row's first n-1 tokens: valid for them
+            kv.commit(seq_id, job_id, r.tokens + row[:n - 1])
+            r.committed = new_len
+            self.tenant_service[r.params.tenant] += new_len - start
+            for k, token in enumerate(row):
+                if not 0 <= token < vocab:
+                    self.counters["failed_bad_token"] += 1
+                    out.append(FailRequest(rid, 500, "bad_token", f"the chip returned token {token}", False,
+                                           r.timing(now)))
+                    self._terminate_running(r, ch, S.FAILED)
+                    break
+                self._accept_token(r, ch, token, lps[lane][k] if lps else 0.0, now, out, more=k < n - 1)
+                if r.terminal_emitted:
+                    self.counters["multi_step_tokens_dropped"] += n - 1 - k  # sampled past the lane's end
+                    break
+
+    def _steps_for(self, ch: ChipState, chosen: list[RequestRecord], now: float) -> int:
+        """How many steps the next decode job runs: `decode_steps` while the batch is stable (no prompt waits,
+        no deadline near, no queued step), at most the closest max_tokens, and only with KV room for all."""
+        cfg = self.config
+        n = cfg.decode_steps
+        if n <= 1 or len(ch.prefill) or self._wfq or self._requeue:
+            return 1
+        horizon = now + cfg.decode_steps_deadline_margin_s
+        for r in chosen:
+            if r.job_id is not None or (r.deadline is not None and r.deadline <= horizon):
+                return 1
+            n = min(n, r.stop.max_tokens - r.stop.produced, self.model.max_seq - r.committed)
+        if n <= 1:
+            return 1
+        bs = ch.block_size
+        for r in chosen:
+            need = r.committed + n
+            if need > r.reserved:
+                target = min(self.model.max_seq, -(-need // bs) * bs)
+                if not ch.kv.grow(r.seq_id, target):
+                    return 1
+                self._kv_reserved += target - r.reserved
+                r.reserved = target
+        return n
+
     def _accept_token(self, r: RequestRecord, ch: ChipState, token: int, logprob: float, now: float,
-                      out: list[Action]) -> None:
+                      out: list[Action], more: bool = False) -> None:
+        """`more`: a multi-step job's token with more of the lane's tokens after it (the lane stays running)."""
         r.tokens.append(token)
         r.generated += 1
         self.generation_tokens += 1
@@ -727,6 +791,8 @@ class Scheduler:
             r.terminal_emitted = True
             r.move(S.COMPLETED)
             self._forget_if_done(r)
+            return
+        if more:
             return
         if r.job_id is not None:  # its queued next step already carries it (still DECODE_RUNNING)
             self._may_follow(ch, r)
@@ -874,7 +940,8 @@ class Scheduler:
             return False
         batch = plan.fitting_profile(len(chosen))
         self.job_counts.decode_job(batch, len(chosen))
-        self._launch(ch, JobKind.DECODE, chosen, [], batch, now, out)
+        steps = self._steps_for(ch, chosen, now) if self.config.decode_steps > 1 else 1
+        self._launch(ch, JobKind.DECODE, chosen, [], batch, now, out, steps)
         return True
 
     def _submit_prefill(self, ch: ChipState, rid: int, now: float, out: list[Action]) -> None:
@@ -920,7 +987,7 @@ class Scheduler:
         )
 
     def _launch(self, ch: ChipState, kind: JobKind, decode: list[RequestRecord], prompts: list[PromptChunk],
-                batch: int | None, now: float, out: list[Action]) -> None:
+                batch: int | None, now: float, out: list[Action], steps: int = 1) -> None:
         """The tail every job shares: its lanes (decode lanes first, one token each, then the prompt chunks),
         the record, the requests' moves, the job in flight, then release notices and the job itself.
 
@@ -933,7 +1000,7 @@ class Scheduler:
         queued = [r.job_id is not None for r in decode] if self._follow else None
         starts = [r.committed for r in decode] if queued is None else \
             [r.committed + q for r, q in zip(decode, queued)]
-        ends = [s + 1 for s in starts]
+        ends = [s + steps for s in starts]
         starts += [start for _, start, _ in prompts]
         ends += [end for _, _, end in prompts]
         sampled = [True] * len(decode) + [end == r.prefill_target for r, _, end in prompts]
@@ -943,7 +1010,7 @@ class Scheduler:
             lanes = [ln._replace(tokens=_FOLLOW) if i < len(queued) and queued[i] else ln
                      for i, ln in enumerate(lanes)]
         job = build_job(kind, lanes, job_id=job_id, generation=self.model.generation, batch=batch,
-                        table_width=ch.max_blocks_per_seq)
+                        table_width=ch.max_blocks_per_seq, decode_steps=steps)
         ready = ch.decode_ready
         if queued is None:
             for r, end in zip(rs, ends):
@@ -966,7 +1033,8 @@ class Scheduler:
                     r.job_id = job_id
                     del ready[rid]
                     r.move(S.DECODE_RUNNING)
-                    self._may_follow(ch, r)
+                    if steps == 1:
+                        self._may_follow(ch, r)
             for r, end in zip(rs[len(decode):], ends[len(decode):]):
                 kv.begin_update(r.seq_id, job_id, end)
                 r.job_id = job_id
@@ -978,9 +1046,11 @@ class Scheduler:
         ch.inflight[job_id] = InflightJob(
             job_id=job_id, kind=kind, lanes=lanes, seq_ids=[r.seq_id for r in rs],
             start_lens=starts, new_lens=ends, sampled=sampled, batch=len(rs) if batch is None else batch,
-            submitted_at=now, timeout_at=now + self.config.job_timeout_s,
+            submitted_at=now, timeout_at=now + self.config.job_timeout_s, steps=steps,
         )
         ch.jobs_submitted += 1
+        if steps > 1:
+            self.counters["multi_step_jobs"] += 1
         if self.tiers is not None:
             self._flush_exports(ch, now, out)  # before the job: it may overwrite a block being exported
         self._release_freed(ch, out)  # before the job: it may reuse a freed block
