@@ -8,7 +8,8 @@ them alike:
 * `queued`: one job in flight plus its lanes' next step queued behind it
   (`executor.queue_next_step`);
 * `pingpong`: two jobs in flight per chip (`executor.max_inflight = 2`);
-* `pingpong+queued`: both.
+* `pingpong+queued`: both;
+* `steps4`, `steps8` (with `--modes`): multi-step decode, `executor.decode_steps` = 4 or 8, one in flight.
 
 For each: delivered tokens/s, TPOT P50/P99 at the client, the chips' device
 busy fraction over the run (stats: device seconds / window), and on `sim`
@@ -34,7 +35,10 @@ MODES = {
     "queued": {"max_inflight": 1, "queue": True},
     "pingpong": {"max_inflight": 2, "queue": False},
     "pingpong+queued": {"max_inflight": 2, "queue": True},
+    "steps4": {"max_inflight": 1, "queue": False, "steps": 4},  # multi-step decode (executor.decode_steps)
+    "steps8": {"max_inflight": 1, "queue": False, "steps": 8},
 }
+DEFAULT_MODES = ("sync", "queued", "pingpong", "pingpong+queued")
 # (backend, subject, baseline, metric, kind, bound): kind "max" = ratio <= bound, "min" = ratio >= bound
 TARGETS = (
     ("ref", "queued", "sync", "tpot_p50_ms", "max", 1.03),
@@ -48,7 +52,7 @@ DELIVERED_TARGET = 0.99  # sim: delivered / predicted tokens/s, each mode
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="npuserve bench-busy", description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", default="ref,sim", help="comma-separated: ref, sim, stub")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated, of: " + ", ".join(MODES))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=32, help="32: two full B16 batches for ping/pong")
     p.add_argument("--requests", type=int, default=128)
@@ -68,7 +72,8 @@ def _run(a: argparse.Namespace, backend: str, mode: str) -> dict:
     m = MODES[mode]
     argv = ["--backend", backend, "--concurrency", str(a.concurrency), "--requests", str(a.requests),
             "--chips", str(a.chips), "--max-inflight", str(m["max_inflight"]),
-            "--set", f"executor.queue_next_step={'true' if m['queue'] else 'false'}"]
+            "--set", f"executor.queue_next_step={'true' if m['queue'] else 'false'}",
+            "--set", f"executor.decode_steps={m.get('steps', 1)}"]
     if a.gen_mean:
         argv += ["--gen-mean", str(a.gen_mean)]
     for kv in a.set:
