@@ -32,8 +32,9 @@ from ipc.doorbell import SemaphoreDoorbell
 from ipc.records import Job, JobKind, JobResult, JobStatus
 from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
+from workers.constraints import ConstraintBook, ConstraintError, lltokenizer_for, masked
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
-from workers.sampling import sample
+from workers.sampling import sample, token_logprob
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_DEATH_SIGNAL = signal.SIGUSR1
@@ -59,11 +60,14 @@ class JobOutcome:
     error: str = ""
 
 
-def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> JobOutcome:
+def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0,
+                constraints: ConstraintBook | None = None) -> JobOutcome:
     """Run one job on the backend and sample its lanes.
 
     Inputs may be read-only ring views; nothing here writes to them.
     `extra_device_s` is the chaos "slow" hook: it is spent as device time.
+    `constraints` masks the constrained lanes (structured output); a job with
+    such lanes and no book fails.
     """
     b = job.batch
     tokens = np.full(b, -1, np.int32)
@@ -84,8 +88,10 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> 
         lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
         if out.logits is not None:
             if lanes.size:
-                _sample_lanes(job, out.logits, lanes, tokens, logprobs)
+                _sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints)
         elif out.tokens is not None:
+            if job.constrained and job.constraint_id[lanes].any():
+                raise ConstraintError("this backend samples on the device: constrained lanes need logits")
             tokens[lanes] = out.tokens[lanes]
         else:
             raise RuntimeError("backend returned neither logits nor tokens")
@@ -96,15 +102,31 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> 
     return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us)
 
 
-def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+                  constraints: ConstraintBook | None = None) -> None:
     # Sampling is per lane and deterministic per (seed, position), so sampling
-    # only the lanes that want a token gives the same tokens as sampling all.
+    # only the lanes that want a token gives the same tokens as sampling all
+    # (and masking a constrained lane leaves its neighbours' rows alone).
     # Skip the fancy-index copy of [B, V] logits when every lane samples.
     sel = slice(None) if lanes.size == job.batch else lanes
+    rows = logits[sel]
+    allowed: dict[int, np.ndarray] = {}
+    if job.constrained:
+        if constraints is None:
+            raise ConstraintError("constrained lanes in a job run without a constraint book")
+        allowed = constraints.allowed(job, lanes, logits.shape[1])
+        if allowed:
+            rows = np.array(rows, dtype=np.float32)  # a copy: the backend's logits may be read-only
+            for j, lane in enumerate(lanes.tolist()):
+                if lane in allowed:
+                    rows[j] = masked(rows[j], allowed[lane])
     t, lp = sample(
-        logits[sel], job.temperature[sel], job.top_p[sel], job.top_k[sel], job.seed[sel],
+        rows, job.temperature[sel], job.top_p[sel], job.top_k[sel], job.seed[sel],
         job.context_lens[sel], job.want_logprobs[sel],
     )
+    for j, lane in enumerate(lanes.tolist()):
+        if lane in allowed and job.want_logprobs[lane]:  # the model's own probability, as for every lane
+            lp[j] = token_logprob(logits[lane], int(t[j]))
     tokens[lanes] = t
     logprobs[lanes] = lp
 
@@ -134,8 +156,10 @@ class WorkerProcess:
     """The serve loop of one worker; owns its socket, rings and backend."""
 
     def __init__(self, config: WorkerConfig, sock: zmq.Socket, job_ring: Ring, result_ring: Ring, backend: ChipBackend,
-                 bell: SemaphoreDoorbell | None = None, result_fd: int | None = None):
+                 bell: SemaphoreDoorbell | None = None, result_fd: int | None = None,
+                 constraints: ConstraintBook | None = None):
         self.config = config
+        self.constraints = constraints
         self.sock = sock
         self.job_ring = job_ring
         self.result_ring = result_ring
@@ -269,7 +293,7 @@ class WorkerProcess:
                 self.send(encode(Msg.HEARTBEAT, at=time.monotonic(), jobs_done=self.jobs_done, busy_job=job.job_id))
             self._set_in_job(True)
             try:
-                outcome = execute_job(self.backend, job, self.slow_s)
+                outcome = execute_job(self.backend, job, self.slow_s, self.constraints)
             finally:
                 self._set_in_job(False)
             self.write_result(job, outcome, t0)
@@ -345,7 +369,8 @@ def _result_spec(b: int, logits_shape: tuple[int, ...] | None) -> dict:
     return spec
 
 
-def _load_backend(config: WorkerConfig) -> ChipBackend:
+def _load_backend(config: WorkerConfig):
+    """(backend, package or None): the package's vocabulary also serves the constraint masks."""
     from workers.backends.registry import make_backend
 
     backend = make_backend(config.backend, **(config.backend_options or {}))
@@ -355,7 +380,21 @@ def _load_backend(config: WorkerConfig) -> ChipBackend:
 
         package = load_package(config.package_path, verified_sha256=config.package_sha256)
     backend.load(package)
-    return backend
+    return backend, package
+
+
+def constraint_book(package, info) -> ConstraintBook:
+    """The worker's constraint book; the llguidance tokenizer is built from the package on first use."""
+    def make():
+        from workers.tokenizer import load_tokenizer
+
+        if package is None:
+            raise ConstraintError("constrained lanes need a model package with a tokenizer")
+        t0 = time.perf_counter()
+        tok = lltokenizer_for(load_tokenizer(package), info.vocab_size, info.eos_ids)
+        _log("worker.constraint_tokenizer", vocab=info.vocab_size, seconds=round(time.perf_counter() - t0, 3))
+        return tok
+    return ConstraintBook(make)
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -389,7 +428,7 @@ def run(config: WorkerConfig) -> int:
             rings.append(Ring.attach(config.result_ring))
             if config.job_bell is not None:
                 bell = SemaphoreDoorbell.attach(config.job_bell, spin_s=config.job_spin_s)
-            backend = _load_backend(config)
+            backend, package = _load_backend(config)
             info = backend.describe()
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
@@ -398,7 +437,8 @@ def run(config: WorkerConfig) -> int:
             sock.send(encode(Msg.FAILED, message=message))
             return 1
         sock.send(encode(Msg.READY, info=info.to_dict(), pid=os.getpid()))
-        worker = WorkerProcess(config, sock, rings[0], rings[1], backend, bell, config.result_bell_fd)
+        worker = WorkerProcess(config, sock, rings[0], rings[1], backend, bell, config.result_bell_fd,
+                               constraint_book(package, info))
         try:
             worker.serve()
         finally:

@@ -35,6 +35,7 @@ from engine.core.admission import (
 )
 from engine.core.batch_profiles import ConfigurationError, lanes_for, resolve_profiles
 from engine.core.chip_state import ChipState, InflightJob
+from engine.core.constraint_spec import lane_fields
 from engine.core.dispatch import ChipCandidate, choose_chip
 from engine.core.fair_queue import WeightedFairQueue
 from engine.core.kv import KvManager, OutOfBlocks, PrefixKey, StaleJob
@@ -50,6 +51,7 @@ __all__ = ["ChipSpec", "ConfigurationError", "ModelSpec", "Scheduler", "Schedule
 
 S = RequestState
 _DECODE_KEY = attrgetter("decode_key")
+_NO_CONSTRAINT: dict = {}  # the lane fields of an unconstrained request
 PREFILL_WINDOW_CAP = 8  # a held job of prompts leaves at most this many prefill windows after its oldest prompt
 
 
@@ -758,6 +760,8 @@ class Scheduler:
         return Lane(
             tokens=r.tokens[start:end], start=start, block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
+            **(_NO_CONSTRAINT if p.constraint is None else
+               lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
         )
 
     def _with_room(self, ch: ChipState, picked: list[RequestRecord]) -> list[RequestRecord]:
@@ -792,6 +796,8 @@ class Scheduler:
                 tokens=r.tokens[start:start + 1], start=start, block_table=kv.block_table_view(r.seq_id),
                 sample=True, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
                 want_logprobs=p.logprobs,
+                **(_NO_CONSTRAINT if p.constraint is None else
+                   lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), start + 1, r.prefill_target)),
             ))
         job = build_job(JobKind.DECODE, lanes, job_id=job_id, generation=self.model.generation, batch=batch,
                         table_width=ch.max_blocks_per_seq)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.actions import Action
 from engine.core.requests import GenerateParams
+from engine.daemon.constraint_cache import BOARD_CACHE, ConstraintRejected
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
 from engine.daemon.auth import is_admin, tenant_for, visible_stats
 from engine.daemon.models import admin_ops
@@ -35,10 +36,17 @@ NOT_IMPLEMENTED_OPS: frozenset[str] = frozenset()
 def params_from(msg: dict, tokenizer=None) -> GenerateParams:
     """Scheduler parameters of a validated generate: a `text` prompt is tokenized, string stops split off.
 
-    Raises TextRejected when the text cannot be tokenized for this model."""
+    Raises TextRejected when the text cannot be tokenized for this model, or its `constraint` does not
+    compile (`invalid_constraint`)."""
     fields = {k: msg[k] for k in _PARAM_FIELDS if k in msg}
     fields["prompt"] = prompt_of(msg, tokenizer)
     fields["stop"], fields["stop_strings"] = split_stop(msg.get("stop", []))
+    c = msg.get("constraint")
+    if c is not None:
+        try:
+            fields["constraint"] = BOARD_CACHE.get(c["kind"], c["body"])
+        except ConstraintRejected as e:
+            raise TextRejected("invalid_constraint", str(e)) from None
     return GenerateParams(**fields)
 
 
