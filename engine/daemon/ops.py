@@ -88,7 +88,7 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
         fe.reply(conn, cid, "health", d.health(now))
         return []
     if op == "stats":
-        fe.reply(conn, cid, "stats", visible_stats(conn, jsonable(d.stats(now))))
+        fe.reply(conn, cid, "stats", visible_stats(conn, jsonable({**d.stats(now), "constraints": BOARD_CACHE.stats()})))
         return []
     if op == "models":  # open to every client, as before: a front or a balancer learns what is served
         fe.reply(conn, cid, "models", {"models": d.models_list()})
