@@ -318,10 +318,13 @@ class JobResult:
     logits: np.ndarray | None = None  # float32 [B, V] when the job asked for them
     device_us: int = 0  # time spent in the backend call
     worker_us: int = 0  # time from reading the job to writing this result
+    masks: int = 0  # constrained lanes the worker masked (structured output)
+    mask_us: int = 0  # time it spent computing their masks
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         meta = np.zeros(_META_LEN, dtype=np.int64)
-        meta[:6] = (self.job_id, self.generation, int(self.kind), int(self.status), self.device_us, self.worker_us)
+        meta[:] = (self.job_id, self.generation, int(self.kind), int(self.status), self.device_us, self.worker_us,
+                   self.masks, self.mask_us)
         out = {
             "meta": meta,
             "tokens": _i32(self.tokens),
@@ -334,7 +337,7 @@ class JobResult:
     @classmethod
     def from_arrays(cls, a) -> "JobResult":
         """Build a JobResult from a mapping of arrays (ring views are copied out)."""
-        job_id, generation, kind, status, device_us, worker_us = a["meta"].tolist()[:6]
+        job_id, generation, kind, status, device_us, worker_us, masks, mask_us = a["meta"].tolist()[:8]
         logits = a["logits"] if "logits" in a else None
         return cls(
             job_id=job_id,
@@ -343,6 +346,8 @@ class JobResult:
             status=JobStatus(status),
             device_us=device_us,
             worker_us=worker_us,
+            masks=masks,
+            mask_us=mask_us,
             tokens=np.array(a["tokens"]),
             logprobs=np.array(a["logprobs"]),
             logits=None if logits is None else np.array(logits),

@@ -58,6 +58,8 @@ class JobOutcome:
     logits: np.ndarray | None  # [B, V] when the job asked for logits and the backend made them
     device_us: int
     error: str = ""
+    masks: int = 0  # constrained lanes masked in this job (structured output)
+    mask_us: int = 0  # time spent computing their masks
 
 
 def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0,
@@ -77,6 +79,7 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0,
     except ValueError as exc:
         return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, 0, f"invalid job: {exc}")
     t0 = time.perf_counter_ns()
+    masks0, mask_us0 = (constraints.stats.masks, constraints.stats.mask_us) if constraints is not None else (0, 0)
     try:
         if extra_device_s > 0:
             time.sleep(extra_device_s)
@@ -99,6 +102,10 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0,
         return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                           (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
     logits = out.logits if job.return_logits else None
+    if job.constrained and constraints is not None:
+        st = constraints.stats
+        return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, masks=st.masks - masks0,
+                          mask_us=st.mask_us - mask_us0)
     return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us)
 
 
@@ -331,7 +338,8 @@ class WorkerProcess:
         with writer:
             a = writer.arrays
             meta = a["meta"]
-            meta[:] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, 0, 0)
+            meta[:] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, outcome.masks,
+                       outcome.mask_us)
             a["tokens"][:] = outcome.tokens
             a["logprobs"][:] = outcome.logprobs
             if logits is not None:

@@ -82,6 +82,7 @@ class ConstraintCache:
     hits: int = 0
     rejected: int = 0
     compile_s: list = field(default_factory=list)  # recent compile times (for the P50 in stats and bench)
+    compile_s_total: float = 0.0
 
     def get(self, kind: str, body) -> ConstraintSpec:
         key = _hash64(orjson.dumps([kind, body], option=orjson.OPT_SORT_KEYS))
@@ -97,6 +98,7 @@ class ConstraintCache:
             self.rejected += 1
             raise
         self.compile_s.append(time.perf_counter() - t0)
+        self.compile_s_total += self.compile_s[-1]
         del self.compile_s[:-1024]
         self.compiles += 1
         spec = ConstraintSpec(id=_hash64(grammar.encode("utf-8")), grammar=grammar, kind=kind)
@@ -109,7 +111,7 @@ class ConstraintCache:
         times = sorted(self.compile_s)
         p50 = times[len(times) // 2] * 1000.0 if times else None
         return {"compiles": self.compiles, "hits": self.hits, "rejected": self.rejected,
-                "cached": len(self._entries), "compile_ms_p50": p50}
+                "cached": len(self._entries), "compile_ms_p50": p50, "compile_s_total": self.compile_s_total}
 
 
 BOARD_CACHE = ConstraintCache()  # one daemon process serves one board
