@@ -104,10 +104,17 @@ def lltokenizer_for(tokenizer, vocab_size: int, eos_ids) -> object:
 
 
 class ConstraintBook:
-    """The matchers of one worker: compiled grammars by id, lane states by request key."""
+    """The matchers of one worker: compiled grammars by id, lane states by request key.
 
-    def __init__(self, make_tokenizer):
+    `start` computes a job's masks on a helper thread while the backend runs
+    the job (a mask depends only on tokens already sampled, and the runtimes
+    release the GIL in their calls), so the chip's step hides their cost.
+    """
+
+    def __init__(self, make_tokenizer, vocab_size: int | None = None):
         self._make_tokenizer = make_tokenizer  # called once, on the first constrained lane
+        self.vocab_size = vocab_size  # the logits' width (start's masks); None: only `allowed`
+        self._pool = None
         self._tok = None
         self._grammars: OrderedDict[int, object] = OrderedDict()
         self._states: OrderedDict[int, LaneState] = OrderedDict()
@@ -196,6 +203,18 @@ class ConstraintBook:
             self.stats.mask_us += (time.perf_counter_ns() - t0) // 1000
             out[lane] = ok
         return out
+
+
+    def start(self, job, lanes: np.ndarray):
+        """A future of `allowed(job, lanes, vocab_size)`, computed beside the backend call; None when the job
+        has no constrained lane among `lanes`."""
+        if not job.constrained or self.vocab_size is None or not job.constraint_id[lanes].any():
+            return None
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="constraint-masks")
+        return self._pool.submit(self.allowed, job, lanes, self.vocab_size)
 
 
 def masked(logits: np.ndarray, ok: np.ndarray) -> np.ndarray:

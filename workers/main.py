@@ -86,12 +86,16 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0,
         if job.kind == JobKind.KV_COPY:
             backend.copy_blocks(job.src_blocks, job.dst_blocks)
             return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
-        out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
-        device_us = (time.perf_counter_ns() - t0) // 1000
         lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
+        masks = constraints.start(job, lanes) if job.constrained and constraints is not None else None
+        try:
+            out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
+        finally:
+            allowed = masks.result() if masks is not None else None  # never leave the helper on a dead job
+        device_us = (time.perf_counter_ns() - t0) // 1000
         if out.logits is not None:
             if lanes.size:
-                _sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints)
+                _sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, allowed)
         elif out.tokens is not None:
             if job.constrained and job.constraint_id[lanes].any():
                 raise ConstraintError("this backend samples on the device: constrained lanes need logits")
@@ -110,23 +114,26 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0,
 
 
 def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
-                  constraints: ConstraintBook | None = None) -> None:
+                  constraints: ConstraintBook | None = None, allowed: dict[int, np.ndarray] | None = None) -> None:
     # Sampling is per lane and deterministic per (seed, position), so sampling
     # only the lanes that want a token gives the same tokens as sampling all
     # (and masking a constrained lane leaves its neighbours' rows alone).
     # Skip the fancy-index copy of [B, V] logits when every lane samples.
     sel = slice(None) if lanes.size == job.batch else lanes
     rows = logits[sel]
-    allowed: dict[int, np.ndarray] = {}
-    if job.constrained:
+    if job.constrained and allowed is None:
         if constraints is None:
             raise ConstraintError("constrained lanes in a job run without a constraint book")
         allowed = constraints.allowed(job, lanes, logits.shape[1])
-        if allowed:
-            rows = np.array(rows, dtype=np.float32)  # a copy: the backend's logits may be read-only
-            for j, lane in enumerate(lanes.tolist()):
-                if lane in allowed:
-                    rows[j] = masked(rows[j], allowed[lane])
+    allowed = allowed or {}
+    if allowed:
+        width = next(iter(allowed.values())).shape[0]
+        if width != logits.shape[1]:
+            raise ConstraintError(f"masks of {width} tokens for logits of {logits.shape[1]}")
+        rows = np.array(rows, dtype=np.float32)  # a copy: the backend's logits may be read-only
+        for j, lane in enumerate(lanes.tolist()):
+            if lane in allowed:
+                rows[j] = masked(rows[j], allowed[lane])
     t, lp = sample(
         rows, job.temperature[sel], job.top_p[sel], job.top_k[sel], job.seed[sel],
         job.context_lens[sel], job.want_logprobs[sel],
@@ -402,7 +409,7 @@ def constraint_book(package, info) -> ConstraintBook:
         tok = lltokenizer_for(load_tokenizer(package), info.vocab_size, info.eos_ids)
         _log("worker.constraint_tokenizer", vocab=info.vocab_size, seconds=round(time.perf_counter() - t0, 3))
         return tok
-    return ConstraintBook(make)
+    return ConstraintBook(make, info.vocab_size)
 
 
 def _on_sigterm(signum, frame) -> None:
