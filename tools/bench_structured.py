@@ -145,6 +145,7 @@ def run(a: argparse.Namespace, pkg, progress) -> tuple[list[dict], dict]:
                                      on_start=lambda s: progress.point(s))
             with Client(d.endpoint, timeout=30) as cl:
                 compile_p50 = cl.stats().get("constraints", {}).get("compile_ms_p50")
+            compile_p50 = None if compile_p50 is None else round(compile_p50, 3)
             import urllib.request
 
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
