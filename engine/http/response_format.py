@@ -10,7 +10,8 @@ client of the board gets the same answer.
   only produce what the constraint accepts. llama.cpp's server also reads a
   `schema` beside `{"type": "json_object"}`; so do we.
 * vLLM: `guided_json` (schema object or string), `guided_regex`,
-  `guided_grammar` (Lark or GBNF: llguidance tells them apart).
+  `guided_grammar` (Lark or GBNF: llguidance tells them apart),
+  `guided_choice` (one of a list of strings: a Lark alternation).
 * llama.cpp's server: `json_schema` (object), `grammar` (GBNF).
 
 One request takes one constraint: two of these fields at once is a 400.
@@ -18,11 +19,14 @@ One request takes one constraint: two of these fields at once is a 400.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from engine.http.openai_error import bad
 
-FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_grammar", "json_schema", "grammar"})
+FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice", "json_schema",
+                    "grammar"})
+MAX_CHOICES = 1024
 
 
 def _response_format(v: Any) -> dict | None:
@@ -57,6 +61,14 @@ def _text(name: str, v: Any) -> str:
     return v
 
 
+def _choice(v: Any) -> dict:
+    if type(v) is not list or not v or not all(type(c) is str and c for c in v):
+        raise bad("guided_choice", "must be a non-empty list of non-empty strings", "invalid_type")
+    if len(v) > MAX_CHOICES:
+        raise bad("guided_choice", f"at most {MAX_CHOICES} choices, got {len(v)}")
+    return {"kind": "lark", "body": "start: " + " | ".join(json.dumps(c) for c in v)}  # JSON strings are Lark's
+
+
 def constraint_of(body: dict) -> dict | None:
     """The wire constraint a request body asks for (None: unconstrained)."""
     found: list[tuple[str, dict | None]] = []
@@ -76,6 +88,8 @@ def constraint_of(body: dict) -> dict | None:
         found.append(("guided_regex", {"kind": "regex", "body": _text("guided_regex", body["guided_regex"])}))
     if body.get("guided_grammar") is not None:
         found.append(("guided_grammar", {"kind": "gbnf", "body": _text("guided_grammar", body["guided_grammar"])}))
+    if body.get("guided_choice") is not None:
+        found.append(("guided_choice", _choice(body["guided_choice"])))
     if body.get("grammar") is not None:
         found.append(("grammar", {"kind": "gbnf", "body": _text("grammar", body["grammar"])}))
     asked = [(name, c) for name, c in found if c is not None]
