@@ -88,7 +88,8 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
         fe.reply(conn, cid, "health", d.health(now))
         return []
     if op == "stats":
-        fe.reply(conn, cid, "stats", visible_stats(conn, jsonable({**d.stats(now), "constraints": BOARD_CACHE.stats()})))
+        body = {**d.stats(now), "constraints": BOARD_CACHE.stats()}  # structured output: the board's compiles
+        fe.reply(conn, cid, "stats", visible_stats(conn, jsonable(body)))
         return []
     if op == "models":  # open to every client, as before: a front or a balancer learns what is served
         fe.reply(conn, cid, "models", {"models": d.models_list()})

@@ -470,7 +470,7 @@ class Front:
         served = self.upstream.served
         data = [{"id": m["alias"], "object": "model", "created": 0, "owned_by": "npuserve",
                  "max_model_len": m.get("max_seq"),
-                 "chat_template": served[m["alias"]].chat_template or None if m["alias"] in served else None}
+                 "chat_template": (served[m["alias"]].chat_template or None) if m["alias"] in served else None}
                 for m in self.upstream.models]
         return json_response({"object": "list", "data": data})
 

@@ -108,10 +108,10 @@ def test_regex_and_grammars_through_the_peers_fields(oai):
                                    extra_body=extra)
         return extra, r.choices[0]
 
-    cases = [({"guided_regex": date}, s) for s in range(3)] + [({"grammar": gbnf}, 1), ({"guided_grammar": lark}, 2),
-                                                               ({"guided_json": {"type": "object", "properties": {
-                                                                   "ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}},
-                                                                 3)]
+    ok_schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                 "additionalProperties": False}
+    cases = [({"guided_regex": date}, s) for s in range(3)] + [
+        ({"grammar": gbnf}, 1), ({"guided_grammar": lark}, 2), ({"guided_json": ok_schema}, 3)]
     for extra, ch in _parallel(ask, cases):
         assert ch.finish_reason == "stop", (extra, ch)
         if "guided_regex" in extra:
@@ -132,11 +132,13 @@ def test_bad_constraints_are_400s_naming_the_problem_and_neighbours_are_untouche
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model=ALIAS, prompt="x", max_tokens=8, extra_body={"grammar": "root ::= ("})
     assert "gbnf" in str(info.value)
-    # the daemon keeps serving; unconstrained lanes batched with constrained ones give the tokens they give
-    # alone (llama.cpp's rule, as in test_daemon_llamacpp: identical but for near-ties of the solo run)
+    # the daemon keeps serving
+    r = oai.completions.create(model=ALIAS, prompt="x", max_tokens=8, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
 
 
 def test_unconstrained_lanes_beside_constrained_ones_give_their_solo_tokens(board, gemma_package):
+    """llama.cpp's rule, as in test_daemon_llamacpp: identical to the solo run but for its near-ties."""
     import asyncio
 
     from engine.async_client import AsyncClient
