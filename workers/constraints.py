@@ -205,8 +205,12 @@ class ConstraintBook:
         return out
 
 
+    def masks(self, job, lanes: np.ndarray, vocab: int) -> dict[int, LaneMask]:
+        """`allowed` in the compact form sampling uses ({lane: LaneMask})."""
+        return {lane: LaneMask.of(ok) for lane, ok in self.allowed(job, lanes, vocab).items()}
+
     def start(self, job, lanes: np.ndarray):
-        """A future of `allowed(job, lanes, vocab_size)`, computed beside the backend call; None when the job
+        """A future of `masks(job, lanes, vocab_size)`, computed beside the backend call; None when the job
         has no constrained lane among `lanes`."""
         if not job.constrained or self.vocab_size is None or not job.constraint_id[lanes].any():
             return None
@@ -214,9 +218,22 @@ class ConstraintBook:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="constraint-masks")
-        return self._pool.submit(self.allowed, job, lanes, self.vocab_size)
+        return self._pool.submit(self.masks, job, lanes, self.vocab_size)
 
 
-def masked(logits: np.ndarray, ok: np.ndarray) -> np.ndarray:
-    """A copy of one row of logits with the disallowed tokens at -inf (the input may be a read-only view)."""
-    return np.where(ok, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+@dataclass(frozen=True)
+class LaneMask:
+    """A lane's allowed tokens in the smaller of two forms, made on the helper thread so that the step's
+    critical path touches only what it must: the allowed ids when they are few (JSON punctuation, an enum),
+    else the denied ones (inside a string, most tokens are allowed)."""
+
+    vocab: int
+    allow: np.ndarray | None  # ascending token ids, or None
+    deny: np.ndarray | None  # ascending token ids (when `allow` is None)
+
+    @classmethod
+    def of(cls, ok: np.ndarray) -> "LaneMask":
+        ids = np.flatnonzero(ok)
+        if 2 * ids.shape[0] <= ok.shape[0]:
+            return cls(ok.shape[0], ids, None)
+        return cls(ok.shape[0], None, np.flatnonzero(~ok))

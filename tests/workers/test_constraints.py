@@ -12,7 +12,9 @@ import pytest
 from engine.daemon.constraint_cache import ConstraintCache, ConstraintRejected, grammar_of
 from ipc.records import Job, JobKind, Lane, build_job
 from workers.backends.ref import RefBackend
-from workers.main import constraint_book, execute_job
+from workers.constraints import LaneMask
+from workers.main import _sample_masked, constraint_book, execute_job
+from workers.sampling import sample
 from workers.model_maker import make_model
 from workers.model_package import load_package
 
@@ -190,3 +192,30 @@ def test_a_decode_lane_without_state_fails_the_job_not_the_worker(backend, packa
 def test_bad_constraints_are_rejected_with_the_reason(kind, body, words):
     with pytest.raises(ConstraintRejected, match=re.escape(words)):
         grammar_of(kind, body)
+
+
+def test_compact_masks_sample_exactly_what_full_rows_with_minus_inf_sample():
+    """The worker samples a few-allowed lane over its allowed ids only, the others over a copy with the denied
+    ids at -inf: token for token what the plain definition (every disallowed logit -inf) gives."""
+    rng = np.random.default_rng(7)
+    b, v = 6, 400
+    logits = rng.standard_normal((b, v)).astype(np.float32) * 3
+    logits.flags.writeable = False
+    for trial in range(200):
+        oks = {lane: rng.random(v) < (0.02 if lane % 2 else 0.9) for lane in range(b) if lane != 3}
+        for ok in oks.values():
+            ok[rng.integers(v)] = True
+        job = build_job(JobKind.DECODE, [Lane([1], 5, [0], temperature=float(rng.choice([0.0, 0.7, 1.5])),
+                                              top_k=int(rng.choice([0, 1, 5, 50, 1000])), top_p=float(rng.choice([1.0, 0.8])),
+                                              seed=int(rng.integers(1 << 62)), want_logprobs=True)
+                                         for _ in range(b)])
+        lanes = np.arange(b)
+        full = np.array([np.where(oks[lane], logits[lane], np.float32(-np.inf)) if lane in oks else logits[lane]
+                         for lane in range(b)], np.float32)
+        want, _ = sample(full, job.temperature, job.top_p, job.top_k, job.seed, job.context_lens)
+        tokens, logprobs = np.full(b, -1, np.int32), np.zeros(b, np.float32)
+        _sample_masked(job, logits, lanes, tokens, logprobs, {lane: LaneMask.of(ok) for lane, ok in oks.items()})
+        assert tokens.tolist() == want.tolist(), trial
+        assert all(oks[lane][tokens[lane]] for lane in oks)
+        _, raw = sample(logits, job.temperature, job.top_p, job.top_k, job.seed, job.context_lens)
+        assert logprobs[3] == raw[3]  # the unconstrained lane's, and the others' are the model's own too
