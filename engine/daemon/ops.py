@@ -70,6 +70,10 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
         except TextRejected as e:
             fe.error(conn, cid, 400, e.reason, e.message)
             return []
+        if params.constraint is not None and g.info is not None and g.info.extra.get("samples_on_device"):
+            fe.error(conn, cid, 400, "constraint_unsupported", f"constraint: the {g.info.name} backend samples on "
+                                                               "the device, so no token mask can apply")
+            return []
         rid = d.next_request_id()
         if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False)),
                        text=g.tokenizer is not None, generation=g.id):

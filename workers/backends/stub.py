@@ -105,7 +105,8 @@ class StubBackend(ChipBackend):
             profiles=tuple(BatchProfile(b) for b in self.profiles),
             kv=KvLayout(block_size=self.block_size, num_blocks=self.num_blocks, **_STUB_KV),
             chunked_prefill=True,
-            extra={"chip_id": self.chip_id},
+            # it "samples on the device" (returns tokens, no logits): structured output cannot mask it
+            extra={"chip_id": self.chip_id, "samples_on_device": True},
         )
 
     def load(self, package) -> None:

@@ -87,3 +87,12 @@ def test_constrained_requests_requeued_when_their_worker_dies_complete_validly(b
     for toks in got:
         text = bytes(t for t in toks if t < 256).decode()
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_backend_that_samples_on_the_device_refuses_constraints_at_admission(daemon):
+    d = daemon(backend="stub", chips=1)
+    with d.client(timeout=30) as c:
+        with pytest.raises(InvalidRequest) as info:
+            c.generate([1, 2, 3], max_tokens=4, constraint={"kind": "json_object"})
+        assert info.value.reason == "constraint_unsupported"
+        assert len(c.generate([1, 2, 3], max_tokens=4).tokens) == 4
