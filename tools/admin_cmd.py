@@ -1,10 +1,13 @@
-"""`npuserve admin --endpoint E load|unload|replace|rollback|models ... [--json]`: manage a board's models.
+"""`npuserve admin --endpoint E load|unload|replace|rollback|models|drain|resume ... [--json]`: manage a board.
 
     models                          list the models: alias, generation, state, sha256, package, counters
     load ALIAS PACKAGE              gate, configure, golden-check and warm up PACKAGE, then publish it as ALIAS
     unload ALIAS [--deadline S]     drain ALIAS (new requests 503) and free it
     replace ALIAS PACKAGE [--deadline S]   a new generation of ALIAS from PACKAGE
     rollback ALIAS [--deadline S]   ALIAS back to its previous package
+    drain [--timeout S] [--backend E]   stop admitting (503 draining); in-flight requests get S seconds
+                                    (default: the board's server.drain_timeout_s), then are ended
+    resume [--backend E]            admit again
 
 PACKAGE is a folder inside the board's model root (relative to it, or an
 absolute path inside it). A long operation shows the elapsed time on stderr.
@@ -24,10 +27,13 @@ import orjson
 
 from engine.client import Client, default_endpoint
 from engine.errors import ClientError, ClientTimeout
+from ipc.schema import MAX_DEADLINE_MS
 
 PROG = "npuserve admin"
 LONG_OP_TIMEOUT_S = 600.0  # load/replace run golden cases and warm-up: seconds to minutes
 SHORT_OP_TIMEOUT_S = 10.0
+MAX_DRAIN_TIMEOUT_S = MAX_DEADLINE_MS / 1000.0  # the protocol's timeout_ms bound
+SHORT_OPS = ("models", "drain", "resume")  # answered at once
 
 
 def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
@@ -64,15 +70,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     op("unload", "drain and unload a model", package=False, deadline=True)
     op("replace", "serve a new package under an existing alias", package=True, deadline=True)
     op("rollback", "go back to an alias's previous package", package=False, deadline=True)
+    for name, help_ in (("drain", "stop admitting new requests; in-flight ones finish or are ended after --timeout"),
+                        ("resume", "admit new requests again after a drain")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--endpoint", default=argparse.SUPPRESS, help="board or balancer endpoint")
+        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="one JSON object")
+        p.add_argument("--backend", default=None, metavar="E",
+                       help="at a balancer: drain (or resume) only this backend endpoint")
+        if name == "drain":  # here --timeout is the drain's budget; the reply itself comes at once
+            p.add_argument("--timeout", type=float, default=None, dest="drain_timeout_s", metavar="S",
+                           help="seconds in-flight requests get before they are ended (timeout_ms; default: "
+                                "the board's server.drain_timeout_s; a balancer without it lets them finish)")
     a = ap.parse_args(argv)
     if getattr(a, "deadline_s", None) is not None and a.deadline_s < 0:
         ap.error("--deadline must be >= 0")
+    if getattr(a, "drain_timeout_s", None) is not None and not 0 <= a.drain_timeout_s <= MAX_DRAIN_TIMEOUT_S:
+        ap.error(f"--timeout must be 0..{MAX_DRAIN_TIMEOUT_S:g} seconds")
     return a
 
 
 def request_fields(a: argparse.Namespace) -> dict:
     """The op's wire fields (docs/protocol.md): alias, package, deadline_s, as given."""
-    fields = {k: getattr(a, k) for k in ("alias", "package", "deadline_s") if getattr(a, k, None) is not None}
+    fields = {k: getattr(a, k) for k in ("alias", "package", "deadline_s", "backend")
+              if getattr(a, k, None) is not None}
+    if getattr(a, "drain_timeout_s", None) is not None:
+        fields["timeout_ms"] = round(a.drain_timeout_s * 1000)
     return fields
 
 
@@ -102,6 +124,16 @@ def format_models(models: list[dict]) -> str:
 def format_reply(op: str, reply: dict) -> str:
     if op == "models":
         return format_models(reply.get("models") or [])
+    if op in ("drain", "resume"):
+        if "backend" in reply:
+            return f"backend {reply['backend']}: " + ("drained (no new requests; in-flight ones finish)"
+                                                      if reply.get("drained") else "admitting again")
+        if reply.get("accepting"):
+            return "accepting new requests"
+        budget = reply.get("timeout_ms")
+        return ("draining: new requests get 503 draining; in-flight ones finish"
+                + ("" if budget is None else f" within {budget / 1000:g} s, then are ended")
+                + " (npuserve admin resume admits again)")
     m = reply.get("model") or {}
     head = {"load": "loaded", "unload": "unloaded", "replace": "replaced", "rollback": "rolled back"}[op]
     lines = [f"{head} {m.get('alias', '?')}: generation {m.get('generation', '?')} is {m.get('state', '?')}"]
@@ -178,7 +210,7 @@ class _Progress:
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
     endpoint = a.endpoint or default_endpoint()
-    timeout = a.timeout if a.timeout is not None else (SHORT_OP_TIMEOUT_S if a.op == "models" else LONG_OP_TIMEOUT_S)
+    timeout = a.timeout if a.timeout is not None else (SHORT_OP_TIMEOUT_S if a.op in SHORT_OPS else LONG_OP_TIMEOUT_S)
     fields = request_fields(a)
     label = f"{a.op} {' '.join(str(v) for v in fields.values())} ...".replace("  ", " ")
     try:

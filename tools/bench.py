@@ -105,6 +105,9 @@ def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="JSON Lines: one row per point, then a summary")
     g.add_argument("--plot", metavar="FILE.png", help="draw the throughput / TTFT-P99 plot (needs matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    from tools.bench_conversations import add_arguments
+
+    add_arguments(p)
     return p
 
 
@@ -172,12 +175,12 @@ def predict(a: argparse.Namespace, settings: list[str], pt: dict, reqs, model: d
         return None
     from engine.config import load_config
     from engine.core.scheduler_config import scheduler_config_from
-    from engine.daemon.main import _pairs
+    from engine.flag_pairs import parse_pairs
     from engine.sim import SimRequest, simulate
     from workers.backends.sim_latency import LatencyModel
 
-    cfg = load_config(None, {"board.backend": "sim", **_pairs(settings, "--set")})
-    opts = _pairs(a.backend_option, "--backend-option")
+    cfg = load_config(None, {"board.backend": "sim", **parse_pairs(settings, "--set")})
+    opts = parse_pairs(a.backend_option, "--backend-option")
     lat = LatencyModel(**{k: float(v) for k, v in opts.items() if k in LatencyModel.__dataclass_fields__})
     sim_reqs = [SimRequest(r.index, r.prompt, r.max_tokens) for r in reqs]
     return simulate("continuous", pt["concurrency"], sim_reqs, chips=a.chips, latency=lat,
@@ -374,6 +377,10 @@ def print_text(rows: list[dict], comparison: list[dict]) -> None:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
+    if a.conversations:
+        from tools.bench_conversations import run as run_conversations
+
+        return run_conversations(a)
     rows, comparison = run(a)
     if a.json:
         from tools.json_lines import emit

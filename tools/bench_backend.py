@@ -185,7 +185,7 @@ class WorkerRunner:
     def __init__(self, backend_name: str, options: dict, package: str | None):
         import zmq
 
-        from workers.chip_link import ChipLink, Result
+        from engine.daemon.chip_link import ChipLink, Result
 
         self._zmq = zmq
         self._result = Result
@@ -196,7 +196,7 @@ class WorkerRunner:
         self.poller = zmq.Poller()
 
     def start(self) -> None:
-        from workers.chip_link import Ready, WorkerFailed
+        from engine.daemon.chip_link import Ready, WorkerFailed
 
         self.link.start()
         self.poller.register(self.link.socket, self._zmq.POLLIN)  # READY, FAILED, heartbeats
@@ -274,7 +274,7 @@ def main(argv: list[str]) -> int:
     batches = tuple(int(x) for x in args.batches.split(","))
     package = args.package
     if args.backend == "ref" and package is None:
-        from workers.model_package import ensure_default_package
+        from workers.default_package import ensure_default_package
 
         package = ensure_default_package()
     options: dict = {}
@@ -297,7 +297,7 @@ def main(argv: list[str]) -> int:
 def _run(args, backend, options: dict, package: str | None, batches: tuple[int, ...], worker_blas) -> int:
     loaded = None
     if package is not None:
-        from workers.model_package import load_package
+        from workers.package_loader import load_package
 
         loaded = load_package(package)
     backend.load(loaded)

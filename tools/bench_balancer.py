@@ -19,18 +19,19 @@ daemons and balancers in one run, and bench-serve drives one daemon.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-import orjson
+from tools.json_lines import emit
+from tools.load import child_process, runner
+from tools.load.ports import free_port
+from tools.load.report import pct, summarize
+from tools.load.workload import Request
 
 POLICIES = ("round-robin", "least-load", "prefix")
 TARGET_ADDED_P50_MS = 0.5
@@ -48,92 +49,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="throughput runs per side, in ABBA order")
     p.add_argument("--prefix-requests", type=int, default=60)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--_client", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(len(xs) * q))], 3)
+# ---------------------------------------------------------------- load
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---------------------------------------------------------------- client processes
-
-
-async def _drive(spec: dict) -> list[list]:
-    """Streams over `spec["endpoints"]` (round-robin per worker): [t0, t_first, t_last, tokens, error code]."""
-    from engine.async_client import AsyncClient
-    from engine.errors import ClientError
-
-    clients = [AsyncClient(e, timeout=600) for e in spec["endpoints"]]
-    out: list[list] = []
-    try:
-        for c in clients:
-            await c.health()
-        await asyncio.sleep(max(0.0, spec["start_at"] - time.time()))
-        it = iter(spec["requests"])
-
-        async def worker(c) -> None:
-            for r in it:
-                t0 = time.time()
-                first = last = None
-                n = 0
-                err = None
-                try:
-                    async for chunk in c.stream(r["prompt"], max_tokens=r["max_tokens"], seed=r["seed"],
-                                                ignore_eos=True):
-                        last = time.time()
-                        first = first or last
-                        n += len(chunk)
-                except ClientError as e:
-                    err = e.code
-                out.append([t0, first, last, n, err])
-
-        await asyncio.gather(*(worker(clients[i % len(clients)]) for i in range(spec["concurrency"])))
-    finally:
-        for c in clients:
-            await c.close()
-    return out
-
-
-def _load(endpoints_per_client: list[list[str]], concurrency: int, reqs: list[dict]) -> list[list]:
-    k = len(endpoints_per_client)
-    start_at = time.time() + 1.0 + 0.3 * k
-    procs = []
-    for i, eps in enumerate(endpoints_per_client):
-        share = concurrency // k + (1 if i < concurrency % k else 0)
-        spec = {"endpoints": eps, "concurrency": share, "requests": reqs[i::k], "start_at": start_at}
-        p = subprocess.Popen([sys.executable, "-m", "tools.bench_balancer", "--_client", "-"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        p.stdin.write(orjson.dumps(spec))
-        p.stdin.close()
-        procs.append(p)
-    rows: list[list] = []
-    for p in procs:
-        out = p.stdout.read()
-        p.wait()
-        if p.returncode != 0:
-            raise SystemExit(f"bench-balancer: a client process failed ({p.returncode})")
-        rows += orjson.loads(out)
-    return rows
-
-
-def _summary(rows: list[list]) -> dict:
-    ok = [r for r in rows if r[4] is None]
-    t0 = min(r[0] for r in rows)
-    t1 = max((r[2] or r[0]) for r in rows)
-    ttft = [(r[1] - r[0]) * 1000 for r in ok if r[1] is not None]
-    return {"requests": len(rows), "errors": len(rows) - len(ok),
-            "tokens_per_s": round(sum(r[3] for r in ok) / max(t1 - t0, 1e-9), 1),
-            "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99)}
+def _load(endpoints: list[str], concurrency: int, reqs: list[Request], clients: int) -> dict:
+    """One closed-loop run (`tools.load.runner`; each client process takes `endpoints` in turn): its figures."""
+    row = summarize(runner.run(endpoints, reqs, concurrency=concurrency, clients=clients))
+    return {k: row[k] for k in ("requests", "errors", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms")}
 
 
 # ---------------------------------------------------------------- processes
@@ -151,7 +76,7 @@ class _Procs:
         return p
 
     def daemon(self, i: int) -> str:
-        ep = f"tcp://127.0.0.1:{_port()}"
+        ep = f"tcp://127.0.0.1:{free_port()}"
         rt = os.path.join(self.tmp, f"d{i}")
         self.spawn(f"daemon{i}", [sys.executable, "-m", "engine.daemon.main", "--backend", "stub", "--chips", "1",
                                   "--board", f"bb{i}", "--runtime-dir", rt, "--endpoint", ep,
@@ -160,19 +85,13 @@ class _Procs:
         return ep
 
     def balancer(self, backends: list[str], policy: str) -> tuple[subprocess.Popen, str]:
-        ep = f"tcp://127.0.0.1:{_port()}"
+        ep = f"tcp://127.0.0.1:{free_port()}"
         p = self.spawn(f"bal{len(self.procs)}", [sys.executable, "-m", "engine.balancer.main", "--endpoint", ep,
                                                  "--backends", ",".join(backends), "--policy", policy])
         return p, ep
 
     def stop(self, p: subprocess.Popen) -> None:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        child_process.stop(p, 30)
 
     def close(self) -> None:
         for p in reversed(self.procs):
@@ -223,7 +142,7 @@ def _latency(direct: str, via: str, n: int) -> dict:
                 t0 = time.perf_counter()
                 c.generate([1, 2, 3, 4, 5, 6, 7, 8], max_tokens=1, seed=i)
                 lat[name].append((time.perf_counter() - t0) * 1000)
-    out = {f"{k}_p{q}_ms": _pct(v, q / 100) for k, v in lat.items() for q in (50, 99)}
+    out = {f"{k}_p{q}_ms": pct(v, q / 100) for k, v in lat.items() for q in (50, 99)}
     out["added_p50_ms"] = round(out["via_p50_ms"] - out["direct_p50_ms"], 3)
     out["added_p99_ms"] = round(out["via_p99_ms"] - out["direct_p99_ms"], 3)
     return out
@@ -231,19 +150,17 @@ def _latency(direct: str, via: str, n: int) -> dict:
 
 def _throughput(a: argparse.Namespace, daemons: list[str], via: str) -> dict:
     rng = random.Random(1)
-    reqs = [{"prompt": [rng.randrange(1, 250) for _ in range(32)], "max_tokens": a.gen_tokens, "seed": i}
-            for i in range(a.requests)]
-    k = max(1, a.clients)
-    sides = {"direct": [daemons for _ in range(k)], "via": [[via] for _ in range(k)]}
+    reqs = [Request(i, [rng.randrange(1, 250) for _ in range(32)], a.gen_tokens, seed=i) for i in range(a.requests)]
+    sides = {"direct": daemons, "via": [via]}
     runs: dict[str, list[dict]] = {"direct": [], "via": []}
     for r in range(a.rounds):  # ABBA order: a drift in the machine's load hits both sides alike
         for side in ("direct", "via") if r % 2 == 0 else ("via", "direct"):
-            runs[side].append(_summary(_load(sides[side], a.concurrency, reqs)))
+            runs[side].append(_load(sides[side], a.concurrency, reqs, max(1, a.clients)))
     out = {}
     for side, rs in runs.items():
         out[side] = {"tokens_per_s": round(sum(x["tokens_per_s"] for x in rs) / len(rs), 1),
                      "errors": sum(x["errors"] for x in rs), "runs_tokens_per_s": [x["tokens_per_s"] for x in rs],
-                     "ttft_p50_ms": _pct([x["ttft_p50_ms"] for x in rs], 0.5)}
+                     "ttft_p50_ms": pct([x["ttft_p50_ms"] for x in rs], 0.5)}
     out["ratio"] = round(out["via"]["tokens_per_s"] / max(out["direct"]["tokens_per_s"], 1e-9), 3)
     return out
 
@@ -255,12 +172,11 @@ def _routing(a: argparse.Namespace, procs: _Procs, daemons: list[str]) -> dict:
         _wait(ep, f"{policy} balancer", up=len(daemons))
         rngs = [random.Random(1000 * tag + g) for g in range(5)]
         prefixes = [[r.randrange(1, 250) for _ in range(256)] for r in rngs]
-        reqs = [{"prompt": prefixes[i % 5] + [i % 250 + 1, 7], "max_tokens": 8, "seed": i}
-                for i in range(a.prefix_requests)]
+        reqs = [Request(i, prefixes[i % 5] + [i % 250 + 1, 7], 8, seed=i) for i in range(a.prefix_requests)]
         before = _prefix_hits(daemons)
-        s = _summary(_load([[ep]], 8, reqs))
+        s = _load([ep], 8, reqs, 1)
         hits = _prefix_hits(daemons) - before
-        s["prefix_hit_rate"] = round(hits / sum(len(r["prompt"]) for r in reqs), 4)
+        s["prefix_hit_rate"] = round(hits / sum(len(r.prompt) for r in reqs), 4)
         out[policy] = s
         procs.stop(p)
     return out
@@ -295,13 +211,10 @@ def run(a: argparse.Namespace) -> dict:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
-    if a._client:
-        sys.stdout.buffer.write(orjson.dumps(asyncio.run(_drive(orjson.loads(sys.stdin.buffer.read())))))
-        return 0
     res = run(a)
     if a.json:
         for section in ("latency", "throughput", "routing"):
-            sys.stdout.buffer.write(orjson.dumps({"section": section, **res[section]}) + b"\n")
+            emit("row", {"section": section, **res[section]})
         return 0
     lat, thr = res["latency"], res["throughput"]
     print(f"bench-balancer: {a.daemons} stub daemons (1 chip each), tcp:// loopback")

@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
     from tools.bench_peer import default_package
     from tools.load import paired
     from workers.gguf_package import GgufPackage
-    from workers.model_package import load_package
+    from workers.package_loader import load_package
 
     a = parse_args(argv)
     pkg = load_package(a.package or default_package())

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from tools.load.report import pct
+
 PAYLOADS = (64, 600_000, 9_700_000)
 DEFAULT_ITERS = {64: 2000, 600_000: 300, 9_700_000: 40}
 BENCH_PREFIX = "npuserve"
@@ -119,8 +121,9 @@ def _reader_main(cfg: Config, ctl: Any, queue: Any) -> None:
 
 
 def _percentiles(samples_ns: np.ndarray) -> tuple[float, float]:
-    keep = samples_ns[len(samples_ns) // 10 :]
-    return float(np.percentile(keep, 50)) / 1e3, float(np.percentile(keep, 99)) / 1e3
+    """P50 and P99 in µs (the load report's nearest rank), the first tenth of the samples left out as warm-up."""
+    keep = (samples_ns[len(samples_ns) // 10 :] / 1e3).tolist()
+    return pct(keep, 0.5), pct(keep, 0.99)
 
 
 def _bench_memcpy(size: int, iters: int) -> tuple[float, float]:

@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
     from tools.json_lines import emit
     from workers.gguf_package import GgufPackage
     from workers.llamacpp.tokenizer import GgufTokenizer
-    from workers.model_package import load_package
+    from workers.package_loader import load_package
 
     pkg = load_package(a.package or default_package())
     if not isinstance(pkg, GgufPackage):

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import statistics
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 
-import orjson
+from tools.json_lines import emit
+from tools.load.paired import medians
+from tools.load.ports import free_port
 
 TARGETS = {"metrics": 0.97, "trace": 0.90}
 
@@ -38,14 +38,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--scrape-interval", type=float, default=1.0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="JSON Lines: a `row` per set-up, then the in-process `summary`")
     return p.parse_args(argv)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve_run(a: argparse.Namespace, variant: str, tmp: str) -> dict:
@@ -56,7 +50,7 @@ def _serve_run(a: argparse.Namespace, variant: str, tmp: str) -> dict:
     scrapes = [0]
     trace = os.path.join(tmp, "t.json")
     if variant == "metrics":
-        port = _free_port()
+        port = free_port()
         argv += ["--set", f"metrics.port={port}"]
 
         def scrape() -> None:
@@ -120,10 +114,11 @@ def main(argv: list[str]) -> int:
                     print(f"bench-observe: round {r + 1}/{a.rounds}, {v} ...", file=sys.stderr, flush=True)
                 runs[v].append(_serve_run(a, v, tmp))
     micro = _micro()
-    base = statistics.median(x["tokens_per_s"] for x in runs["plain"])
+    labelled = [{"label": v, **x} for v in variants for x in runs[v]]
+    base = medians(labelled, "plain", ("tokens_per_s",))["tokens_per_s"]
     rows = []
     for v in variants:
-        tps = statistics.median(x["tokens_per_s"] for x in runs[v])
+        tps = medians(labelled, v, ("tokens_per_s",))["tokens_per_s"]
         ratio = tps / base if base else None
         target = TARGETS.get(v)
         rows.append({"variant": v, "tokens_per_s": round(tps, 1), "ratio_to_plain": round(ratio, 4),
@@ -137,8 +132,8 @@ def main(argv: list[str]) -> int:
     micro["metrics_share_of_token"] = round(micro["metrics_us_per_token"] / budget_us, 4) if budget_us else None
     if a.json:
         for row in rows:
-            sys.stdout.buffer.write(orjson.dumps(row) + b"\n")
-        sys.stdout.buffer.write(orjson.dumps({"variant": "in-process", **micro}) + b"\n")
+            emit("row", row)
+        emit("summary", {"variant": "in-process", **micro})
     else:
         print(f"bench-observe: {a.backend} backend, {a.requests} requests at concurrency {a.concurrency}, "
               f"{a.rounds} rounds (median)")

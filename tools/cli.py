@@ -17,13 +17,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "health": ("tools.health_cmd", "ask a daemon or balancer for its health"),
     "stats": ("tools.stats_cmd", "print a daemon's statistics"),
     "top": ("tools.top_cmd", "watch a daemon's metrics live"),
-    "make-model": ("workers.model_maker", "write a random-weight model package"),
+    "make-model": ("tools.make_model_cmd", "write a random-weight model package"),
     "check-package": ("tools.check_package", "verify a model package and run its golden cases"),
     "import-gguf": ("tools.import_gguf", "make a model package around a GGUF file (llamacpp backend)"),
     "bench-peer": ("tools.bench_peer", "benchmark npuserve (llamacpp) against llama.cpp's own server"),
     "bench-kv-layout": ("tools.bench_kv_layout", "what the shared KV cell pool costs a burst prefill (llamacpp)"),
     "simulate": ("tools.simulate", "run the scheduler core against a virtual clock"),
     "bench-ipc": ("tools.bench_ipc", "benchmark shared-memory rings against other transports"),
+    "bench-kv-transfer": ("tools.bench_kv_transfer", "the KV export/import path against a memcpy; promote break-even"),
     "bench-backend": ("tools.bench_backend", "benchmark a chip backend in-process and through a worker"),
     "bench-serve": ("tools.bench_serve", "benchmark a daemon end to end through the client library"),
     "install-systemd": ("tools.install_systemd_cmd", "install the npuserve@.service unit and a board config"),
@@ -41,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-http": ("tools.bench_http", "benchmark the HTTP front against ZeroMQ on one daemon (its targets)"),
     "bench-http-peer": ("tools.bench_http_peer", "benchmark npuserve against llama.cpp's server, both over HTTP"),
     "bench-structured": ("tools.bench_structured", "what JSON-schema constraints cost, against none and llama.cpp"),
+    "bench-recovery": ("tools.bench_recovery", "time a chip back in service after its worker is killed or hung"),
 }
 
 

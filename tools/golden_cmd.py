@@ -19,7 +19,8 @@ import orjson
 from engine.client import Client, default_endpoint
 from engine.core.golden_check import GoldenReport, Outcome, case_name, check_cases, golden_request
 from engine.errors import ClientError, ClientTimeout, ModelNotFound
-from workers.model_package import PackageError, load_package
+from workers.package_loader import load_package
+from workers.package_manifest import PackageError
 
 PROG = "npuserve golden"
 

@@ -18,9 +18,10 @@ import shutil
 import sys
 import tempfile
 
+from tools.make_model_cmd import profile_list
 from workers.gguf_package import FORMAT, GGUF_FILE, kv_shape_from_metadata, write_manifest
-from workers.model_maker import _profiles
-from workers.model_package import GOLDEN, MANIFEST, SCHEMA, PackageError, file_sha256, load_package
+from workers.package_loader import load_package
+from workers.package_manifest import GOLDEN, MANIFEST, SCHEMA, PackageError, file_sha256
 
 GOLDEN_PROMPTS = (
     "The capital of France is",
@@ -144,7 +145,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-seq", type=int, default=4096, help="longest sequence served (capped by the model's context)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-blocks", type=int, default=512, help="default KV pool per chip, in blocks")
-    ap.add_argument("--profiles", type=_profiles, default=list(DEFAULT_PROFILES), help="batch sizes, e.g. 1,4,8,16,32")
+    ap.add_argument("--profiles", type=profile_list, default=list(DEFAULT_PROFILES), help="batch sizes, e.g. 1,4,8,16,32")
     ap.add_argument("--golden-max-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="llama.cpp threads for the golden run (0 = all cores)")
     args = ap.parse_args(argv)

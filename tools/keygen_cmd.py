@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}\Z")
+from ipc.schema import NAME_RE
 
 
 def main(argv: list[str]) -> int:
@@ -28,7 +27,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--signing", action="store_true",
                    help="an Ed25519 package-signing pair (NAME.ed25519, NAME.ed25519.pub) instead of a CURVE pair")
     a = p.parse_args(argv)
-    if not _NAME_RE.match(a.name):
+    if not NAME_RE.match(a.name):
         print(f"npuserve keygen: name {a.name!r}: 1-64 characters of [A-Za-z0-9_.:-]", file=sys.stderr)
         return 2
     if a.signing:

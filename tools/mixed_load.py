@@ -4,9 +4,14 @@ Why: the scheduler core alone under the simulator sees no cancels, deadlines
 or non-streamed requests, so leaks in the shell show only under a real mix.
 `Mix` holds the mix's parameters; `MixedLoad` keeps `mix.concurrency`
 requests in flight over `mix.clients` client sockets and tallies how each
-one ended, round after round, so a caller (the leak test, the soak tool) can
-sample the daemon between rounds. Every request must end exactly once: an
-answer that never comes is counted as `lost`.
+one ended, round after round, so a caller (this tool's `main`, the leak test
+in tests/engine/daemon/test_daemon_memory.py) can sample the daemon between
+rounds. Every request must end exactly once: an answer that never comes is
+counted as `lost`. (`npuserve soak` has a mix of its own, `tools/soak/mix.py`,
+over the raw wire client `tools/load/wire_load.py`, since it checks every
+event and every token; `tools/soak/resources.py` samples memory its own way,
+anonymous RSS through psutil, where this tool reads VmRSS and the ring pages
+from /proc.)
 
     python -m tools.mixed_load --rounds 4 --round-s 60
 

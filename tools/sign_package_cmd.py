@@ -22,7 +22,8 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     from engine.daemon.models.package_signature import SignatureError, load_private_key, sign_package, \
         verify_manifest_signature
-    from workers.model_package import MANIFEST, PackageError, load_package
+    from workers.package_loader import load_package
+    from workers.package_manifest import MANIFEST, PackageError
 
     try:
         pkg = load_package(a.package)

@@ -1,4 +1,4 @@
-"""`npuserve make-model`: write a random-weight model package with golden cases.
+"""The random-weight `.npz` model package with golden cases (`npuserve make-model`, tools/make_model_cmd.py).
 
 Weights are random with a scaled init so that greedy decoding wanders over
 the vocabulary instead of repeating one token, and logits have a spread of
@@ -11,19 +11,21 @@ cannot flip a golden token.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Sequence
 
 import numpy as np
 
-from workers.model_package import ARCHITECTURE, GOLDEN, SCHEMA, WEIGHTS, PackageError, write_manifest
+from workers.model_package import ARCHITECTURE, WEIGHTS
+from workers.package_manifest import GOLDEN, SCHEMA, write_manifest
 from workers.transformer import ModelDims, Transformer, weight_shapes
 
+# Bump when this maker changes what a given default_model.json produces, so
+# cached default packages built by older code are not reused (workers.default_package).
+MAKER_VERSION = 2  # 2: the manifest's tokenizer section is {"kind": ...}
 GOLDEN_MIN_GAP = 1e-2
 _PROMPT_LENGTHS = (1, 15, 16, 17, 33, 7, 48, 3)
 
@@ -181,53 +183,3 @@ def make_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def _profiles(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"bad profile list {text!r}") from e
-
-
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="npuserve make-model", description="Write a random-weight model package.")
-    ap.add_argument("--out", required=True, help="package directory to create (must not exist or be empty)")
-    ap.add_argument("--default", action="store_true", help="start from the built-in tiny model's parameters")
-    ap.add_argument("--name")
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--d-model", type=int)
-    ap.add_argument("--heads", type=int)
-    ap.add_argument("--kv-heads", type=int)
-    ap.add_argument("--head-dim", type=int)
-    ap.add_argument("--ffn-dim", type=int)
-    ap.add_argument("--vocab", type=int)
-    ap.add_argument("--max-seq", type=int)
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--block-size", type=int)
-    ap.add_argument("--profiles", type=_profiles, help="comma-separated compiled batch sizes, e.g. 1,4,8,16")
-    ap.add_argument("--kv-blocks", type=int, dest="kv_num_blocks", help="default KV pool size in blocks")
-    ap.add_argument("--golden-cases", type=int)
-    ap.add_argument("--golden-max-tokens", type=int)
-    ap.add_argument("--tied", action="store_true", default=None, dest="tie_embeddings", help="tie the LM head to the embedding")
-    ap.add_argument("--format", choices=("npz", "gguf"), default="npz",
-                    help="npz: weights.npz for the ref backend; gguf: the same weights as a Llama GGUF (llamacpp)")
-    args = vars(ap.parse_args(argv))
-    out, use_default, fmt = args.pop("out"), args.pop("default"), args.pop("format")
-    params: dict = {}
-    if use_default:
-        from workers.model_package import default_model_params
-
-        params.update(default_model_params())
-    params.update({k: v for k, v in args.items() if v is not None})
-    if fmt == "gguf":
-        from workers.tiny_gguf_package import make_gguf_model as maker
-    else:
-        maker = make_model
-    try:
-        path = maker(out, **params)
-    except (ValueError, OSError, PackageError) as e:
-        print(f"npuserve make-model: {e}", file=sys.stderr)
-        return 1
-    print(path)
-    return 0

@@ -14,17 +14,17 @@ import shutil
 import tempfile
 
 from workers.gguf_package import FORMAT, GGUF_FILE, write_manifest
-from workers.model_package import GOLDEN, SCHEMA, build_package_once, cache_root, default_model_params, \
-    default_package_dir, load_package
+from workers.llama_gguf_writer import write_llama_gguf
+from workers.model_maker import make_model
+from workers.package_loader import load_package
+from workers.package_manifest import GOLDEN, SCHEMA
 
+# Bump when this maker changes what the same parameters produce (workers.default_package keys its cache by it).
 GGUF_MAKER_VERSION = 2  # 2: the manifest records kv_shape
 
 
 def make_gguf_model(out_dir: str, **params) -> str:
     """Write the tiny model (make-model parameters) as a GGUF package in `out_dir`; returns its path."""
-    from workers.llama_gguf_writer import write_llama_gguf
-    from workers.model_maker import make_model
-
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise FileExistsError(f"{out_dir}: exists and is not an empty directory")
@@ -58,13 +58,3 @@ def make_gguf_model(out_dir: str, **params) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def default_gguf_package_dir() -> str:
-    base = os.path.basename(default_package_dir())
-    return os.path.join(cache_root(), "models", f"{base}-gguf-v{GGUF_MAKER_VERSION}")
-
-
-def ensure_default_gguf_package() -> str:
-    """Build the tiny model's GGUF package once (race-safe, as the `.npz` one) and return its path."""
-    return build_package_once(default_gguf_package_dir(), lambda out: make_gguf_model(out, **default_model_params()))

@@ -103,6 +103,7 @@ class BalancerCore:
         self.backends: dict[str, Backend] = {}
         self.index = PrefixIndex(config.prefix_capacity_blocks)
         self.accepting = True
+        self.drain_deadline: float | None = None  # admin drain with timeout_ms: live requests end then
         self.started_at = now
         self.counters: Counter[str] = Counter()
         self.routed: Counter[str] = Counter()
@@ -147,6 +148,31 @@ class BalancerCore:
             for uid in [u for u, bn in self._heartbeats.items() if bn == name]:
                 del self._heartbeats[uid]
             out.append(CloseBackend(name))
+        return out
+
+    def drain(self, now: float, timeout_s: float | None) -> None:
+        """Admin drain: no new requests; in-flight ones finish, or end `timeout_s` from now (None: no limit)."""
+        self.accepting = False
+        self.drain_deadline = None if timeout_s is None else now + timeout_s
+
+    def resume(self) -> None:
+        self.accepting = True
+        self.drain_deadline = None
+
+    def _drain_timed_out(self) -> list:
+        """The drain's time is up: what is still in flight ends like at shutdown (503, retryable)."""
+        self.drain_deadline = None
+        self.counters["drain_timed_out"] += len(self._reqs)
+        return self._end_live("the balancer's drain timed out")
+
+    def _end_live(self, message: str) -> list:
+        """Every live request ends (503 shutdown, retryable) and its attempt is cancelled upstream."""
+        out: list = []
+        for r in list(self._reqs.values()):
+            if r.state is not ReqState.PENDING:
+                out.append(SendUpstream(r.backend, _cancel_msg(r.uid)))
+            out.append(FailRequest(r.rid, 503, "shutdown", message, True))
+            self._drop(r)
         return out
 
     def set_drained(self, name: str, drained: bool) -> bool:
@@ -201,15 +227,9 @@ class BalancerCore:
         return out
 
     def shutdown(self, now: float) -> list:
-        """Every live request ends (503 shutdown, retryable) and its attempt is cancelled upstream."""
+        """Admission closes; every live request ends (503 shutdown, retryable), cancelled upstream."""
         self.accepting = False
-        out: list = []
-        for r in list(self._reqs.values()):
-            if r.state is not ReqState.PENDING:
-                out.append(SendUpstream(r.backend, _cancel_msg(r.uid)))
-            out.append(FailRequest(r.rid, 503, "shutdown", "the balancer is shutting down", True))
-            self._drop(r)
-        return out
+        return self._end_live("the balancer is shutting down")
 
     def active(self) -> int:
         return len(self._reqs)
@@ -341,6 +361,8 @@ class BalancerCore:
     # ------------------------------------------------------------------ time
     def tick(self, now: float) -> list:
         out: list = []
+        if self.drain_deadline is not None and now >= self.drain_deadline:
+            out += self._drain_timed_out()
         pol = self.config.health
         for b in list(self.backends.values()):
             if b.check_heartbeat(now, pol):
@@ -380,6 +402,8 @@ class BalancerCore:
         if self._timers:
             times.append(self._timers[0][0])
         times += [f.deadline for f in self._fanouts.values()]
+        if self.drain_deadline is not None:
+            times.append(self.drain_deadline)
         return min(times) if times else None
 
     # ------------------------------------------------------------------ dispatch, retry, migrate

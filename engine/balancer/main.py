@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import ConfigError
-
-EXIT_CONFIG = 2
-EXIT_STARTUP = 1
+from engine.balancer.settings import POLICIES, load_settings
+from engine.config_schema import ConfigError
+from engine.exit_codes import EXIT_CONFIG, EXIT_STARTUP
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -22,14 +21,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--endpoint", action="append", default=[], metavar="E",
                    help="ipc:///path or tcp://host:port to listen on (repeatable; replaces balancer.endpoints)")
     p.add_argument("--backends", help="comma-separated backend endpoints (replaces [[backends]])")
-    p.add_argument("--policy", choices=("prefix", "least-load", "round-robin"), help="routing policy")
+    p.add_argument("--policy", choices=POLICIES, help="routing policy")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    from engine.balancer.settings import load_settings
-
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
 
     def load():

@@ -2,25 +2,36 @@
 
 `generate`/`cancel` go to the balancer core; `health` is answered from the
 backends' last heartbeats; `stats`/`models` are fanned out to the backends
-and aggregated; `drain`/`resume` (admin) act on the balancer itself, or with
+and aggregated; `drain`/`resume` (admin) act on the balancer itself (with
+`timeout_ms`, what is still in flight then ends with 503 `shutdown`; without
+it the balancer, having no drain budget of its own, lets it finish), or with
 `backend` on one backend (no new requests there, in-flight ones finish).
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.daemon.auth import is_admin, tenant_for
 
 if TYPE_CHECKING:
-    from engine.balancer.shell import Balancer
-    from engine.daemon.frontend import Conn
+    from engine.balancer.core import BalancerCore
+    from engine.daemon.frontend import Conn, Frontend
+
+
+class BalancerPorts(Protocol):
+    """What an op reaches of the balancer shell: its frontend, its core and its request ids."""
+
+    frontend: "Frontend"
+    core: "BalancerCore"
+
+    def next_request_id(self) -> int: ...
 
 NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback"})
 
 
-def handle(bal: "Balancer", conn: "Conn", msg: dict, now: float) -> list:
+def handle(bal: BalancerPorts, conn: "Conn", msg: dict, now: float) -> list:
     op = msg["op"]
     cid = msg["id"]
     fe = bal.frontend
@@ -45,8 +56,13 @@ def handle(bal: "Balancer", conn: "Conn", msg: dict, now: float) -> list:
             fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc:// or an admin key)")
             return []
         target = msg.get("backend")
-        if target is None:
-            core.accepting = op == "resume"
+        timeout_ms = msg.get("timeout_ms") if op == "drain" else None  # checked by the wire schema
+        if target is None and op == "drain":
+            core.drain(now, None if timeout_ms is None else timeout_ms / 1000.0)
+            fe.reply(conn, cid, op, {"accepting": core.accepting,
+                                     **({} if timeout_ms is None else {"timeout_ms": timeout_ms})})
+        elif target is None:
+            core.resume()
             fe.reply(conn, cid, op, {"accepting": core.accepting})
         elif core.set_drained(target, op == "drain"):
             fe.reply(conn, cid, op, {"backend": target, "drained": op == "drain"})

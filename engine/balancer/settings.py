@@ -9,14 +9,13 @@
     [[backends]] endpoint, pool, weight, server_key
     [[pools]]   name, min_priority
 
-Key declarations reuse `engine.config`'s machinery (one check and one line of
+Key declarations use `engine.config_schema`, as the daemon's do (one check and one line of
 documentation per key; unknown keys are errors with a "did you mean").
 """
 
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -24,78 +23,73 @@ from typing import Any
 from engine.balancer.backend_state import BackendSpec, HealthPolicy
 from engine.balancer.core import CoreConfig
 from engine.balancer.routing import Policy, RoutingPolicy
-from engine.config import (ConfigError, _Bad, _bool, _check_section, _endpoint, _endpoints, _float, _int, _str,
-                           _unknown, key)
+from engine.config_schema import (BadValue, ConfigError, boolean, check_section, integer, key, name_list, number,
+                                  string, unknown, zmq_endpoint, zmq_endpoints)
+from ipc.schema import NAME_RE
 
 SCHEMA = "npuserve-balancer/v1"
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}\Z")
 POLICIES = tuple(p.value for p in Policy)
-
-
-def _names(v: Any) -> tuple[str, ...]:
-    if type(v) not in (list, tuple) or not all(type(x) is str and _NAME_RE.match(x) for x in v):
-        raise _Bad(f"must be a list of key names (1-64 characters of [A-Za-z0-9_.:-]), got {v!r}")
-    return tuple(v)
+_NAMES = name_list("key names")
 
 
 @dataclass(frozen=True)
 class BalancerSection:
-    endpoints: tuple = key((), _endpoints, "ZeroMQ ROUTER endpoints the balancer listens on (required)")
-    policy: str = key("prefix", _str(choices=POLICIES), "routing policy: prefix | least-load | round-robin")
-    max_message_bytes: int = key(1 << 20, _int(1024, 1 << 30), "larger client messages get a 400 too_large")
-    max_send_queue: int = key(1000, _int(1), "queued events per client before it counts as blocked")
+    endpoints: tuple = key((), zmq_endpoints, "ZeroMQ ROUTER endpoints the balancer listens on (required)")
+    policy: str = key("prefix", string(choices=POLICIES), "routing policy: prefix | least-load | round-robin")
+    max_message_bytes: int = key(1 << 20, integer(1024, 1 << 30), "larger client messages get a 400 too_large")
+    max_send_queue: int = key(1000, integer(1), "queued events per client before it counts as blocked")
 
 
 @dataclass(frozen=True)
 class HealthSection:
-    heartbeat_interval_ms: int = key(1000, _int(10), "how often each backend is asked for its health")
-    missed_heartbeats: int = key(3, _int(1), "unanswered heartbeat intervals that take a backend out")
-    stale_after_ms: int = key(2000, _int(1), "a load figure older than this counts as saturated")
-    failure_threshold: int = key(3, _int(1), "consecutive failed requests that open a backend's breaker")
-    cooldown_ms: int = key(1000, _int(0), "wait before a half-open probe (doubles per failed probe, <= 30 s)")
+    heartbeat_interval_ms: int = key(1000, integer(10), "how often each backend is asked for its health")
+    missed_heartbeats: int = key(3, integer(1), "unanswered heartbeat intervals that take a backend out")
+    stale_after_ms: int = key(2000, integer(1), "a load figure older than this counts as saturated")
+    failure_threshold: int = key(3, integer(1), "consecutive failed requests that open a backend's breaker")
+    cooldown_ms: int = key(1000, integer(0), "wait before a half-open probe (doubles per failed probe, <= 30 s)")
 
 
 @dataclass(frozen=True)
 class RetrySection:
-    max_retries: int = key(3, _int(0, 100), "re-sends of a request that has not streamed yet")
-    backoff_base_ms: int = key(20, _int(0), "first retry delay after a 429/503 (doubles, jitter 50-100%)")
-    backoff_max_ms: int = key(1000, _int(0), "longest retry delay")
-    migrate: bool = key(True, _bool, "resume broken streams on another backend (continuation)")
-    max_migrations: int = key(3, _int(0, 100), "migrations of one stream, then 503 retryable")
-    no_backend_wait_ms: int = key(5000, _int(0), "a request without a deadline waits this long for a backend")
+    max_retries: int = key(3, integer(0, 100), "re-sends of a request that has not streamed yet")
+    backoff_base_ms: int = key(20, integer(0), "first retry delay after a 429/503 (doubles, jitter 50-100%)")
+    backoff_max_ms: int = key(1000, integer(0), "longest retry delay")
+    migrate: bool = key(True, boolean, "resume broken streams on another backend (continuation)")
+    max_migrations: int = key(3, integer(0, 100), "migrations of one stream, then 503 retryable")
+    no_backend_wait_ms: int = key(5000, integer(0), "a request without a deadline waits this long for a backend")
 
 
 @dataclass(frozen=True)
 class RoutingSection:
-    block_size: int = key(16, _int(1, 1024), "tokens per block of the prefix index (the daemons' kv.block_size)")
-    decode_cost_tokens: int = key(64, _int(0), "prefix policy: cost of one request in flight, in prompt tokens")
-    imbalance_abs: int = key(8, _int(0), "imbalance guard: max - min load (requests) beyond which least-load")
-    imbalance_rel: float = key(2.0, _float(1.0), "imbalance guard: and max > this x (min + 1)")
-    prefix_capacity_blocks: int = key(65536, _int(1), "block hashes remembered per backend")
+    block_size: int = key(16, integer(1, 1024), "tokens per block of the prefix index (the daemons' kv.block_size)")
+    decode_cost_tokens: int = key(64, integer(0), "prefix policy: cost of one request in flight, in prompt tokens")
+    imbalance_abs: int = key(8, integer(0), "imbalance guard: max - min load (requests) beyond which least-load")
+    imbalance_rel: float = key(2.0, number(1.0), "imbalance guard: and max > this x (min + 1)")
+    prefix_capacity_blocks: int = key(65536, integer(1), "block hashes remembered per backend")
 
 
 @dataclass(frozen=True)
 class SecuritySection:
-    server_secret_key: str = key("", _str(), "CURVE secret key file of this balancer (npuserve keygen); "
+    server_secret_key: str = key("", string(), "CURVE secret key file of this balancer (npuserve keygen); "
                                              "\"\" = tcp:// endpoints without CURVE")
-    client_keys_dir: str = key("", _str(), "directory of allowed client public keys; a key's file name is its tenant")
-    admins: tuple = key((), _names, "client key names allowed admin ops (drain, resume)")
-    forwarders: tuple = key((), _names, "client key names (balancers) whose `tenant` field is trusted")
-    client_secret_key: str = key("", _str(), "CURVE secret key file this balancer presents to backends")
+    client_keys_dir: str = key("", string(), "directory of allowed client public keys; a key's file name is its tenant")
+    admins: tuple = key((), _NAMES, "client key names allowed admin ops (drain, resume)")
+    forwarders: tuple = key((), _NAMES, "client key names (balancers) whose `tenant` field is trusted")
+    client_secret_key: str = key("", string(), "CURVE secret key file this balancer presents to backends")
 
 
 @dataclass(frozen=True)
 class BackendEntry:
-    endpoint: str = key("", _endpoint, "the backend's endpoint (daemon or balancer)")
-    pool: str = key("default", _str(_NAME_RE, "a pool name"), "pool it belongs to")
-    weight: float = key(1.0, _float(0.0, 1e6, lo_open=True), "share of the traffic relative to the others")
-    server_key: str = key("", _str(), "the backend's CURVE public key file (tcp:// with CURVE)")
+    endpoint: str = key("", zmq_endpoint, "the backend's endpoint (daemon or balancer)")
+    pool: str = key("default", string(NAME_RE, "a pool name"), "pool it belongs to")
+    weight: float = key(1.0, number(0.0, 1e6, lo_open=True), "share of the traffic relative to the others")
+    server_key: str = key("", string(), "the backend's CURVE public key file (tcp:// with CURVE)")
 
 
 @dataclass(frozen=True)
 class PoolEntry:
-    name: str = key("default", _str(_NAME_RE, "a pool name"), "pool name")
-    min_priority: int = key(0, _int(-100, 100), "requests with priority >= this go to this pool (highest wins)")
+    name: str = key("default", string(NAME_RE, "a pool name"), "pool name")
+    min_priority: int = key(0, integer(-100, 100), "requests with priority >= this go to this pool (highest wins)")
 
 
 @dataclass(frozen=True)
@@ -149,24 +143,24 @@ def load_settings(path: str | None, *, endpoints: list[str] | None = None, backe
             if value != SCHEMA:
                 errors.append(f"schema: must be {SCHEMA!r}, got {value!r}")
         elif name in SECTIONS:
-            out[name] = SECTIONS[name](**_check_section(SECTIONS[name], value, name, errors))
+            out[name] = SECTIONS[name](**check_section(SECTIONS[name], value, name, errors))
         elif name in ARRAYS:
             if type(value) is not list:
                 errors.append(f"{name}: must be an array of tables ([[{name}]]), got {value!r}")
                 continue
-            out[name] = tuple(ARRAYS[name](**_check_section(ARRAYS[name], t, f"{name}[{i}]", errors))
+            out[name] = tuple(ARRAYS[name](**check_section(ARRAYS[name], t, f"{name}[{i}]", errors))
                               for i, t in enumerate(value))
         else:
-            errors.append(_unknown(name, name, ["schema", *SECTIONS, *ARRAYS], "section"))
+            errors.append(unknown(name, name, ["schema", *SECTIONS, *ARRAYS], "section"))
     s = BalancerSettings(**out)
     try:
         if endpoints:
-            s = replace(s, balancer=replace(s.balancer, endpoints=_endpoints(endpoints)))
+            s = replace(s, balancer=replace(s.balancer, endpoints=zmq_endpoints(endpoints)))
         if backends:
-            s = replace(s, backends=tuple(BackendEntry(endpoint=_endpoint(e)) for e in backends))
+            s = replace(s, backends=tuple(BackendEntry(endpoint=zmq_endpoint(e)) for e in backends))
         if policy:
-            s = replace(s, balancer=replace(s.balancer, policy=_str(choices=POLICIES)(policy)))
-    except _Bad as bad:
+            s = replace(s, balancer=replace(s.balancer, policy=string(choices=POLICIES)(policy)))
+    except BadValue as bad:
         errors.append(f"command line: {bad}")
     sec = s.security
     s = replace(s, security=replace(sec, **{k: _abs(getattr(sec, k), base) for _, k in _PATH_KEYS}),

@@ -33,7 +33,9 @@ HTTP_CODE = {
 @dataclass(frozen=True)
 class CapacityBudget:
     max_sequences: int
-    max_kv_tokens: int
+    # KV tokens the admitted sequences may hold reserved, board-wide (admission.max_kv_tokens); None when
+    # it is not below the pool, whose blocks the chips count themselves
+    max_kv_tokens: int | None
     max_waiting_requests: int
     max_waiting_prompt_tokens: int
     max_inflight_jobs: int
@@ -106,9 +108,14 @@ def decide_submit(p: GenerateParams, limits: ModelLimits, budget: CapacityBudget
     invalid = validate_params(p, limits)
     if invalid is not None:
         return invalid
+    n = len(p.prompt) + len(p.continuation)
+    reserve = min(n + 1, limits.max_seq)  # what admission reserves: the prompt and the first decode position
+    if budget.max_kv_tokens is not None and reserve > budget.max_kv_tokens:
+        return AdmissionDecision(AdmissionOutcome.REJECT_INVALID, "context_too_long",
+                                 f"the prompt needs {reserve} KV tokens, more than admission.max_kv_tokens "
+                                 f"({budget.max_kv_tokens})")
     if not accepting:
         return AdmissionDecision(AdmissionOutcome.REJECT_UNAVAILABLE, unavailable_reason, "not accepting new requests")
-    n = len(p.prompt) + len(p.continuation)
     if waiting.requests + 1 > budget.max_waiting_requests:
         return AdmissionDecision(AdmissionOutcome.REJECT_CAPACITY, "queue_full", "too many waiting requests")
     if waiting.prompt_tokens + n > budget.max_waiting_prompt_tokens:

@@ -12,23 +12,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-
-class ConfigurationError(ValueError):
-    """The configuration asks for something the model or chips cannot do (fail fast at start-up)."""
+from engine.config_schema import ConfigError
 
 
 def resolve_profiles(configured: Sequence[int] | None, declared: Sequence[int]) -> tuple[int, ...]:
     declared_set = {int(b) for b in declared}
     if not declared_set or min(declared_set) < 1:
-        raise ConfigurationError(f"the model declares no usable batch profile: {tuple(declared)}")
+        raise ConfigError(f"the model declares no usable batch profile: {tuple(declared)}")
     if configured is None:
         return tuple(sorted(declared_set))
     chosen = tuple(sorted({int(b) for b in configured}))
     if not chosen:
-        raise ConfigurationError("batch.profiles is empty")
+        raise ConfigError("batch.profiles is empty")
     missing = [b for b in chosen if b not in declared_set]
     if missing:
-        raise ConfigurationError(
+        raise ConfigError(
             f"batch profile(s) {missing} are not declared by the model (it has {sorted(declared_set)})")
     return chosen
 

@@ -23,8 +23,8 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 
+from engine.config_schema import ConfigError
 from engine.core.actions import Action, EmitTokens, FailRequest, FinishRequest, ReleaseBlocks, SubmitJob
 from engine.core.admission import (
     AdmissionOutcome,
@@ -33,26 +33,29 @@ from engine.core.admission import (
     WaitingLoad,
     decide_submit,
 )
-from engine.core.batch_profiles import ConfigurationError, lanes_for, resolve_profiles
+from engine.core.batch_planner import BatchPlanner, PromptChunk
+from engine.core.batch_profiles import resolve_profiles
 from engine.core.chip_state import ChipState, InflightJob
 from engine.core.constraint_spec import lane_fields
 from engine.core.dispatch import ChipCandidate, choose_chip
 from engine.core.fair_queue import WeightedFairQueue
 from engine.core.kv import KvManager, OutOfBlocks, PrefixKey, StaleJob
-from engine.core.prefill_queues import PREFILL_CLASSES, PrefillQueues, SmoothWeightedRoundRobin, WorkClass
+from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin, WorkClass
 from engine.core.request_record import RequestRecord
 from engine.core.requests import TERMINAL_STATES, GenerateParams, RequestState
 from engine.core.scheduler_config import SchedulerConfig
+from engine.core.scheduler_stats import JobCounts, queue_stats, scheduler_stats
 from engine.core.stop_conditions import StepVerdict, StopChecker, StopReason
 from engine.core.text_stream import TextStream
+from engine.core.tier_transfers import ImportPlan, KvTiers
 from ipc.records import JobKind, JobResult, JobStatus, Lane, build_job
 
-__all__ = ["ChipSpec", "ConfigurationError", "ModelSpec", "Scheduler", "SchedulerConfig"]
+_TRANSFERS = (JobKind.KV_EXPORT, JobKind.KV_IMPORT)
+
+__all__ = ["ChipSpec", "ModelSpec", "Scheduler", "SchedulerConfig"]
 
 S = RequestState
-_DECODE_KEY = attrgetter("decode_key")
 _NO_CONSTRAINT: dict = {}  # the lane fields of an unconstrained request
-PREFILL_WINDOW_CAP = 8  # a held job of prompts leaves at most this many prefill windows after its oldest prompt
 
 
 @dataclass(frozen=True)
@@ -75,27 +78,25 @@ class ModelSpec:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, model: ModelSpec, chips: list[ChipSpec], *,
-                 piece: Callable[[int], bytes] | None = None) -> None:
-        """`piece(token_id)` is the tokenizer's bytes of a token: with it every request's output is also
+                 piece: Callable[[int], bytes] | None = None, tiers: KvTiers | None = None) -> None:
+        """`tiers`: the host/disk KV tiers below the chips (None: KV never leaves a chip).
+
+        `piece(token_id)` is the tokenizer's bytes of a token: with it every request's output is also
         decoded to text (and may stop on strings); without it (no tokenizer) requests get token ids only."""
         if not chips:
-            raise ConfigurationError("at least one chip is required")
+            raise ConfigError("at least one chip is required")
         if len({c.chip for c in chips}) != len(chips):
-            raise ConfigurationError("chip ids must be unique")
+            raise ConfigError("chip ids must be unique")
         if model.max_seq < 2 or model.vocab_size < 1:
-            raise ConfigurationError("model max_seq must be >= 2 and vocab_size >= 1")
+            raise ConfigError("model max_seq must be >= 2 and vocab_size >= 1")
         for c in chips:
             if c.num_blocks < 1 or c.block_size < 1:
-                raise ConfigurationError(f"chip {c.chip}: num_blocks and block_size must be >= 1")
+                raise ConfigError(f"chip {c.chip}: num_blocks and block_size must be >= 1")
         self.config = config
         self.model = model
         self.profiles = resolve_profiles(config.profiles, model.profiles)
-        # Per decode job: the profile for n ready sequences, and the smallest profile holding n lanes,
-        # for n = 0..max profile (more ready than that picks the largest). Tables, not a search per job.
-        top = max(self.profiles)
-        self._profile_for_ready = [lanes_for(n, self.profiles, config.profile_fill_ratio)[0] for n in range(top + 1)]
-        self._profile_fitting = [min(b for b in self.profiles if b >= n) for n in range(top + 1)]
         self.chunked = bool(config.chunked_prefill and model.chunked_prefill)
+        self.planner = BatchPlanner(config, self.profiles, self.chunked, model.mixed_batch_tokens)
         self._eos = tuple(model.eos_ids)
         self._piece = piece
         weights = {
@@ -117,9 +118,11 @@ class Scheduler:
             vocab_size=model.vocab_size, max_seq=model.max_seq,
             max_blocks_per_chip=max(c.num_blocks for c in chips), block_size=min(c.block_size for c in chips),
         )
+        pool = sum(c.num_blocks * c.block_size for c in chips)
         self.budget = CapacityBudget(
             max_sequences=config.max_sequences,
-            max_kv_tokens=sum(c.num_blocks * c.block_size for c in chips),
+            # admission.max_kv_tokens counts only below the pool: the pool itself is the chips' own limit
+            max_kv_tokens=config.max_kv_tokens if 0 < config.max_kv_tokens < pool else None,
             max_waiting_requests=config.max_waiting_requests,
             max_waiting_prompt_tokens=config.max_waiting_prompt_tokens,
             max_inflight_jobs=config.max_inflight * len(chips),
@@ -135,11 +138,13 @@ class Scheduler:
         self._tenant_waiting_tokens: Counter[str] = Counter()
         self._tenant_active: Counter[str] = Counter()
         self._n_bound = 0
+        self._kv_reserved = 0  # KV tokens reserved by the bound sequences (RequestRecord.reserved)
         self._accepting = True
         self._unavailable_reason = "draining"
         self._dirty = False
         self._window_wakeup: float | None = None
         self.counters: Counter[str] = Counter()
+        self.job_counts = JobCounts(self.counters, self.profiles)
         self.generation_tokens = 0  # tokens sampled (plain ints: bumped once per generated token)
         self.prompt_tokens = 0  # prompt tokens of requests that sampled their first token
         # why the waiting queue's head was not admitted at the last tick: None (nobody waits),
@@ -147,8 +152,11 @@ class Scheduler:
         # "static_batching"
         self.admission_blocked: str | None = None
         self.tenant_service: Counter[str] = Counter()  # tokens computed per tenant (prefill + decode)
-        # per decode profile (compiled batch): [jobs, active lanes]; slots - lanes is the lane waste
-        self.decode_by_profile: dict[int, list[int]] = {b: [0, 0] for b in self.profiles}
+        self.tiers = tiers
+        self._imports: list[tuple[int, int, ImportPlan]] = []  # (chip, request id, plan) reserved, not launched
+        if tiers is not None:
+            for ch in self.chips.values():
+                tiers.attach(ch.kv)
 
     # ------------------------------------------------------------------ events
     def submit(self, request_id: int, params: GenerateParams, now: float) -> list[Action]:
@@ -215,7 +223,9 @@ class Scheduler:
         assert ch is not None
         self._dirty = True
         out: list[Action] = []
-        if result.generation != self.model.generation or result.kind != job.kind:
+        if job.kind in _TRANSFERS:
+            self._transfer_result(ch, job, result, now, out)
+        elif result.generation != self.model.generation or result.kind != job.kind:
             self.counters["stale_results"] += 1
             self._fail_job(ch, job, "stale_result", "the job's result did not match its generation", now, out)
         elif result.status != JobStatus.OK:
@@ -236,6 +246,11 @@ class Scheduler:
         self.counters["chip_faults"] += 1
         self._dirty = True
         inflight_lanes = [rid for job in ch.inflight.values() for rid in job.lanes]
+        if self.tiers is not None:  # its transfers are lost, and blocks noted for export are gone with the chip
+            self.tiers.chip_down(chip, [j for j, job in ch.inflight.items() if job.kind in _TRANSFERS], now)
+            ch.kv.tier_sink.clear()
+            ch.kv.cache.evict_sink.clear()
+            ch.transfers = 0
         ch.inflight.clear()
         ch.kv.chip_fault()
         for rid in inflight_lanes:
@@ -268,6 +283,8 @@ class Scheduler:
         self._expire_deadlines(now, out)
         self._expire_jobs(now, out)
         self._admit(now)
+        if self.tiers is not None:
+            self._launch_transfers(now, out)
         self._window_wakeup = None
         for ch in self.chips.values():
             self._dispatch(ch, now, out)
@@ -299,7 +316,7 @@ class Scheduler:
     # Settings baked into per-chip state at construction; a reload must leave them alone.
     _FIXED_SETTINGS = ("profiles", "profile_fill_ratio", "chunked_prefill", "max_inflight", "prefix_cache",
                        "decode_weight", "short_prefill_weight", "medium_prefill_weight", "long_prefill_weight",
-                       "short_prefill_max_tokens", "medium_prefill_max_tokens", "static_batching")
+                       "short_prefill_max_tokens", "medium_prefill_max_tokens", "static_batching", "max_kv_tokens")
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Take new admission budgets, tenant policies, deadlines and windows (a SIGHUP reload).
@@ -313,21 +330,26 @@ class Scheduler:
         self.budget = dataclasses.replace(
             self.budget, max_sequences=config.max_sequences, max_waiting_requests=config.max_waiting_requests,
             max_waiting_prompt_tokens=config.max_waiting_prompt_tokens)
+        self.planner = BatchPlanner(config, self.profiles, self.chunked, self.model.mixed_batch_tokens)
         self._dirty = True
 
     def shutdown(self, now: float) -> list[Action]:
-        """Every live request gets 503 "shutdown" (retryable: a balancer resumes it elsewhere).
+        """Admission closes and every live request gets 503 "shutdown" (retryable: a balancer resumes it)."""
+        self.set_accepting(False, "shutdown")
+        return self.end_live(now, "the server is shutting down")
+
+    def end_live(self, now: float, message: str) -> list[Action]:
+        """Every live request gets 503 "shutdown" (retryable), e.g. when an admin drain's time is up.
 
         Jobs still on a chip keep their KV until their results drain (or the
         chip is declared down); everything else is released at once.
         """
-        self.set_accepting(False, "shutdown")
         out: list[Action] = []
         for r in list(self._requests.values()):
             if r.terminal:
                 continue
             self.counters["failed_shutdown"] += 1
-            out.append(FailRequest(r.request_id, 503, "shutdown", "the server is shutting down", True, r.timing(now)))
+            out.append(FailRequest(r.request_id, 503, "shutdown", message, True, r.timing(now)))
             self._terminate(r, S.FAILED)
         return out
 
@@ -365,7 +387,10 @@ class Scheduler:
                 r.decode_key = (math.inf if r.deadline is None else r.deadline, r.vft, r.request_id)
             r.move(S.PREFILL_READY)
             r.admit_order = next(self._admit_order)
-            self.chips[r.chip].prefill.push(rid, r.prefill_target - r.committed)
+            if self._imports and self._imports[-1][1] == rid:
+                pass  # its tier hit is imported first (_launch_transfers); it queues for prefill after that
+            else:
+                self.chips[r.chip].prefill.push(rid, r.prefill_target - r.committed)
             r.ready_since = now
             self.counters["admitted"] += 1
         return "max_sequences" if self._requeue or self._wfq else None
@@ -396,6 +421,9 @@ class Scheduler:
         key = self._prefix_key(r)
         n = len(r.tokens)
         reserve_len = min(n + 1, self.model.max_seq)  # the prompt and the first decode position
+        limit = self.budget.max_kv_tokens
+        if limit is not None and self._kv_reserved + reserve_len > limit:
+            return False  # admission.max_kv_tokens: the board's reservations are full
         cands = []
         for ch in self.chips.values():
             headroom = int(self.config.kv_watermark * ch.num_blocks)
@@ -415,16 +443,26 @@ class Scheduler:
         except OutOfBlocks:
             return False
         assert 0 <= cached < n
+        plan = None
+        if self.tiers is not None and key is not None:
+            plan = self.tiers.plan_import(key.salt, r.tokens, cached // ch.block_size)
+            if plan is not None:
+                self._imports.append((chip, r.request_id, plan))
         r.chip, r.seq_id = chip, seq_id
         r.committed, r.reserved, r.prefill_target = cached, reserve_len, n
+        promoted = 0 if plan is None else plan.blocks * ch.block_size
         if r.retries == 0 and r.t_first_sched is None:
-            r.cached_tokens = cached
+            r.cached_tokens = cached + promoted
         if key is not None:
             self.counters["prefix_query_tokens"] += n
         if cached:
             self.counters["prefix_hit_tokens"] += cached
+        if promoted:
+            self.counters["prefix_hit_tokens"] += promoted
+            self.counters["tier_hit_tokens"] += promoted
         ch.bound.add(r.request_id)
         self._n_bound += 1
+        self._kv_reserved += reserve_len
         self._tenant_active[r.tenant] += 1
         return True
 
@@ -437,6 +475,7 @@ class Scheduler:
             ch.kv.release(r.seq_id)
         ch.bound.discard(r.request_id)
         self._n_bound -= 1
+        self._kv_reserved -= r.reserved
         self._tenant_active[r.tenant] -= 1
         r.seq_id = None
         r.chip = None
@@ -502,6 +541,9 @@ class Scheduler:
             late = [j for j in ch.inflight.values() if j.timeout_at <= now]
             for job in late:
                 del ch.inflight[job.job_id]
+                if job.kind in _TRANSFERS:
+                    ch.transfers -= 1
+                    self.tiers.job_done(job.job_id, False, False, now)
                 self.counters["timed_out_jobs"] += 1
                 self._fail_job(ch, job, "job_timeout", "the chip did not answer within job_timeout", now, out)
 
@@ -635,25 +677,17 @@ class Scheduler:
         return emit, "".join(parts), stop
 
     # -------------------------------------------------------------- dispatch
-    def _mixed_budget(self) -> int:
-        """Tokens per mixed job; 0 when jobs are not mixed (the model does not declare it, or it is off)."""
-        limit = self.model.mixed_batch_tokens
-        if not (self.config.mixed_batches and limit > 0):
-            return 0
-        budget = self.config.mixed_token_budget
-        return limit if budget <= 0 else min(budget, limit)
-
     def _dispatch(self, ch: ChipState, now: float, out: list[Action]) -> None:
         """Fill the chip's free job slots, choosing decode vs prefill classes by weighted round robin."""
-        budget = self._mixed_budget()
+        budget = self.planner.mixed_budget
         if budget:
-            while ch.in_service and len(ch.inflight) < self.config.max_inflight \
+            while ch.in_service and len(ch.inflight) - ch.transfers < self.config.max_inflight \
                     and self._submit_mixed(ch, budget, now, out):
                 pass
             return
-        while ch.in_service and len(ch.inflight) < self.config.max_inflight:
+        while ch.in_service and len(ch.inflight) - ch.transfers < self.config.max_inflight:
             classes = ch.prefill.nonempty()
-            if ch.decode_ready and self._decode_may_fire(ch, now):
+            if ch.decode_ready and self._may_fire(self.planner.decode_hold(ch.decode_ready, self._requests, now)):
                 classes.append(WorkClass.DECODE)
             cls = ch.wrr.pick(classes)
             if cls is None:
@@ -663,69 +697,13 @@ class Scheduler:
             else:
                 self._submit_prefill(ch, ch.prefill.pop(cls), now, out)
 
-    def _decode_candidates(self, ch: ChipState) -> list[RequestRecord]:
-        """Ready sequences by earliest deadline, then fair-queue tag, then arrival (seed 001 §7.2)."""
-        requests = self._requests
-        cands = [requests[rid] for rid in ch.decode_ready]
-        cands.sort(key=_DECODE_KEY)
-        return cands
-
-    def _decode_may_fire(self, ch: ChipState, now: float) -> bool:
-        """The batching window: hold an unfilled batch briefly, never past the window nor near a deadline."""
-        window = self.config.batching_window_s
-        if window <= 0 or len(ch.decode_ready) >= max(self.profiles):
+    def _may_fire(self, hold_until: float | None) -> bool:
+        """A window's verdict (None: go now); a held job notes when to look again."""
+        if hold_until is None:
             return True
-        held = [self._requests[rid] for rid in ch.decode_ready]
-        return self._window_passed(min(r.ready_since for r in held) + window, window, held, now)
-
-    def _prompts_may_fire(self, ch: ChipState, budget: int, now: float) -> bool:
-        """The prefill window (mixed jobs): hold a job of prompts alone until the arrivals pause for the
-        window, so that a burst shares one job instead of its first prompt running alone while the rest
-        wait out that whole job; not once the waiting prompts fill a job, nor past PREFILL_WINDOW_CAP
-        windows after the oldest arrived (a steady stream of arrivals never pauses)."""
-        window = self.config.prefill_window_s
-        if window <= 0 or len(ch.prefill) >= max(self.profiles):
-            return True
-        waiting = [self._requests[rid] for rid in ch.prefill.ids()]
-        if sum(r.prefill_target - r.committed for r in waiting) >= budget:
-            return True
-        since = [r.ready_since for r in waiting]
-        return self._window_passed(min(max(since) + window, min(since) + PREFILL_WINDOW_CAP * window), window,
-                                   waiting, now)
-
-    def _window_passed(self, fire_at: float, window: float, held: list[RequestRecord], now: float) -> bool:
-        """True from `fire_at` on, or sooner when holding longer would come within `window` of the
-        earliest deadline of `held`; else note when to look again."""
-        known = [r.deadline for r in held if r.deadline is not None]
-        if known:
-            fire_at = min(fire_at, min(known) - window)  # holding may never eat into the earliest deadline
-        if now >= fire_at:
-            return True
-        self._window_wakeup = fire_at if self._window_wakeup is None else min(self._window_wakeup, fire_at)
+        wake = self._window_wakeup
+        self._window_wakeup = hold_until if wake is None else min(wake, hold_until)
         return False
-
-    def _pick_lanes(self, cands: list[RequestRecord], batch: int) -> list[RequestRecord]:
-        """Take `batch` candidates in order, capping each tenant's share unless nobody else is ready."""
-        share = self.config.max_tenant_lane_share
-        if share >= 1.0:
-            return cands[:batch]
-        cap = max(1, math.floor(share * batch))
-        chosen: list[RequestRecord] = []
-        skipped: list[RequestRecord] = []
-        per_tenant: Counter[str] = Counter()
-        for r in cands:
-            if len(chosen) == batch:
-                break
-            if per_tenant[r.tenant] < cap:
-                per_tenant[r.tenant] += 1
-                chosen.append(r)
-            else:
-                skipped.append(r)
-        for r in skipped:
-            if len(chosen) == batch:
-                break
-            chosen.append(r)
-        return chosen
 
     def _ensure_room(self, ch: ChipState, r: RequestRecord, chosen: list[RequestRecord]) -> bool:
         """KV for r's next position; preempts the youngest idle sequence when the pool is dry.
@@ -737,6 +715,7 @@ class Scheduler:
             bs = ch.block_size
             target = min(self.model.max_seq, -(-need // bs) * bs)
             if ch.kv.grow(r.seq_id, target):
+                self._kv_reserved += target - r.reserved
                 r.reserved = target
                 return True
             taken = {c.request_id for c in chosen}
@@ -754,16 +733,6 @@ class Scheduler:
         self._unbind(r, released=True)
         self._requeue_request(r)
 
-    def _lane(self, r: RequestRecord, ch: ChipState, start: int, end: int, sample: bool) -> Lane:
-        p = r.params
-        # block_table_view: not copied, build_job copies it into the record before the KV changes again
-        return Lane(
-            tokens=r.tokens[start:end], start=start, block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
-            **(_NO_CONSTRAINT if p.constraint is None else
-               lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
-        )
-
     def _with_room(self, ch: ChipState, picked: list[RequestRecord]) -> list[RequestRecord]:
         """The picked decode lanes that have KV for their next position (growing, or preempting, for it)."""
         ready = ch.decode_ready
@@ -775,69 +744,21 @@ class Scheduler:
         return chosen
 
     def _submit_decode(self, ch: ChipState, now: float, out: list[Action]) -> None:
-        cands = self._decode_candidates(ch)
-        table = self._profile_for_ready
-        batch = table[min(len(cands), len(table) - 1)]  # == lanes_for(len(cands), ...)[0]
-        chosen = self._with_room(ch, self._pick_lanes(cands, batch))
+        plan = self.planner
+        cands = plan.decode_candidates(ch.decode_ready, self._requests)
+        chosen = self._with_room(ch, plan.pick_lanes(cands, plan.decode_profile(len(cands))))
         if not chosen:
             return
-        ready = ch.decode_ready
-        batch = self._profile_fitting[len(chosen)]
-        job_id = next(self._job_ids)
-        kv = ch.kv
-        lanes = []
-        starts = []
-        for r in chosen:
-            start = r.committed
-            starts.append(start)
-            p = r.params
-            # block_table_view: not copied, build_job copies it into the record before the KV changes again
-            lanes.append(Lane(
-                tokens=r.tokens[start:start + 1], start=start, block_table=kv.block_table_view(r.seq_id),
-                sample=True, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                want_logprobs=p.logprobs,
-                **(_NO_CONSTRAINT if p.constraint is None else
-                   lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), start + 1, r.prefill_target)),
-            ))
-        job = build_job(JobKind.DECODE, lanes, job_id=job_id, generation=self.model.generation, batch=batch,
-                        table_width=ch.max_blocks_per_seq)
-        ends = [s + 1 for s in starts]
-        for r, end in zip(chosen, ends):
-            kv.begin_update(r.seq_id, job_id, end)
-            del ready[r.request_id]
-            r.move(S.DECODE_RUNNING)
-            r.job_id = job_id
-        lanes_rids = self._record_job(ch, JobKind.DECODE, job_id, chosen, starts, ends, [True] * len(chosen), batch,
-                                      now)
-        self.counters["decode_jobs"] += 1
-        self.counters["decode_lanes"] += len(chosen)
-        self.counters["decode_lane_slots"] += batch
-        by_profile = self.decode_by_profile[batch]
-        by_profile[0] += 1
-        by_profile[1] += len(chosen)
-        self._release_freed(ch, out)  # before the job: it may reuse a freed block
-        out.append(SubmitJob(ch.chip, job, lanes_rids))
+        batch = plan.fitting_profile(len(chosen))
+        self.job_counts.decode_job(batch, len(chosen))
+        self._launch(ch, JobKind.DECODE, chosen, [], batch, now, out)
 
     def _submit_prefill(self, ch: ChipState, rid: int, now: float, out: list[Action]) -> None:
         r = self._requests[rid]
         start = r.committed
-        end = r.prefill_target
-        if self.chunked:
-            end = min(end, start + self.config.prefill_chunk_tokens)
-        final = end == r.prefill_target
-        job_id = next(self._job_ids)
-        job = build_job(JobKind.PREFILL, [self._lane(r, ch, start, end, final)], job_id=job_id,
-                        generation=self.model.generation, table_width=ch.max_blocks_per_seq)
-        ch.kv.begin_update(r.seq_id, job_id, end)
-        r.move(S.PREFILL_RUNNING)
-        r.job_id = job_id
-        if r.t_first_sched is None:
-            r.t_first_sched = now
-        lanes_rids = self._record_job(ch, JobKind.PREFILL, job_id, [r], [start], [end], [final], 1, now)
-        self.counters["prefill_jobs"] += 1
-        self.counters["prefill_tokens"] += end - start
-        self._release_freed(ch, out)  # before the job: it may reuse a freed block
-        out.append(SubmitJob(ch.chip, job, lanes_rids))
+        end = self.planner.prefill_end(start, r.prefill_target)
+        self.job_counts.prefill_job(end - start)
+        self._launch(ch, JobKind.PREFILL, [], [(r, start, end)], None, now, out)
 
     def _submit_mixed(self, ch: ChipState, budget: int, now: float, out: list[Action]) -> bool:
         """One job of the ready decode lanes plus prompt chunks, `budget` tokens in all; False when idle.
@@ -845,68 +766,58 @@ class Scheduler:
         Mixed batches (vLLM's token budget, llama.cpp's server loop): decode
         lanes ride along with every job, so a prompt burst no longer stalls
         the streams already generating, and several prompts share one pass
-        over the weights. Prompts are taken by the prefill classes' weighted
-        round robin; a prompt longer than `prefill_chunk_tokens` is chunked to
-        fit the budget left when chunked prefill is on (its next chunk goes
-        first next time); a shorter one (or any, unchunked) that does not fit
-        waits for the next job, rather than leave a tail of a few tokens for
-        a job of its own (it always fits an empty one: the backend's limit is
-        at least max_seq).
+        over the weights. Which lanes and chunks: `BatchPlanner.take_prompts`.
         """
-        top = max(self.profiles)
+        plan, requests = self.planner, self._requests
         decode: list[RequestRecord] = []
         waiting = len(ch.prefill)
-        if waiting and not ch.decode_ready and not self._prompts_may_fire(ch, budget, now):
-            return False
-        if ch.decode_ready and (waiting or self._decode_may_fire(ch, now)):
-            cands = self._decode_candidates(ch)
-            room = max(1, budget // 2) if waiting else budget  # waiting prompts always get half the job
-            decode = self._with_room(ch, self._pick_lanes(cands, min(len(cands), top, room)))
-        left = budget - len(decode)
-        chunk = self.config.prefill_chunk_tokens
-        prompts: list[tuple[RequestRecord, int, int]] = []
-        requests = self._requests
-        while len(prompts) < top:
-            classes = ch.prefill.nonempty()
-            if not classes:
-                break
-            cls = ch.wrr.pick(classes)
-            assert cls is not None
-            r = requests[ch.prefill.members(cls)[0]]
-            start = r.committed
-            need = r.prefill_target - start
-            if need <= left:
-                take = min(need, chunk) if self.chunked else need
-            elif prompts and (not self.chunked or need <= chunk):
-                break  # first in the next job: a short prompt is not split to fill a remainder
-            elif self.chunked:
-                if left <= 0:
-                    break
-                take = min(left, chunk)
-            else:
-                take = need  # unchunked and first in the job: whole (the decode lanes make room below)
-            ch.prefill.pop(cls)
-            prompts.append((r, start, start + take))
-            left -= take
+        if waiting and not ch.decode_ready:
+            if not self._may_fire(plan.prompts_hold(ch.prefill, requests, budget, now)):
+                return False
+        if ch.decode_ready and (waiting or self._may_fire(plan.decode_hold(ch.decode_ready, requests, now))):
+            cands = plan.decode_candidates(ch.decode_ready, requests)
+            decode = self._with_room(ch, plan.mixed_decode_lanes(cands, budget, bool(waiting)))
+        prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, budget - len(decode))
         prompt_tokens = budget - len(decode) - left
-        if left < 0:  # an unchunked prompt beyond the budget: keep the job within the backend's limit
-            over = len(decode) + prompt_tokens - self.model.mixed_batch_tokens
-            if over > 0:
-                decode = decode[:max(0, len(decode) - over)]  # the rest stay ready for the next job
+        decode = plan.trim_decode(decode, prompt_tokens, left)
         if not decode and not prompts:
             return False
+        self.job_counts.mixed_job(len(decode), len(prompts), prompt_tokens)
+        self._launch(ch, JobKind.PREFILL, decode, prompts, None, now, out)
+        return True
+
+    def _lane(self, r: RequestRecord, ch: ChipState, start: int, end: int, sample: bool) -> Lane:
+        """The one place a request becomes a job lane (per-lane inputs the chip needs go here)."""
+        p = r.params
+        # block_table_view: not copied, build_job copies it into the record before the KV changes again
+        return Lane(
+            tokens=r.tokens[start:end], start=start, block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
+            **(_NO_CONSTRAINT if p.constraint is None else
+               lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
+        )
+
+    def _launch(self, ch: ChipState, kind: JobKind, decode: list[RequestRecord], prompts: list[PromptChunk],
+                batch: int | None, now: float, out: list[Action]) -> None:
+        """The tail every job shares: its lanes (decode lanes first, one token each, then the prompt chunks),
+        the record, the requests' moves, the job in flight, then release notices and the job itself.
+
+        `batch`: the compiled decode profile; None, one lane per request.
+        """
         job_id = next(self._job_ids)
         kv = ch.kv
         rs = decode + [r for r, _, _ in prompts]
         starts = [r.committed for r in decode] + [start for _, start, _ in prompts]
         ends = [r.committed + 1 for r in decode] + [end for _, _, end in prompts]
         sampled = [True] * len(decode) + [end == r.prefill_target for r, _, end in prompts]
-        job = build_job(JobKind.PREFILL, [self._lane(r, ch, *lane) for r, *lane in zip(rs, starts, ends, sampled)],
-                        job_id=job_id, generation=self.model.generation, table_width=ch.max_blocks_per_seq)
-        ready = ch.decode_ready
+        lane = self._lane
+        job = build_job(kind, [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)],
+                        job_id=job_id, generation=self.model.generation, batch=batch,
+                        table_width=ch.max_blocks_per_seq)
         for r, end in zip(rs, ends):
             kv.begin_update(r.seq_id, job_id, end)
             r.job_id = job_id
+        ready = ch.decode_ready
         for r in decode:
             del ready[r.request_id]
             r.move(S.DECODE_RUNNING)
@@ -914,101 +825,114 @@ class Scheduler:
             r.move(S.PREFILL_RUNNING)
             if r.t_first_sched is None:
                 r.t_first_sched = now
-        lanes_rids = self._record_job(ch, JobKind.PREFILL, job_id, rs, starts, ends, sampled, len(rs), now)
-        self.counters["mixed_jobs"] += 1
-        if decode:
-            self.counters["decode_lanes"] += len(decode)
-            self.counters["decode_lane_slots"] += len(decode)  # no padded lanes in a mixed job
-        if prompts:
-            self.counters["prefill_jobs"] += 1
-            self.counters["prefill_lanes"] += len(prompts)  # prompts per job = prefill_lanes / prefill_jobs
-            self.counters["prefill_tokens"] += prompt_tokens
-            if decode:
-                self.counters["mixed_jobs_decode_and_prefill"] += 1
+        lanes = [r.request_id for r in rs]
+        ch.inflight[job_id] = InflightJob(
+            job_id=job_id, kind=kind, lanes=lanes, seq_ids=[r.seq_id for r in rs],
+            start_lens=starts, new_lens=ends, sampled=sampled, batch=len(rs) if batch is None else batch,
+            submitted_at=now, timeout_at=now + self.config.job_timeout_s,
+        )
+        ch.jobs_submitted += 1
+        if self.tiers is not None:
+            self._flush_exports(ch, now, out)  # before the job: it may overwrite a block being exported
         self._release_freed(ch, out)  # before the job: it may reuse a freed block
-        out.append(SubmitJob(ch.chip, job, lanes_rids))
-        return True
+        out.append(SubmitJob(ch.chip, job, lanes))
+
+    # ------------------------------------------------------------ KV tiers
+    def _flush_exports(self, ch: ChipState, now: float, out: list[Action]) -> None:
+        """Queue the chip's pending exports as one KV_EXPORT job, ahead of any job that could overwrite them."""
+        tiers = self.tiers
+        tiers.collect(ch.chip, ch.kv)
+        if not ch.in_service:
+            return
+        job_id = next(self._job_ids)
+        job = tiers.export_job(ch.chip, job_id, self.model.generation, now)
+        if job is None:
+            return
+        self._submit_transfer(ch, job, [], [], [], [], now, out)
+
+    def _submit_transfer(self, ch: ChipState, job, lanes: list[int], seq_ids: list[int], starts: list[int],
+                         ends: list[int], now: float, out: list[Action]) -> None:
+        ch.inflight[job.job_id] = InflightJob(
+            job_id=job.job_id, kind=job.kind, lanes=lanes, seq_ids=seq_ids, start_lens=starts, new_lens=ends,
+            sampled=[False] * len(lanes), batch=len(lanes), submitted_at=now,
+            timeout_at=now + self.config.job_timeout_s)
+        ch.transfers += 1
+        self.counters[f"{job.kind.name.lower()}_jobs"] += 1
+        out.append(SubmitJob(ch.chip, job, lanes))
+
+    def _launch_transfers(self, now: float, out: list[Action]) -> None:
+        """Every chip's exports, then the imports planned at admission (an import may reuse an exported block)."""
+        for ch in self.chips.values():
+            self._flush_exports(ch, now, out)
+        imports, self._imports = self._imports, []
+        for chip, rid, plan in imports:
+            ch = self.chips[chip]
+            r = self._requests[rid]
+            bs = ch.block_size
+            first = r.committed // bs
+            end = r.committed + plan.blocks * bs
+            job_id = next(self._job_ids)
+            job = self.tiers.import_job(chip, job_id, self.model.generation, plan,
+                                        ch.kv.block_table_view(r.seq_id)[first:first + plan.blocks], now)
+            ch.kv.begin_update(r.seq_id, job_id, end)
+            r.job_id = job_id
+            r.move(S.PREFILL_RUNNING)
+            if r.t_first_sched is None:
+                r.t_first_sched = now
+            self._release_freed(ch, out)  # before the import: it may write a freed block
+            self._submit_transfer(ch, job, [rid], [r.seq_id], [r.committed], [end], now, out)
+
+    def _transfer_result(self, ch: ChipState, job: InflightJob, result: JobResult, now: float,
+                         out: list[Action]) -> None:
+        ch.transfers -= 1
+        fresh = result.generation == self.model.generation and result.kind == job.kind
+        ok = fresh and result.status == JobStatus.OK
+        refused = fresh and result.status == JobStatus.INVALID
+        self.tiers.job_done(job.job_id, ok, refused, now)
+        if job.kind is JobKind.KV_EXPORT:
+            return
+        if ok:
+            self._complete_job(ch, job, result, now, out)  # the imported tokens are committed; prefill next
+            return
+        if not refused:
+            self._fail_job(ch, job, "job_failed", "a KV import failed", now, out)
+            return
+        # Refused whole before any write: the blocks hold what they held; recompute those tokens.
+        self.counters["tier_refused_imports"] += 1
+        for rid, seq_id in zip(job.lanes, job.seq_ids):
+            r = self._requests[rid]
+            ch.kv.abort_update(seq_id, job.job_id)
+            r.job_id = None
+            if r.state in TERMINAL_STATES:
+                self._unbind(r, released=True)
+                self._forget_if_done(r)
+                continue
+            r.move(S.PREFILL_READY)
+            ch.prefill.push(rid, r.prefill_target - r.committed, front=True)
+            r.ready_since = now
 
     def _release_freed(self, ch: ChipState, out: list[Action]) -> None:
         freed = ch.kv.take_freed()
         if freed:
             out.append(ReleaseBlocks(ch.chip, freed))
 
-    def _record_job(self, ch: ChipState, kind: JobKind, job_id: int, rs: list[RequestRecord], starts: list[int],
-                    ends: list[int], sampled: list[bool], batch: int, now: float) -> list[int]:
-        """Remember the job in flight; returns its lanes' request ids (lane order)."""
-        lanes = [r.request_id for r in rs]
-        ch.inflight[job_id] = InflightJob(
-            job_id=job_id, kind=kind, lanes=lanes, seq_ids=[r.seq_id for r in rs],
-            start_lens=starts, new_lens=ends, sampled=sampled, batch=batch, submitted_at=now,
-            timeout_at=now + self.config.job_timeout_s,
-        )
-        ch.jobs_submitted += 1
-        return lanes
-
     # ----------------------------------------------------------------- stats
     def queue_stats(self, now: float) -> dict[str, dict[str, dict[str, float]]]:
-        """Depth and oldest wait (seconds) of every queue (seed 001 §16), read-only.
-
-        "admission" is the board's waiting queue (fair queue + requeued, waiting since
-        arrival); per chip, "decode" and the prefill classes (waiting since the request
-        became ready for its next job). O(queued requests): for periodic snapshots.
-        """
-        requests = self._requests
-
-        def entry(rids, since) -> dict[str, float]:
-            oldest = min((since(requests[rid]) for rid in rids), default=None)
-            return {"depth": len(rids), "oldest_wait_s": 0.0 if oldest is None else max(0.0, now - oldest)}
-
-        out: dict[str, dict[str, dict[str, float]]] = {
-            "board": {"admission": entry(list(self._wfq.ids()) + list(self._requeue), attrgetter("arrival"))},
-        }
-        ready = attrgetter("ready_since")
-        for ch in self.chips.values():
-            q = {WorkClass.DECODE.value: entry(list(ch.decode_ready), ready)}
-            for c in PREFILL_CLASSES:
-                q[c.value] = entry(list(ch.prefill.members(c)), ready)
-            out[str(ch.chip)] = q
-        return out
+        """Depth and oldest wait of every queue (scheduler_stats.queue_stats), read-only."""
+        return queue_stats(now, self._requests, list(self._wfq.ids()) + list(self._requeue), self.chips.values())
 
     def profile_stats(self) -> dict[int, dict[str, float | int | None]]:
         """Per decode profile: jobs, active lanes, lane slots, lane waste (inactive lanes) and fill ratio."""
-        out: dict[int, dict[str, float | int | None]] = {}
-        for batch, (jobs, lanes) in sorted(self.decode_by_profile.items()):
-            slots = jobs * batch
-            out[batch] = {"jobs": jobs, "lanes": lanes, "slots": slots, "lane_waste": slots - lanes,
-                          "fill_ratio": lanes / slots if slots else None}
-        return out
+        return self.job_counts.profile_stats()
 
     def stats(self, now: float | None = None) -> dict:
         """Everything an operator may want, as plain data; queue waits only when `now` is given."""
-        states: Counter[str] = Counter(r.state.value for r in self._requests.values())
-        slots = self.counters["decode_lane_slots"]
-        extra = {} if now is None else {"queue_waits": self.queue_stats(now)}
-        return {
-            "accepting": self._accepting,
-            "admission_blocked": self.admission_blocked,
-            "profiles": list(self.profiles),
-            "chunked_prefill": self.chunked,
-            "waiting_requests": len(self._wfq) + len(self._requeue),
-            "waiting_prompt_tokens": self._waiting_tokens,
-            "active_sequences": self._n_bound,
-            "requests_by_state": dict(states),
-            "queues": {
-                str(ch.chip): {"decode": len(ch.decode_ready), **ch.prefill.depths()} for ch in self.chips.values()
-            },
-            "chips": {
-                str(ch.chip): {
-                    "in_service": ch.in_service, "inflight": len(ch.inflight), "bound": len(ch.bound),
-                    "jobs_submitted": ch.jobs_submitted, "faults": ch.faults, "kv": ch.kv.stats(),
-                    "wrr_picks": {c.value: n for c, n in ch.wrr.picks.items()},
-                } for ch in self.chips.values()
-            },
-            "batch_fill_ratio": (self.counters["decode_lanes"] / slots) if slots else None,
-            "tenant_active": {t: n for t, n in self._tenant_active.items() if n},
-            "tenant_service_tokens": dict(self.tenant_service),
-            "counters": dict(self.counters, generation_tokens=self.generation_tokens,
-                             prompt_tokens=self.prompt_tokens),
-            "decode_profiles": self.profile_stats(),
-            **extra,
-        }
+        return scheduler_stats(
+            accepting=self._accepting, admission_blocked=self.admission_blocked, profiles=self.profiles,
+            chunked=self.chunked, waiting_requests=len(self._wfq) + len(self._requeue),
+            waiting_prompt_tokens=self._waiting_tokens, active_sequences=self._n_bound,
+            requests=self._requests.values(), chips=list(self.chips.values()), jobs=self.job_counts,
+            tenant_active=self._tenant_active, tenant_service=self.tenant_service,
+            generation_tokens=self.generation_tokens, prompt_tokens=self.prompt_tokens,
+            queue_waits=None if now is None else self.queue_stats(now),
+        ) | ({} if self.tiers is None else {"kv_tiers": self.tiers.stats()})

@@ -29,6 +29,7 @@ class TenantPolicy:
 class SchedulerConfig:
     # admission budget (seed 001 §5.1)
     max_sequences: int = 256
+    max_kv_tokens: int = 0  # KV tokens the admitted sequences may hold reserved, board-wide; 0 = the KV pool
     max_waiting_requests: int = 128
     max_waiting_prompt_tokens: int = 262_144
     default_deadline_s: float | None = 120.0
@@ -74,6 +75,8 @@ class SchedulerConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_kv_tokens < 0:
+            raise ValueError("max_kv_tokens must be >= 0 (0: the KV pool)")
         if self.medium_prefill_max_tokens < self.short_prefill_max_tokens:
             raise ValueError("medium_prefill_max_tokens must be >= short_prefill_max_tokens")
         for name in ("decode_weight", "short_prefill_weight", "medium_prefill_weight", "long_prefill_weight"):
@@ -129,6 +132,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
     profiles = _get(b, "profiles", None)
     return SchedulerConfig(
         max_sequences=int(_get(adm, "max_sequences", d.max_sequences)),
+        max_kv_tokens=int(_get(adm, "max_kv_tokens", d.max_kv_tokens)),
         max_waiting_requests=int(_get(adm, "max_waiting_requests", d.max_waiting_requests)),
         max_waiting_prompt_tokens=int(_get(adm, "max_waiting_prompt_tokens", d.max_waiting_prompt_tokens)),
         default_deadline_s=(d.default_deadline_s if deadline_ms is None
@@ -143,7 +147,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         tenants=tenants,
         default_tenant=default_tenant,
         profiles=tuple(int(p) for p in profiles) if profiles else None,  # [] = every declared profile
-        batching_window_s=float(_get(b, "batching_window_us", 0)) / 1e6,
+        batching_window_s=float(_get(b, "batching_window_us", d.batching_window_s * 1e6)) / 1e6,
         prefill_window_s=float(_get(b, "prefill_window_us", d.prefill_window_s * 1e6)) / 1e6,
         chunked_prefill=bool(_get(b, "chunked_prefill", d.chunked_prefill)),
         prefill_chunk_tokens=int(_get(b, "prefill_chunk_tokens", d.prefill_chunk_tokens)),

@@ -14,12 +14,7 @@ clients' `tenant` on. Without CURVE, tcp:// peers are anonymous: their
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import zmq
-
-    from engine.daemon.frontend import Conn
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -31,7 +26,14 @@ class Peer:
     forwarder: bool = False
 
 
-def tenant_for(conn: "Conn", requested: str) -> str:
+class Client(Protocol):
+    """What the rules here read of a connection (engine.daemon.frontend.Conn)."""
+
+    local: bool  # arrived on an ipc:// endpoint
+    peer: Peer | None
+
+
+def tenant_for(conn: Client, requested: str) -> str:
     """The tenant a request runs as: the authenticated key's, unless the key forwards for others."""
     peer = getattr(conn, "peer", None)
     if peer is None or peer.forwarder:
@@ -39,7 +41,7 @@ def tenant_for(conn: "Conn", requested: str) -> str:
     return peer.name
 
 
-def is_admin(conn: "Conn") -> bool:
+def is_admin(conn: Client) -> bool:
     peer = getattr(conn, "peer", None)
     return bool(conn.local or (peer is not None and peer.admin))
 
@@ -48,7 +50,7 @@ def is_admin(conn: "Conn") -> bool:
 TENANT_KEYED_STATS = ("tenant_active", "tenant_service_tokens")
 
 
-def visible_stats(conn: "Conn", body: Any) -> Any:
+def visible_stats(conn: Client, body: Any) -> Any:
     """What a connection may see of a stats tree: other tenants' entries are removed for a tenant key."""
     peer = getattr(conn, "peer", None)
     if peer is None or peer.admin or peer.forwarder:

@@ -15,6 +15,8 @@ import time
 import orjson
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+# The human format's level column: the conventional short names, not a cut at five letters ("WARNI").
+HUMAN_LEVELS = {"debug": "DEBUG", "info": "INFO", "warning": "WARN", "error": "ERROR"}
 
 EVENTS: dict[str, str] = {
     # start-up and serving
@@ -23,6 +25,13 @@ EVENTS: dict[str, str] = {
     "metrics_serving": "info",
     "serving": "info",
     "kv_events_publishing": "info",
+    "kv_tiers": "info",
+    "kv_tiers_unsupported": "warning",
+    "kv_host_pool_too_small": "warning",
+    "kv_index_flush_failed": "warning",
+    "kv_disk_warm": "info",
+    "kv_disk_ignored": "info",
+    "kv_tiers_close_failed": "warning",
     "startup_failed": "error",
     # chips
     "chip_up": "info",
@@ -42,6 +51,7 @@ EVENTS: dict[str, str] = {
     "drain_started": "info",
     "drain_progress": "info",
     "drain_ended": "info",
+    "drain_timed_out": "warning",
     "stopping": "info",
     "stopped": "info",
     "fatal": "error",
@@ -103,7 +113,7 @@ def json_line(ts: float, level: str, event: str, fields: dict) -> bytes:
 def human_line(ts: float, level: str, event: str, fields: dict) -> bytes:
     """`20:44:37.123 WARN  chip_down chip=1 reason="..."`; a traceback follows on its own lines."""
     clock = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts * 1000) % 1000:03d}"
-    parts = [clock, level.upper()[:5].ljust(5), event]
+    parts = [clock, HUMAN_LEVELS[level].ljust(5), event]
     tail = ""
     for k, v in fields.items():
         if k == "traceback" and isinstance(v, str):

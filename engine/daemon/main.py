@@ -10,36 +10,15 @@ start-up fails, 3 when serving becomes impossible (every chip out of service),
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import sys
-import tomllib
 
-from engine.config import Config, ConfigError, load_config
+from engine.config import BACKENDS, LOG_FORMATS, Config, ConfigError, load_config
 from engine.daemon.log import configure as configure_log
 from engine.daemon.log import log
-
-EXIT_CONFIG = 2
-EXIT_STARTUP = 1
-_ALIAS_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-
-
-def _value(text: str) -> object:
-    """A TOML value ("3", "true", "[1, 4]", "\\"x\\"") or, failing that, the bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _pairs(items: list[str], flag: str) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE")
-        out[k.strip()] = _value(v.strip())
-    return out
+from engine.exit_codes import EXIT_CONFIG, EXIT_STARTUP
+from engine.flag_pairs import parse_pairs
+from ipc.schema import NAME_RE
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -47,7 +26,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", help="TOML config file (schema = \"npuserve/v1\")")
     p.add_argument("--endpoint", action="append", default=[], metavar="E",
                    help="ipc:///path or tcp://host:port to listen on (repeatable; replaces server.endpoints)")
-    p.add_argument("--backend", choices=("stub", "sim", "ref", "ctypes", "llamacpp"), help="chip runtime (board.backend)")
+    p.add_argument("--backend", choices=BACKENDS, help="chip runtime (board.backend)")
     p.add_argument("--chips", type=int, help="worker processes (board.chips)")
     p.add_argument("--board", help="board id (board.id)")
     p.add_argument("--runtime-dir", help="sockets and state (board.runtime_dir)")
@@ -58,7 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="load PACKAGE (under the model root) as ALIAS at start-up (repeatable; the first is "
                         "the board's default unless model.alias names another)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (metrics.port)")
-    p.add_argument("--log-format", choices=("auto", "json", "human"),
+    p.add_argument("--log-format", choices=LOG_FORMATS,
                    help="log lines on stderr: json (one object per line), human, or auto = human on a terminal "
                         "(log.format)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON of jobs, request phases "
@@ -71,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, object]:
-    ov = _pairs(args.set, "--set")
+    ov = parse_pairs(args.set, "--set")
     flags = {"board.backend": args.backend, "board.chips": args.chips, "board.id": args.board,
              "board.runtime_dir": args.runtime_dir, "model.package": args.package, "model.root": args.model_root,
              "metrics.port": args.metrics_port, "server.endpoints": args.endpoint or None,
@@ -85,11 +64,11 @@ def resolve_package(cfg: Config) -> str | None:
     if cfg.model.package:
         return cfg.model.package
     if cfg.board.backend == "ref":
-        from workers.model_package import ensure_default_package
+        from workers.default_package import ensure_default_package
 
         return ensure_default_package()
     if cfg.board.backend == "llamacpp":
-        from workers.tiny_gguf_package import ensure_default_gguf_package
+        from workers.default_package import ensure_default_gguf_package
 
         return ensure_default_gguf_package()
     return None
@@ -105,8 +84,9 @@ def startup_models(cfg: Config, named: list[str]) -> list[tuple[str, str | None,
         alias, package = alias.strip(), package.strip()
         if not sep or not alias or not package:
             raise ConfigError(f"--model {item!r}: expected ALIAS=PACKAGE")
-        if not _ALIAS_RE.match(alias):
-            raise ConfigError(f"--model {item!r}: an alias is 1-64 characters of [A-Za-z0-9_.:-]")
+        if not NAME_RE.match(alias):
+            raise ConfigError(f"--model {item!r}: an alias is 1-64 characters of [A-Za-z0-9_.:-], "
+                              "not starting with [.:-]")
         if alias in [m[0] for m in out]:
             raise ConfigError(f"--model {item!r}: alias {alias!r} named twice")
         out.append((alias, package, True))
@@ -142,7 +122,7 @@ def main(argv: list[str]) -> int:
     configure_log("info", args.log_format or "auto")
     overrides: dict[str, object] = {}
     try:
-        backend_extra = _pairs(args.backend_option, "--backend-option")
+        backend_extra = parse_pairs(args.backend_option, "--backend-option")
         overrides = overrides_from(args)
         cfg = load_config(args.config, overrides)
     except ConfigError as e:

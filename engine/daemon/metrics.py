@@ -28,15 +28,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
 from engine.daemon.constraint_cache import BOARD_CACHE
 from engine.core.model_state import ModelState
+from engine.daemon.kv_tier_metrics import tier_families
 
 if TYPE_CHECKING:
-    from engine.daemon.loop import Daemon
+    from engine.daemon.generations import Generations
+    from engine.daemon.views import Views
     from ipc.records import JobResult
 
 PREFIX = "npuserve:"
@@ -65,7 +67,7 @@ class MetricsPortBusy(RuntimeError):
 # -- the immutable snapshot -----------------------------------------------------------
 @dataclass(frozen=True)
 class Family:
-    kind: str  # "gauge" | "counter"
+    kind: str  # "gauge" | "counter" | "histogram" (a sample's value: ((le, count) per bucket, +Inf count, sum))
     name: str  # without PREFIX; a counter without its _total
     doc: str
     labels: tuple[str, ...]
@@ -83,6 +85,17 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         for f in self.snapshot:  # one read of the reference: a consistent snapshot
+            if f.kind == "histogram":
+                h = HistogramMetricFamily(PREFIX + f.name, f.doc, labels=f.labels)
+                for values, (buckets, n_inf, total) in f.samples:
+                    cum, rows = 0, []
+                    for le, n in buckets:
+                        cum += n
+                        rows.append((repr(float(le)), cum))
+                    rows.append(("+Inf", cum + n_inf))
+                    h.add_metric(values, rows, total)
+                yield h
+                continue
             cls = GaugeMetricFamily if f.kind == "gauge" else CounterMetricFamily
             m = cls(PREFIX + f.name, f.doc, labels=f.labels)
             for values, v in f.samples:
@@ -101,15 +114,16 @@ class _Builder:
 
     def add(self, kind: str, name: str, doc: str, labels: tuple[str, ...],
             samples: Iterable[tuple[tuple[str, ...], float]]) -> None:
-        rows = tuple(((*self.head, *vals), float(v)) for vals, v in samples if v is not None)
+        rows = tuple(((*self.head, *vals), v if kind == "histogram" else float(v)) for vals, v in samples
+                     if v is not None)
         self.families.append(Family(kind, name, doc, (*self.head_labels, *labels), rows))
 
     def one(self, kind: str, name: str, doc: str, value: float) -> None:
         self.add(kind, name, doc, (), [((), value)])
 
 
-def build_snapshot(d: "Daemon", now: float, bounded_tenants: frozenset[str]) -> Snapshot:
-    """Read the daemon's state into plain immutable families, per model generation. Loop thread only."""
+def build_snapshot(v: "Views", now: float, bounded_tenants: frozenset[str]) -> Snapshot:
+    """Read the board's state into plain immutable families, per model generation. Loop thread only."""
     merged: dict[str, Family] = {}
 
     def merge(families: list[Family]) -> None:
@@ -117,17 +131,18 @@ def build_snapshot(d: "Daemon", now: float, bounded_tenants: frozenset[str]) -> 
             old = merged.get(f.name)
             merged[f.name] = f if old is None else Family(f.kind, f.name, f.doc, f.labels, old.samples + f.samples)
 
-    for g in sorted(d.serving_generations(), key=lambda g: g.id):
+    gens = v.gens
+    for g in sorted(gens.serving_generations(), key=lambda g: g.id):
         b = _Builder(g.alias, g.id)
         _generation_families(b, g.scheduler.stats(now), g.chips_info(now), bounded_tenants)
         merge(b.families)
-    b = _Builder(d.model_alias)
-    b.one("gauge", "loop_lag_seconds", "Longest recent turn of the scheduler loop.", d.liveness.lag_s(now))
-    b.one("counter", "loop_turns", "Turns of the scheduler loop.", d.liveness.turns)
-    b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if d.accepting else 0)
+    b = _Builder(gens.model_alias)
+    b.one("gauge", "loop_lag_seconds", "Longest recent turn of the scheduler loop.", v.liveness.lag_s(now))
+    b.one("counter", "loop_turns", "Turns of the scheduler loop.", v.liveness.turns)
+    b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if gens.accepting else 0)
     constraint_families(b)
     merge(b.families)
-    merge(_lifecycle_families(d))
+    merge(_lifecycle_families(gens))
     return tuple(merged.values())
 
 
@@ -144,9 +159,9 @@ def constraint_families(b: _Builder) -> None:
           c["compile_s_total"])
 
 
-def _lifecycle_families(d: "Daemon") -> list[Family]:
+def _lifecycle_families(gens: "Generations") -> list[Family]:
     """Model generations by state, their requests, and the loads and unloads so far (seed 001 §16 "model")."""
-    recs = sorted(d.models.generations.values(), key=lambda r: r.id)
+    recs = sorted(gens.models.generations.values(), key=lambda r: r.id)
     fams = [Family("gauge", "model_generation_state", "1 for the lifecycle state each model generation is in.",
                    ("model_name", "generation", "state"),
                    tuple(((r.alias, str(r.id), st.value), 1.0 if r.state is st else 0.0)
@@ -161,7 +176,7 @@ def _lifecycle_families(d: "Daemon") -> list[Family]:
     fams.append(Family("counter", "model_lifecycle_ops", "Loads (and replaces, rollbacks) and unloads, by outcome.",
                        ("model_name", "op", "outcome"),
                        tuple(((alias, op, outcome), float(n)) for (alias, op, outcome), n in
-                             sorted(d.lifecycle_counts.items()))))
+                             sorted(gens.lifecycle_counts.items()))))
     return fams
 
 
@@ -242,6 +257,8 @@ def _generation_families(b: _Builder, st: dict, chips: list[dict], bounded_tenan
         service[key] = service.get(key, 0) + n
     b.add("counter", "tenant_service_tokens", "Tokens computed per tenant (configured tenants; others as "
           "\"other\").", ("tenant",), [((t,), n) for t, n in sorted(service.items())])
+    if "kv_tiers" in st:
+        tier_families(b, st["kv_tiers"])
 
 
 # -- the recorder (loop thread) ------------------------------------------------------------
@@ -392,23 +409,23 @@ class MetricsRecorder:
         for job_id in [j for j, s in self._job_start.items() if s[1] == chip and j[0] == generation]:
             del self._job_start[job_id]
 
-    def publish(self, d: "Daemon", now: float, force: bool = False) -> None:
+    def publish(self, v: "Views", now: float, force: bool = False) -> None:
         """Swap in a fresh snapshot (at most every PUBLISH_INTERVAL_S unless forced)."""
         if now < self.next_publish and not force:
             return
         self.next_publish = now + PUBLISH_INTERVAL_S
         # An idle board changes nothing a gauge shows: skip the rebuild (it is most of an idle daemon's CPU
         # turn) until something happened or the idle interval passed (uptime-like figures stay fresh enough).
-        fc, dc = d.frontend.counters, d.board_counters()
+        fc, dc = v.frontend.counters, v.board_counters()
         activity = (fc.messages_in, dc["results"], dc["chip_failures"], dc["worker_restarts"],
-                    d.frontend.active(), tuple((g.id, g.rec.state, tuple(g.chips_info(now)[c]["state"]
+                    v.frontend.active(), tuple((g.id, g.rec.state, tuple(g.chips_info(now)[c]["state"]
                                                                          for c in range(len(g.links))))
-                                               for g in d.serving_generations()))
+                                               for g in v.gens.serving_generations()))
         if not force and activity == self._last_activity and activity[4] == 0 and now < self._next_idle_publish:
             return
         self._last_activity = activity
         self._next_idle_publish = now + IDLE_PUBLISH_INTERVAL_S
-        self.collector.snapshot = build_snapshot(d, now, self.bounded_tenants)
+        self.collector.snapshot = build_snapshot(v, now, self.bounded_tenants)
 
     # -- for the stats op ------------------------------------------------------------------
     def families(self) -> list[dict]:

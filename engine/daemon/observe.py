@@ -19,7 +19,7 @@ from engine.daemon.trace import DEFAULT_MAX_EVENTS, TraceWriter
 
 if TYPE_CHECKING:
     from engine.config import Config
-    from engine.daemon.loop import Daemon
+    from engine.daemon.views import Views
     from ipc.records import JobResult
 
 __all__ = ["MetricsPortBusy", "Observers"]
@@ -63,12 +63,12 @@ class Observers:
         if self.trace is not None:
             self.trace.on_chip_down(chip, now)
 
-    def publish(self, d: "Daemon", now: float) -> None:
-        self.metrics.publish(d, now)
+    def publish(self, views: "Views", now: float) -> None:
+        self.metrics.publish(views, now)
 
-    def families(self, d: "Daemon", now: float) -> list[dict]:
+    def families(self, views: "Views", now: float) -> list[dict]:
         """The metric families as of now (for the stats op, which runs on the loop thread)."""
-        self.metrics.publish(d, now, force=True)
+        self.metrics.publish(views, now, force=True)
         return self.metrics.families()
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 Kept apart from the event loop so that the op table is readable on its own:
 `generate` and `cancel` go to the scheduler core, `health`/`stats`/`models`
-are answered from state the loop keeps, `drain`/`resume` toggle admission
+are answered by the views (engine/daemon/views.py), `drain`/`resume` toggle admission
 (admin: only on ipc:// endpoints, whose socket file permissions are the
 access control), and the model admin ops go to engine/daemon/models/admin_ops.py.
 A generate is routed by its `model` (the board's default when absent) to
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.core.actions import Action
@@ -24,8 +26,10 @@ from engine.daemon.models import admin_ops
 from engine.core.model_table import RouteOutcome
 
 if TYPE_CHECKING:
-    from engine.daemon.frontend import Conn
-    from engine.daemon.loop import Daemon
+    from engine.daemon.frontend import Conn, Frontend
+    from engine.daemon.generations import Generations
+    from engine.daemon.models.generation import Generation
+    from engine.daemon.views import Views
 
 # Wire fields of `generate` that are scheduler parameters (model/stream are the shell's).
 _PARAM_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
@@ -50,20 +54,31 @@ def params_from(msg: dict, tokenizer=None) -> GenerateParams:
     return GenerateParams(**fields)
 
 
-def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
+@dataclass(frozen=True)
+class OpContext:
+    """What the ops reach: the frontend, the generations, the views, and the loop's `apply` and admission."""
+
+    frontend: "Frontend"
+    gens: "Generations"
+    views: "Views"
+    apply: Callable[[list, "Generation", float], None]
+    set_accepting: Callable[[bool], None]  # drain/resume (a SIGTERM drain cannot be resumed)
+
+
+def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
     """Carry out one decoded request; returns the core actions it produced."""
     op = msg["op"]
     cid = msg["id"]
-    fe = d.frontend
+    fe, gens = o.frontend, o.gens
     if op == "generate":
-        route = d.models.route(msg.get("model"))
+        route = gens.models.route(msg.get("model"))
         if route.outcome is RouteOutcome.UNKNOWN:
             fe.error(conn, cid, 404, "model_not_found", route.message)
             return []
         if route.outcome is RouteOutcome.UNAVAILABLE:
             fe.error(conn, cid, 503, "model_unavailable", route.message, retryable=True)
             return []
-        g = d.generations[route.generation.id]
+        g = gens.generations[route.generation.id]
         msg["tenant"] = tenant_for(conn, msg["tenant"])
         try:
             params = params_from(msg, g.tokenizer)
@@ -74,32 +89,32 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
             fe.error(conn, cid, 400, "constraint_unsupported", f"constraint: the {g.info.name} backend samples on "
                                                                "the device, so no token mask can apply")
             return []
-        rid = d.next_request_id()
+        rid = gens.next_request_id()
         if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False)),
                        text=g.tokenizer is not None, generation=g.id):
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
-        d.admit(rid, g)
-        d.apply(g.scheduler.submit(rid, params, now), g, now)
+        gens.admit(rid, g)
+        o.apply(g.scheduler.submit(rid, params, now), g, now)
         return []
     if op == "cancel":
         rid = fe.lookup(conn, cid)
-        g = None if rid is None else d.generation_of(rid)
+        g = None if rid is None else gens.generation_of(rid)
         if g is not None and g.scheduler is not None:
-            d.apply(g.scheduler.cancel(rid, now), g, now)
+            o.apply(g.scheduler.cancel(rid, now), g, now)
         return []
     if op == "health":
-        fe.reply(conn, cid, "health", d.health(now))
+        fe.reply(conn, cid, "health", o.views.health(now))
         return []
     if op == "stats":
-        body = {**d.stats(now), "constraints": BOARD_CACHE.stats()}  # structured output: the board's compiles
+        body = {**o.views.stats(now), "constraints": BOARD_CACHE.stats()}  # structured output: the board's compiles
         fe.reply(conn, cid, "stats", visible_stats(conn, jsonable(body)))
         return []
     if op == "models":  # open to every client, as before: a front or a balancer learns what is served
-        fe.reply(conn, cid, "models", {"models": d.models_list()})
+        fe.reply(conn, cid, "models", {"models": o.views.models_list()})
         return []
     if op in admin_ops.OPS:
-        admin_ops.handle(d, conn, msg, now)
+        admin_ops.handle(gens, fe, conn, msg, now)
         return []
     if op in ("drain", "resume"):
         if not is_admin(conn):
@@ -109,8 +124,11 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> list[Action]:
             fe.error(conn, cid, 404, "backend_not_found", f"{op}: a board daemon has no backends; "
                                                           "send it without `backend`")
             return []
-        d.set_accepting(op == "resume")
-        fe.reply(conn, cid, op, {"accepting": d.accepting})
+        o.set_accepting(op == "resume")
+        if op == "drain":
+            timeout_ms = msg.get("timeout_ms")
+            gens.drain_board(now, gens.cfg.server.drain_timeout_s if timeout_ms is None else timeout_ms / 1000.0)
+        fe.reply(conn, cid, op, {"accepting": gens.accepting})
         return []
     if op in NOT_IMPLEMENTED_OPS:
         fe.error(conn, cid, 501, "not_implemented", f"{op}: model management is not implemented by this daemon")

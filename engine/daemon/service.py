@@ -13,7 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.config import Config, ConfigError
 from engine.config_reload import config_changes, reloaded
@@ -21,11 +21,12 @@ from engine.core.model_state import ModelState
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon import log as daemon_log
 from engine.daemon.drain import Drain, DrainState, SignalOutcome
+from engine.daemon.liveness import LoopLiveness
 from engine.daemon.log import log
 from engine.daemon.sd_notify import Notifier, Pacer, monotonic_usec, watchdog_pacer
 
 if TYPE_CHECKING:
-    from engine.daemon.loop import Daemon
+    from engine.daemon.generations import Generations
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC is repeated this often while a long load or drain runs
@@ -35,10 +36,19 @@ TEST_HOOKS_ENV = "NPUSERVE_TEST_HOOKS"  # "1": SIGUSR1 stalls the loop (watchdog
 TEST_STALL_ENV = "NPUSERVE_TEST_STALL_S"  # how long a SIGUSR1 stall lasts (default 3 s)
 
 
+class Host(Protocol):
+    """What the service asks of the loop that runs it."""
+
+    def active_requests(self) -> int: ...
+
+    def request_stop(self, signum: int | None) -> None: ...
+
+
 class Service:
-    def __init__(self, daemon: "Daemon", notifier: Notifier | None = None,
+    def __init__(self, host: Host, gens: "Generations", liveness: LoopLiveness, notifier: Notifier | None = None,
                  config_loader: Callable[[], Config] | None = None) -> None:
-        self.d = daemon
+        """`gens`: the generations registry, whose `cfg` a reload replaces and whose admission a drain ends."""
+        self.host, self.gens, self.liveness = host, gens, liveness
         self.notify = Notifier() if notifier is None else notifier
         if self.notify.error:
             log("notify_socket_invalid", error=self.notify.error)
@@ -82,14 +92,14 @@ class Service:
         while self.pending:
             self._on_signal(self.pending.pop(0), now)
         if self.drain.draining:
-            cause = self.drain.check(now, self.d.frontend.active())
+            cause = self.drain.check(now, self.host.active_requests())
             if cause is not None:
-                log("drain_ended", cause=cause.value, active_requests=self.d.frontend.active(),
+                log("drain_ended", cause=cause.value, active_requests=self.host.active_requests(),
                     drain_s=round(now - (self.drain.started_at or now), 3))
-                self.d.request_stop(self._stop_signal)
+                self.host.request_stop(self._stop_signal)
             elif self.extend.due(now):
                 left = self.drain.remaining_s(now)
-                log("drain_progress", active_requests=self.d.frontend.active(), remaining_s=round(left, 1))
+                log("drain_progress", active_requests=self.host.active_requests(), remaining_s=round(left, 1))
                 self.notify.send(f"EXTEND_TIMEOUT_USEC={_usec(left + STOP_GRACE_S)}")
         if self.watchdog.due(now):
             self.counters["watchdog_pings"] += 1
@@ -120,12 +130,12 @@ class Service:
     # -- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum: int, now: float) -> None:
         if signum in STOP_SIGNALS:
-            budget = self.d.cfg.server.drain_timeout_s
+            budget = self.gens.cfg.server.drain_timeout_s
             outcome = self.drain.on_stop_signal(now, budget)
             if outcome is SignalOutcome.BEGIN_DRAIN:
                 self._stop_signal = signum
-                self.d.set_accepting(False)  # 503 draining, as the admin `drain` op answers
-                active = self.d.frontend.active()
+                self.gens.set_accepting(False)  # 503 draining, as the admin `drain` op answers
+                active = self.host.active_requests()
                 log("drain_started", signal=signal.Signals(signum).name, active_requests=active,
                     drain_timeout_s=budget, note="a second SIGTERM/SIGINT stops at once")
                 self.extend = Pacer(EXTEND_EVERY_S)
@@ -136,9 +146,9 @@ class Service:
                                  f"STATUS={self._status_text}")
             elif outcome is SignalOutcome.STOP_NOW:
                 log("drain_ended", cause="second_signal", signal=signal.Signals(signum).name,
-                    active_requests=self.d.frontend.active(),
+                    active_requests=self.host.active_requests(),
                     drain_s=round(now - (self.drain.started_at or now), 3))
-                self.d.request_stop(signum)
+                self.host.request_stop(signum)
         elif signum == signal.SIGHUP:
             self.reload(now)
         elif signum == signal.SIGUSR1 and self.test_hooks:
@@ -150,7 +160,7 @@ class Service:
         """SIGHUP: re-read the config, apply the reloadable keys, report the rest as needing a restart."""
         self.notify.send("RELOADING=1", f"MONOTONIC_USEC={monotonic_usec()}", "STATUS=reloading the configuration")
         log("reload_started")
-        old = self.d.cfg
+        old = self.gens.cfg
         try:
             if self.config_loader is None:
                 raise ConfigError("this daemon was started without a way to re-read its configuration")
@@ -163,12 +173,12 @@ class Service:
             errors = e.errors if isinstance(e, ConfigError) else [str(e)]
             log("reload_failed", errors=errors, note="still running on the previous configuration")
         else:
-            for g in self.d.serving_generations():
+            for g in self.gens.serving_generations():
                 if g.rec.state is not ModelState.WARMING:  # a loading one takes it when it is published
                     g.scheduler.reconfigure(sched_cfg)
-            self.d.liveness.stall_threshold_s = running.server.loop_stall_ms / 1000.0
+            self.liveness.stall_threshold_s = running.server.loop_stall_ms / 1000.0
             daemon_log.configure(running.log.level, running.log.format)
-            self.d.cfg = running
+            self.gens.cfg = running
             self.counters["reloads"] += 1
             for c in changes:
                 if not c.reloadable:
@@ -180,15 +190,16 @@ class Service:
 
     # -- status text -------------------------------------------------------------------------------
     def _serving_status(self) -> str:
-        d = self.d
-        up = len(d.supervisor.in_service()) if d.supervisor is not None else 0
-        admit = "serving" if d.accepting else "not admitting (drained by an admin)"
-        return (f"{admit} model {d.model_alias!r} on {', '.join(d.cfg.server.endpoints)}: "
-                f"{up}/{d.cfg.board.chips} chips up, {d.frontend.active()} requests in flight")
+        gens = self.gens
+        g = gens.default_generation()
+        up = len(g.supervisor.in_service()) if g is not None and g.supervisor is not None else 0
+        admit = "serving" if gens.accepting else "not admitting (drained by an admin)"
+        return (f"{admit} model {gens.model_alias!r} on {', '.join(gens.cfg.server.endpoints)}: "
+                f"{up}/{gens.cfg.board.chips} chips up, {self.host.active_requests()} requests in flight")
 
     def _draining_status(self, now: float) -> str:
-        return (f"draining: {self.d.frontend.active()} requests in flight, "
-                f"{self.drain.remaining_s(now):.0f} s left of the {self.d.cfg.server.drain_timeout_s:g} s budget")
+        return (f"draining: {self.host.active_requests()} requests in flight, "
+                f"{self.drain.remaining_s(now):.0f} s left of the {self.gens.cfg.server.drain_timeout_s:g} s budget")
 
 
 def _usec(seconds: float) -> int:

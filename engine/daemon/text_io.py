@@ -38,7 +38,7 @@ def served_tokenizer(package_path: str | None, info: BackendInfo, package=None) 
     if not path:
         return ByteTokenizer(info.vocab_size) if info.vocab_size >= 256 else None
     if package is None:
-        from workers.model_package import load_package
+        from workers.package_loader import load_package
 
         package = load_package(path)
     if tokenizer_spec(package.manifest)["kind"] == "none":

@@ -1,1 +1,1 @@
-"""Files an installation copies: the systemd template unit and an example board config."""
+"""Files an installation copies: the systemd units (boards, balancer, HTTP front) and their example configs."""

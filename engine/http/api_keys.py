@@ -7,11 +7,9 @@ blank lines and lines starting with `#` are skipped. A tenant is a wire name
 
 from __future__ import annotations
 
-import re
-
 from engine.http.openai_error import OpenAIError
+from ipc.schema import NAME_RE
 
-_TENANT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}\Z")
 MIN_KEY_CHARS = 8
 
 
@@ -31,7 +29,7 @@ def parse_key_file(text: str, where: str = "api keys") -> dict[str, str]:
         key, tenant = parts
         if len(key) < MIN_KEY_CHARS:
             raise KeyFileError(f"{where}:{n}: a key must be at least {MIN_KEY_CHARS} characters")
-        if not _TENANT_RE.match(tenant):
+        if not NAME_RE.match(tenant):
             raise KeyFileError(f"{where}:{n}: tenant {tenant!r} must be 1-64 characters of [A-Za-z0-9_.:-]")
         if key in keys:
             raise KeyFileError(f"{where}:{n}: the key is listed twice")

@@ -16,9 +16,9 @@ import logging
 import os
 import sys
 
-from engine.config import ConfigError, HttpConfig, _endpoint, _listen, _Bad, load_config
-
-EXIT_CONFIG = 2
+from engine.config import LOG_LEVELS, HttpConfig, load_config
+from engine.config_schema import BadValue, ConfigError, host_port, zmq_endpoint
+from engine.exit_codes import EXIT_CONFIG
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -32,7 +32,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      "(default: the one the upstream reports)")
     p.add_argument("--chat-template", help="file with a Jinja2 chat template to use instead of the package's")
     p.add_argument("--config", help="board config file; its [http] section (flags override it)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p.parse_args(argv)
 
 
@@ -51,12 +51,12 @@ def settings_from(args: argparse.Namespace) -> tuple[HttpConfig, str]:
         upstream = ""
     errors = []
     over = {}
-    for name, check in (("listen", _listen), ("upstream", _endpoint)):
+    for name, check in (("listen", host_port), ("upstream", zmq_endpoint)):
         v = getattr(args, name)
         if v is not None:
             try:
                 over[name] = check(v)
-            except _Bad as bad:
+            except BadValue as bad:
                 errors.append(f"--{name}: {bad}")
     if errors:
         raise ConfigError(errors)

@@ -18,13 +18,13 @@ from typing import Any, Callable
 
 from engine.http.openai_error import bad
 from engine.http.response_format import FIELDS as CONSTRAINT_FIELDS, constraint_of
+from ipc.schema import NAME_RE
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions body (one choice each)
 MAX_STOPS = 16  # the wire protocol's limit on `stop` entries
 MAX_STOP_CHARS = 256
 MAX_TOKENS = 1 << 20
 MAX_MESSAGES = 4096
-_TENANT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}\Z")
 _NOT_TENANT_CHARS = re.compile(r"[^A-Za-z0-9_.:-]")
 _MISSING = object()
 
@@ -115,10 +115,10 @@ def tenant_of_user(user: str | None) -> str:
     """The fair-queue tenant of an open front's request: its `user`, made a valid name, else "default"."""
     if not user:
         return "default"
-    if _TENANT_RE.match(user):
+    if NAME_RE.match(user):
         return user
     name = _NOT_TENANT_CHARS.sub("_", user)[:64]
-    return name if _TENANT_RE.match(name) else "_" + name[:63]
+    return name if NAME_RE.match(name) else "_" + name[:63]
 
 
 # Fields accepted only with a neutral value: name -> (is it neutral?, what is not built).

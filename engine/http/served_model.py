@@ -75,7 +75,7 @@ def read_manifest(path: str) -> tuple[dict, str]:
 
     The daemon verified the package's files against this manifest when it loaded them; matching the
     identity is enough here, without hashing the model file again."""
-    from workers.model_package import MANIFEST
+    from workers.package_manifest import MANIFEST
 
     with open(os.path.join(path, MANIFEST), "rb") as fh:
         raw = fh.read()

@@ -11,9 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import (
-    SECTIONS, ConfigError, TenantConfig, load_config, section_keys, validate_against_model,
-)
+from engine.config import SECTIONS, ConfigError, TenantConfig, load_config, validate_against_model
+from engine.config_schema import section_keys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "engine" / "config_example.toml"

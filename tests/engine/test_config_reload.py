@@ -6,7 +6,8 @@ import fnmatch
 import os
 import re
 
-from engine.config import RELOADABLE, SECTIONS, TenantConfig, load_config, section_keys
+from engine.config import RELOADABLE, SECTIONS, TenantConfig, load_config
+from engine.config_schema import section_keys
 from engine.config_reload import config_changes, flatten, is_reloadable, reloaded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

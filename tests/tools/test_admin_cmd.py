@@ -168,3 +168,68 @@ def test_models_against_a_real_daemon(daemon):
     assert row.split()[:2] == ["tiny", str(info["generation"])] and info["sha256"][:12] in row
     r = npuserve("admin", "models", "--endpoint", d.endpoint, "--json")
     assert r.returncode == 0 and [orjson.loads(ln) for ln in r.stdout.splitlines()] == [info]
+
+
+def test_drain_and_resume_send_timeout_ms_and_backend_and_say_what_happened(fake_server, capsys):
+    def handler(msg):
+        if msg.get("backend"):
+            return reply(msg, {"backend": msg["backend"], "drained": msg["op"] == "drain"})
+        body = {"accepting": msg["op"] == "resume"}
+        if msg.get("timeout_ms") is not None:
+            body["timeout_ms"] = msg["timeout_ms"]
+        return reply(msg, body)
+
+    s = fake_server(handler)
+    e = s.endpoint
+    rc, out, _ = run(capsys, "--endpoint", e, "drain", "--timeout", "2.5")
+    assert rc == 0 and "in-flight ones finish within 2.5 s, then are ended" in out
+    rc, out, _ = run(capsys, "drain", "--endpoint", e)
+    assert rc == 0 and "draining" in out and "within" not in out
+    rc, out, _ = run(capsys, "--endpoint", e, "drain", "--backend", "tcp://10.0.0.12:7070", "--json")
+    assert rc == 0 and orjson.loads(out) == {"op": "drain", "backend": "tcp://10.0.0.12:7070", "drained": True}
+    rc, out, _ = run(capsys, "--endpoint", e, "resume")
+    assert rc == 0 and out.strip() == "accepting new requests"
+    sent = [{k: v for k, v in m.items() if k not in ("v", "id")} for m in s.received]
+    assert sent == [{"op": "drain", "timeout_ms": 2500}, {"op": "drain"},
+                    {"op": "drain", "backend": "tcp://10.0.0.12:7070"}, {"op": "resume"}]
+    with pytest.raises(SystemExit):
+        admin_cmd.parse_args(["drain", "--timeout", "-1"])
+
+
+def test_drain_with_a_timeout_at_a_real_balancer_ends_what_is_left_then_resume_admits(daemon, short_dir):
+    import subprocess as sp
+    import sys
+
+    from engine.client import Client
+    from engine.errors import ClientError
+
+    d = daemon(backend="sim", backend_options={"decode_base_ms": 5.0})
+    ep = f"ipc://{short_dir}/bal.sock"
+    with open(os.path.join(short_dir, "bal.log"), "wb") as log:
+        bal = sp.Popen([sys.executable, "-m", "engine.balancer.main", "--endpoint", ep, "--backends", d.endpoint],
+                       cwd=ROOT, stdout=log, stderr=sp.STDOUT)
+    try:
+        with Client(ep, timeout=30) as c:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    if c.health().get("backends_up") == 1:
+                        break
+                except ClientError:
+                    pass
+                time.sleep(0.1)
+            stream = c.stream([1, 2, 3], max_tokens=2000, ignore_eos=True)  # 10 s at 5 ms a step
+            next(stream)  # streaming through the balancer
+            assert admin_cmd.main(["--endpoint", ep, "drain", "--timeout", "0.3"]) == 0
+            with pytest.raises(ClientError) as info:
+                c.generate([4], max_tokens=1)
+            assert info.value.reason == "draining"
+            with pytest.raises(ClientError) as ended:
+                for _ in stream:
+                    pass
+            assert ended.value.code == 503 and ended.value.reason == "shutdown" and ended.value.retryable
+            assert admin_cmd.main(["--endpoint", ep, "resume"]) == 0
+            assert len(c.generate([4], max_tokens=2).tokens) == 2
+    finally:
+        bal.terminate()
+        assert bal.wait(30) == 0

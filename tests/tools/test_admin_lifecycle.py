@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from test_cli_commands import npuserve
+from workers.default_package import ensure_default_package
 from workers.model_maker import make_model
-from workers.model_package import ensure_default_package
 
 
 @pytest.mark.integration

@@ -23,14 +23,16 @@ def _bench(*args: str) -> list[dict]:
 def test_closed_loop_sweep_with_slo_tenants_prefixes_and_plot(tmp_path):
     png = tmp_path / "pareto.png"
     out = _bench("--backend", "stub", "--chips", "1", "--sweep", "2,4", "--per-slot", "4", "--prompt", "uniform:40,60",
-                 "--output", "heavy:8,0.8", "--slo", "ttft=5s,tpot=1s", "--tenants", "a:3,b:1", "--prefixes", "2",
+                 "--output", "heavy:8,0.8", "--slo", "ttft=120s,tpot=30s", "--tenants", "a:3,b:1", "--prefixes", "2",
                  "--prefix-len", "32", "--plot", str(png))
     rows, summary = out[:-1], out[-1]
     assert [r["kind"] for r in rows] == ["row", "row"] and summary["kind"] == "summary"
     assert [r["concurrency"] for r in rows] == [2, 4] and [r["requests"] for r in rows] == [8, 16]
     for r in rows:
         assert r["errors"] == 0 and r["tokens_per_s"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
-        assert r["slo_met"] == r["requests"]  # a generous SLO on an idle stub daemon
+        # An SLO no run inside this test's time limit can miss, however loaded the machine: what is checked
+        # is the accounting (every request counted as met, goodput = throughput), not the machine's speed.
+        assert r["slo_met"] == r["requests"]
         assert r["goodput_tokens_per_s"] == r["tokens_per_s"]
         assert set(r["tenants"]) <= {"a", "b"} and sum(t["requests"] for t in r["tenants"].values()) == r["requests"]
         # Shared prefixes: two 32-token system prompts = 2 full blocks each, reused by the later requests.

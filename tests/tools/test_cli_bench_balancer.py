@@ -18,11 +18,13 @@ def test_bench_balancer_reports_its_three_sections():
                         "--requests", "8", "--gen-tokens", "8", "--concurrency", "4", "--clients", "1",
                         "--rounds", "1", "--prefix-requests", "10"], cwd=ROOT, capture_output=True, timeout=240)
     assert p.returncode == 0, p.stderr.decode()[-3000:]
-    rows = {r["section"]: r for r in map(orjson.loads, p.stdout.splitlines())}
+    lines = [orjson.loads(x) for x in p.stdout.splitlines()]
+    assert all(next(iter(x)) == "kind" and x["kind"] == "row" for x in lines)  # the --json convention
+    rows = {r["section"]: r for r in lines}
     assert set(rows) == {"latency", "throughput", "routing"}
     lat = rows["latency"]
     assert lat["added_p50_ms"] == round(lat["via_p50_ms"] - lat["direct_p50_ms"], 3)
     thr = rows["throughput"]
     assert thr["direct"]["errors"] == thr["via"]["errors"] == 0 and thr["via"]["tokens_per_s"] > 0
-    assert set(rows["routing"]) - {"section"} == {"round-robin", "least-load", "prefix"}
+    assert set(rows["routing"]) - {"kind", "section"} == {"round-robin", "least-load", "prefix"}
     assert all(0 <= rows["routing"][p]["prefix_hit_rate"] < 1 for p in ("round-robin", "least-load", "prefix"))

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from workers.tiny_gguf_package import ensure_default_gguf_package
+from workers.default_package import ensure_default_gguf_package
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -39,7 +39,7 @@ def test_bench_kv_layout_times_every_context_alternating_and_summarises_the_medi
 
 
 def test_bench_kv_layout_refuses_a_package_that_is_not_gguf_and_bad_counts():
-    from workers.model_package import ensure_default_package
+    from workers.default_package import ensure_default_package
 
     r = _run("--package", ensure_default_package(), "--reps", "1")
     assert r.returncode == 2 and "not a GGUF package" in r.stderr and "import-gguf" in r.stderr

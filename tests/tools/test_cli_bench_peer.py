@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from workers.tiny_gguf_package import ensure_default_gguf_package
+from workers.default_package import ensure_default_gguf_package
 
 
 def test_bench_peer_prints_rows_for_both_engines_and_ratios():
@@ -18,8 +18,10 @@ def test_bench_peer_prints_rows_for_both_engines_and_ratios():
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert all(next(iter(x)) == "kind" for x in lines)  # the --json convention (tools/json_lines.py)
     rows = [x for x in lines if "engine" in x]
     ratios = [x for x in lines if "ratio" in x]
+    assert {x["kind"] for x in rows} == {"row"} and {x["kind"] for x in ratios} == {"ratio"}
     assert sorted((x["engine"], x["workload"]) for x in rows) == [
         ("llama.cpp", "plain"), ("llama.cpp", "shared-prefix"), ("npuserve", "plain"), ("npuserve", "shared-prefix")]
     for x in rows:

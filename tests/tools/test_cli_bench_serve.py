@@ -77,6 +77,8 @@ def test_bench_observe_compares_plain_metrics_and_trace():
                        cwd=ROOT, capture_output=True, timeout=300)
     rows = [orjson.loads(line) for line in p.stdout.splitlines()]
     assert [r["variant"] for r in rows] == ["plain", "metrics", "trace", "in-process"], p.stderr.decode()[-3000:]
+    assert all(next(iter(r)) == "kind" for r in rows)  # the --json convention (tools/json_lines.py)
+    assert [r["kind"] for r in rows] == ["row", "row", "row", "summary"]
     runs = rows[:3]
     assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in runs), (rows, p.stderr.decode()[-3000:])
     assert runs[0]["ratio_to_plain"] == 1.0 and runs[2]["trace_bytes"] > 0

@@ -9,7 +9,9 @@ import orjson
 import pytest
 
 from test_cli_commands import npuserve
-from workers.model_package import ensure_default_package, load_package, write_manifest
+from workers.default_package import ensure_default_package
+from workers.package_loader import load_package
+from workers.package_manifest import write_manifest
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,8 @@ def test_the_shipped_unit_keeps_its_constraints():
     keys = dict(d)
     assert keys["Type"] == "notify" and keys["NotifyAccess"] == "main"
     assert keys["KillMode"] == "mixed"  # SIGTERM to the daemon only: the workers must outlive the drain
-    assert keys["RuntimeDirectory"] == "npuserve/%i"
-    assert "--runtime-dir /run/npuserve/%i" in keys["ExecStart"]
+    assert keys["RuntimeDirectory"] == "npuserve/board-%i" and keys["RuntimeDirectoryMode"] == "0700"
+    assert "--runtime-dir /run/npuserve/board-%i" in keys["ExecStart"]
     assert keys["Restart"] == "on-failure" and keys["RestartPreventExitStatus"] == "2"
     assert "DeviceAllow" in keys and "PrivateDevices" not in keys
     assert "RemoveIPC" not in keys and "DynamicUser" not in keys  # both would remove /dev/shm objects
@@ -55,8 +55,8 @@ def test_the_unit_command_line_and_example_config_start_a_valid_config():
     assert args.config == "/etc/npuserve/board-0.toml"
     args.config = os.path.join(os.path.dirname(os.path.abspath(inst.__file__)), "..", "engine", "deploy", "board.toml")
     cfg = load_config(args.config, overrides_from(args))
-    assert cfg.board.id == "0" and cfg.board.runtime_dir == "/run/npuserve/0"
-    assert cfg.server.endpoints == ("ipc:///run/npuserve/0/board-0.sock",)
+    assert cfg.board.id == "0" and cfg.board.runtime_dir == "/run/npuserve/board-0"
+    assert cfg.server.endpoints == ("ipc:///run/npuserve/board-0/board-0.sock",)
     assert cfg.log.format == "json"
 
 

@@ -16,7 +16,7 @@ from workers.constraints import LaneMask
 from workers.main import _sample_masked, constraint_book, execute_job
 from workers.sampling import sample
 from workers.model_maker import make_model
-from workers.model_package import load_package
+from workers.package_loader import load_package
 
 PROMPT = [256, *b"Data: "]
 SCHEMA = {

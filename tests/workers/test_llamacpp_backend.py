@@ -22,8 +22,8 @@ from workers.backends.base import BackendError
 from workers.backends.llamacpp import LlamacppBackend
 from workers.backends.ref import full_recompute_logits
 from workers.llamacpp import binding
-from workers.model_package import ensure_default_package, load_package
-from workers.tiny_gguf_package import ensure_default_gguf_package
+from workers.default_package import ensure_default_gguf_package, ensure_default_package
+from workers.package_loader import load_package
 
 # The pinned llama.h of xllamacpp==2026.10.11549 (sdist: thirdparty/llama.cpp/include/llama.h).
 LLAMA_H_SHA256 = "579f0ef6ff30c70bba5216e1822edfc63ccf7d70e833695bef1ae34319cfa63d"

@@ -12,14 +12,11 @@ import numpy as np
 import pytest
 
 from tools import check_package as check_cmd
+from tools import make_model_cmd
 from workers import model_maker
-from workers.model_package import (
-    PackageError,
-    default_model_params,
-    default_package_dir,
-    ensure_default_package,
-    load_package,
-)
+from workers.default_package import default_model_params, default_package_dir, ensure_default_package
+from workers.package_loader import load_package
+from workers.package_manifest import PackageError
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +158,7 @@ def test_check_package_catches_weights_that_disagree_with_golden(pkg_dir, capsys
 
 def test_make_model_cli_writes_the_requested_dims(tmp_path, capsys):
     out = tmp_path / "cli"
-    rc = model_maker.main(["--out", str(out), "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
+    rc = make_model_cmd.main(["--out", str(out), "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
                            "--vocab", "300", "--seed", "3", "--profiles", "1,2", "--golden-cases", "2", "--max-seq", "64",
                            "--kv-blocks", "8", "--tied"])
     assert rc == 0 and capsys.readouterr().out.strip() == str(out)
@@ -171,7 +168,7 @@ def test_make_model_cli_writes_the_requested_dims(tmp_path, capsys):
     assert len(pkg.golden()) == 2
     assert check_cmd.check_package(str(out)).ok
     # A second run must not overwrite an existing package.
-    assert model_maker.main(["--out", str(out)]) == 1
+    assert make_model_cmd.main(["--out", str(out)]) == 1
     assert load_package(str(out)).sha256 == pkg.sha256
 
 
@@ -210,7 +207,7 @@ def test_ensure_default_package_builds_once(monkeypatch, tmp_path):
 
 def test_ensure_default_package_is_safe_when_processes_race(tmp_path):
     env = dict(os.environ, NPUSERVE_CACHE_DIR=str(tmp_path))
-    code = "from workers.model_package import ensure_default_package as e; print(e())"
+    code = "from workers.default_package import ensure_default_package as e; print(e())"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
     outs = [p.communicate(timeout=60)[0].strip() for p in procs]

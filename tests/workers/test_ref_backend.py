@@ -11,7 +11,7 @@ from workers.backends.base import BackendError
 from workers.backends.ref import RefBackend, full_recompute_logits
 from ipc.records import Lane, build_job
 from workers.model_maker import make_model
-from workers.model_package import load_package
+from workers.package_loader import load_package
 
 TOL = 1e-4
 BS = 16

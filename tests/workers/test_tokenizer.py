@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from workers.model_maker import make_model
-from workers.model_package import load_package
+from workers.package_loader import load_package
 from workers.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, tokenizer_spec
 
 

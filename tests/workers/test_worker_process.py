@@ -27,7 +27,7 @@ from ipc.records import Job, JobKind, JobResult, JobStatus
 from ipc.ring import RingFull
 from ipc.stale import reap_stale
 from workers.backends.registry import make_backend
-from workers.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
+from engine.daemon.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -290,10 +290,10 @@ def test_sigkill_mid_job_leaves_no_shm_after_stop(ctx, board, runtime_dir):
 def test_worker_exits_when_its_parent_dies(board, runtime_dir):
     script = textwrap.dedent(f"""
         import sys, time, zmq
-        import workers.chip_link
-        from workers.chip_link import ChipLink, Ready
+        import engine.daemon.chip_link
+        from engine.daemon.chip_link import ChipLink, Ready
         # A prefix no daemon's start-up reap_stale sweeps: only the worker may unlink these.
-        workers.chip_link.SHM_PREFIX = {ORPHAN_PREFIX!r}
+        engine.daemon.chip_link.SHM_PREFIX = {ORPHAN_PREFIX!r}
         link = ChipLink(ctx=zmq.Context(), board={board!r}, chip=0, backend="stub",
                         runtime_dir={runtime_dir!r}, heartbeat_interval_s={HB})
         link.start()
@@ -359,13 +359,22 @@ def test_chaos_hang_silences_the_worker_then_it_resumes(ctx, board, runtime_dir)
     with make_link(ctx, board, runtime_dir) as link:
         collect(link, lambda ev: any(isinstance(e, Ready) for e in ev))
         collect(link, lambda ev: any(isinstance(e, Heartbeat) for e in ev))  # heartbeats flow
-        link.chaos("hang", 2.0)
-        time.sleep(0.3)
-        link.handle_events()  # whatever was sent before the hang began
+        hang_s = 3.0
+        sent = time.monotonic()
+        link.chaos("hang", hang_s)
+        # The hang has begun once the heartbeats (every HB) stop: wait for a quiet stretch of 6 HB rather
+        # than assume the worker got the message within a fixed time (a loaded machine delays it).
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < 6 * HB:
+            assert time.monotonic() - sent < hang_s, "the worker never went quiet"
+            if link.handle_events():  # whatever was sent before the hang began
+                quiet_since = time.monotonic()
+            time.sleep(0.01)
         link.submit(random_stub_job(rng, 1))
-        t0 = time.monotonic()
+        # It began after `sent`, so it lasts until sent + hang_s at least: look inside that window only.
+        window_end = min(time.monotonic() + 1.0, sent + hang_s - 0.1)
         silent = []
-        while time.monotonic() - t0 < 1.0:
+        while time.monotonic() < window_end:
             silent += link.handle_events()
             time.sleep(0.05)
         assert silent == [], "a hung worker answered"
@@ -462,7 +471,7 @@ class RefStream:
 
 @pytest.fixture(scope="module")
 def ref_package():
-    from workers.model_package import ensure_default_package
+    from workers.default_package import ensure_default_package
 
     return ensure_default_package()
 
@@ -482,7 +491,7 @@ def worker_blas_pool():
 
 
 def test_few_hundred_ref_jobs_equal_in_process_calls(ctx, board, runtime_dir, ref_package, worker_blas_pool):
-    from workers.model_package import load_package
+    from workers.package_loader import load_package
 
     oracle = make_backend("ref")
     oracle.load(load_package(ref_package))

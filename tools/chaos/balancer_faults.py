@@ -14,7 +14,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,15 +21,14 @@ import time
 
 from tools.chaos.harness import SLOW_SIM, DaemonUnderTest, ScenarioResult, check_traces, health, stream_all, wait_until
 from tools.load.local_daemon import alive_pid, shm_of
+from tools.load.ports import free_port
 from tools.load.wire_load import WireLoad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tcp_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 class BalancerUnderTest:

@@ -19,7 +19,7 @@ from tools.chaos.harness import (DaemonUnderTest, ScenarioResult, check_traces, 
 from tools.load import local_daemon
 from tools.load.wire_load import WireLoad
 
-RING_BYTES = 64 << 20  # workers.chip_link.ChipLink's default ring size; two rings per chip
+RING_BYTES = 64 << 20  # engine.daemon.chip_link.ChipLink's default ring size; two rings per chip
 TMPFS_MB = 160
 
 # Inside the namespace: a private tmpfs on /dev/shm, filled, then the daemon; SIGTERM is passed on, and

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tools.load import child_process
+from tools.load.ports import free_port
 
 if TYPE_CHECKING:
     from tools.load.local_daemon import LocalDaemon
@@ -45,12 +45,6 @@ class LocalFront:
             os.unlink(self.log_path)
         except FileNotFoundError:
             pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(upstream: str, *, extra: list[str] | tuple[str, ...] = (), timeout: float = 60.0) -> LocalFront:

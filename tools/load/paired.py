@@ -34,6 +34,10 @@ class Target:
             return f"{self.metric} +{self.bound:g} at most"
         return f"{'>=' if self.kind == 'min' else '<='} {self.bound:g}x"
 
+    def met(self, value: float) -> bool:
+        """`value` (the ratio, or the difference for `diff`) is on the right side of the bound."""
+        return value >= self.bound if self.kind == "min" else value <= self.bound
+
 
 def run_rounds(routes: dict[str, Callable[[list[Request]], list[Record]]], make_requests: Callable[[int], list[Request]],
                rounds: int, extra: dict | None = None, on_row: Callable[[dict], None] | None = None,
@@ -53,9 +57,10 @@ def run_rounds(routes: dict[str, Callable[[list[Request]], list[Record]]], make_
     return rows
 
 
-def medians(rows: list[dict], label: str) -> dict[str, float | None]:
+def medians(rows: list[dict], label: str, metrics: tuple[str, ...] = METRICS) -> dict[str, float | None]:
+    """Per metric, the median over the rounds of `label`'s rows (None where no row has it)."""
     out = {}
-    for m in METRICS:
+    for m in metrics:
         vals = [r[m] for r in rows if r["label"] == label and r.get(m) is not None]
         out[m] = statistics.median(vals) if vals else None
     return out
@@ -99,13 +104,13 @@ def compare(rows: list[dict], subject: str, baseline: str, targets: list[Target]
             if t.metric != m:
                 continue
             if t.kind == "diff":
-                value, ok, dist = row["difference"], row["difference"] <= t.bound, t.bound - row["difference"]
+                value = row["difference"]
             elif row["ratio"] is None:
                 continue
             else:
                 value = row["ratio"]
-                ok = value >= t.bound if t.kind == "min" else value <= t.bound
-                dist = value - t.bound if t.kind == "min" else t.bound - value
+            ok = t.met(value)
+            dist = value - t.bound if t.kind == "min" else t.bound - value
             per_round = round_values(rows, subject, baseline, m, t.kind == "diff")
             out.append({**row, "target": str(t), "target_kind": t.kind, "bound": t.bound, "value": value, "met": ok,
                         "margin": round(dist, 3), "rounds": per_round,

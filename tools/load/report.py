@@ -113,9 +113,9 @@ COLUMNS = [("label", "run"), ("round", "round"), ("concurrency", "conc"), ("rate
            ("pareto", "frontier")]
 
 
-def table(rows: list[dict]) -> str:
-    """A plain-text table of the columns any row has (ms for latencies)."""
-    cols = [(k, h) for k, h in COLUMNS if any(r.get(k) not in (None, "") for r in rows)]
+def table(rows: list[dict], columns: list[tuple[str, str]] = COLUMNS) -> str:
+    """A plain-text table of the `columns` (key, header) any row has (ms for latencies)."""
+    cols = [(k, h) for k, h in columns if any(r.get(k) not in (None, "") for r in rows)]
     cells = [[h for _, h in cols]] + [[_fmt(r.get(k)) if k != "pareto" else ("*" if r.get(k) else "")
                                        for k, _ in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]

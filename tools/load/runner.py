@@ -24,8 +24,24 @@ import orjson
 from tools.load.workload import Request
 
 
+class Timed:
+    """TTFT and TPOT of a request from its `sent`, `first` and `last` instants (seconds) and `token_count`:
+    what `Record` and the wire client's `Trace` both report."""
+
+    __slots__ = ()
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first is None else (self.first - self.sent) * 1000.0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        n = self.token_count
+        return None if n < 2 or self.first is None else (self.last - self.first) * 1000.0 / (n - 1)
+
+
 @dataclass(slots=True)
-class Record:
+class Record(Timed):
     """One request as the client saw it (wall-clock seconds)."""
 
     index: int
@@ -38,42 +54,45 @@ class Record:
     itl_ms: list[float] | None = None  # gaps between the stream's token events (one event may carry several)
 
     @property
-    def ttft_ms(self) -> float | None:
-        return None if self.first is None else (self.first - self.sent) * 1000.0
-
-    @property
-    def tpot_ms(self) -> float | None:
-        if self.tokens < 2 or self.first is None:
-            return None
-        return (self.last - self.first) * 1000.0 / (self.tokens - 1)
+    def token_count(self) -> int:
+        return self.tokens
 
 
 # ---------------------------------------------------------------- client process
 
 
 class _ZmqDriver:
-    """The client library over ZeroMQ (`AsyncClient`); `openai_load.OpenAIDriver` is the HTTP one."""
+    """The client library over ZeroMQ (`AsyncClient`); `openai_load.OpenAIDriver` is the HTTP one.
+
+    One client per endpoint; with several (a load split over daemons), the process's requests take them in
+    turn, in the order they are sent.
+    """
 
     def __init__(self, spec: dict) -> None:
         self.spec = spec
+        self.sent = 0
 
     async def __aenter__(self) -> "_ZmqDriver":
         from engine.async_client import AsyncClient
 
-        self.c = await AsyncClient(self.spec["endpoint"], timeout=self.spec.get("timeout", 600)).__aenter__()
+        self.cs = [await AsyncClient(e, timeout=self.spec.get("timeout", 600)).__aenter__()
+                   for e in self.spec["endpoints"]]
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.c.__aexit__(*exc)
+        for c in self.cs:
+            await c.__aexit__(*exc)
 
     async def ready(self, streams: int = 1) -> None:
-        await self.c.health()  # connected before the clock starts (one DEALER carries every stream)
+        for c in self.cs:
+            await c.health()  # connected before the clock starts (one DEALER carries every stream)
 
     async def one(self, r: dict, write) -> None:
         from engine.client import build_generate
         from engine.errors import ClientError
 
-        c = self.c
+        c = self.cs[self.sent % len(self.cs)]
+        self.sent += 1
         t0 = time.time()
         first = last = None
         n = 0
@@ -101,12 +120,14 @@ class _ZmqDriver:
         write([r["index"], r["tenant"], t0, first, last, n, err, gaps])
 
 
-async def _drive(spec: dict) -> None:
-    out = sys.stdout.buffer
+async def _drive(spec: dict, write: Callable[[list], None] | None = None) -> None:
+    """Send `spec["requests"]`, each finished one as a row to `write` (default: a JSON line on stdout)."""
+    if write is None:
+        out = sys.stdout.buffer
 
-    def write(row: list) -> None:
-        out.write(orjson.dumps(row) + b"\n")
-        out.flush()
+        def write(row: list) -> None:
+            out.write(orjson.dumps(row) + b"\n")
+            out.flush()
 
     if spec.get("openai"):
         from tools.load.openai_load import OpenAIDriver as Driver
@@ -115,7 +136,7 @@ async def _drive(spec: dict) -> None:
     reqs = spec["requests"]
     async with Driver(spec) as d:
         await d.ready(min(len(reqs), spec["concurrency"] or 64))  # open loop: a guess at what is outstanding
-        start = spec["start_at"]
+        start = spec["start_at"] or time.time()  # None: as soon as this one client is connected
         await asyncio.sleep(max(0.0, start - time.time()))
         if spec["concurrency"]:  # closed loop
             it = iter(reqs)
@@ -161,12 +182,23 @@ def _wire(r: Request) -> dict:
             "at": r.at}
 
 
-def run(endpoint: str | None, requests: list[Request], *, concurrency: int | None, clients: int = 2,
+def run_here(endpoint: str, requests: list[Request], *, concurrency: int | None,
+             timeout: float = 600.0) -> list[Record]:
+    """`run` with one client in this process and no start barrier: for a benchmark whose other side is driven
+    in-process too (`bench-peer`), so neither pays for a client process the other does not have."""
+    records: list[Record] = []
+    spec = {"endpoints": [endpoint], "concurrency": concurrency, "start_at": None, "timeout": timeout,
+            "requests": [_wire(r) for r in requests]}
+    run_loop(_drive(spec, lambda row: records.append(Record(*row))))
+    return records
+
+
+def run(endpoint: str | list[str] | None, requests: list[Request], *, concurrency: int | None, clients: int = 2,
         on_record: Callable[[Record], None] | None = None, timeout: float = 600.0, openai: str | None = None,
         api_key: str | None = None, model: str | None = None) -> list[Record]:
     """Send `requests` (closed loop at `concurrency`, or open loop when it is None); one Record each.
 
-    Over ZeroMQ to `endpoint`, or with `openai` (a server's base URL) over HTTP to an OpenAI-compatible
+    Over ZeroMQ to `endpoint` (a list: each client process spreads its requests over all of them), or with `openai` (a server's base URL) over HTTP to an OpenAI-compatible
     server, `model` and `api_key` going into each request.
     """
     k = max(1, min(clients, concurrency or clients, len(requests)))
@@ -176,7 +208,7 @@ def run(endpoint: str | None, requests: list[Request], *, concurrency: int | Non
         share = None
         if concurrency:
             share = concurrency // k + (1 if i < concurrency % k else 0)
-        spec = {"endpoint": endpoint, "concurrency": share, "start_at": start_at, "timeout": timeout,
+        spec = {"endpoints": [endpoint] if isinstance(endpoint, str) else endpoint, "concurrency": share, "start_at": start_at, "timeout": timeout,
                 "openai": openai, "api_key": api_key, "model": model,
                 "requests": [_wire(r) for r in requests[i::k]]}
         p = subprocess.Popen([sys.executable, "-m", "tools.load.runner"], stdin=subprocess.PIPE,

@@ -21,10 +21,11 @@ import zmq.asyncio
 from engine.async_client import drain_events
 from engine.client import build_cancel, build_generate, open_dealer
 from ipc.codec import encode
+from tools.load.runner import Timed
 
 
 @dataclass(slots=True)
-class Trace:
+class Trace(Timed):
     """Everything the wire said about one request."""
 
     rid: str
@@ -50,13 +51,29 @@ class Trace:
         return t.get("code") if t is not None and t["ev"] == "error" else None
 
     @property
-    def ttft_ms(self) -> float | None:
-        return None if self.first is None else (self.first - self.sent) * 1000.0
+    def token_count(self) -> int:
+        return len(self.tokens)
 
-    @property
-    def tpot_ms(self) -> float | None:
-        n = len(self.tokens)
-        return None if n < 2 or self.first is None else (self.last - self.first) * 1000.0 / (n - 1)
+    def wire_violations(self, full_length: bool = True) -> list[str]:
+        """Where the stream broke the protocol's promises (empty = it kept them): exactly one terminal event,
+        nothing after it, a `done` whose usage counts the streamed tokens and, with `full_length`, whose
+        `length` means all `max_tokens` of them. What the soak and the chaos scenarios check alike."""
+        v = []
+        if not self.terminals:
+            v.append("no terminal event")
+        elif len(self.terminals) > 1:
+            v.append(f"{len(self.terminals)} terminal events")
+        if self.after_terminal:
+            v.append(f"{self.after_terminal} event(s) after the terminal event")
+        term = self.terminal
+        if term is not None and term["ev"] == "done":
+            n = (term.get("usage") or {}).get("completion_tokens")
+            if n != len(self.tokens):
+                v.append(f"usage.completion_tokens {n} != {len(self.tokens)} streamed")
+            want = self.params.get("max_tokens")
+            if full_length and term.get("finish_reason") == "length" and len(self.tokens) != want:
+                v.append(f"finished 'length' with {len(self.tokens)} of {want} tokens")
+        return v
 
 
 class WireLoad:

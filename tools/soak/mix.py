@@ -119,27 +119,19 @@ class Expected:
 
 
 def check(tr, t: Template, expected: list[int] | None) -> list[str]:
-    """Violations of one finished request (empty = it behaved)."""
-    v = []
-    if len(tr.terminals) > 1:
-        v.append(f"{len(tr.terminals)} terminal events")
-    if tr.after_terminal:
-        v.append(f"{tr.after_terminal} event(s) after the terminal event")
+    """Violations of one finished request (empty = it behaved): the wire's promises (`Trace.wire_violations`),
+    then the finish this kind of request may have, then the tokens against `expected`."""
+    v = tr.wire_violations()
     if tr.unexpected:
         v.append(f"unexpected event(s) {[e.get('ev') for e in tr.unexpected][:3]}")
     term = tr.terminal
     if term is None:
-        return v + ["no terminal event"]
+        return v
     if term["ev"] == "done":
         reason = term.get("finish_reason")
         allowed = {"cancel": ("cancelled", "length"), "deadline": ("length",)}.get(tr.kind, ("length",))
         if reason not in allowed:
             v.append(f"finish_reason {reason!r} for a {tr.kind} request")
-        n = (term.get("usage") or {}).get("completion_tokens")
-        if n != len(tr.tokens):
-            v.append(f"usage.completion_tokens {n} != {len(tr.tokens)} streamed")
-        if reason == "length" and len(tr.tokens) != t.max_tokens:
-            v.append(f"finished 'length' with {len(tr.tokens)} of {t.max_tokens} tokens")
     else:
         code = term.get("code")
         if not (tr.kind == "deadline" and code == 504):

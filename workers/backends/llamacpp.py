@@ -94,10 +94,10 @@ class LlamacppBackend(OneStepBackend):
         """Load a GGUF package (a `GgufPackage`, its path, or None for the tiny model as GGUF)."""
         from workers.gguf_package import GgufPackage
         from workers.llamacpp.binding import LlamaModel, LlamaCppUnavailable
-        from workers.model_package import load_package
+        from workers.package_loader import load_package
 
         if package is None:
-            from workers.tiny_gguf_package import ensure_default_gguf_package
+            from workers.default_package import ensure_default_gguf_package
 
             package = ensure_default_gguf_package()
         if isinstance(package, str):

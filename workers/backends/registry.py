@@ -6,8 +6,7 @@ from __future__ import annotations
 import importlib
 
 from workers.backends.base import ChipBackend
-
-BACKENDS = ("stub", "sim", "ref", "ctypes", "llamacpp")
+from workers.backends.names import BACKENDS
 
 _CLASSES: dict[str, tuple[str, str]] = {
     "stub": ("workers.backends.stub", "StubBackend"),

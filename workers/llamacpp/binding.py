@@ -59,7 +59,7 @@ def check_headers() -> None:
 
 
 def _cache_dir() -> str:
-    from workers.model_package import cache_root
+    from workers.default_package import cache_root
 
     return os.path.join(cache_root(), "llamacpp")
 

@@ -17,38 +17,37 @@ from engine.daemon.auth import is_admin
 from ipc.schema import error_event
 
 if TYPE_CHECKING:
-    from engine.daemon.frontend import Conn
-    from engine.daemon.loop import Daemon
+    from engine.daemon.frontend import Conn, Frontend
+    from engine.daemon.generations import Generations
     from engine.daemon.models.load_job import LoadJob
 
 OPS = frozenset({"load", "unload", "replace", "rollback"})  # `models` is open to all (engine/daemon/ops.py)
 
 
-def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> None:
+def handle(gens: "Generations", fe: "Frontend", conn: "Conn", msg: dict, now: float) -> None:
     op, cid = msg["op"], msg["id"]
-    fe = d.frontend
     if not is_admin(conn):
         fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc://, or an admin key)")
         return
     alias = msg["alias"]
     deadline_s = msg.get("deadline_s")
-    drain_s = d.cfg.server.drain_timeout_s if deadline_s is None else float(deadline_s)
+    drain_s = gens.cfg.server.drain_timeout_s if deadline_s is None else float(deadline_s)
     try:
         if op == "unload":
-            gid = d.models.published.get(alias)
+            gid = gens.models.published.get(alias)
             if gid is None:
                 raise LifecycleError(404, "model_not_found", f"{alias!r} is not loaded here")
-            if alias in d.models.busy:
+            if alias in gens.models.busy:
                 raise LifecycleError(409, "busy", f"{alias!r}: another admin op is still running on it")
-            rec = d.models.generations[gid]
-            d.begin_unload(rec, now=now, deadline_s=drain_s,
-                           waiter=lambda r: fe.reply(conn, cid, "unload", {"model": d.model_entry(r)}))
+            rec = gens.models.generations[gid]
+            gens.begin_unload(rec, now=now, deadline_s=drain_s,
+                              waiter=lambda r: fe.reply(conn, cid, "unload", {"model": gens.entry(r)}))
             return
         if op == "rollback":  # the path it had when it was published (verified again like any load)
-            package, path = d.models.rollback_package(alias)
+            package, path = gens.models.rollback_package(alias)
         else:
             package, path = msg["package"], None
-        previous = d.models.published.get(alias)
+        previous = gens.models.published.get(alias)
 
         def done(job: "LoadJob") -> None:
             if job.error is not None:
@@ -57,12 +56,12 @@ def handle(d: "Daemon", conn: "Conn", msg: dict, now: float) -> None:
                 ev["step"] = e.step
                 fe.send(conn, ev)
                 return
-            body = {"model": d.model_entry(job.rec)}
+            body = {"model": gens.entry(job.rec)}
             if op != "load" and previous is not None:
-                prev: GenerationRecord | None = d.models.generations.get(previous)
-                body["previous"] = d.model_entry(prev) if prev is not None else d.retired_entries.get(previous)
+                prev: GenerationRecord | None = gens.models.generations.get(previous)
+                body["previous"] = gens.entry(prev) if prev is not None else gens.retired_entries.get(previous)
             fe.reply(conn, cid, op, body)
 
-        d.begin_load(alias, package, op, now, done, deadline_s=drain_s, package_path=path)
+        gens.begin_load(alias, package, op, now, done, deadline_s=drain_s, package_path=path)
     except LifecycleError as e:
         fe.error(conn, cid, e.code, e.reason, f"{op}: {e.message}")

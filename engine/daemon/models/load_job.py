@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from engine.config import Config
 from engine.core import golden_check
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest
 from engine.core.model_state import TERMINAL, ModelState
-from engine.core.model_table import GenerationRecord, Need
+from engine.core.model_table import GenerationRecord, ModelTable, Need
 from engine.core.requests import GenerateParams
 from engine.daemon.log import log
 from engine.daemon.models import package_gate
 from engine.daemon.models.package_gate import PackageRefused
 from engine.daemon.models.generation import Generation, GenerationError
-
-if TYPE_CHECKING:
-    from engine.daemon.loop import Daemon
 
 M = ModelState
 STARTUP_TIMEOUT_S = 120.0  # READY of every worker of a new generation (the ref model may be built on first run)
@@ -52,8 +50,35 @@ STEP_ERRORS = {"resolve": (400, "package_rejected"), "verify": (400, "package_re
                "golden": (500, "golden_mismatch"), "warmup": (500, "load_failed")}
 
 
+class LoadHost(Protocol):
+    """What a load job drives: the generations registry (engine/daemon/generations.py)."""
+
+    cfg: Config
+    models: ModelTable
+
+    def new_generation(self, rec: GenerationRecord, *, package_path: str | None, package) -> Generation: ...
+
+    def publish(self, g: Generation, now: float) -> GenerationRecord | None: ...
+
+    def drop_generation(self, g: Generation) -> None: ...
+
+    def begin_unload(self, rec: GenerationRecord, *, now: float, deadline_s: float) -> None: ...
+
+    def next_request_id(self) -> int: ...
+
+    def open_internal(self, rid: int, g: Generation, job: "LoadJob") -> None: ...
+
+    def close_internal(self, rid: int) -> None: ...
+
+    def apply(self, actions: list, g: Generation, now: float) -> None: ...
+
+    def run_in_thread(self, fn) -> concurrent.futures.Future: ...
+
+    def wake(self) -> None: ...
+
+
 class LoadJob:
-    def __init__(self, d: "Daemon", rec: GenerationRecord, *,
+    def __init__(self, d: LoadHost, rec: GenerationRecord, *,
                  done: Callable[["LoadJob"], None], package_path: str | None = None, resolve: bool = True,
                  drain_s: float = 30.0) -> None:
         """`resolve`: look rec.package up under the model root; else `package_path` is the package (None: the

@@ -3,7 +3,7 @@
     resolve    the package folder, realpath'd, must lie inside the configured model root
     signature  when a public key is configured: manifest.sig must be its Ed25519 signature of manifest.json
     verify     every file's sha256 against the manifest, nothing missing, nothing unlisted
-               (workers.model_package.load_package: one verification for .npz and GGUF packages)
+               (workers.package_loader.load_package: one verification for .npz and GGUF packages)
     validate   the manifest against the config: format vs backend, batch profiles, KV layout, max_seq
     capacity   what the capacity plan needs (weight bytes, KV bytes per token and block, max_seq)
 
@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 from engine.config import Config, ConfigError, validate_against_model
 from workers.gguf_package import GgufPackage, kv_shape_from_metadata
-from workers.model_package import MANIFEST, ModelPackage, PackageError, load_package
+from workers.model_package import ModelPackage
+from workers.package_loader import load_package
+from workers.package_manifest import MANIFEST, PackageError
 from workers.transformer import weight_shapes
 
 STEPS = ("resolve", "signature", "verify", "validate", "capacity")

@@ -26,7 +26,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from workers.model_package import MANIFEST, SIGNATURE
+from workers.package_manifest import MANIFEST, SIGNATURE
 
 SIGNATURE_SCHEMA = "npuserve-signature/v1"
 ALGORITHM = "ed25519"

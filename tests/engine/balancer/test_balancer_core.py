@@ -306,6 +306,26 @@ def test_shutdown_ends_every_request_once_and_cancels_upstream():
     assert core.submit(2, gen(), 0.3)[0].reason == "draining"
 
 
+def test_a_drain_with_a_timeout_lets_requests_finish_then_ends_the_rest_and_resume_clears_it():
+    core = make()
+    (s1,) = sends(core.submit(1, gen(), 0.1))
+    (s2,) = sends(core.submit(2, gen(), 0.1))
+    core.drain(0.2, timeout_s=1.0)
+    assert core.submit(3, gen(), 0.3)[0].reason == "draining" and core.next_wakeup(0.3) <= 1.2
+    out = core.on_event(s1.backend, done(s1.msg["id"]), 0.5)  # in flight: it finishes normally
+    assert [type(a) for a in out] == [FinishRequest]
+    assert not [a for a in core.tick(1.1) if isinstance(a, FailRequest)]  # before the deadline: nothing ends
+    out = [a for a in core.tick(1.2) if not (isinstance(a, SendUpstream) and a.msg["op"] == "health")]
+    assert [type(a) for a in out] == [SendUpstream, FailRequest]
+    assert out[0].msg["op"] == "cancel" and out[0].msg["id"] == s2.msg["id"]
+    assert (out[1].request_id, out[1].code, out[1].reason, out[1].retryable) == (2, 503, "shutdown", True)
+    assert core.active() == 0 and core.counters["drain_timed_out"] == 1
+    core.resume()
+    assert core.accepting and core.drain_deadline is None and sends(core.submit(4, gen(), 1.3))
+    core.drain(1.4, timeout_s=None)  # no timeout: nothing is ever ended by the drain
+    assert core.drain_deadline is None and not core.accepting
+
+
 def test_the_shells_fast_tokens_check_passes_only_well_formed_events():
     import orjson
 

@@ -53,9 +53,12 @@ def test_kill_9_of_a_daemon_under_load_migrates_streams_exactly(daemon, balancer
         assert backend_state(b, e2)["inflight"] > 0
         os.kill(d2.pid, signal.SIGKILL)
         seen["t_out"] = wait_state(b, e2, ("out",), timeout=10)
+        seen["reason"] = backend_state(b, e2)["reason"]
 
     got = run_streams(b.endpoint, msgs, on_progress=kill_when_streaming)
-    assert seen["t_out"] < 3.0, "the balancer kept routing to a dead daemon for 3 s"
+    # Seen through the connection (the socket monitor, or a send that found none), not by waiting out
+    # missed heartbeats: that is what keeps it well under the heartbeat bound, whatever the machine's load.
+    assert seen["reason"] in ("disconnected", "not connected"), seen
     check_streams(got, expected)
     with b.client(timeout=10) as c:
         st = c.stats()["balancer"]["counters"]

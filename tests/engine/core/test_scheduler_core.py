@@ -7,7 +7,7 @@ import pytest
 
 from engine.core.actions import FailRequest, FinishRequest, SubmitJob
 from engine.core.requests import GenerateParams
-from engine.core.scheduler import ConfigurationError
+from engine.config_schema import ConfigError
 from engine.core.scheduler_config import SchedulerConfig, TenantPolicy
 from ipc.records import JobKind, JobResult, JobStatus
 from test_scheduler_fakes import VOCAB, FakeExecutor, default_token, kv_fully_free, make_scheduler, params
@@ -270,7 +270,7 @@ def test_continuation_counts_toward_max_tokens_and_is_not_reemitted():
 
 
 def test_profile_the_model_lacks_fails_at_configuration():
-    with pytest.raises(ConfigurationError):
+    with pytest.raises(ConfigError):
         make_scheduler(SchedulerConfig(profiles=(1, 8)), profiles=(1, 4))
     s = make_scheduler(SchedulerConfig(profiles=(4,)), profiles=(1, 4, 8))
     assert s.profiles == (4,)

@@ -30,9 +30,13 @@ def generating(n: int, budget_cfg: int = 0, mixed: int = 4096, **cfg):
     for i in range(n):
         ex.submit(i, params(n_prompt=8, max_tokens=20, seed=i))
     now = 0.0
-    while len(s.chips[0].decode_ready) < n:  # each job takes at most the largest profile's count of prompts
+    for _ in range(1000):  # each job takes at most the largest profile's count of prompts
+        if len(s.chips[0].decode_ready) >= n:
+            break
         ex.step(now)
         now += 0.001
+    else:
+        pytest.fail(f"{len(s.chips[0].decode_ready)} of {n} sequences ready for decode after 1000 steps")
     return s, ex
 
 
@@ -55,13 +59,17 @@ def test_the_token_budget_chunks_a_prompt_and_its_next_chunk_goes_first():
     ex.submit(11, params(n_prompt=5, max_tokens=3, seed=11))
     seen = []
     now = 0.01
-    while 10 not in ex.terminal or 11 not in ex.terminal:
+    for _ in range(1000):  # 45 prompt tokens at 18 a job, then 3 tokens each: a few dozen jobs at most
+        if 10 in ex.terminal and 11 in ex.terminal:
+            break
         ex.handle(s.tick(now))
         for _, job in ex.pending:
             assert len(job.tokens) <= 20
             seen.append(lanes_of(job))
         ex.complete_all(now)
         now += 0.01
+    else:
+        pytest.fail(f"requests 10 and 11 not both finished after 1000 jobs: terminal {sorted(ex.terminal)}")
     # job 1: two decode lanes + 18 of 40; job 2: the next 18 first, the short prompt gets nothing
     # (budget spent); job 3: the last 4, then the short prompt
     assert seen[0] == [(0, 1, 1), (1, 1, 1), (10, 18, 0)]
@@ -216,15 +224,19 @@ def test_a_burst_of_prompts_is_held_for_the_prefill_window_and_shares_one_job():
 
 
 def test_arrivals_that_never_pause_hold_a_job_at_most_the_window_cap():
-    from engine.core.scheduler import PREFILL_WINDOW_CAP
+    from engine.core.batch_planner import PREFILL_WINDOW_CAP
 
     s = make_scheduler(SchedulerConfig(prefill_window_s=0.002), mixed=4096, profiles=(1, 4, 8, 16, 32))
     ex = FakeExecutor(s)
     now, rid = 0.0, 0
-    while not ex.pending:
+    for _ in range(1000):  # the cap fires the job after about 11 arrivals
+        if ex.pending:
+            break
         ex.submit(rid, params(n_prompt=8, seed=rid), now=now)
         ex.handle(s.tick(now))
         now, rid = round(now + 0.0015, 6), rid + 1  # every 1.5 ms: closer than the window
+    else:
+        pytest.fail("no job left after 1000 arrivals: the prefill window held it past its cap")
     assert now - 0.0015 == pytest.approx(PREFILL_WINDOW_CAP * 0.002, abs=0.0015)
     assert len(lanes_of(ex.pending[0][1])) == rid
 

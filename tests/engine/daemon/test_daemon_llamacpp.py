@@ -16,8 +16,8 @@ import pytest
 from engine.async_client import AsyncClient
 from workers.llamacpp.binding import LlamaModel
 from workers.llamacpp.solo import TOP2_EPSILON, compare_greedy, greedy_solo
-from workers.model_package import load_package
-from workers.tiny_gguf_package import ensure_default_gguf_package
+from workers.default_package import ensure_default_gguf_package
+from workers.package_loader import load_package
 
 pytestmark = pytest.mark.integration
 

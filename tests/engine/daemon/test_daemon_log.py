@@ -55,6 +55,12 @@ def test_human_lines_read_as_time_level_event_and_pairs():
     assert rest == ["Traceback...", "  boom"]
 
 
+def test_human_levels_are_the_short_names_in_one_column():
+    labels = [human_line(1700000000.0, level, "serving", {}).decode().split(" ")[1] for level in LEVELS]
+    assert labels == ["DEBUG", "INFO", "WARN", "ERROR"]
+    assert all(human_line(1700000000.0, level, "serving", {}).decode()[19:26] == "serving" for level in LEVELS)
+
+
 def test_the_level_filters_lines(capfd):
     try:
         daemon_log.configure("warning", "json")

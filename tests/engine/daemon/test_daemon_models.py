@@ -15,7 +15,7 @@ import pytest
 from conftest import shm_objects_of, wait_until
 from engine.errors import ClientError
 from workers.model_maker import make_model
-from workers.model_package import load_package
+from workers.package_loader import load_package
 
 SMALL = dict(max_seq=256, kv_num_blocks=64, golden_cases=2, golden_max_tokens=6)
 
@@ -276,7 +276,7 @@ def test_a_load_beyond_the_boards_memory_budget_is_refused_and_a_replace_drains_
 
 
 def test_llamacpp_loads_a_gguf_package_beside_the_serving_one_and_each_answers_its_golden_cases(daemon, tmp_path):
-    from workers.tiny_gguf_package import ensure_default_gguf_package
+    from workers.default_package import ensure_default_gguf_package
 
     root = tmp_path / "gguf-root"
     root.mkdir()

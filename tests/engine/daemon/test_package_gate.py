@@ -14,7 +14,7 @@ from engine.daemon.models.package_gate import (
 )
 from engine.daemon.models.package_signature import sign_package, write_key_pair
 from workers.model_maker import make_model
-from workers.model_package import write_manifest
+from workers.package_manifest import write_manifest
 from workers.tiny_gguf_package import make_gguf_model
 
 # One layer, one KV head of 8 dims: KV bytes per token are 2*1*1*8*4 (ref, float32) and 1*1*(8+8)*2 (llama.cpp f16).

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import wait_until
 from workers.model_maker import make_model
-from workers.model_package import load_package
+from workers.package_loader import load_package
 
 SMALL = dict(max_seq=256, kv_num_blocks=64, golden_cases=1, golden_max_tokens=6)
 

@@ -6,6 +6,10 @@ process (`npuserve http`). The router polls the fronts' /health, asks every fron
 prompt's token ids, routes on its prefix tree over them (cache_aware) or on the boards' KV events
 (kv_aware) and forwards the OpenAI request (see docs/cluster.md). Which board served a request is read
 from that board's daemon (`stats` -> frontend.requests), never from the router's say-so.
+
+The follow-ups come in runs (A A A Z Z A Z): round-robin alternates between the two boards and cannot
+produce a run, and a random pick passes 7 requests with a chance of 1 in 128. So these tests fail
+without prefix (cache_aware) or KV (kv_aware) routing; they do not measure how good that routing is.
 """
 
 from __future__ import annotations
@@ -37,6 +41,15 @@ START_TIMEOUT_S = 60.0
 # Prompts whose byte tokens share no prefix: the router has no cache match for the second one.
 ALPHA = "alpha: the first conversation, long enough to be a prefix worth keeping"
 ZULU = "zulu: a second and unrelated conversation, also long enough to matter"
+# Which prefix each follow-up extends: runs of one, so that alternating boards (round-robin) fails.
+FOLLOW_UPS = "AAAZZAZ"
+SUFFIXES = (" again", " once more", " and again", " one more time", " still", " later on", " at last")
+
+
+def follow_ups(homes: dict[str, int]) -> list[tuple[str, int, bool]]:
+    """(prompt, the board that holds its prefix, streamed?) for each follow-up of FOLLOW_UPS."""
+    base = {"A": ALPHA, "Z": ZULU}
+    return [(base[g] + SUFFIXES[i], homes[g], bool(i % 2)) for i, g in enumerate(FOLLOW_UPS)]
 
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:
@@ -209,8 +222,7 @@ def test_router_serves_through_both_boards_and_follows_prefixes(cluster):
 
     # Cache-aware: a prompt extending ALPHA goes back to the board that has ALPHA, ZULU's to the other,
     # streamed or not. Needs the fronts' render endpoint: without token ids every request lands on one board.
-    for prompt, board, stream in ((ALPHA + " again", x, False), (ZULU + " again", y, False),
-                                  (ALPHA + " once more", x, True), (ZULU + " once more", y, True)):
+    for prompt, board, stream in follow_ups({"A": x, "Z": y}):
         before = c.counts()
         assert complete(client, prompt, stream) != ""
         assert c.which_served(before) == board, f"{prompt!r} did not follow its prefix to board {board}"
@@ -291,7 +303,8 @@ def test_router_chat_follows_conversations_on_gemma_boards(cluster_of, gemma_pac
         stream.close()
     assert home["paris"] != home["rome"]
 
-    for name, stream in (("paris", False), ("rome", True), ("paris", True), ("rome", False)):
+    for name, stream in (("paris", False), ("paris", True), ("paris", False), ("rome", True), ("rome", False),
+                         ("paris", True), ("rome", False)):  # runs, as FOLLOW_UPS: round-robin fails them
         messages = first[name] + [{"role": "assistant", "content": "Sure."},
                                   {"role": "user", "content": "Thank you! And one more thing?"}]
         before = c.counts()
@@ -342,10 +355,9 @@ def test_kv_aware_router_follows_what_each_board_holds(cluster_of):
                        what=f"the router applying {b.front.url}'s KV events")
 
         client = c.client()
-        for i, (prompt, board) in enumerate(((ALPHA + " again", 0), (ZULU + " again", 1),
-                                             (ALPHA + " once more", 0), (ZULU + " once more", 1))):
+        for prompt, board, stream in follow_ups({"A": 0, "Z": 1}):
             before = c.counts()
-            assert complete(client, prompt, stream=bool(i // 2)) != ""
+            assert complete(client, prompt, stream=stream) != ""
             assert c.which_served(before) == board, f"{prompt!r} did not go to the board holding its prefix"
     finally:
         for sub in subs:

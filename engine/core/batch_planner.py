@@ -1,0 +1,186 @@
+"""Batch planning: which decode lanes and prompt chunks go in a chip's next job (seed 001 §7-§8).
+
+The decisions of job building, kept apart from their effects so that each
+rule has one home and can be read (and changed) without the bookkeeping
+around it: the decode profile for a ready count, the tenant lane share, a
+prefill chunk's end, the mixed-job token budget and the prompt chunks that
+fill it, and the batching / prefill windows. Sans-I/O and holding no
+scheduler state: the scheduler grows KV for the lanes chosen (preempting when
+the pool is dry), moves the requests and submits the job. Built from the
+config, and built again when a reload changes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Collection, Mapping
+from operator import attrgetter
+
+from engine.core.batch_profiles import lanes_for
+from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin
+from engine.core.request_record import RequestRecord
+from engine.core.scheduler_config import SchedulerConfig
+
+PREFILL_WINDOW_CAP = 8  # a held job of prompts leaves at most this many prefill windows after its oldest prompt
+_DECODE_KEY = attrgetter("decode_key")
+
+PromptChunk = tuple[RequestRecord, int, int]  # (request, start, end): the prompt positions a job computes
+
+
+def hold_until(fire_at: float, window: float, held: list[RequestRecord], now: float) -> float | None:
+    """None (fire now) from `fire_at` on, or sooner when holding longer would come within `window` of
+    the earliest deadline of `held`; else the time to look again."""
+    known = [r.deadline for r in held if r.deadline is not None]
+    if known:
+        fire_at = min(fire_at, min(known) - window)  # holding may never eat into the earliest deadline
+    return None if now >= fire_at else fire_at
+
+
+class BatchPlanner:
+    def __init__(self, config: SchedulerConfig, profiles: tuple[int, ...], chunked: bool,
+                 mixed_batch_tokens: int) -> None:
+        self.profiles = profiles
+        self.top = top = max(profiles)
+        # Per decode job: the profile for n ready sequences, and the smallest profile holding n lanes,
+        # for n = 0..max profile (more ready than that picks the largest). Tables, not a search per job.
+        self._profile_for_ready = [lanes_for(n, profiles, config.profile_fill_ratio)[0] for n in range(top + 1)]
+        self._profile_fitting = [min(b for b in profiles if b >= n) for n in range(top + 1)]
+        self.chunked = chunked
+        self.chunk = config.prefill_chunk_tokens
+        self.lane_share = config.max_tenant_lane_share
+        self.batching_window = config.batching_window_s
+        self.prefill_window = config.prefill_window_s
+        self.mixed_limit = mixed_batch_tokens
+        # Tokens per mixed job; 0 when jobs are not mixed (the model does not declare it, or it is off).
+        if not (config.mixed_batches and mixed_batch_tokens > 0):
+            self.mixed_budget = 0
+        else:
+            budget = config.mixed_token_budget
+            self.mixed_budget = mixed_batch_tokens if budget <= 0 else min(budget, mixed_batch_tokens)
+
+    # ------------------------------------------------------------ decode lanes
+    def decode_candidates(self, ready: Collection[int], requests: Mapping[int, RequestRecord]) -> list[RequestRecord]:
+        """Ready sequences by earliest deadline, then fair-queue tag, then arrival (seed 001 §7.2)."""
+        cands = [requests[rid] for rid in ready]
+        cands.sort(key=_DECODE_KEY)
+        return cands
+
+    def decode_profile(self, ready: int) -> int:
+        """The compiled batch a decode job aims for with `ready` candidates (== lanes_for(ready, ...)[0])."""
+        table = self._profile_for_ready
+        return table[min(ready, len(table) - 1)]
+
+    def fitting_profile(self, lanes: int) -> int:
+        """The smallest profile holding `lanes` lanes (the lanes that got KV room may be fewer than picked)."""
+        return self._profile_fitting[lanes]
+
+    def pick_lanes(self, cands: list[RequestRecord], batch: int) -> list[RequestRecord]:
+        """Take `batch` candidates in order, capping each tenant's share unless nobody else is ready."""
+        share = self.lane_share
+        if share >= 1.0:
+            return cands[:batch]
+        cap = max(1, math.floor(share * batch))
+        chosen: list[RequestRecord] = []
+        skipped: list[RequestRecord] = []
+        per_tenant: Counter[str] = Counter()
+        for r in cands:
+            if len(chosen) == batch:
+                break
+            if per_tenant[r.tenant] < cap:
+                per_tenant[r.tenant] += 1
+                chosen.append(r)
+            else:
+                skipped.append(r)
+        for r in skipped:
+            if len(chosen) == batch:
+                break
+            chosen.append(r)
+        return chosen
+
+    # ------------------------------------------------------------ prompt chunks
+    def prefill_end(self, start: int, target: int) -> int:
+        """End of a prefill job's chunk from `start` towards `target` (the whole rest unless chunked)."""
+        return min(target, start + self.chunk) if self.chunked else target
+
+    def mixed_decode_lanes(self, cands: list[RequestRecord], budget: int, prompts_waiting: bool
+                           ) -> list[RequestRecord]:
+        """The decode lanes a mixed job offers a place: waiting prompts always get half the job."""
+        room = max(1, budget // 2) if prompts_waiting else budget
+        return self.pick_lanes(cands, min(len(cands), self.top, room))
+
+    def take_prompts(self, queues: PrefillQueues, wrr: SmoothWeightedRoundRobin,
+                     requests: Mapping[int, RequestRecord], left: int) -> tuple[list[PromptChunk], int]:
+        """Prompt chunks for a mixed job with `left` tokens of budget; returns them and the budget left
+        (negative: an unchunked prompt beyond it, see `trim_decode`).
+
+        Prompts are taken by the prefill classes' weighted round robin and
+        popped from the chip's queues (the round robin's turn is part of the
+        choice). A prompt longer than the chunk size is chunked to fit the
+        budget left when chunked prefill is on (its next chunk goes first next
+        time); a shorter one (or any, unchunked) that does not fit waits for
+        the next job rather than leave a tail of a few tokens for a job of its
+        own (it always fits an empty one: the backend's limit is at least
+        max_seq).
+        """
+        chunk, chunked = self.chunk, self.chunked
+        prompts: list[PromptChunk] = []
+        while len(prompts) < self.top:
+            classes = queues.nonempty()
+            if not classes:
+                break
+            cls = wrr.pick(classes)
+            assert cls is not None
+            r = requests[queues.members(cls)[0]]
+            start = r.committed
+            need = r.prefill_target - start
+            if need <= left:
+                take = min(need, chunk) if chunked else need
+            elif prompts and (not chunked or need <= chunk):
+                break  # first in the next job: a short prompt is not split to fill a remainder
+            elif chunked:
+                if left <= 0:
+                    break
+                take = min(left, chunk)
+            else:
+                take = need  # unchunked and first in the job: whole (the decode lanes make room, trim_decode)
+            queues.pop(cls)
+            prompts.append((r, start, start + take))
+            left -= take
+        return prompts, left
+
+    def trim_decode(self, decode: list[RequestRecord], prompt_tokens: int, left: int) -> list[RequestRecord]:
+        """An unchunked prompt beyond the budget (left < 0): keep the job within the backend's limit by
+        dropping decode lanes from the end (they stay ready for the next job)."""
+        if left < 0:
+            over = len(decode) + prompt_tokens - self.mixed_limit
+            if over > 0:
+                return decode[:max(0, len(decode) - over)]
+        return decode
+
+    # ------------------------------------------------------------------ windows
+    def decode_hold(self, ready: Collection[int], requests: Mapping[int, RequestRecord], now: float
+                    ) -> float | None:
+        """The batching window: hold an unfilled batch briefly, never past the window nor near a deadline.
+        None: the decode job may go now; else when to look again."""
+        window = self.batching_window
+        if window <= 0 or len(ready) >= self.top:
+            return None
+        held = [requests[rid] for rid in ready]
+        return hold_until(min(r.ready_since for r in held) + window, window, held, now)
+
+    def prompts_hold(self, queues: PrefillQueues, requests: Mapping[int, RequestRecord], budget: int, now: float
+                     ) -> float | None:
+        """The prefill window (mixed jobs): hold a job of prompts alone until the arrivals pause for the
+        window, so that a burst shares one job instead of its first prompt running alone while the rest
+        wait out that whole job; not once the waiting prompts fill a job, nor past PREFILL_WINDOW_CAP
+        windows after the oldest arrived (a steady stream of arrivals never pauses).
+        None: the job may go now; else when to look again."""
+        window = self.prefill_window
+        if window <= 0 or len(queues) >= self.top:
+            return None
+        waiting = [requests[rid] for rid in queues.ids()]
+        if sum(r.prefill_target - r.committed for r in waiting) >= budget:
+            return None
+        since = [r.ready_since for r in waiting]
+        return hold_until(min(max(since) + window, min(since) + PREFILL_WINDOW_CAP * window), window, waiting, now)
