@@ -36,6 +36,7 @@ from engine.core.admission import (
 from engine.core.batch_planner import BatchPlanner, PromptChunk
 from engine.core.batch_profiles import resolve_profiles
 from engine.core.chip_state import ChipState, InflightJob
+from engine.core.constraint_spec import lane_fields
 from engine.core.dispatch import ChipCandidate, choose_chip
 from engine.core.fair_queue import WeightedFairQueue
 from engine.core.inflight_governor import GovernorPolicy, InflightGovernor
@@ -56,6 +57,7 @@ __all__ = ["ChipSpec", "ModelSpec", "Scheduler", "SchedulerConfig"]
 
 S = RequestState
 _FOLLOW = (FOLLOW_PREVIOUS,)  # a queued next step's input token: the one the lane's running job samples
+_NO_CONSTRAINT: dict = {}  # the lane fields of an unconstrained request
 
 
 @dataclass(frozen=True)
@@ -738,7 +740,8 @@ class Scheduler:
             return 1
         horizon = now + cfg.decode_steps_deadline_margin_s
         for r in chosen:
-            if r.job_id is not None or (r.deadline is not None and r.deadline <= horizon):
+            if r.job_id is not None or r.params.constraint is not None \
+                    or (r.deadline is not None and r.deadline <= horizon):
                 return 1
             n = min(n, r.stop.max_tokens - r.stop.produced, self.model.max_seq - r.committed)
         if n <= 1:
@@ -908,8 +911,9 @@ class Scheduler:
 
     @staticmethod
     def _may_follow(ch: ChipState, r: RequestRecord) -> None:
-        """r's job is running: its next step may be queued unless that job's token is its last (max_tokens)."""
-        if r.stop.max_tokens - r.stop.produced > 1:
+        """r's job is running: its next step may be queued unless that job's token is its last (max_tokens),
+        or its output is constrained (the worker's matcher takes its tokens in order, job by job)."""
+        if r.stop.max_tokens - r.stop.produced > 1 and r.params.constraint is None:
             ch.followable[r.request_id] = None
 
     def _room_for_next(self, ch: ChipState, r: RequestRecord) -> bool:
@@ -984,6 +988,8 @@ class Scheduler:
         return Lane(
             tokens=r.tokens[start:end], start=start, block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
+            **(_NO_CONSTRAINT if p.constraint is None else
+               lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
         )
 
     def _launch(self, ch: ChipState, kind: JobKind, decode: list[RequestRecord], prompts: list[PromptChunk],

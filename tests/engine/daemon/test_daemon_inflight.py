@@ -62,6 +62,7 @@ def test_worker_killed_with_two_jobs_and_a_queued_step_in_flight(daemon):
             deadline = time.monotonic() + 30
             while c.stats()["scheduler"]["chips"]["0"]["inflight"] < 3:
                 assert time.monotonic() < deadline, "never two jobs and a queued step in flight"
+                time.sleep(0.002)
         os.kill(victim, signal.SIGKILL)
         _wait_chip(d, 0, lambda ch: ch["state"] == "up" and ch["pid"] not in (None, victim), 20)
         load.pump(load.all_terminal, 120)
