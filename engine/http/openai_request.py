@@ -16,6 +16,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from engine.http import kv_transfer
 from engine.http.openai_error import bad
 from ipc.schema import NAME_RE
 
@@ -43,6 +44,7 @@ class GenerateRequest:
     messages: list = field(default_factory=list)  # chat: validated messages
     add_generation_prompt: bool = True
     template_kwargs: dict = field(default_factory=dict)  # chat: extra variables for the template
+    handoff: dict | None = None  # vLLM's kv_transfer_params as the wire's hand-off (engine/http/kv_transfer.py)
 
 
 # -- field checks ------------------------------------------------------------------------------------
@@ -160,7 +162,7 @@ _IGNORED = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoni
 
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "user",
-                     "priority"})
+                     "priority", kv_transfer.FIELD})
 COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL) | _IGNORED
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "add_generation_prompt", "chat_template_kwargs"} \
     | set(_NEUTRAL) | _IGNORED
@@ -173,6 +175,8 @@ def _check_fields(body: Any, known: frozenset | set) -> None:
         if name not in known:
             raise bad(name, "unrecognized request argument", "unknown_field")
     for name, (neutral, what) in _NEUTRAL.items():
+        if name == "min_tokens" and body.get(name) == 1 and kv_transfer.is_prefill_leg(body):
+            continue  # vllm-router's prefill leg: one token, whose text the router drops
         if name in body and not neutral(body[name]):
             raise bad(name, what, "unsupported_value")
     for name in ("separate_reasoning", "stream_reasoning", "include_reasoning", "parallel_tool_calls"):
@@ -230,7 +234,9 @@ def _common(body: dict, kind: str, default_temperature: float) -> GenerateReques
         sampling["ignore_eos"] = _bool("ignore_eos", body["ignore_eos"])
     if body.get("priority") is not None:
         sampling["priority"] = _int("priority", body["priority"], -100, 100)
-    return GenerateRequest(kind, model, stream, include_usage, False, user, sampling)
+    req = GenerateRequest(kind, model, stream, include_usage, False, user, sampling)
+    req.handoff = kv_transfer.handoff_of(body.get(kv_transfer.FIELD))
+    return req
 
 
 def parse_completion(body: Any, default_temperature: float = 1.0) -> GenerateRequest:
