@@ -24,7 +24,8 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
   sampling parameters. Sampling is deterministic per (seed, position of the
   sampled token) where that position is context_lens[lane].
 * want_logprobs[B] uint8.
-* src_blocks[K], dst_blocks[K] int32: block ids for KV copy / swap jobs.
+* src_blocks[K], dst_blocks[K] int32: block ids for KV copy jobs; for KV_EXPORT device blocks -> host
+  slots, for KV_IMPORT host slots -> device blocks (the host tier, `ipc.kv_slots`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class JobKind(enum.IntEnum):
     PREFILL = 1
     DECODE = 2
     KV_COPY = 3
+    KV_EXPORT = 4  # src_blocks: device blocks -> dst_blocks: host slots (ipc.kv_slots records)
+    KV_IMPORT = 5  # src_blocks: host slots -> dst_blocks: device blocks (refused whole when a record is bad)
+
+
+TRANSFER_KINDS = (JobKind.KV_COPY, JobKind.KV_EXPORT, JobKind.KV_IMPORT)
 
 
 class JobStatus(enum.IntEnum):
@@ -101,7 +107,7 @@ class Job:
         lane-by-lane check would give.
         """
         b = self.batch
-        if self.kind == JobKind.KV_COPY:
+        if self.kind in TRANSFER_KINDS:
             if self.src_blocks.shape != self.dst_blocks.shape:
                 raise ValueError("src_blocks and dst_blocks differ in length")
             return
@@ -153,7 +159,7 @@ class Job:
             if getattr(self, name).ndim != 1:
                 raise ValueError(f"{name} must be 1-D to be sent")
         return (
-            2 * self.tokens.size + self.query_start.size + self.context_lens.size + self.top_k.size
+            self.tokens.size + self.positions.size + self.query_start.size + self.context_lens.size + self.top_k.size
             + bt.size + self.src_blocks.size + self.dst_blocks.size,
             self.temperature.size + self.top_p.size,
             self.lane_valid.size + self.sample.size + self.want_logprobs.size,
@@ -219,10 +225,12 @@ class Job:
         )
 
     @classmethod
-    def kv_copy(cls, job_id: int, generation: int, src, dst) -> "Job":
+    def kv_copy(cls, job_id: int, generation: int, src, dst, kind: JobKind = JobKind.KV_COPY) -> "Job":
+        """A block job: KV_COPY (device -> device), KV_EXPORT (device -> host slots), KV_IMPORT (slots -> device)."""
+        assert kind in TRANSFER_KINDS
         z = np.zeros(0, dtype=np.int32)
         return cls(
-            job_id=job_id, generation=generation, kind=JobKind.KV_COPY,
+            job_id=job_id, generation=generation, kind=kind,
             tokens=z, positions=z, query_start=np.zeros(1, np.int32),
             lane_valid=np.zeros(0, np.uint8), context_lens=z,
             block_tables=np.zeros((0, 0), np.int32), sample=np.zeros(0, np.uint8),

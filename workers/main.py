@@ -29,10 +29,12 @@ import orjson
 import zmq
 
 from ipc.doorbell import SemaphoreDoorbell
+from ipc.kv_slots import KvSlotPool, RecordRefused
 from ipc.records import Job, JobKind, JobResult, JobStatus
 from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
+from workers.kv_transfer import HostKv
 from workers.sampling import sample
 
 _PR_SET_PDEATHSIG = 1
@@ -59,7 +61,7 @@ class JobOutcome:
     error: str = ""
 
 
-def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> JobOutcome:
+def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, host_kv: HostKv | None = None) -> JobOutcome:
     """Run one job on the backend and sample its lanes.
 
     Inputs may be read-only ring views; nothing here writes to them.
@@ -78,6 +80,15 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> 
             time.sleep(extra_device_s)
         if job.kind == JobKind.KV_COPY:
             backend.copy_blocks(job.src_blocks, job.dst_blocks)
+            return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
+        if job.kind in (JobKind.KV_EXPORT, JobKind.KV_IMPORT):
+            if host_kv is None:
+                return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, 0, "no host KV pool attached")
+            try:
+                host_kv.run(job)
+            except RecordRefused as exc:  # checked before any block was written: the device KV is untouched
+                return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000,
+                                  f"import refused ({exc.cause}): {exc}")
             return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
         out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
         device_us = (time.perf_counter_ns() - t0) // 1000
@@ -146,6 +157,7 @@ class WorkerProcess:
         self.ctl_seen = 0  # control messages received (jobs carry how many precede them)
         self._releases: list[tuple[int, list[int]]] = []  # (control message index, blocks) not applied yet
         self.slow_s = 0.0
+        self.host_kv: HostKv | None = None  # the board's host KV pool, once the link sent KV_POOL
         self.running = True
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
@@ -217,11 +229,25 @@ class WorkerProcess:
                 self.running = False
             elif kind is Msg.CHAOS:
                 self.chaos(ChaosAction(msg["action"]), float(msg["seconds"]))
+            elif kind is Msg.KV_POOL:
+                self.attach_host_pool(msg["name"], int(msg["slots"]), int(msg["slot_bytes"]), msg.get("disk_dir"))
             elif kind is Msg.RELEASE:
                 # Applied just before the first job submitted after it (apply_releases): a job already in
                 # the ring may still read these blocks (a request cancelled while its job was in flight).
                 self._releases.append((self.ctl_seen - 1, msg["blocks"]))
             # JOB is only a doorbell: the serve loop reads the ring every turn.
+
+    def attach_host_pool(self, name: str | None, slots: int, slot_bytes: int, disk_dir: str | None) -> None:
+        """Map the board's host KV pool and note the disk tier's directory (for transfer jobs after this
+        message); a failure leaves neither (transfer jobs are then refused and the scheduler recomputes)."""
+        old, self.host_kv = self.host_kv, None
+        if old is not None and old.pool is not None:
+            old.pool.close()
+        try:
+            pool = KvSlotPool.attach(name, slots, slot_bytes) if name else None
+            self.host_kv = HostKv(pool, self.backend, self.backend.describe(), disk_dir)
+        except Exception as exc:  # transfer jobs are then answered INVALID and the scheduler recomputes
+            _log("worker.kv_pool_failed", error=f"{type(exc).__name__}: {exc}")
 
     def apply_releases(self, sent_before: int) -> None:
         """Give the backend the release notices sent before the job about to run (and none sent after it)."""
@@ -269,7 +295,7 @@ class WorkerProcess:
                 self.send(encode(Msg.HEARTBEAT, at=time.monotonic(), jobs_done=self.jobs_done, busy_job=job.job_id))
             self._set_in_job(True)
             try:
-                outcome = execute_job(self.backend, job, self.slow_s)
+                outcome = execute_job(self.backend, job, self.slow_s, self.host_kv)
             finally:
                 self._set_in_job(False)
             self.write_result(job, outcome, t0)

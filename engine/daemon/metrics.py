@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
 from engine.core.model_state import ModelState
+from engine.daemon.kv_tier_metrics import tier_families
 
 if TYPE_CHECKING:
     from engine.daemon.generations import Generations
@@ -65,7 +66,7 @@ class MetricsPortBusy(RuntimeError):
 # -- the immutable snapshot -----------------------------------------------------------
 @dataclass(frozen=True)
 class Family:
-    kind: str  # "gauge" | "counter"
+    kind: str  # "gauge" | "counter" | "histogram" (a sample's value: ((le, count) per bucket, +Inf count, sum))
     name: str  # without PREFIX; a counter without its _total
     doc: str
     labels: tuple[str, ...]
@@ -83,6 +84,17 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         for f in self.snapshot:  # one read of the reference: a consistent snapshot
+            if f.kind == "histogram":
+                h = HistogramMetricFamily(PREFIX + f.name, f.doc, labels=f.labels)
+                for values, (buckets, n_inf, total) in f.samples:
+                    cum, rows = 0, []
+                    for le, n in buckets:
+                        cum += n
+                        rows.append((repr(float(le)), cum))
+                    rows.append(("+Inf", cum + n_inf))
+                    h.add_metric(values, rows, total)
+                yield h
+                continue
             cls = GaugeMetricFamily if f.kind == "gauge" else CounterMetricFamily
             m = cls(PREFIX + f.name, f.doc, labels=f.labels)
             for values, v in f.samples:
@@ -101,7 +113,8 @@ class _Builder:
 
     def add(self, kind: str, name: str, doc: str, labels: tuple[str, ...],
             samples: Iterable[tuple[tuple[str, ...], float]]) -> None:
-        rows = tuple(((*self.head, *vals), float(v)) for vals, v in samples if v is not None)
+        rows = tuple(((*self.head, *vals), v if kind == "histogram" else float(v)) for vals, v in samples
+                     if v is not None)
         self.families.append(Family(kind, name, doc, (*self.head_labels, *labels), rows))
 
     def one(self, kind: str, name: str, doc: str, value: float) -> None:
@@ -229,6 +242,8 @@ def _generation_families(b: _Builder, st: dict, chips: list[dict], bounded_tenan
         service[key] = service.get(key, 0) + n
     b.add("counter", "tenant_service_tokens", "Tokens computed per tenant (configured tenants; others as "
           "\"other\").", ("tenant",), [((t,), n) for t, n in sorted(service.items())])
+    if "kv_tiers" in st:
+        tier_families(b, st["kv_tiers"])
 
 
 # -- the recorder (loop thread) ------------------------------------------------------------
