@@ -566,7 +566,7 @@ class BalancerCore:
             r.t_first = now
         r.stage, r.prefilled = Stage.DECODE, True
         r.handoff = ev.get("handoff") if isinstance(ev.get("handoff"), dict) else {
-            "board": b.name[:128], "request": uid or "?", "prompt_len": 0, "blocks": []}
+            "board": b.name[:128], "request": uid or "?", "prompt_len": int(r.prompt_tokens or 0), "blocks": []}
         self.counters["pd_handoffs"] += 1
         return out + self._dispatch(r, now)
 

@@ -41,7 +41,8 @@ class HandoffDescriptor:
 
     @property
     def exported(self) -> bool:
-        return self.prompt_len > 0 and bool(self.blocks)
+        """The exporter says it ran a prompt (whose full blocks it wrote to its tiers, by chain hash)."""
+        return self.prompt_len > 0
 
     def to_wire(self) -> dict:
         out: dict[str, Any] = {"board": self.board, "request": self.request, "prompt_len": self.prompt_len,
@@ -61,7 +62,7 @@ class HandoffDescriptor:
 
 
 class ImportOutcome(enum.Enum):
-    IMPORTED = "imported"  # the prompt's KV came over; only what it lacks is computed
+    IMPORTED = "imported"  # the prompt's KV was found at the exporter and handed to this board's tiers to import
     RECOMPUTED = "recomputed"  # nothing to import, or the import failed: the prompt is computed here
 
 
@@ -76,10 +77,13 @@ class KvHandoffSource(Protocol):
 
 
 class KvHandoffSink(Protocol):
-    """The importing side: write a descriptor's blocks into local ones, or say it cannot."""
+    """The importing side: make a descriptor's blocks reachable by this board's KV tiers, or say it cannot."""
 
-    def import_blocks(self, desc: HandoffDescriptor) -> bool:
-        """True when the KV of `desc.prompt_len` tokens is now local; False means recompute."""
+    def stage(self, desc: HandoffDescriptor, tokens: Sequence[int], salt: str) -> int:
+        """Blocks of `tokens` (the prompt, under tenant `salt`) now importable here; 0 means recompute.
+
+        Staging is not the import: the scheduler promotes staged blocks at admission, and a record that
+        turns out missing, torn or of another layout is refused there and recomputed."""
 
 
 class HeldState(enum.Enum):
@@ -180,12 +184,14 @@ class HandoffTable:
         return len(self._held)
 
 
-def take_over(desc: HandoffDescriptor | None, sink: KvHandoffSink | None) -> ImportOutcome:
-    """The decode board's one decision: import when there is something to import and a sink that can."""
+def take_over(desc: HandoffDescriptor | None, sink: KvHandoffSink | None, tokens: Sequence[int] = (),
+              salt: str = "") -> tuple[ImportOutcome, int]:
+    """The decode board's one decision: stage the import when there is something to import and a sink
+    that can; (outcome, blocks staged)."""
     if desc is None or not desc.exported or sink is None:
-        return ImportOutcome.RECOMPUTED
+        return ImportOutcome.RECOMPUTED, 0
     try:
-        ok = sink.import_blocks(desc)
+        n = int(sink.stage(desc, tokens, salt))
     except Exception:  # a sink's failure of any kind is a recompute, never a lost request
-        ok = False
-    return ImportOutcome.IMPORTED if ok else ImportOutcome.RECOMPUTED
+        n = 0
+    return (ImportOutcome.IMPORTED, n) if n > 0 else (ImportOutcome.RECOMPUTED, 0)

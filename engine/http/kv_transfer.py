@@ -54,8 +54,9 @@ def handoff_of(v: Any) -> dict | None:
 
 def response_params(done: dict, wire_id: str, engine_id: str) -> dict:
     """The prefill leg's answer: what the router hands the decode worker (vLLM's NIXL-shaped fields)."""
+    prompt_len = int((done.get("usage") or {}).get("prompt_tokens") or 0)
     desc = done.get("handoff") if isinstance(done.get("handoff"), dict) else {
-        "board": engine_id[:MAX_NAME], "request": wire_id[:MAX_NAME], "prompt_len": 0, "blocks": []}
+        "board": engine_id[:MAX_NAME], "request": wire_id[:MAX_NAME], "prompt_len": prompt_len, "blocks": []}
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": desc["board"],
             "remote_request_id": desc["request"], "remote_block_ids": list(desc.get("blocks", [])),
             "remote_host": None, "remote_port": None, "tp_size": 1, OURS: desc}

@@ -129,3 +129,27 @@ def test_faults_end_every_request_once_and_free_both_pools(daemon, balancer):
     got = run_streams(b.endpoint, [gen_msg("late", [1, 2, 3], max_tokens=4)], timeout=60)
     (term,) = terminal_events(got["late"])
     assert term["ev"] == "done" and len(streamed_tokens(got["late"])) == 4
+
+
+def test_the_decode_board_imports_the_prefill_boards_blocks_through_the_disk_tier(daemon, balancer, short_dir):
+    """Both boards on one host with disk KV tiers: the decode board finds the prompt's blocks in the prefill
+    board's kv.disk_dir (board.handoff_peer_dirs) by chain hash and imports them instead of computing them;
+    outputs stay those of a co-located run (the prefill board serving each request whole, afterwards)."""
+    pk, dk = os.path.join(short_dir, "pk"), os.path.join(short_dir, "dk")
+    (p, ep) = tcp_daemon(daemon, backend="ref", settings={"board.role": "prefill", "kv.disk_dir": pk})
+    (d, ed) = tcp_daemon(daemon, backend="ref", settings={"board.role": "decode", "kv.disk_dir": dk,
+                                                          "kv.promote": "always", "board.handoff_peer_dirs": [pk]})
+    b = balancer(backends=[{"endpoint": ep, "role": "prefill"}, {"endpoint": ed, "role": "decode"}])
+    rng = random.Random(5)
+    msgs = [gen_msg(f"k{i}", [rng.randrange(1, 250) for _ in range(rng.randrange(40, 110))], max_tokens=10,
+                    temperature=0.8 if i % 2 else 0.0, seed=50 + i, ignore_eos=True) for i in range(16)]
+    got = run_streams(b.endpoint, msgs, grace=0.1)
+    expected = run_streams(p.endpoint, msgs, grace=0.1)
+    check_one_done_each(got, expected)
+    with d.client() as c:
+        st = c.stats()
+    dc, counters = st["daemon"], st["scheduler"]["counters"]
+    assert dc["handoff_imported"] + dc["handoff_recomputed"] == len(msgs)
+    assert dc["handoff_imported"] >= len(msgs) // 2, dc  # a block file still being written is recomputed
+    assert counters["tier_hit_tokens"] > 0 and counters.get("kv_import_jobs", 0) > 0, counters
+    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, timeout=10, what="pools at baseline")

@@ -69,7 +69,7 @@ class _Sink:
     def __init__(self, result):
         self.result, self.calls = result, 0
 
-    def import_blocks(self, desc):
+    def stage(self, desc, tokens, salt):
         self.calls += 1
         if isinstance(self.result, Exception):
             raise self.result
@@ -78,10 +78,10 @@ class _Sink:
 
 def test_take_over_imports_only_what_was_exported_and_falls_back_to_recompute():
     exported = HandoffDescriptor("b", "r", prompt_len=32, blocks=(1, 2))
-    assert take_over(exported, _Sink(True)) is ImportOutcome.IMPORTED
-    assert take_over(exported, _Sink(False)) is ImportOutcome.RECOMPUTED
-    assert take_over(exported, _Sink(RuntimeError("checksum"))) is ImportOutcome.RECOMPUTED
-    assert take_over(exported, None) is ImportOutcome.RECOMPUTED
-    sink = _Sink(True)
-    assert take_over(HandoffDescriptor("b", "r"), sink) is ImportOutcome.RECOMPUTED and sink.calls == 0
-    assert take_over(None, sink) is ImportOutcome.RECOMPUTED
+    assert take_over(exported, _Sink(2)) == (ImportOutcome.IMPORTED, 2)
+    assert take_over(exported, _Sink(0)) == (ImportOutcome.RECOMPUTED, 0)
+    assert take_over(exported, _Sink(RuntimeError("checksum"))) == (ImportOutcome.RECOMPUTED, 0)
+    assert take_over(exported, None) == (ImportOutcome.RECOMPUTED, 0)
+    sink = _Sink(2)
+    assert take_over(HandoffDescriptor("b", "r"), sink)[0] is ImportOutcome.RECOMPUTED and sink.calls == 0
+    assert take_over(None, sink)[0] is ImportOutcome.RECOMPUTED

@@ -28,14 +28,14 @@ def wire(req) -> dict:
 def test_the_routers_prefill_leg_is_an_export_and_its_answer_names_the_handoff():
     req = parse_completion(dict(ROUTER_PREFILL))
     assert req.handoff == {"export": True} and req.sampling["max_tokens"] == 1
-    done = {"ev": "done", "tokens": [5], "finish_reason": "length"}
+    done = {"ev": "done", "tokens": [5], "finish_reason": "length", "usage": {"prompt_tokens": 2}}
     params = kv_transfer.response_params(done, "w1", "board-0")
     assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "board-0"
     # the router copies these into the decode leg: the original body plus them
     decode_body = {"model": "tiny", "prompt": "hello world", "max_tokens": 5, "stream": True,
                    "kv_transfer_params": params}
     dreq = parse_completion(decode_body)
-    assert dreq.handoff == {"board": "board-0", "request": "w1", "prompt_len": 0, "blocks": []}
+    assert dreq.handoff == {"board": "board-0", "request": "w1", "prompt_len": 2, "blocks": []}
     assert wire(dreq)["handoff"]["board"] == "board-0"
 
 
