@@ -51,6 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-inflight", type=int, default=2, help="each board's executor.max_inflight")
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
                    help="sim latency model options for both boards (e.g. flops_per_token=3e10)")
+    p.add_argument("--transfer", choices=("disk", "none"), default="disk",
+                   help="disk: both boards get a disk KV tier and the decode board imports the prefill board's "
+                        "blocks (board.handoff_peer_dirs); none: the decode board recomputes every prompt")
     p.add_argument("--seed", type=int, default=27)
     p.add_argument("--json", action="store_true", help="JSON Lines: a row per side and rate, then the summary")
     p.add_argument("--plot", metavar="FILE.png", help="TPOT P99 and goodput against the rate (needs matplotlib)")
@@ -82,6 +85,10 @@ class _Procs:
     def daemon(self, i: int, a: argparse.Namespace) -> str:
         ep = f"tcp://127.0.0.1:{free_port()}"
         opts = [x for o in a.backend_option for x in ("--backend-option", o)]
+        if a.transfer == "disk":  # board 1 (the decode board of the disaggregated side) imports board 0's blocks
+            opts += ["--set", f"kv.disk_dir={os.path.join(self.tmp, f'kv{i}')}"]
+            if i == 1:
+                opts += ["--set", f"board.handoff_peer_dirs=[\"{os.path.join(self.tmp, 'kv0')}\"]"]
         self.spawn(f"daemon{i}", [sys.executable, "-m", "engine.daemon.main", "--backend", "sim", "--chips", "1",
                                   "--board", f"bd{i}", "--runtime-dir", os.path.join(self.tmp, f"d{i}"),
                                   "--endpoint", ep, "--set", "admission.max_waiting_requests=100000",
@@ -121,7 +128,13 @@ def _handoffs(endpoint: str) -> dict:
 
     with Client(endpoint, timeout=10) as c:
         d = c.stats()["daemon"]
-    return {k: d.get(k, 0) for k in ("handoff_exports", "handoff_imported", "handoff_recomputed")}
+    out = {k: d.get(k, 0) for k in ("handoff_exports", "handoff_imported", "handoff_recomputed",
+                                    "handoff_staged_blocks")}
+    with Client(endpoint, timeout=10) as c:
+        counters = c.stats()["scheduler"]["counters"]
+    out["tier_hit_tokens"] = counters.get("tier_hit_tokens", 0)
+    out["prefill_tokens"] = counters.get("prefill_tokens", 0)
+    return out
 
 
 def fresh_prompts(reqs: list, seed: int) -> list:
@@ -186,7 +199,7 @@ def run(a: argparse.Namespace) -> dict:
     handoffs = {f"board{i}": {k: after[i][k] - before[i][k] for k in after[i]} for i in range(2)}
     return {"rows": rows, "verdict": verdict(rows, a.slo_obj), "handoffs": handoffs,
             "workload": {"prompt": str(a.prompt_dist), "output": str(a.output_dist), "seconds": a.seconds,
-                         "backend": "sim", "boards": 2, "max_inflight": a.max_inflight,
+                         "backend": "sim", "boards": 2, "max_inflight": a.max_inflight, "transfer": a.transfer,
                          "backend_options": a.backend_option}}
 
 
@@ -223,7 +236,7 @@ def main(argv: list[str]) -> int:
     res = run(a)
     v = res["verdict"]
     title = (f"sim, 2 boards: 1 prefill + 1 decode vs 2 mixed; prompt {a.prompt}, output {a.output}, "
-             f"SLO {a.slo}")
+             f"SLO {a.slo}, transfer {a.transfer}")
     if a.plot:
         plot(res["rows"], a.plot, title)
     if a.json:
