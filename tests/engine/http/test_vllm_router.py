@@ -135,8 +135,12 @@ def cluster_of(daemon, short_dir):
         for i in range(2):  # both daemons load at once (a model takes seconds), then both fronts
             kv = f"tcp://127.0.0.1:{free_tcp_port()}" if kv_events else ""
             board_settings = {**(settings or {}), **({"kv_events.endpoint": kv} if kv else {})}
-            if pd:
-                board_settings["board.role"] = ("prefill", "decode")[i]
+            if pd:  # both boards on this host with disk KV tiers: the decode board imports the prefill board's
+                board_settings.update({"board.role": ("prefill", "decode")[i],
+                                       "kv.disk_dir": os.path.join(short_dir, f"kv{i}")})
+                if i == 1:
+                    board_settings.update({"board.handoff_peer_dirs": [os.path.join(short_dir, "kv0")],
+                                           "kv.promote": "always"})
             started.append((daemon(settings=board_settings, wait=False, **daemon_options), kv))
         for d, kv in started:
             _wait_healthy(d, START_TIMEOUT_S)
@@ -381,21 +385,25 @@ def test_prefill_decode_disaggregation_behind_the_routers_pd_mode(cluster_of):
     before_p, before_d = prefill.served(), decode.served()
     for prompt, temperature, n, stream in cases:
         kw = dict(model=MODEL, prompt=prompt, max_tokens=n, temperature=temperature, seed=27)
-        want = direct.completions.create(**kw)
         if stream:
             chunks = list(c.client().completions.create(stream=True, **kw))
             text = "".join(ch.choices[0].text for ch in chunks)
-            assert chunks[-1].choices[0].finish_reason == want.choices[0].finish_reason
         else:
             got = c.client().completions.create(**kw)
             text = got.choices[0].text
+        want = direct.completions.create(**kw)  # afterwards: before, it would be a prefix hit on the decode board
+        if not stream:
             assert got.usage.prompt_tokens == want.usage.prompt_tokens  # the prompt counted once
             assert got.usage.completion_tokens == want.usage.completion_tokens
+        else:
+            assert chunks[-1].choices[0].finish_reason == want.choices[0].finish_reason
         assert text == want.choices[0].text, (prompt, text, want.choices[0].text)
     assert prefill.served() - before_p == len(cases)  # every request's prefill leg
     assert decode.served() - before_d == 2 * len(cases)  # the direct runs and every decode leg
     with prefill.daemon.client() as pc, decode.daemon.client() as dc:
         p, d = pc.stats()["daemon"], dc.stats()["daemon"]
     assert p["handoff_exports"] == len(cases)
-    # no KV export/import on these boards yet (issue 22): every decode leg recomputes its prompt
-    assert d["handoff_recomputed"] == len(cases) and d["handoff_imported"] == 0
+    # the decode board found the prompts' blocks in the prefill board's disk tier and imported them
+    assert d["handoff_imported"] + d["handoff_recomputed"] == len(cases) and d["handoff_imported"] >= 2, d
+    with decode.daemon.client() as dc:
+        assert dc.stats()["scheduler"]["counters"]["tier_hit_tokens"] > 0
