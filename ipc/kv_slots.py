@@ -92,6 +92,9 @@ def encode_record(layout: int, payload: np.ndarray, chain: bytes = b"") -> bytes
     return bytes(out)
 
 
+_EMPTY_HEADER = bytes(HEADER_BYTES)
+
+
 class KvSlotPool:
     """`slots` records of `slot_bytes` each in one shared-memory segment (the board's host KV tier)."""
 
@@ -118,6 +121,24 @@ class KvSlotPool:
         if not 0 <= i < self.slots:
             raise ValueError(f"host slot {i} outside 0..{self.slots - 1}")
         return self.seg.buf[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+
+    def payloads(self, nbytes: int) -> np.ndarray:
+        """Every slot's payload as one [slots, nbytes] uint8 view (strided by the slot size)."""
+        if HEADER_BYTES + nbytes > self.slot_bytes:
+            raise ValueError(f"a payload of {nbytes} bytes does not fit a slot of {self.slot_bytes}")
+        return np.ndarray((self.slots, nbytes), np.uint8, self.seg.buf, HEADER_BYTES, (self.slot_bytes, 1))
+
+    def write_many(self, slots: list[int], layout: int, rows: np.ndarray, chains: list[bytes]) -> None:
+        """Records of rows[i] (contiguous [n, ...]) into slots[i]: headers cleared, payloads in one copy, then
+        the headers (so a record torn by a crash reads as empty)."""
+        data = np.ascontiguousarray(rows).view(np.uint8).reshape(len(slots), -1)
+        n = data.shape[1]
+        for i in slots:
+            self.slot(i)[:HEADER_BYTES] = _EMPTY_HEADER
+        self.payloads(n)[np.asarray(slots, np.int64)] = data
+        for i, row, chain in zip(slots, data, chains):
+            self.slot(i)[:_HEADER.size] = _HEADER.pack(MAGIC, layout, n, zlib.crc32(row), 0,
+                                                     chain.ljust(16, b"\0")[:16])
 
     def write(self, i: int, layout: int, payload: np.ndarray, chain: bytes = b"") -> None:
         write_record(self.slot(i), layout, payload, chain)

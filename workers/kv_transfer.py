@@ -58,29 +58,39 @@ class HostKv:
             raise ValueError("transfer job: one chain hash and one place per block")
         if job.kind == JobKind.KV_EXPORT:
             data = self.backend.swap_out(np.asarray(job.src_blocks))
-            for row, slot, chain, w in zip(data, job.dst_blocks.tolist(), chains, where):
-                if w & HOST:
-                    self._pool().write(slot, self.layout, row, chain)
+            slots = job.dst_blocks.tolist()
+            host = [i for i, w in enumerate(where) if w & HOST]
+            if host:
+                self._pool().write_many([slots[i] for i in host], self.layout, data[host] if len(host) < len(where)
+                                        else data, [chains[i] for i in host])
+            for i, w in enumerate(where):
                 if w & DISK:
-                    self._write_file(chain, encode_record(self.layout, row, chain))
+                    self._write_file(chains[i], encode_record(self.layout, data[i], chains[i]))
             return
         assert job.kind == JobKind.KV_IMPORT
-        rows = []
         n_item = int(np.prod(self.block_shape, dtype=np.int64)) * self.dtype.itemsize
-        for slot, chain, w in zip(job.src_blocks.tolist(), chains, where):
+        rows = np.empty((len(chains), n_item), np.uint8)
+        host_rows, host_slots = [], []
+        for r, (slot, chain, w) in enumerate(zip(job.src_blocks.tolist(), chains, where)):
             try:
                 if w == HOST:
-                    body = read_record(self._pool().slot(slot), self.layout, chain)
+                    body = read_record(self._pool().slot(slot), self.layout, chain)  # checks, no copy
                 else:
                     body = read_record(memoryview(self._read_file(chain)), self.layout, chain)
                 if len(body) != n_item:
-                    raise RecordRefused("layout", f"host slot {slot}: {len(body)} bytes, a block is {n_item}")
+                    raise RecordRefused("layout", f"block {r}: {len(body)} bytes, a block is {n_item}")
             except RecordRefused as e:
                 self.refused[e.cause] = self.refused.get(e.cause, 0) + 1
                 raise
-            rows.append(np.frombuffer(body, self.dtype).reshape(self.block_shape))
-        data = np.stack(rows) if rows else np.zeros((0, *self.block_shape), self.dtype)
-        self.backend.swap_in(np.asarray(job.dst_blocks), data)
+            if w == HOST:
+                host_rows.append(r)
+                host_slots.append(slot)
+            else:
+                rows[r] = np.frombuffer(body, np.uint8)
+        if host_rows:  # every record checked: gather the host ones in one copy
+            rows[host_rows] = self._pool().payloads(n_item)[np.asarray(host_slots, np.int64)]
+        self.backend.swap_in(np.asarray(job.dst_blocks), rows.view(self.dtype).reshape(len(chains),
+                                                                                       *self.block_shape))
 
     def _pool(self) -> KvSlotPool:
         if self.pool is None:

@@ -37,7 +37,7 @@ import numpy as np
 from engine.core.kv.chain_hash import DIGEST, chain_of, extend_chain, root_hash
 from engine.core.kv.manager import KvManager
 from engine.core.kv.tier_index import EntryState, TierEntry, TierIndex
-from engine.core.kv.tier_policy import TierPolicy
+from engine.core.kv.tier_policy import PromoteMode, TierPolicy
 from ipc.records import Job, JobKind
 
 HOST = 1
@@ -98,6 +98,9 @@ class KvTiers:
         self.write_through = write_through
         self.host = TierIndex("host", host_slots, slotted=True) if host_slots > 0 else None
         self.disk = TierIndex("disk", disk_blocks, slotted=False) if disk_blocks > 0 else None
+        # Exports only pay when a hit can ever be promoted (stub: recomputing costs nothing).
+        self.exporting = policy.mode is PromoteMode.ALWAYS or (
+            policy.mode is PromoteMode.COST and policy.cost.break_even_blocks(block_size) is not None)
         self._roots: dict[str, bytes] = {}
         self._exports: dict[int, list[tuple[int, bytes, TierEntry | None, TierEntry | None]]] = {}
         self._jobs: dict[int, _Transfer] = {}
@@ -138,6 +141,8 @@ class KvTiers:
             evicted.clear()
 
     def _queue_export(self, chip: int, chain: bytes, block: int, why: str) -> None:
+        if not self.exporting:
+            return
         h = self.host.claim(chain) if self.host is not None else None
         d = None
         if self.disk is not None:

@@ -136,19 +136,6 @@ def test_cross_chip_host_hit(boards):
     board.check_idle()
 
 
-def test_cost_policy_declines_when_recompute_is_cheaper(boards):
-    board = boards(mode=PromoteMode.NEVER)
-    board.submit(1, prompt(0), 4)
-    board.run()
-    for j in range(2):
-        board.submit(10 + j, other(j), 4)
-        board.run()
-    board.submit(2, prompt(1), 4)
-    board.run()
-    assert board.tiers.counters["hit_host_blocks"] == 0
-    assert board.tiers.counters["miss_not_worth"] >= 1
-
-
 def _evicting_history(board: Board) -> None:
     board.submit(1, prompt(0), 4)
     board.run()
@@ -260,3 +247,19 @@ def test_block_mid_demotion_is_a_miss_not_a_hit(boards):
     board.sched.chips[chip].in_service = True
     board.run()
     board.check_idle()
+
+
+def test_cost_policy_promotes_on_ref_where_recompute_costs_more(boards):
+    ref = run_workload(boards(tiers_on=False), False, False)
+    board = boards(mode=PromoteMode.COST)
+    assert run_workload(board, False, False) == ref
+    assert board.tiers.counters["hit_host_blocks"] > 0
+
+
+def test_nothing_is_exported_when_no_hit_could_pay(boards):
+    board = boards(mode=PromoteMode.NEVER)
+    _evicting_history(board)
+    board.submit(2, prompt(1), 4)
+    board.run()
+    assert not any(k in ("KV_EXPORT", "KV_IMPORT") for _, k in board.kinds)
+    assert len(board.tiers.host) == 0 and board.tiers.counters["hit_host_blocks"] == 0
