@@ -153,3 +153,41 @@ def test_the_decode_board_imports_the_prefill_boards_blocks_through_the_disk_tie
     assert dc["handoff_imported"] >= len(msgs) // 2, dc  # a block file still being written is recomputed
     assert counters["tier_hit_tokens"] > 0 and counters.get("kv_import_jobs", 0) > 0, counters
     wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, timeout=10, what="pools at baseline")
+
+
+def test_a_transfer_cut_half_way_is_recomputed_not_wrong(daemon, short_dir):
+    """The prefill board's block files of a prompt truncated or deleted after its prefill leg (a transfer
+    cut half-way, a torn or evicted file): the decode leg imports what checks out, recomputes the rest,
+    and its tokens are still the co-located run's."""
+    pk, dk = os.path.join(short_dir, "pk"), os.path.join(short_dir, "dk")
+    p = daemon(backend="ref", settings={"board.role": "prefill", "kv.disk_dir": pk})
+    d = daemon(backend="ref", settings={"board.role": "decode", "kv.disk_dir": dk, "kv.promote": "always",
+                                        "board.handoff_peer_dirs": [pk]})
+    rng = random.Random(9)
+    prompt = [rng.randrange(1, 250) for _ in range(100)]  # 6 full blocks before the last token
+    first = run_streams(p.endpoint, [gen_msg("p", prompt, max_tokens=1, handoff={"export": True})])
+    (tok,) = streamed_tokens(first["p"])
+
+    def files() -> list[str]:
+        out = []
+        for root, _, names in os.walk(pk):
+            out += [os.path.join(root, n) for n in names if n.endswith(".kv")]
+        return out
+
+    wait_until(lambda: len(files()) >= 6, timeout=10, what="the prefill board's block files")
+    hit = sorted(files())
+    with open(hit[0], "r+b") as f:  # one torn record, one gone
+        f.truncate(8)
+    os.unlink(hit[1])
+    desc = {"board": "p", "request": "p", "prompt_len": len(prompt)}
+    got = run_streams(d.endpoint, [gen_msg("d", prompt, max_tokens=12, continuation=[tok], handoff=desc)])
+    oracle = run_streams(p.endpoint, [gen_msg("o", prompt, max_tokens=12)])
+    assert [tok] + streamed_tokens(got["d"]) == streamed_tokens(oracle["o"])
+    (term,) = terminal_events(got["d"])
+    assert term["ev"] == "done" and term["usage"]["completion_tokens"] == 11
+    with d.client() as c:
+        st = c.stats()
+    assert st["daemon"]["handoff_imported"] == 1
+    # the worker checked every record before writing one: the import was refused whole, the prompt recomputed
+    assert st["scheduler"]["counters"].get("tier_refused_imports", 0) == 1
+    wait_until(lambda: kv_used_blocks(d) == 0, timeout=10, what="the decode pool at baseline")
