@@ -105,7 +105,7 @@ class HandoffError(Exception):
 @dataclass
 class Held:
     hid: str
-    blocks: tuple[int, ...]
+    blocks: tuple  # block ids, or chain hashes (a disk tier's blocks are named by them)
     deadline: float
     state: HeldState = HeldState.HELD
 
@@ -130,10 +130,10 @@ class HandoffTable:
     counters: dict[str, int] = field(default_factory=lambda: {k: 0 for k in (
         "held", "claimed", "released", "expired", "refused")})
 
-    def hold(self, hid: str, blocks: Sequence[int], now: float, deadline_s: float | None = None) -> Held:
+    def hold(self, hid: str, blocks: Sequence, now: float, deadline_s: float | None = None) -> Held:
         if hid in self._held:
             raise HandoffError(f"hand-off {hid} is already held")
-        h = Held(hid, tuple(int(b) for b in blocks), now + (self.deadline_s if deadline_s is None else deadline_s))
+        h = Held(hid, tuple(blocks), now + (self.deadline_s if deadline_s is None else deadline_s))
         self._held[hid] = h
         heapq.heappush(self._timers, (h.deadline, hid))
         self.counters["held"] += 1
@@ -149,7 +149,7 @@ class HandoffTable:
         self.counters["claimed"] += 1
         return h
 
-    def release(self, hid: str) -> tuple[int, ...]:
+    def release(self, hid: str) -> tuple:
         """Taken, failed or aborted: the blocks to free (empty when it had already ended)."""
         h = self._held.pop(hid, None)
         if h is None:
@@ -158,7 +158,7 @@ class HandoffTable:
         self.counters["released"] += 1
         return h.blocks
 
-    def expire(self, now: float) -> list[tuple[str, tuple[int, ...]]]:
+    def expire(self, now: float) -> list[tuple[str, tuple]]:
         """Hand-offs whose deadline passed: (id, blocks to free) each, once."""
         out = []
         while self._timers and self._timers[0][0] <= now:
@@ -176,6 +176,9 @@ class HandoffTable:
         while self._timers and self._timers[0][1] not in self._held:
             heapq.heappop(self._timers)
         return self._timers[0][0] if self._timers else None
+
+    def held(self) -> list[Held]:
+        return list(self._held.values())
 
     def held_blocks(self) -> int:
         return sum(len(h.blocks) for h in self._held.values())

@@ -21,8 +21,10 @@ from collections.abc import Sequence
 
 from engine.core.handoff import HandoffDescriptor, ImportOutcome, KvHandoffSink, take_over
 from engine.core.kv.chain_hash import chain_of
+from engine.daemon.handoff_hold import HandoffHold
 
-HANDOFF_COUNTER_KEYS = ("handoff_exports", "handoff_imported", "handoff_recomputed", "handoff_staged_blocks")
+HANDOFF_COUNTER_KEYS = ("handoff_exports", "handoff_imported", "handoff_recomputed", "handoff_staged_blocks",
+                        "handoff_held", "handoff_expired")
 
 
 class PeerDiskSink:
@@ -80,3 +82,22 @@ def note_handoff(counters: dict[str, int], handoff: dict, sink: KvHandoffSink | 
     counters[key] = counters.get(key, 0) + 1
     counters["handoff_staged_blocks"] = counters.get("handoff_staged_blocks", 0) + staged
     return outcome
+
+
+def take_handoff(g, cfg, rid: int, handoff: dict, params, now: float) -> None:
+    """A generate's `handoff` on generation `g`: an export leg is held (prefill side), a decode leg staged."""
+    note_handoff(g.counters, handoff, sink_for(g, cfg), params.prompt, params.prefix_salt)
+    shell = getattr(g, "kv_tiers", None)
+    if handoff.get("export") and shell is not None and shell.disk_dir is not None:
+        if g.handoff_hold is None:
+            g.handoff_hold = HandoffHold(cfg.board.handoff_deadline_s)
+        if g.handoff_hold.hold(shell, f"r{rid}", params.prompt, params.prefix_salt, now):
+            g.counters["handoff_held"] = g.counters.get("handoff_held", 0) + 1
+
+
+def tick_holds(g, now: float) -> None:
+    """The supervision turn: pin what was exported since, let go of what is past its deadline."""
+    if g.handoff_hold is not None and g.kv_tiers is not None:
+        n = g.handoff_hold.tick(g.kv_tiers, now)
+        if n:
+            g.counters["handoff_expired"] = g.counters.get("handoff_expired", 0) + n

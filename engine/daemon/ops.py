@@ -21,7 +21,7 @@ from engine.core.actions import Action
 from engine.core.requests import GenerateParams
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
 from engine.daemon.auth import is_admin, tenant_for, visible_stats
-from engine.daemon.handoff_intake import note_handoff, sink_for
+from engine.daemon.handoff_intake import take_handoff
 from engine.daemon.models import admin_ops
 from engine.core.model_table import RouteOutcome
 
@@ -78,13 +78,13 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         except TextRejected as e:
             fe.error(conn, cid, 400, e.reason, e.message)
             return []
-        if "handoff" in msg:
-            note_handoff(g.counters, msg["handoff"], sink_for(g, gens.cfg), params.prompt, params.prefix_salt)
         rid = gens.next_request_id()
         if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False)),
                        text=g.tokenizer is not None, generation=g.id):
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
+        if "handoff" in msg:
+            take_handoff(g, gens.cfg, rid, msg["handoff"], params, now)
         gens.admit(rid, g)
         o.apply(g.scheduler.submit(rid, params, now), g, now)
         return []

@@ -136,7 +136,9 @@ def test_the_decode_board_imports_the_prefill_boards_blocks_through_the_disk_tie
     board's kv.disk_dir (board.handoff_peer_dirs) by chain hash and imports them instead of computing them;
     outputs stay those of a co-located run (the prefill board serving each request whole, afterwards)."""
     pk, dk = os.path.join(short_dir, "pk"), os.path.join(short_dir, "dk")
-    (p, ep) = tcp_daemon(daemon, backend="ref", settings={"board.role": "prefill", "kv.disk_dir": pk})
+    (p, ep) = tcp_daemon(daemon, backend="ref", settings={"board.role": "prefill", "kv.disk_dir": pk,
+                                                          "board.handoff_deadline_s": 1.0,
+                                                          "recovery.supervise_interval_ms": 100})
     (d, ed) = tcp_daemon(daemon, backend="ref", settings={"board.role": "decode", "kv.disk_dir": dk,
                                                           "kv.promote": "always", "board.handoff_peer_dirs": [pk]})
     b = balancer(backends=[{"endpoint": ep, "role": "prefill"}, {"endpoint": ed, "role": "decode"}])
@@ -152,6 +154,9 @@ def test_the_decode_board_imports_the_prefill_boards_blocks_through_the_disk_tie
     assert dc["handoff_imported"] + dc["handoff_recomputed"] == len(msgs)
     assert dc["handoff_imported"] >= len(msgs) // 2, dc  # a block file still being written is recomputed
     assert counters["tier_hit_tokens"] > 0 and counters.get("kv_import_jobs", 0) > 0, counters
+    # the prefill board held each prompt's blocks for the decode board, and let go at the deadline
+    assert daemon_counters(p)["handoff_held"] == len(msgs)
+    wait_until(lambda: daemon_counters(p)["handoff_expired"] == len(msgs), timeout=10, what="holds expired")
     wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, timeout=10, what="pools at baseline")
 
 
