@@ -93,6 +93,10 @@ def encode_record(layout: int, payload: np.ndarray, chain: bytes = b"") -> bytes
 
 
 _EMPTY_HEADER = bytes(HEADER_BYTES)
+# The header as a numpy record (the same bytes as _HEADER, padded to 64): many slots' headers in one pass.
+_HEADER_DTYPE = np.dtype([("magic", "<u8"), ("layout", "<u8"), ("n", "<u8"), ("crc", "<u4"), ("pad", "<u4"),
+                          ("chain", "u1", (16,)), ("rest", "u1", (HEADER_BYTES - _HEADER.size,))])
+assert _HEADER_DTYPE.itemsize == HEADER_BYTES
 
 
 class KvSlotPool:
@@ -128,17 +132,40 @@ class KvSlotPool:
             raise ValueError(f"a payload of {nbytes} bytes does not fit a slot of {self.slot_bytes}")
         return np.ndarray((self.slots, nbytes), np.uint8, self.seg.buf, HEADER_BYTES, (self.slot_bytes, 1))
 
+    def headers(self) -> np.ndarray:
+        """Every slot's header as one [slots] record view (strided by the slot size)."""
+        return np.ndarray((self.slots,), _HEADER_DTYPE, self.seg.buf, 0, (self.slot_bytes,))
+
     def write_many(self, slots: list[int], layout: int, rows: np.ndarray, chains: list[bytes]) -> None:
         """Records of rows[i] (contiguous [n, ...]) into slots[i]: headers cleared, payloads in one copy, then
         the headers (so a record torn by a crash reads as empty)."""
         data = np.ascontiguousarray(rows).view(np.uint8).reshape(len(slots), -1)
-        n = data.shape[1]
-        for i in slots:
-            self.slot(i)[:HEADER_BYTES] = _EMPTY_HEADER
-        self.payloads(n)[np.asarray(slots, np.int64)] = data
-        for i, row, chain in zip(slots, data, chains):
-            self.slot(i)[:_HEADER.size] = _HEADER.pack(MAGIC, layout, n, zlib.crc32(row), 0,
-                                                     chain.ljust(16, b"\0")[:16])
+        idx = np.asarray(slots, np.int64)
+        hv = self.headers()
+        hv[idx] = np.zeros((), _HEADER_DTYPE)
+        self.payloads(data.shape[1])[idx] = data
+        h = np.zeros(len(slots), _HEADER_DTYPE)
+        h["magic"], h["layout"], h["n"] = MAGIC, layout, data.shape[1]
+        h["crc"] = [zlib.crc32(row) for row in data]
+        h["chain"] = np.frombuffer(b"".join(c.ljust(16, b"\0")[:16] for c in chains), np.uint8).reshape(-1, 16)
+        hv[idx] = h
+
+    def read_many(self, slots: list[int], layout: int, chains: list[bytes], nbytes: int) -> np.ndarray:
+        """The payloads of the records in `slots` ([n, nbytes] copy), each checked like `read_record`
+        (RecordRefused naming the first bad one's cause)."""
+        idx = np.asarray(slots, np.int64)
+        h = self.headers()[idx]
+        want = np.frombuffer(b"".join(c.ljust(16, b"\0")[:16] for c in chains), np.uint8).reshape(-1, 16)
+        for cause, bad in (("empty", h["magic"] != MAGIC), ("layout", h["layout"] != layout),
+                           ("chain", (h["chain"] != want).any(axis=1)), ("layout", h["n"] != nbytes)):
+            if bad.any():
+                raise RecordRefused(cause, f"host slot {slots[int(bad.argmax())]}: KV block record refused ({cause})")
+        rows = self.payloads(nbytes)[idx]
+        crc = np.fromiter((zlib.crc32(r) for r in rows), np.uint32, len(slots))
+        bad = crc != h["crc"]
+        if bad.any():
+            raise RecordRefused("checksum", f"host slot {slots[int(bad.argmax())]}: KV block record fails its checksum")
+        return rows
 
     def write(self, i: int, layout: int, payload: np.ndarray, chain: bytes = b"") -> None:
         write_record(self.slot(i), layout, payload, chain)

@@ -70,25 +70,21 @@ class HostKv:
         assert job.kind == JobKind.KV_IMPORT
         n_item = int(np.prod(self.block_shape, dtype=np.int64)) * self.dtype.itemsize
         rows = np.empty((len(chains), n_item), np.uint8)
-        host_rows, host_slots = [], []
-        for r, (slot, chain, w) in enumerate(zip(job.src_blocks.tolist(), chains, where)):
-            try:
-                if w == HOST:
-                    body = read_record(self._pool().slot(slot), self.layout, chain)  # checks, no copy
-                else:
-                    body = read_record(memoryview(self._read_file(chain)), self.layout, chain)
-                if len(body) != n_item:
-                    raise RecordRefused("layout", f"block {r}: {len(body)} bytes, a block is {n_item}")
-            except RecordRefused as e:
-                self.refused[e.cause] = self.refused.get(e.cause, 0) + 1
-                raise
-            if w == HOST:
-                host_rows.append(r)
-                host_slots.append(slot)
-            else:
-                rows[r] = np.frombuffer(body, np.uint8)
-        if host_rows:  # every record checked: gather the host ones in one copy
-            rows[host_rows] = self._pool().payloads(n_item)[np.asarray(host_slots, np.int64)]
+        src = job.src_blocks.tolist()
+        host = [r for r, w in enumerate(where) if w == HOST]
+        try:
+            if host:  # every host record checked in one pass, gathered in one copy
+                rows[host] = self._pool().read_many([src[r] for r in host], self.layout, [chains[r] for r in host],
+                                                    n_item)
+            for r, w in enumerate(where):
+                if w != HOST:
+                    body = read_record(memoryview(self._read_file(chains[r])), self.layout, chains[r])
+                    if len(body) != n_item:
+                        raise RecordRefused("layout", f"block {r}: {len(body)} bytes, a block is {n_item}")
+                    rows[r] = np.frombuffer(body, np.uint8)
+        except RecordRefused as e:  # nothing was written to the device
+            self.refused[e.cause] = self.refused.get(e.cause, 0) + 1
+            raise
         self.backend.swap_in(np.asarray(job.dst_blocks), rows.view(self.dtype).reshape(len(chains),
                                                                                        *self.block_shape))
 
