@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from ipc.allreduce import AllReduce, create_group
-from tools.bench_backend import JobFactory, Workload
+from ipc.records import JobKind, Lane, build_job
 from tools.json_lines import emit
 from tools.tp_ranks import run_group
 from workers.control import worker_environ
@@ -32,9 +32,18 @@ TARGET_ALLREDUCE_VS_MEMCPY = 2.0
 
 def decode_script(info, batch: int, prompt_len: int, decode_steps: int, rounds: int):
     """The rank-side job sequence (every rank yields the same jobs)."""
-    f = JobFactory(info, batch, Workload(prompt_len=prompt_len, decode_steps=decode_steps, min_seconds=0))
-    yield f.prefill()
-    steps = f.decodes()
+    bs = info.kv.block_size
+    per_lane = -(-(prompt_len + decode_steps) // bs)
+    if per_lane * batch > info.kv.num_blocks:
+        raise SystemExit(f"bench-backend --tp: {batch} lanes x {prompt_len + decode_steps} tokens exceed the KV blocks")
+    rng = np.random.default_rng(0)
+    tables = [list(range(i * per_lane, (i + 1) * per_lane)) for i in range(batch)]
+    sampling = {"temperature": 0.8, "top_p": 0.95, "top_k": 40}
+    yield build_job(JobKind.PREFILL, [Lane(rng.integers(0, info.vocab_size, prompt_len).tolist(), 0, t, seed=i,
+                                           **sampling) for i, t in enumerate(tables)])
+    steps = [build_job(JobKind.DECODE, [Lane([int(rng.integers(0, info.vocab_size))], prompt_len + s, t, seed=i,
+                                             **sampling) for i, t in enumerate(tables)])
+             for s in range(decode_steps)]
     yield steps[0]  # warm-up
     for r in range(rounds):
         yield f"round{r}"
