@@ -98,6 +98,12 @@ def create_group(board: str | int, world: int, slot_bytes: int, prefix: str = SH
     return seg
 
 
+def aborted_by(seg: Segment) -> int | None:
+    """The rank that aborted the group of segment `seg` (its owner's view), or None while it is whole."""
+    word = int(np.frombuffer(seg.buf, dtype=np.int64, count=_WORDS)[_G_ABORT])
+    return word - 1 if word else None
+
+
 class AllReduce:
     """One rank's handle on a group: `allreduce(x)` returns the sum of every rank's `x`.
 

@@ -191,9 +191,9 @@ class Daemon:
 
     # -- poller registration ----------------------------------------------------------------
     def _register_link(self, g: Generation, chip: int) -> None:
-        lk = g.links[chip]
-        assert lk.socket is not None and lk.result_fd is not None
-        for s in (lk.socket, lk.result_fd):  # a restarted link has a new socket and a new fd
+        socks = g.links[chip].pollables()  # a chip's socket and fd; every rank's of a TP replica
+        assert None not in socks
+        for s in socks:  # a restarted link has a new socket and a new fd
             self._link_socks[s] = (g, chip)
             self._poller.register(s, zmq.POLLIN)
 

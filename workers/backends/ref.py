@@ -134,6 +134,10 @@ class RefBackend(OneStepBackend):
                 job.block_tables[lanes].astype(np.int64),
             )
         except Exception as e:  # noqa: BLE001 - after the first write the KV state is unknown
+            if self.collective is not None:
+                # The peers may be waiting in (or past) a collective this rank will not reach: poison the
+                # group so they fail this job too, rather than pair their next call with the wrong one.
+                self.collective.abort()
             raise BackendError(f"ref backend: {type(e).__name__}: {e}") from e
         return StepOutput(logits=logits)
 

@@ -26,6 +26,7 @@ from engine.core.scheduler import ChipSpec, ModelSpec, Scheduler
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
 from engine.daemon.log import log
+from engine.daemon.replica_link import ReplicaLink
 from engine.daemon.supervisor import ChipState, Decision, Supervisor
 from engine.daemon.text_io import piece_function, served_tokenizer
 from ipc.records import Job, JobResult
@@ -83,8 +84,8 @@ class Generation:
         self.package = package  # the verified package (workers.model_package), None for stub/sim/ctypes
         self.extra_backend_options = dict(extra_backend_options or {})
         self._register, self._unregister, self._observe = register, unregister, observe
-        chips = cfg.board.chips
-        self.links: list[ChipLink] = []
+        chips = cfg.board.replicas  # a tensor-parallel replica is one "chip" to everything below
+        self.links: list[ChipLink | ReplicaLink] = []
         self.infos: dict[int, BackendInfo] = {}
         self.info: BackendInfo | None = None
         self.tokenizer = None
@@ -110,14 +111,33 @@ class Generation:
         """Create every chip's rings and socket and start its worker; READY comes later (`startup_events`)."""
         cfg = self.cfg
         hb = cfg.recovery.heartbeat_interval_ms / 1000.0
-        for chip in range(cfg.board.chips):
-            opts = backend_options(cfg, chip)
-            opts.update(self.extra_backend_options)
-            link = ChipLink(ctx=self.ctx, board=cfg.board.id, chip=chip, backend=cfg.board.backend,
-                            backend_options=opts, package_path=self.package_path,
-                            runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb, generation=self.id,
-                            job_spin_s=cfg.executor.worker_spin_us / 1e6,
-                            package_sha256=self.package.sha256 if self.package is not None else None)
+        per = cfg.board.chips_per_replica
+        if per > 1 and self.package is not None:
+            check = getattr(self.package, "check_tp_degree", None)
+            try:
+                if check is None:
+                    raise ValueError(f"this model package cannot be split across chips (board.chips_per_replica "
+                                     f"= {per})")
+                check(per)
+            except Exception as e:  # noqa: BLE001 - PackageError: the config asks for a degree it lacks
+                raise GenerationError("validate", str(e)) from None
+        for chip in range(cfg.board.replicas):
+            common = dict(package_path=self.package_path, runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb,
+                          generation=self.id, job_spin_s=cfg.executor.worker_spin_us / 1e6,
+                          package_sha256=self.package.sha256 if self.package is not None else None)
+            members = list(range(chip * per, (chip + 1) * per))
+            opts = []
+            for c in members:
+                o = backend_options(cfg, c)
+                o.update(self.extra_backend_options)
+                opts.append(o)
+            if per == 1:
+                link = ChipLink(ctx=self.ctx, board=cfg.board.id, chip=chip, backend=cfg.board.backend,
+                                backend_options=opts[0], **common)
+            else:
+                link = ReplicaLink(ctx=self.ctx, board=cfg.board.id, replica=chip, chips=members,
+                                   backend=cfg.board.backend, backend_options=opts,
+                                   tp_timeout_s=cfg.executor.job_timeout_ms / 1000.0, **common)
             self.links.append(link)
             try:
                 link.start()
@@ -170,10 +190,10 @@ class Generation:
             self.scheduler = Scheduler(checking, model, chips, piece=piece)
         except ConfigError as e:
             raise GenerationError("validate", f"configuration does not fit the model: {e}") from None
-        self.supervisor = Supervisor(cfg.board.chips, max_resets_per_10min=cfg.recovery.max_resets_per_10min,
+        self.supervisor = Supervisor(cfg.board.replicas, max_resets_per_10min=cfg.recovery.max_resets_per_10min,
                                      heartbeat_timeout_s=cfg.recovery.heartbeat_timeout_ms / 1000.0,
                                      startup_timeout_s=RESTART_TIMEOUT_S, now=now)
-        for chip in range(cfg.board.chips):
+        for chip in range(cfg.board.replicas):
             self.supervisor.on_ready(chip, now)
 
     def serve(self, accepting: bool) -> None:
@@ -317,6 +337,8 @@ class Generation:
         snap = self.supervisor.snapshot(now)
         for s, lk in zip(snap, self.links):
             s["pid"] = lk.pid
+            if isinstance(lk, ReplicaLink):
+                s["pids"], s["member_chips"] = lk.pids, lk.chips
             s["backlog"] = len(self._backlog[s["chip"]])
             s["device_s"] = round(self.device_us[s["chip"]] / 1e6, 3)
             s["worker_s"] = round(self.worker_us[s["chip"]] / 1e6, 3)
