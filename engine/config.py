@@ -57,7 +57,7 @@ class BoardConfig:
     threads_per_chip: int = key(0, integer(0, 1024), "CPU threads of each chip worker (backend llamacpp); "
                                                   "0 = the machine's cores split over the chips")
     chips_per_replica: int = key(1, integer(1, 64), "chips that run one model replica together (tensor "
-                                                 "parallelism, backends ref and sim); must divide chips; "
+                                                 "parallelism, backends ref, sim and ctypes); must divide chips; "
                                                  "the scheduler sees chips / chips_per_replica replicas")
     memory_budget_mb: int = key(0, integer(0), "memory the models of this board may hold (weights + KV pools of "
                                             "every worker, all generations); a load that does not fit is "
@@ -383,7 +383,7 @@ def _build(doc: Mapping[str, Any]) -> Config:
     return cfg
 
 
-TP_BACKENDS = ("ref", "sim")  # the backends that run a replica across chips (board.chips_per_replica > 1)
+TP_BACKENDS = ("ref", "sim", "ctypes")  # the backends that run a replica across chips (board.chips_per_replica > 1)
 
 
 def _check_cross_keys(cfg: Config, errors: list[str]) -> None:

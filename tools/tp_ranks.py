@@ -41,9 +41,11 @@ class GroupRun:
     allreduce_wait_s: float
 
 
-def run_group(world: int, package: str, script: str, args: dict | None = None, *, timeout_s: float = 300.0,
-              num_blocks: int | None = None, tp_mode: str = "shared", board: str = "tp") -> GroupRun:
-    """Run `script` ("module:function") on `world` ranks of `package`; rank 0's outputs."""
+def run_group(world: int, package: str | None, script: str, args: dict | None = None, *, timeout_s: float = 300.0,
+              num_blocks: int | None = None, tp_mode: str = "shared", board: str = "tp", backend: str = "ref",
+              options: dict | None = None) -> GroupRun:
+    """Run `script` ("module:function") on `world` ranks of `package` (`backend` ref, or ctypes with
+    `options` {"library": ...}); rank 0's outputs."""
     seg = create_group(board, world, _SLOT_BYTES) if world > 1 else None
     with tempfile.TemporaryDirectory(prefix="npuserve-tp-") as tmp:
         out = os.path.join(tmp, "rank0.npz")
@@ -52,7 +54,8 @@ def run_group(world: int, package: str, script: str, args: dict | None = None, *
             for rank in range(world):
                 spec = {"rank": rank, "world": world, "group": seg.name if seg else "", "package": package,
                         "script": script, "args": args or {}, "out": out, "num_blocks": num_blocks,
-                        "mode": tp_mode, "timeout_s": min(timeout_s, 60.0)}
+                        "mode": tp_mode, "timeout_s": min(timeout_s, 60.0), "backend": backend,
+                        "options": options or {}}
                 procs.append(subprocess.Popen([sys.executable, "-m", "tools.tp_ranks", json.dumps(spec)],
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                               env=worker_environ(dict(os.environ))))
@@ -80,17 +83,20 @@ def run_group(world: int, package: str, script: str, args: dict | None = None, *
 
 
 def _rank_main(spec: dict) -> None:
-    from workers.backends.ref import RefBackend
+    from workers.backends.registry import make_backend
     from workers.main import execute_job
 
-    backend = RefBackend(num_blocks=spec["num_blocks"], tp_rank=spec["rank"], tp_world=spec["world"],
-                         tp_group=spec["group"], tp_timeout_s=spec["timeout_s"], tp_mode=spec["mode"])
+    opts = dict(spec["options"], tp_rank=spec["rank"], tp_world=spec["world"], tp_group=spec["group"],
+                tp_timeout_s=spec["timeout_s"])
+    if spec["backend"] == "ref":
+        opts.update(num_blocks=spec["num_blocks"], tp_mode=spec["mode"])
+    backend = make_backend(spec["backend"], **opts)
     backend.load(spec["package"])
     module, fn = spec["script"].split(":")
     script = getattr(importlib.import_module(module), fn)
     calls = 0
     orig = backend.collective.allreduce if backend.collective else None
-    if orig is not None:
+    if orig is not None and getattr(backend, "model", None) is not None:
         def counted(x):
             nonlocal calls
             calls += 1
@@ -116,6 +122,8 @@ def _rank_main(spec: dict) -> None:
     if spec["rank"] == 0:
         np.savez(spec["out"], n=len(statuses), status=np.array(statuses, np.int64), **saved)
         wait = backend.collective.wait_s if backend.collective else 0.0
+        if backend.collective is not None and not calls:
+            calls = backend.collective._calls  # the library's own calls of the reduce callback
         print(json.dumps({"marks": marks, "calls": calls, "wait_s": wait}))
     backend.unload()
 
