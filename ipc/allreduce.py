@@ -137,6 +137,7 @@ class AllReduce:
                                      ).reshape(2, self.world, n_slot)
         off += 2 * self.world * self.slot_bytes
         self._outputs = np.frombuffer(buf, dtype=np.float32, count=2 * n_slot, offset=off).reshape(2, n_slot)
+        self._peers = tuple(r for r in range(self.world) if r != rank)
         self._calls = int(self._hdr[rank, _ARRIVE])  # rejoining the same group is not supported; start at its count
         self._hdr[rank, _PID] = os.getpid()
         self.wait_s = 0.0  # time spent waiting for peers (the barrier's share of the collective)
@@ -186,14 +187,15 @@ class AllReduce:
     def _wait(self, word: int, n: int) -> None:
         """Until every rank's `word` reaches n; CollectiveError (and abort) at the deadline or a dead peer."""
         col = self._hdr[:, word]
-        if int(col.min()) >= n:
+        item, peers = self._hdr.item, self._peers
+        if all(item(r, word) >= n for r in peers):  # .item() per peer: a third of col.min()'s cost
             return
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         next_check = t0 + _LIVENESS_EVERY_S
         spin_until = t0 + _SPIN_S
         while True:
-            if int(col.min()) >= n:
+            if all(item(r, word) >= n for r in peers):
                 self.wait_s += time.monotonic() - t0
                 return
             now = time.monotonic()
@@ -211,8 +213,11 @@ class AllReduce:
                     self.abort()
                     raise CollectiveError(f"rank {self.rank}: peer rank(s) {lagging} did not arrive within "
                                           f"{self.timeout_s:g} s")
-            if now >= spin_until:
-                time.sleep(0 if now - t0 < 0.002 else 5e-5)
+            if now >= spin_until:  # a peer that is behind may be waiting for this core: give it up
+                if now - t0 < 0.002:
+                    os.sched_yield()
+                else:
+                    time.sleep(5e-5)
 
     # ---- failure and teardown ---------------------------------------------------------
 
