@@ -127,7 +127,7 @@ class Daemon:
                                  lambda j: failures.append(j) if j.error else None,
                                  package_path=None if under_root else package, resolve=under_root)
         next_supervise = self.clock()
-        workers = cfg.board.chips * len(self.startup_models)
+        workers = cfg.board.replicas * len(self.startup_models)  # `infos` counts a TP replica once
         deadline = self.clock() + STARTUP_TIMEOUT_S
         while any(not j.finished for j in self.gens.load_jobs):
             if self._stop_signal is not None:
