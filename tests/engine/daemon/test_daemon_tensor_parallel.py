@@ -67,6 +67,24 @@ def test_two_chips_as_one_replica_and_as_two_serve_the_same_tokens(daemon, oracl
     assert any(res.usage["cached_tokens"] for res in got_tp)  # the replica's prefix cache served hits
 
 
+def test_a_tp_replica_preempts_and_recomputes_with_the_oracles_tokens(daemon, oracle):
+    # 20 blocks of 16 = 320 KV positions for 12 sequences of up to ~75 tokens: the scheduler must preempt
+    # and recompute on the replica (both ranks drop and rebuild their halves of the KV).
+    d = daemon(backend="ref", chips=2, settings={"board.chips_per_replica": 2, "kv.num_blocks": 20,
+                                                  "admission.max_waiting_requests": 64})
+    rng = random.Random(7)
+    reqs = [dict(prompt=[rng.randrange(256) for _ in range(rng.randrange(10, 30))], max_tokens=45,
+                 seed=rng.randrange(1 << 32), temperature=rng.choice([0.0, 0.9]), top_k=0) for _ in range(12)]
+    for r in reqs:
+        r["ignore_eos"] = True
+    got = asyncio.run(_serve(d.endpoint, reqs))
+    for i, (r, res) in enumerate(zip(reqs, got)):
+        want, _ = oracle.run(r["prompt"], r["max_tokens"], r["temperature"], 1.0, 0, r["seed"], ignore_eos=True)
+        assert res.tokens == want, i
+    with d.client(timeout=10) as c:
+        assert c.stats()["scheduler"]["counters"]["preemptions"] > 0
+
+
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_a_rank_that_dies_or_hangs_mid_job_restarts_the_replica(daemon, fault):
     d = daemon(backend="ref", chips=2, settings={
