@@ -227,6 +227,11 @@ class AllReduce:
             self._glob[_G_ABORT] = self.rank + 1
 
     @property
+    def calls(self) -> int:
+        """Slot-sized collectives this group has run (a payload larger than a slot counts once per slot)."""
+        return self._calls
+
+    @property
     def aborted(self) -> bool:
         return bool(self._glob[_G_ABORT])
 

@@ -123,7 +123,7 @@ def _rank_main(spec: dict) -> None:
         np.savez(spec["out"], n=len(statuses), status=np.array(statuses, np.int64), **saved)
         wait = backend.collective.wait_s if backend.collective else 0.0
         if backend.collective is not None and not calls:
-            calls = backend.collective._calls  # the library's own calls of the reduce callback
+            calls = backend.collective.calls  # the library's own calls of the reduce callback
         print(json.dumps({"marks": marks, "calls": calls, "wait_s": wait}))
     backend.unload()
 
