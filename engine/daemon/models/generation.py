@@ -2,7 +2,8 @@
 
 A generation is a unit of its own (issue 12): its package, its scheduler core
 with its own KV pool per chip, one worker per chip of the board and the rings
-between them. Unloading it is stopping its workers, unlinking its shared
+between them. With `board.chips_per_replica` > 1 a "chip" of everything here is
+a tensor-parallel replica: its workers sit behind one `ReplicaLink`. Unloading it is stopping its workers, unlinking its shared
 memory and dropping its scheduler, so "no segment, fd or process outlives its
 owner" holds per generation. The loop feeds it the events of its links and
 carries out the actions its scheduler returns; requests admitted under it
@@ -33,6 +34,7 @@ from ipc.records import Job, JobResult
 from ipc.ring import RingFull
 from ipc.shm import ShmFull
 from workers.backends.base import BackendInfo
+from workers.package_manifest import PackageError
 
 
 class ChipObserver(Protocol):
@@ -113,13 +115,9 @@ class Generation:
         hb = cfg.recovery.heartbeat_interval_ms / 1000.0
         per = cfg.board.chips_per_replica
         if per > 1 and self.package is not None:
-            check = getattr(self.package, "check_tp_degree", None)
             try:
-                if check is None:
-                    raise ValueError(f"this model package cannot be split across chips (board.chips_per_replica "
-                                     f"= {per})")
-                check(per)
-            except Exception as e:  # noqa: BLE001 - PackageError: the config asks for a degree it lacks
+                self.package.check_tp_degree(per)  # the package's declared degrees (heads etc. divide)
+            except PackageError as e:  # a config error: exit status 2 at start-up
                 raise GenerationError("validate", str(e)) from None
         for chip in range(cfg.board.replicas):
             common = dict(package_path=self.package_path, runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb,
