@@ -25,3 +25,19 @@ def test_sim_backend_takes_the_replica_options():
     b = SimBackend(tp_rank=1, tp_world=4, tp_group="/ignored", layers=8, allreduce_us=10.0, time_scale=0.0)
     assert b.latency.tp_degree == 4 and b.latency.layers == 8
     assert b.describe().extra["latency"]["tp_degree"] == 4
+
+
+def test_simulate_models_tp_replicas(capsys):
+    """`npuserve simulate --chips-per-replica 2`: one replica of two chips, the TP step model."""
+    import json
+
+    from tools.simulate import main
+
+    def run(*extra) -> list[dict]:
+        assert main(["--policies", "continuous", "--concurrency", "1", "--requests", "6", "--prompt-mean", "64",
+                     "--gen-mean", "16", "--chips", "2", "--json", *extra]) == 0
+        return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+    tp, dp = run("--chips-per-replica", "2"), run()
+    assert tp[0]["tpot_mean_ms"] < dp[0]["tpot_mean_ms"]  # each step split over two chips
+    assert main(["--chips", "3", "--chips-per-replica", "2"]) == 2
