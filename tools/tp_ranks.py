@@ -37,6 +37,9 @@ class GroupRun:
     logits: list[np.ndarray | None]
     statuses: list[int]
     marks: list[tuple[str, float]]  # (label, seconds since the first job)
+    # per mark: rank 0's CPU seconds outside the all-reduce since the first job (its own compute,
+    # whether or not the host kept it on a core; ref only, else all CPU)
+    compute_cpu: list[float]
     allreduce_calls: int
     allreduce_wait_s: float
 
@@ -78,7 +81,8 @@ def run_group(world: int, package: str | None, script: str, args: dict | None = 
                 tokens=[z[f"t{i}"] for i in range(n)], logprobs=[z[f"p{i}"] for i in range(n)],
                 logits=[z[f"l{i}"] if f"l{i}" in z.files else None for i in range(n)],
                 statuses=[int(s) for s in z["status"]],
-                marks=[(str(a), float(b)) for a, b in report["marks"]],
+                marks=[(str(a), float(b)) for a, b, _ in report["marks"]],
+                compute_cpu=[float(c) for _, _, c in report["marks"]],
                 allreduce_calls=int(report["calls"]), allreduce_wait_s=float(report["wait_s"]))
 
 
@@ -95,23 +99,32 @@ def _rank_main(spec: dict) -> None:
     module, fn = spec["script"].split(":")
     script = getattr(importlib.import_module(module), fn)
     calls = 0
+    ar_cpu = 0.0
     orig = backend.collective.allreduce if backend.collective else None
     if orig is not None and getattr(backend, "model", None) is not None:
         def counted(x):
-            nonlocal calls
+            nonlocal calls, ar_cpu
             calls += 1
-            return orig(x)
+            c0 = time.thread_time()
+            try:
+                return orig(x)
+            finally:
+                ar_cpu += time.thread_time() - c0
         backend.model._reduce = counted
     saved: dict[str, np.ndarray] = {}
     statuses: list[int] = []
-    marks: list[tuple[str, float]] = []
-    t0 = None
+    marks: list[tuple[str, float, float]] = []
+    t0 = c0 = None
     for item in script(backend.describe(), **spec["args"]):
         if isinstance(item, str):
-            marks.append((item, 0.0 if t0 is None else time.perf_counter() - t0))
+            if t0 is None:
+                marks.append((item, 0.0, 0.0))
+            else:
+                marks.append((item, time.perf_counter() - t0, time.thread_time() - c0 - ar_cpu))
             continue
         if t0 is None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            ar_cpu = 0.0
         res = execute_job(backend, item)
         if spec["rank"] == 0:
             i = len(statuses)
