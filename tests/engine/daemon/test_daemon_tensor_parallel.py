@@ -137,3 +137,10 @@ def test_a_degree_the_package_does_not_support_fails_start_up_with_exit_2(short_
     assert "does not support tensor-parallel degree 3" in text and "[1, 2]" in text, text[-2000:]
     assert "Traceback" not in text
     assert shm_objects_of(p.pid) == []
+
+
+def test_kv_tiers_stay_off_for_a_tp_replica_and_it_still_serves(daemon):
+    d = daemon(backend="ref", chips=2, settings={"board.chips_per_replica": 2, "kv.host_pool_mb": 8})
+    with d.client(timeout=60) as c:
+        assert len(c.generate([5, 6, 7], max_tokens=4).tokens) == 4
+    assert '"kv_tiers_unsupported"' in d.log() and "tensor-parallel" in d.log()
