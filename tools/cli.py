@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "http": ("engine.http.main", "serve the OpenAI API over HTTP in front of a daemon or balancer"),
     "bench-http": ("tools.bench_http", "benchmark the HTTP front against ZeroMQ on one daemon (its targets)"),
     "bench-http-peer": ("tools.bench_http_peer", "benchmark npuserve against llama.cpp's server, both over HTTP"),
+    "bench-structured": ("tools.bench_structured", "what JSON-schema constraints cost, against none and llama.cpp"),
     "bench-recovery": ("tools.bench_recovery", "time a chip back in service after its worker is killed or hung"),
 }
 

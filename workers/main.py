@@ -33,9 +33,10 @@ from ipc.kv_slots import KvSlotPool, RecordRefused
 from ipc.records import Job, JobKind, JobResult, JobStatus
 from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
+from workers.constraints import ConstraintBook, ConstraintError, LaneMask, lltokenizer_for
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
 from workers.kv_transfer import HostKv
-from workers.sampling import sample
+from workers.sampling import sample, token_logprob
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_DEATH_SIGNAL = signal.SIGUSR1
@@ -59,13 +60,18 @@ class JobOutcome:
     logits: np.ndarray | None  # [B, V] when the job asked for logits and the backend made them
     device_us: int
     error: str = ""
+    masks: int = 0  # constrained lanes masked in this job (structured output)
+    mask_us: int = 0  # time spent computing their masks
 
 
-def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, host_kv: HostKv | None = None) -> JobOutcome:
+def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, host_kv: HostKv | None = None,
+                constraints: ConstraintBook | None = None) -> JobOutcome:
     """Run one job on the backend and sample its lanes.
 
     Inputs may be read-only ring views; nothing here writes to them.
     `extra_device_s` is the chaos "slow" hook: it is spent as device time.
+    `constraints` masks the constrained lanes (structured output); a job with
+    such lanes and no book fails.
     """
     b = job.batch
     tokens = np.full(b, -1, np.int32)
@@ -75,6 +81,7 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
     except ValueError as exc:
         return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, 0, f"invalid job: {exc}")
     t0 = time.perf_counter_ns()
+    masks0, mask_us0 = (constraints.stats.masks, constraints.stats.mask_us) if constraints is not None else (0, 0)
     try:
         if extra_device_s > 0:
             time.sleep(extra_device_s)
@@ -90,13 +97,19 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
                 return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000,
                                   f"import refused ({exc.cause}): {exc}")
             return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
-        out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
-        device_us = (time.perf_counter_ns() - t0) // 1000
         lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
+        masks = constraints.start(job, lanes) if job.constrained and constraints is not None else None
+        try:
+            out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
+        finally:
+            lane_masks = masks.result() if masks is not None else None  # never leave the helper on a dead job
+        device_us = (time.perf_counter_ns() - t0) // 1000
         if out.logits is not None:
             if lanes.size:
-                _sample_lanes(job, out.logits, lanes, tokens, logprobs)
+                _sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks)
         elif out.tokens is not None:
+            if job.constrained and job.constraint_id[lanes].any():
+                raise ConstraintError("this backend samples on the device: constrained lanes need logits")
             tokens[lanes] = out.tokens[lanes]
         else:
             raise RuntimeError("backend returned neither logits nor tokens")
@@ -104,13 +117,26 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                           (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
     logits = out.logits if job.return_logits else None
+    if job.constrained and constraints is not None:
+        st = constraints.stats
+        return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, masks=st.masks - masks0,
+                          mask_us=st.mask_us - mask_us0)
     return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us)
 
 
-def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+                  constraints: ConstraintBook | None = None, masks: dict[int, LaneMask] | None = None) -> None:
     # Sampling is per lane and deterministic per (seed, position), so sampling
-    # only the lanes that want a token gives the same tokens as sampling all.
+    # only the lanes that want a token gives the same tokens as sampling all
+    # (and masking a constrained lane leaves its neighbours' rows alone).
     # Skip the fancy-index copy of [B, V] logits when every lane samples.
+    if job.constrained and masks is None:
+        if constraints is None:
+            raise ConstraintError("constrained lanes in a job run without a constraint book")
+        masks = constraints.masks(job, lanes, logits.shape[1])
+    if masks:
+        _sample_masked(job, logits, lanes, tokens, logprobs, masks)
+        return
     sel = slice(None) if lanes.size == job.batch else lanes
     t, lp = sample(
         logits[sel], job.temperature[sel], job.top_p[sel], job.top_k[sel], job.seed[sel],
@@ -118,6 +144,47 @@ def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.nd
     )
     tokens[lanes] = t
     logprobs[lanes] = lp
+
+
+def _sample_masked(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+                   masks: dict[int, LaneMask]) -> None:
+    """Sample with the constrained lanes masked: the same tokens as sampling full rows with the disallowed
+    logits at -inf (a -inf logit has zero weight and keeps its place in every candidate order), cheaper.
+
+    A lane with few allowed tokens samples over just those, plus one -inf (so that a top-k at least as
+    large as the allowed set still takes sampling's top-k path, as on the full row); the others are copied
+    with the denied ones at -inf and sampled together with the unconstrained lanes. Logprobs stay the
+    model's own (raw logits)."""
+    vocab = logits.shape[1]
+    if any(m.vocab != vocab for m in masks.values()):
+        raise ConstraintError(f"masks for a vocabulary other than the logits' {vocab}")
+    lane_list = lanes.tolist()
+    few = [lane for lane in lane_list if lane in masks and masks[lane].allow is not None]
+    rest = np.array([lane for lane in lane_list if lane not in few], dtype=np.int64)
+    for lane in few:
+        ids = masks[lane].allow
+        one = slice(lane, lane + 1)
+        row = np.full((1, ids.shape[0] + 1), -np.inf, np.float32)
+        row[0, :-1] = logits[lane, ids]
+        k = int(job.top_k[lane])
+        top_k = np.array([min(k, ids.shape[0]) if 0 < k < vocab else k], np.int32)
+        t, _ = sample(row, job.temperature[one], job.top_p[one], top_k, job.seed[one], job.context_lens[one],
+                      np.zeros(1, np.uint8))
+        tokens[lane] = ids[int(t[0])]
+    if rest.size:
+        rows = logits[rest].astype(np.float32, copy=False)  # fancy indexing copies: writable, whatever the source
+        for j, lane in enumerate(rest.tolist()):
+            m = masks.get(lane)
+            if m is not None:
+                rows[j, m.deny] = -np.inf
+        want = job.want_logprobs[rest] * np.array([lane not in masks for lane in rest.tolist()], np.uint8)
+        t, lp = sample(rows, job.temperature[rest], job.top_p[rest], job.top_k[rest], job.seed[rest],
+                       job.context_lens[rest], want)
+        tokens[rest] = t
+        logprobs[rest] = lp
+    for lane in lane_list:
+        if lane in masks:
+            logprobs[lane] = token_logprob(logits[lane], int(tokens[lane])) if job.want_logprobs[lane] else 0.0
 
 
 def _set_parent_death_signal(sig: int) -> None:
@@ -145,8 +212,10 @@ class WorkerProcess:
     """The serve loop of one worker; owns its socket, rings and backend."""
 
     def __init__(self, config: WorkerConfig, sock: zmq.Socket, job_ring: Ring, result_ring: Ring, backend: ChipBackend,
-                 bell: SemaphoreDoorbell | None = None, result_fd: int | None = None):
+                 bell: SemaphoreDoorbell | None = None, result_fd: int | None = None,
+                 constraints: ConstraintBook | None = None):
         self.config = config
+        self.constraints = constraints
         self.sock = sock
         self.job_ring = job_ring
         self.result_ring = result_ring
@@ -295,7 +364,7 @@ class WorkerProcess:
                 self.send(encode(Msg.HEARTBEAT, at=time.monotonic(), jobs_done=self.jobs_done, busy_job=job.job_id))
             self._set_in_job(True)
             try:
-                outcome = execute_job(self.backend, job, self.slow_s, self.host_kv)
+                outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints)
             finally:
                 self._set_in_job(False)
             self.write_result(job, outcome, t0)
@@ -333,7 +402,8 @@ class WorkerProcess:
         with writer:
             a = writer.arrays
             meta = a["meta"]
-            meta[:] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, 0, 0)
+            meta[:] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, outcome.masks,
+                       outcome.mask_us)
             a["tokens"][:] = outcome.tokens
             a["logprobs"][:] = outcome.logprobs
             if logits is not None:
@@ -371,7 +441,8 @@ def _result_spec(b: int, logits_shape: tuple[int, ...] | None) -> dict:
     return spec
 
 
-def _load_backend(config: WorkerConfig) -> ChipBackend:
+def _load_backend(config: WorkerConfig):
+    """(backend, package or None): the package's vocabulary also serves the constraint masks."""
     from workers.backends.registry import make_backend
 
     backend = make_backend(config.backend, **(config.backend_options or {}))
@@ -381,7 +452,21 @@ def _load_backend(config: WorkerConfig) -> ChipBackend:
 
         package = load_package(config.package_path, verified_sha256=config.package_sha256)
     backend.load(package)
-    return backend
+    return backend, package
+
+
+def constraint_book(package, info) -> ConstraintBook:
+    """The worker's constraint book; the llguidance tokenizer is built from the package on first use."""
+    def make():
+        from workers.tokenizer import load_tokenizer
+
+        if package is None:
+            raise ConstraintError("constrained lanes need a model package with a tokenizer")
+        t0 = time.perf_counter()
+        tok = lltokenizer_for(load_tokenizer(package), info.vocab_size, info.eos_ids)
+        _log("worker.constraint_tokenizer", vocab=info.vocab_size, seconds=round(time.perf_counter() - t0, 3))
+        return tok
+    return ConstraintBook(make, info.vocab_size)
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -415,7 +500,7 @@ def run(config: WorkerConfig) -> int:
             rings.append(Ring.attach(config.result_ring))
             if config.job_bell is not None:
                 bell = SemaphoreDoorbell.attach(config.job_bell, spin_s=config.job_spin_s)
-            backend = _load_backend(config)
+            backend, package = _load_backend(config)
             info = backend.describe()
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
@@ -424,7 +509,8 @@ def run(config: WorkerConfig) -> int:
             sock.send(encode(Msg.FAILED, message=message))
             return 1
         sock.send(encode(Msg.READY, info=info.to_dict(), pid=os.getpid()))
-        worker = WorkerProcess(config, sock, rings[0], rings[1], backend, bell, config.result_bell_fd)
+        worker = WorkerProcess(config, sock, rings[0], rings[1], backend, bell, config.result_bell_fd,
+                               constraint_book(package, info))
         try:
             worker.serve()
         finally:

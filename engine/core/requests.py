@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.core.constraint_spec import ConstraintSpec
+
 
 class RequestState(enum.Enum):
     NEW = "new"
@@ -86,3 +88,4 @@ class GenerateParams:
     # inside the stop-sequence window, never re-emitted.
     continuation: list[int] = field(default_factory=list)
     prefix_salt: str = ""
+    constraint: ConstraintSpec | None = None  # structured output, compiled by the daemon at admission

@@ -36,6 +36,7 @@ from engine.core.admission import (
 from engine.core.batch_planner import BatchPlanner, PromptChunk
 from engine.core.batch_profiles import resolve_profiles
 from engine.core.chip_state import ChipState, InflightJob
+from engine.core.constraint_spec import lane_fields
 from engine.core.dispatch import ChipCandidate, choose_chip
 from engine.core.fair_queue import WeightedFairQueue
 from engine.core.kv import KvManager, OutOfBlocks, PrefixKey, StaleJob
@@ -54,6 +55,7 @@ _TRANSFERS = (JobKind.KV_EXPORT, JobKind.KV_IMPORT)
 __all__ = ["ChipSpec", "ModelSpec", "Scheduler", "SchedulerConfig"]
 
 S = RequestState
+_NO_CONSTRAINT: dict = {}  # the lane fields of an unconstrained request
 
 
 @dataclass(frozen=True)
@@ -791,6 +793,8 @@ class Scheduler:
         return Lane(
             tokens=r.tokens[start:end], start=start, block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
+            **(_NO_CONSTRAINT if p.constraint is None else
+               lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
         )
 
     def _launch(self, ch: ChipState, kind: JobKind, decode: list[RequestRecord], prompts: list[PromptChunk],

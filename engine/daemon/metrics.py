@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
+from engine.daemon.constraint_cache import BOARD_CACHE
 from engine.core.model_state import ModelState
 from engine.daemon.kv_tier_metrics import tier_families
 
@@ -139,9 +140,23 @@ def build_snapshot(v: "Views", now: float, bounded_tenants: frozenset[str]) -> S
     b.one("gauge", "loop_lag_seconds", "Longest recent turn of the scheduler loop.", v.liveness.lag_s(now))
     b.one("counter", "loop_turns", "Turns of the scheduler loop.", v.liveness.turns)
     b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if gens.accepting else 0)
+    constraint_families(b)
     merge(b.families)
     merge(_lifecycle_families(gens))
     return tuple(merged.values())
+
+
+def constraint_families(b: _Builder) -> None:
+    """Structured output at admission: constrained requests, refusals, compiles and their time (the board's)."""
+    c = BOARD_CACHE.stats()
+    b.one("counter", "constrained_requests", "Requests admitted with an output constraint (structured output).",
+          c["compiles"] + c["hits"])
+    b.one("counter", "constraint_rejected", "Requests refused because their constraint does not compile.",
+          c["rejected"])
+    b.one("counter", "constraint_compiles", "Constraints compiled at admission (a repeated one is cached).",
+          c["compiles"])
+    b.one("counter", "constraint_compile_seconds", "Time spent compiling constraints at admission.",
+          c["compile_s_total"])
 
 
 def _lifecycle_families(gens: "Generations") -> list[Family]:
@@ -288,6 +303,10 @@ class MetricsRecorder:
         self.job_latency = Histogram(PREFIX + "job_latency_seconds", "Chip jobs from hand-over to result, as "
                                      "the scheduler loop sees them, by chip and kind.",
                                      ["model_name", "chip", "kind"], buckets=JOB_LATENCY_BUCKETS, registry=r)
+        self.constraint_masks = Counter(PREFIX + "constraint_masks", "Token masks computed for constrained "
+                                        "lanes (structured output), one per lane and step.", m, registry=r)
+        self.constraint_mask_seconds = Counter(PREFIX + "constraint_mask_seconds", "Worker time spent computing "
+                                               "those masks.", m, registry=r)
         self._job_children: dict[tuple[str, int, str], object] = {}
         self._success_children: dict[tuple[str, str], object] = {}
         self._series: dict[str, _ModelSeries] = {}  # model alias -> its histogram children
@@ -377,6 +396,9 @@ class MetricsRecorder:
         start = self._job_start.pop((generation, result.job_id), None)
         if start is None or start[1] != chip:
             return
+        if result.masks:
+            self.constraint_masks.labels(start[3]).inc(result.masks)
+            self.constraint_mask_seconds.labels(start[3]).inc(result.mask_us / 1e6)
         key = (start[3], chip, start[2])
         child = self._job_children.get(key)
         if child is None:

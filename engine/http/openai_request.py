@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from engine.http import kv_transfer
 from engine.http.openai_error import bad
+from engine.http.response_format import FIELDS as CONSTRAINT_FIELDS, constraint_of
 from ipc.schema import NAME_RE
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions body (one choice each)
@@ -149,8 +150,6 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tools": (lambda v: v is None or v == [], "tool calling is not supported"),
     "functions": (lambda v: v is None or v == [], "function calling is not supported"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "only response_format {\"type\": \"text\"} "
-                                                                      "is supported"),
     "store": (_falsy, "stored completions are not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
     "audio": (lambda v: v is None, "audio output is not supported"),
@@ -162,7 +161,7 @@ _IGNORED = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoni
 
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "user",
-                     "priority", kv_transfer.FIELD})
+                     "priority", kv_transfer.FIELD}) | CONSTRAINT_FIELDS
 COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL) | _IGNORED
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "add_generation_prompt", "chat_template_kwargs"} \
     | set(_NEUTRAL) | _IGNORED
@@ -234,6 +233,9 @@ def _common(body: dict, kind: str, default_temperature: float) -> GenerateReques
         sampling["ignore_eos"] = _bool("ignore_eos", body["ignore_eos"])
     if body.get("priority") is not None:
         sampling["priority"] = _int("priority", body["priority"], -100, 100)
+    constraint = constraint_of(body)
+    if constraint is not None:
+        sampling["constraint"] = constraint
     req = GenerateRequest(kind, model, stream, include_usage, False, user, sampling)
     req.handoff = kv_transfer.handoff_of(body.get(kv_transfer.FIELD))
     return req

@@ -108,7 +108,8 @@ class StubBackend(ChipBackend):
             chunked_prefill=True,
             # its "KV" is nominal zeros and a prompt costs nothing: moving is never cheaper than recomputing
             kv_transfer=KvTransferCost(base_s=2e-4, per_block_s=1e-6, prefill_s_per_token=0.0),
-            extra={"chip_id": self.chip_id},
+            # it "samples on the device" (returns tokens, no logits): structured output cannot mask it
+            extra={"chip_id": self.chip_id, "samples_on_device": True},
         )
 
     def load(self, package) -> None:
