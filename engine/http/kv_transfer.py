@@ -44,8 +44,7 @@ def handoff_of(v: Any) -> dict | None:
         return None
     ours = v.get(OURS)
     if isinstance(ours, dict) and isinstance(ours.get("board"), str) and isinstance(ours.get("request"), str):
-        return {k: ours[k] for k in ("board", "request", "prompt_len", "blocks", "layout", "first_token")
-                if ours.get(k) is not None}
+        return _sane(ours)
     board = v.get("remote_engine_id") or (f"{v.get('remote_host')}:{v.get('remote_port')}"
                                           if v.get("remote_host") else "remote")
     request = v.get("remote_request_id") or "remote"
@@ -60,3 +59,23 @@ def response_params(done: dict, wire_id: str, engine_id: str) -> dict:
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": desc["board"],
             "remote_request_id": desc["request"], "remote_block_ids": list(desc.get("blocks", [])),
             "remote_host": None, "remote_port": None, "tp_size": 1, OURS: desc}
+
+
+def _sane(d: dict) -> dict:
+    """Our descriptor as it came back through a router: anything the wire schema would refuse is dropped
+    (a malformed hand-off is a recompute, not a failed request)."""
+    out: dict[str, Any] = {"board": d["board"][:MAX_NAME] or "remote", "request": d["request"][:MAX_NAME] or "remote"}
+    n = d.get("prompt_len")
+    out["prompt_len"] = n if type(n) is int and 0 <= n < 1 << 20 else 0
+    blocks = d.get("blocks")
+    out["blocks"] = blocks if type(blocks) is list and len(blocks) <= 1 << 16 and all(
+        type(b) is int and 0 <= b < 1 << 31 for b in blocks) else []
+    layout = d.get("layout")
+    if type(layout) is dict and len(layout) <= 16 and all(
+            type(k) is str and len(k) <= 64 and type(x) in (int, str) and len(str(x)) <= 256
+            for k, x in layout.items()):
+        out["layout"] = layout
+    t = d.get("first_token")
+    if type(t) is int and 0 <= t < 1 << 31:
+        out["first_token"] = t
+    return out

@@ -57,3 +57,12 @@ def test_other_peers_params_are_a_recompute_and_min_tokens_stays_refused_elsewhe
         parse_completion({"prompt": "x", "kv_transfer_params": []})
     with pytest.raises(OpenAIError):
         parse_completion({"prompt": "x", "min_tokens": 1})
+
+
+def test_a_mangled_descriptor_is_a_recompute_not_a_refused_request():
+    params = {"do_remote_prefill": True, kv_transfer.OURS: {"board": "b" * 300, "request": "", "prompt_len": -3,
+                                                             "blocks": [1, "x"], "layout": {"k": [1]},
+                                                             "first_token": True}}
+    h = parse_completion({"prompt": "x", "kv_transfer_params": params}).handoff
+    assert h == {"board": "b" * 128, "request": "remote", "prompt_len": 0, "blocks": []}
+    assert wire(parse_completion({"prompt": "x", "kv_transfer_params": params}))["handoff"] == h
