@@ -23,9 +23,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config_schema import (BadValue, ConfigError, abs_path_or_empty, boolean, check_section, host_port, integer,
+from engine.config_schema import (BadValue, ConfigError, abs_path_or_empty, abs_paths, boolean, check_section,
+                                  host_port, integer,
                                   key, name_list, number, string, unknown, zmq_endpoint,
                                   zmq_endpoint_or_empty, zmq_endpoints)
+from engine.core.handoff import BOARD_ROLES, DEFAULT_DEADLINE_S
 from engine.core.scheduler_config import SchedulerConfig, TenantPolicy
 from ipc.schema import NAME_RE  # model aliases and tenant names: the wire's rule
 from workers.backends.names import BACKENDS
@@ -62,6 +64,13 @@ class BoardConfig:
     memory_budget_mb: int = key(0, integer(0), "memory the models of this board may hold (weights + KV pools of "
                                             "every worker, all generations); a load that does not fit is "
                                             "refused; 0 = no budget")
+    role: str = key("mixed", string(choices=BOARD_ROLES), "prefill/decode disaggregation: \"prefill\" boards run "
+                    "prompts and hand off, \"decode\" boards continue streams, \"mixed\" boards do both "
+                    "(docs/disaggregation.md)")
+    handoff_deadline_s: float = key(DEFAULT_DEADLINE_S, number(0.0, 3600.0, lo_open=True),
+                                    "how long a prefill board holds a hand-off's KV for its decode board")
+    handoff_peer_dirs: tuple = key((), abs_paths, "decode boards: the kv.disk_dir of prefill boards on this host, "
+                                   "whose block files a hand-off imports (needs kv.disk_dir here); () = recompute")
 
     @property
     def replicas(self) -> int:

@@ -26,6 +26,7 @@ from engine.config_schema import ConfigError
 from engine.core.scheduler import ChipSpec, ModelSpec, Scheduler
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon.chip_link import SHM_PREFIX, ChipLink, Heartbeat, Ready, Result, WorkerFailed
+from engine.daemon.handoff_intake import tick_holds
 from engine.daemon.kv_tier_shell import KvTierShell
 from engine.daemon.log import log
 from engine.daemon.replica_link import ReplicaLink
@@ -94,6 +95,7 @@ class Generation:
         self.tokenizer = None
         self.scheduler: Scheduler | None = None
         self.kv_tiers: KvTierShell | None = None  # the host/disk KV tiers (kv.host_pool_mb, kv.disk_dir)
+        self.handoff_hold = None  # prefill/decode hand-offs held for their decode boards (handoff_hold.py)
         self.supervisor: Supervisor | None = None
         self.rids: set[int] = set()  # requests pinned to this generation (clients' and the load job's)
         self._backlog: list[deque[Job]] = [deque() for _ in range(chips)]
@@ -285,6 +287,7 @@ class Generation:
         out: list = []
         if self.kv_tiers is not None:
             self.kv_tiers.tick(now)
+            tick_holds(self, now)
         for chip, lk in enumerate(self.links):
             if sup.state(chip) is ChipState.OUT:
                 continue
