@@ -165,6 +165,17 @@ class BatchConfig:
 @dataclass(frozen=True)
 class ExecutorConfig:
     max_inflight: int = key(_SCHED.max_inflight, integer(1, 8), "jobs in flight per chip (2 = ping/pong)")
+    queue_next_step: bool = key(_SCHED.queue_next_step, boolean, "submit a decode lane's next step while its "
+                                "current one runs (its token: the one the worker samples), so the chip does not "
+                                "wait for the scheduler's turn (decode jobs without mixed batches)")
+    decode_steps: int = key(_SCHED.decode_steps, integer(1, 64), "multi-step decode: a decode job runs up to this "
+                            "many steps on the worker before it answers, when no prompt waits and no deadline "
+                            "is near (1 = one step per job)")
+    downgrade_timeouts: int = key(_SCHED.downgrade_timeouts, integer(0, 1000), "ping/pong drops to one job in "
+                                  "flight on a chip after this many job timeouts (0 = never for timeouts)")
+    downgrade_tpot_p99_ratio: float = key(_SCHED.downgrade_tpot_p99_ratio, number(0.0), "ping/pong drops to one "
+                                          "job in flight when a chip's TPOT P99 passes this ratio x its "
+                                          "one-in-flight window's (0 = off)")
     job_timeout_ms: int = key(round(_SCHED.job_timeout_s * 1000), integer(1), "a job not answered within this is failed and its KV Unknown")
     worker_spin_us: int = key(200, integer(0, 100_000), "how long a chip worker polls for its next job before it "
                                                      "parks in the kernel; 0 = park at once (hosts with no spare "

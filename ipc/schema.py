@@ -27,11 +27,12 @@ import orjson
 PROTOCOL_VERSION = 1
 
 REQUEST_OPS = ("generate", "cancel", "health", "stats", "load", "unload", "replace", "rollback",
-               "models", "drain", "resume")
-ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume")
+               "models", "drain", "resume", "reenable_inflight")
+ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume", "reenable_inflight")
 # One reply event per non-generate op, named like the op; `cancel` has none
 # (the cancelled stream's own terminal event is the acknowledgement).
-REPLY_EVENTS = ("health", "stats", "models", "load", "unload", "replace", "rollback", "drain", "resume")
+REPLY_EVENTS = ("health", "stats", "models", "load", "unload", "replace", "rollback", "drain", "resume",
+                "reenable_inflight")
 STREAM_EVENTS = ("tokens", "done", "error")
 EVENTS = STREAM_EVENTS + REPLY_EVENTS
 FINISH_REASONS = ("length", "eos", "stop", "cancelled")
@@ -311,6 +312,8 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
     "rollback": {"alias": (_name, _REQUIRED), **_DEADLINE, **_AUTH},
     "drain": {"timeout_ms": (_nullable(_int(0, MAX_DEADLINE_MS)), None), **_AUTH, **_BACKEND},
     "resume": {**_AUTH, **_BACKEND},
+    # ping/pong back on after its automatic downgrade: every chip, or `chip`, of every serving generation
+    "reenable_inflight": {"chip": (_nullable(_int(0, 1023)), None), **_AUTH},
 }
 assert set(OP_FIELDS) == set(REQUEST_OPS)
 # Fields of which a request must carry exactly one: the prompt as token ids or as text.

@@ -317,6 +317,9 @@ class Daemon:
             n_actions += len(acts)
             self.apply(acts, g, now)
             blocked = blocked or g.scheduler.admission_blocked
+            if g.scheduler.notices:  # a ping/pong downgrade (engine/core/inflight_governor.py)
+                for event, chip, reason in g.scheduler.take_notices():
+                    log(event, chip=chip, reason=reason, model=g.alias, generation=g.id)
         if self.kv_events is not None:
             self.kv_events.follow(gens.default_generation())
             self.kv_events.flush()

@@ -23,6 +23,7 @@ from engine.daemon.constraint_cache import BOARD_CACHE, ConstraintRejected
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
 from engine.daemon.auth import is_admin, tenant_for, visible_stats
 from engine.daemon.handoff_intake import take_handoff
+from engine.daemon.log import log
 from engine.daemon.models import admin_ops
 from engine.core.model_table import RouteOutcome
 
@@ -132,6 +133,15 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
             timeout_ms = msg.get("timeout_ms")
             gens.drain_board(now, gens.cfg.server.drain_timeout_s if timeout_ms is None else timeout_ms / 1000.0)
         fe.reply(conn, cid, op, {"accepting": gens.accepting})
+        return []
+    if op == "reenable_inflight":
+        if not is_admin(conn):
+            fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc://, or an admin key)")
+            return []
+        done = {str(g.id): g.scheduler.reenable_inflight(msg.get("chip"))
+                for g in gens.serving_generations() if g.scheduler is not None}
+        log("inflight_reenabled", chip=msg.get("chip"), reenabled=done)
+        fe.reply(conn, cid, op, {"reenabled": done})
         return []
     if op in NOT_IMPLEMENTED_OPS:
         fe.error(conn, cid, 501, "not_implemented", f"{op}: model management is not implemented by this daemon")
