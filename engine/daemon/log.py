@@ -36,6 +36,8 @@ EVENTS: dict[str, str] = {
     # chips
     "chip_up": "info",
     "chip_down": "warning",
+    "inflight_downgraded": "warning",
+    "inflight_reenabled": "info",
     "restart_failed": "error",
     "stop_failed": "warning",
     # requests

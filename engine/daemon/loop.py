@@ -319,7 +319,8 @@ class Daemon:
             blocked = blocked or g.scheduler.admission_blocked
             if g.scheduler.notices:  # a ping/pong downgrade (engine/core/inflight_governor.py)
                 for event, chip, reason in g.scheduler.take_notices():
-                    log(event, chip=chip, reason=reason, model=g.alias, generation=g.id)
+                    assert event == "inflight_downgraded", event  # the only notice the core gives
+                    log("inflight_downgraded", chip=chip, reason=reason, model=g.alias, generation=g.id)
         if self.kv_events is not None:
             self.kv_events.follow(gens.default_generation())
             self.kv_events.flush()
