@@ -37,7 +37,10 @@ one `llama_decode` over its lanes' tokens: one prompt (chunked when the
 scheduler chunks), or, in a mixed batch, several prompts' chunks beside
 decode lanes of one token each, as llama.cpp's own server batches them.
 Sampling stays npuserve's (the worker samples the logits returned here).
-Block copies and host swap are not supported: `describe()` says so.
+Block copies are not supported. KV export / import (the host and disk
+tiers) moves whole blocks as llama.cpp per-sequence state
+(`workers.llamacpp.kv_blocks`); an import must be a run of blocks from
+position 0 (a whole prefix), anything else is refused and recomputed.
 """
 
 from __future__ import annotations
@@ -49,9 +52,16 @@ from types import SimpleNamespace
 import numpy as np
 
 from ipc.records import Job, JobKind
-from workers.backends.base import BackendError, BackendInfo, BatchProfile, KvLayout, OneStepBackend, StepOutput
+from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLayout, KvTransferCost, OneStepBackend,
+                                   StepOutput)
 
-SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": False}
+SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": True,
+            "kv_import": "whole prefixes from position 0"}
+
+# Measured on Gemma 3 270M Q4_K_M, 1 thread, block size 16 (`npuserve bench-kv-transfer --backend llamacpp`,
+# docs/results/2026-12-01-2330-kv-llamacpp.md): a transfer job's turnaround, one block's export + import, and
+# one prompt token's prefill.
+TRANSFER_COST = KvTransferCost(base_s=2e-4, per_block_s=1e-3, prefill_s_per_token=2e-3)
 
 
 @dataclass
@@ -94,6 +104,7 @@ class LlamacppBackend(OneStepBackend):
         """Load a GGUF package (a `GgufPackage`, its path, or None for the tiny model as GGUF)."""
         from workers.gguf_package import GgufPackage
         from workers.llamacpp.binding import LlamaModel, LlamaCppUnavailable
+        from workers.llamacpp.kv_blocks import KvBlockIo
         from workers.package_loader import load_package
 
         if package is None:
@@ -130,11 +141,13 @@ class LlamacppBackend(OneStepBackend):
         self._limits = SimpleNamespace(vocab_size=package.vocab_size, max_seq=package.max_seq, block_size=bs,
                                        num_blocks=nb)
         self._reset_maps()
+        self._kv_io = KvBlockIo(model, bs, scratch=self.n_seq_max - 1, bos=max(0, package.bos_id))
         self._out = np.zeros((max(package.profiles), model.n_vocab), np.float32)
 
     def _reset_maps(self) -> None:
         self._seqs: dict[int, _Seq] = {}
-        self._free: list[int] = list(range(self.n_seq_max - 1, -1, -1))
+        # the last sequence id is the scratch of KV export / import (workers.llamacpp.kv_blocks)
+        self._free: list[int] = list(range(self.n_seq_max - 2, -1, -1))
         self._holders: dict[int, set[int]] = {}
         self._clock = 0
 
@@ -159,10 +172,12 @@ class LlamacppBackend(OneStepBackend):
             max_seq=pkg.max_seq,
             profiles=tuple(BatchProfile(b) for b in sorted(pkg.profiles)),
             kv=KvLayout(block_size=self.block_size, num_blocks=self.num_blocks, num_layers=info["n_layer"],
-                        num_kv_heads=info["n_head_kv"], head_dim=head_dim, dtype="float16"),
+                        num_kv_heads=info["n_head_kv"], head_dim=head_dim, dtype="float16",
+                        bytes_per_token=self._kv_io.bytes_per_token),  # a host row: llama.cpp's sequence state
             chunked_prefill=True,
             model_sha256=pkg.sha256,
             mixed_batch_tokens=info["n_batch"],  # one llama_decode takes any mix of sequences and lengths
+            kv_transfer=TRANSFER_COST,
             extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
                    "architecture": pkg.architecture, "bos_id": pkg.bos_id, "pad_id": pkg.pad_id,
                    "threads": self.threads, "n_seq_max": self.n_seq_max, "kv_cells": info["n_ctx"],
@@ -326,13 +341,57 @@ class LlamacppBackend(OneStepBackend):
                 seq = self._seqs[sid]
                 self._truncate(seq, seq.blocks.index(int(blk)) * bs)
 
-    # ---- block ops the runtime does not have ---------------------------------------
+    # ---- block ops -------------------------------------------------------------------
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         raise BackendError("llamacpp backend: copy_blocks is not supported (prefix reuse is done by sequence copy)")
 
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
-        raise BackendError("llamacpp backend: swap to host memory is not supported")
+        """Each block's KV as llama.cpp's per-sequence state of its positions alone (see workers.llamacpp.kv_blocks)."""
+        _, model = self._loaded()
+        blocks = np.asarray(blocks, np.int64).reshape(-1).tolist()
+        out = np.zeros((len(blocks), self._kv_io.row_bytes), np.uint8)
+        bs = self.block_size
+        for i, blk in enumerate(blocks):
+            held = self._full_holder(blk)
+            if held is None:
+                raise BackendError(f"llamacpp backend: block {blk} holds no whole block of KV on this chip")
+            seq, k = held
+            self._kv_io.export_block(seq.sid, k * bs, out[i])
+        return out
 
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
-        raise BackendError("llamacpp backend: swap from host memory is not supported")
+        """Import a run of whole blocks that starts at position 0 as one new sequence (a prefix-cache hit
+        from the host or disk tier). Anything else is refused before the device KV changes: RecordRefused,
+        so the scheduler recomputes those tokens."""
+        from ipc.kv_slots import RecordRefused
+
+        _, model = self._loaded()
+        blocks = np.asarray(blocks, np.int64).reshape(-1).tolist()
+        rows = np.ascontiguousarray(data).view(np.uint8).reshape(len(blocks), -1)
+        if not blocks:
+            return
+        if len(set(blocks)) != len(blocks):
+            raise RecordRefused("unsupported", "llamacpp backend: an import names a block twice")
+        self._clock += 1
+        seq = self._new_seq(set())
+        try:
+            self._kv_io.import_run(seq.sid, rows)
+        except RecordRefused:
+            model.seq_rm(seq.sid, -1, -1)
+            del self._seqs[seq.sid]
+            self._free.append(seq.sid)
+            raise
+        # the blocks were just handed to this sequence: any other holder's cells from them on are stale
+        self._claim(seq, blocks, 0, len(blocks) * self.block_size)
+        seq.length = len(blocks) * self.block_size
+
+    def _full_holder(self, blk: int) -> tuple[_Seq, int] | None:
+        """A sequence holding all of block `blk`'s positions, and the block's index in it."""
+        bs = self.block_size
+        for sid in self._holders.get(int(blk), ()):
+            s = self._seqs[sid]
+            k = s.blocks.index(int(blk))
+            if s.length >= (k + 1) * bs:
+                return s, k
+        return None
