@@ -58,10 +58,12 @@ from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLa
 SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": True,
             "kv_import": "whole prefixes from position 0"}
 
-# Measured on Gemma 3 270M Q4_K_M, 1 thread, block size 16 (`npuserve bench-kv-transfer --backend llamacpp`,
-# docs/results/2026-12-01-2330-kv-llamacpp.md): a transfer job's turnaround, one block's export + import, and
-# one prompt token's prefill.
-TRANSFER_COST = KvTransferCost(base_s=2e-4, per_block_s=1e-3, prefill_s_per_token=2e-3)
+# The tier policy's cost model (promote a prefix when its import is expected to beat recomputing it), from
+# `npuserve bench-kv-transfer --backend llamacpp` on Gemma 3 270M Q4_K_M, block size 16, 1 thread, a loaded
+# 2-core machine (docs/results/2026-12-01-2330-kv-llamacpp.md): an import job of n blocks took ~0.3 ms +
+# ~1.2 ms a block, a prefill ~14 ms a token. The prefill figure is taken ~3x faster than measured (more
+# threads, an idle machine): promotion still wins from the first whole block.
+TRANSFER_COST = KvTransferCost(base_s=5e-4, per_block_s=1.5e-3, prefill_s_per_token=5e-3)
 
 
 @dataclass
