@@ -5,8 +5,10 @@ the worker's own transfer code (`workers.kv_transfer.HostKv`) and a real
 host slot pool between them: a prompt's whole blocks are exported by the
 first, imported by the second into other block ids, and the second's greedy
 continuation from there must be the first's uninterrupted run, token for
-token. Imports the backend cannot do exactly (a run that does not start at
-position 0, a damaged row) are refused before the device KV changes.
+token; so must a run of blocks imported after a prefix the second worker
+holds on its device (the demotion case: the device kept the first blocks).
+Imports the backend cannot do exactly (a gap in the run, a damaged row) are
+refused before the device KV changes.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def _greedy(b, prompt, table, start=0):
     return out
 
 
-def _transfer(kind, src, dst):
-    chains = [bytes([i + 1]) * 16 for i in range(len(src))]
+def _transfer(kind, src, dst, first=0):
+    chains = [bytes([first + i + 1]) * 16 for i in range(len(src))]
     j = Job.kv_copy(1, 1, src, dst, kind=kind)
     j.tokens = chain_words(chains)
     j.positions = np.full(len(src), HOST, np.int32)
@@ -77,9 +79,9 @@ def test_a_prefix_exported_by_one_worker_continues_on_another_as_the_uninterrupt
     want = _greedy(a, prompt, table_a)
     host_a.run(_transfer(JobKind.KV_EXPORT, table_a[:whole], list(range(whole))))  # into host slots 0..whole-1
 
-    # refused, and nothing written: a run that does not start at position 0, and a damaged row
-    with pytest.raises(RecordRefused, match="position 0"):
-        b.swap_in(np.array([40]), a.swap_out(np.array([table_a[1]])))
+    # refused, and nothing written: a run out of order, and a damaged row
+    with pytest.raises(RecordRefused, match="not the next whole block"):
+        b.swap_in(np.array([40, 41]), a.swap_out(np.array([table_a[1], table_a[0]])))
     bad = a.swap_out(np.array(table_a[:whole]))
     bad[0, :8] = 0
     with pytest.raises(RecordRefused):
@@ -96,3 +98,11 @@ def test_a_prefix_exported_by_one_worker_continues_on_another_as_the_uninterrupt
     b.release_blocks(table_b)
     with pytest.raises(BackendError, match="no whole block"):
         b.swap_out(np.array(table_b[:1]))
+
+    # the device holds block 0 (computed here), the host the rest: the run joins it when the lane comes
+    table_c = list(range(150, 150 + whole + 2))
+    b.prefill(build_job(JobKind.PREFILL, [Lane(prompt[:bs], 0, table_c[:1], sample=False)]))
+    host_b.run(_transfer(JobKind.KV_IMPORT, list(range(1, whole)), table_c[1:whole], first=1))
+    assert _greedy(b, prompt, table_c, start=whole * bs) == want
+    b.release_blocks(table_c)
+    assert b.health()["sequences"] == 0

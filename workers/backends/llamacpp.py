@@ -39,8 +39,9 @@ decode lanes of one token each, as llama.cpp's own server batches them.
 Sampling stays npuserve's (the worker samples the logits returned here).
 Block copies are not supported. KV export / import (the host and disk
 tiers) moves whole blocks as llama.cpp per-sequence state
-(`workers.llamacpp.kv_blocks`); an import must be a run of blocks from
-position 0 (a whole prefix), anything else is refused and recomputed.
+(`workers.llamacpp.kv_blocks`); an imported run from position 0 is a
+sequence of its own, one that continues a device prefix joins it when a
+lane names both; a row that is not the next whole block is refused.
 """
 
 from __future__ import annotations
@@ -55,8 +56,7 @@ from ipc.records import Job, JobKind
 from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLayout, KvTransferCost, OneStepBackend,
                                    StepOutput)
 
-SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": True,
-            "kv_import": "whole prefixes from position 0"}
+SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": True}
 
 # The tier policy's cost model (promote a prefix when its import is expected to beat recomputing it), from
 # `npuserve bench-kv-transfer --backend llamacpp` on Gemma 3 270M Q4_K_M, block size 16, 1 thread, a loaded
@@ -72,6 +72,20 @@ class _Seq:
     blocks: list[int] = field(default_factory=list)  # block ids covering positions [0, length)
     length: int = 0
     used: int = 0  # job counter at last use (LRU eviction of stale sequences)
+
+
+@dataclass
+class _Run:
+    """Imported blocks that continue a prefix the device holds (blocks [start, start + len) of some table):
+    their cells wait in sequence `sid` until a lane names the device blocks before them (`_join_run`)."""
+
+    sid: int
+    start: int
+    blocks: list[int]
+    used: int = 0
+
+
+MAX_RUNS = 8  # imported runs waiting for their lane; the oldest is dropped beyond this
 
 
 def default_threads(chips: int = 1) -> int:
@@ -151,6 +165,7 @@ class LlamacppBackend(OneStepBackend):
         # the last sequence id is the scratch of KV export / import (workers.llamacpp.kv_blocks)
         self._free: list[int] = list(range(self.n_seq_max - 2, -1, -1))
         self._holders: dict[int, set[int]] = {}
+        self._runs: dict[int, _Run] = {}
         self._clock = 0
 
     def unload(self) -> None:
@@ -269,6 +284,8 @@ class LlamacppBackend(OneStepBackend):
                     s.used = self._clock
                     return s  # the lane's own sequence, continued
                 best = s
+        if best is None and self._join_run(table, p0, busy) is not None:
+            return self._resolve(lane, table, p0, busy)
         if best is None:
             raise BackendError(f"llamacpp backend: lane {lane}: the KV of positions 0..{p0 - 1} is not on this chip "
                                f"(never written, or evicted); the request must be recomputed")
@@ -294,6 +311,7 @@ class LlamacppBackend(OneStepBackend):
                 if seq.blocks[k] != blk:
                     raise BackendError(f"llamacpp backend: block {blk} replaces {seq.blocks[k]} inside a sequence")
                 continue
+            self._drop_runs_with(blk)
             for other in list(self._holders.get(blk, ())):
                 if other != seq.sid:
                     o = self._seqs[other]
@@ -321,6 +339,14 @@ class LlamacppBackend(OneStepBackend):
             raise BackendError(f"llamacpp backend: llama.cpp cannot cut sequence {seq.sid} at {p}")
 
     def _new_seq(self, busy: set[int]) -> _Seq:
+        sid = self._take_sid(busy)
+        seq = _Seq(sid, used=self._clock)
+        self._seqs[sid] = seq
+        return seq
+
+    def _take_sid(self, busy: set[int]) -> int:
+        if not self._free and self._runs:
+            self._drop_run(min(self._runs.values(), key=lambda r: r.used))
         if not self._free:
             # Every id is taken: drop the least recently used sequence outside this job. If the scheduler
             # still meant to use it, that request's next job fails cleanly (its KV is gone).
@@ -328,10 +354,41 @@ class LlamacppBackend(OneStepBackend):
             if not victims:
                 raise BackendError(f"llamacpp backend: more than {self.n_seq_max} sequences in one job")
             self._truncate(min(victims, key=lambda s: s.used), 0)
-        sid = self._free.pop()
-        seq = _Seq(sid, used=self._clock)
-        self._seqs[sid] = seq
-        return seq
+        return self._free.pop()
+
+    # ---- imported runs that continue a device prefix ---------------------------------
+
+    def _join_run(self, table: list[int], p0: int, busy: set[int]) -> _Seq | None:
+        """A new sequence of the device prefix table[:j] and an imported run of table[j:...] covering p0."""
+        bs = self.block_size
+        n = -(-p0 // bs)
+        for r in list(self._runs.values()):
+            j = r.start
+            e = min(j + len(r.blocks), len(table))
+            if not j < n <= e or table[j:e] != r.blocks[:e - j]:
+                continue
+            holder = next((self._seqs[sid] for sid in self._holders.get(table[j - 1], ())
+                           if self._seqs[sid].length >= j * bs and self._seqs[sid].blocks[:j] == table[:j]), None)
+            if holder is None:
+                continue
+            seq = self._new_seq(busy | {holder.sid})
+            self.model.seq_cp(holder.sid, seq.sid, 0, j * bs)  # shared cells, as a prefix hit
+            self.model.seq_cp(r.sid, seq.sid, j * bs, e * bs)
+            self._drop_run(r)  # its cells stay: the new sequence holds them now
+            seq.blocks, seq.length = table[:e], e * bs
+            for blk in seq.blocks:
+                self._holders.setdefault(blk, set()).add(seq.sid)
+            return seq
+        return None
+
+    def _drop_run(self, r: _Run) -> None:
+        self.model.seq_rm(r.sid, -1, -1)
+        del self._runs[r.sid]
+        self._free.append(r.sid)
+
+    def _drop_runs_with(self, blk: int) -> None:
+        for r in [r for r in self._runs.values() if blk in r.blocks]:
+            self._drop_run(r)
 
     def release_blocks(self, blocks) -> None:
         """The scheduler freed these blocks: remove every sequence's cells from them on."""
@@ -339,6 +396,7 @@ class LlamacppBackend(OneStepBackend):
             return
         bs = self.block_size
         for blk in blocks:
+            self._drop_runs_with(int(blk))
             for sid in list(self._holders.get(int(blk), ())):
                 seq = self._seqs[sid]
                 self._truncate(seq, seq.blocks.index(int(blk)) * bs)
@@ -350,22 +408,22 @@ class LlamacppBackend(OneStepBackend):
 
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
         """Each block's KV as llama.cpp's per-sequence state of its positions alone (see workers.llamacpp.kv_blocks)."""
-        _, model = self._loaded()
+        self._loaded()
         blocks = np.asarray(blocks, np.int64).reshape(-1).tolist()
         out = np.zeros((len(blocks), self._kv_io.row_bytes), np.uint8)
-        bs = self.block_size
         for i, blk in enumerate(blocks):
             held = self._full_holder(blk)
             if held is None:
                 raise BackendError(f"llamacpp backend: block {blk} holds no whole block of KV on this chip")
-            seq, k = held
-            self._kv_io.export_block(seq.sid, k * bs, out[i])
+            sid, k = held
+            self._kv_io.export_block(sid, k * self.block_size, out[i])
         return out
 
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
-        """Import a run of whole blocks that starts at position 0 as one new sequence (a prefix-cache hit
-        from the host or disk tier). Anything else is refused before the device KV changes: RecordRefused,
-        so the scheduler recomputes those tokens."""
+        """Import a run of consecutive whole blocks (from the host or disk tier). A run from position 0 is a
+        sequence of its own; a run that starts later continues a prefix the device holds, and waits (`_Run`)
+        for the lane that names it. A row that is not the next whole block is refused before the device KV
+        changes (RecordRefused: the scheduler recomputes those tokens)."""
         from ipc.kv_slots import RecordRefused
 
         _, model = self._loaded()
@@ -376,24 +434,39 @@ class LlamacppBackend(OneStepBackend):
         if len(set(blocks)) != len(blocks):
             raise RecordRefused("unsupported", "llamacpp backend: an import names a block twice")
         self._clock += 1
-        seq = self._new_seq(set())
+        sid = self._take_sid(set())
         try:
-            self._kv_io.import_run(seq.sid, rows)
+            start = self._kv_io.import_run(sid, rows)
         except RecordRefused:
-            model.seq_rm(seq.sid, -1, -1)
-            del self._seqs[seq.sid]
-            self._free.append(seq.sid)
+            model.seq_rm(sid, -1, -1)
+            self._free.append(sid)
             raise
-        # the blocks were just handed to this sequence: any other holder's cells from them on are stale
-        self._claim(seq, blocks, 0, len(blocks) * self.block_size)
-        seq.length = len(blocks) * self.block_size
+        bs = self.block_size
+        if start == 0:
+            seq = _Seq(sid, used=self._clock)
+            self._seqs[sid] = seq
+            # the blocks were just handed to this sequence: any other holder's cells from them on are stale
+            self._claim(seq, blocks, 0, len(blocks) * bs)
+            seq.length = len(blocks) * bs
+            return
+        for blk in blocks:
+            self._drop_runs_with(blk)
+            for other in list(self._holders.get(blk, ())):
+                o = self._seqs[other]
+                self._truncate(o, o.blocks.index(blk) * bs)
+        self._runs[sid] = _Run(sid, start, blocks, used=self._clock)
+        while len(self._runs) > MAX_RUNS:
+            self._drop_run(min(self._runs.values(), key=lambda r: r.used))
 
-    def _full_holder(self, blk: int) -> tuple[_Seq, int] | None:
-        """A sequence holding all of block `blk`'s positions, and the block's index in it."""
+    def _full_holder(self, blk: int) -> tuple[int, int] | None:
+        """A sequence id holding all of block `blk`'s positions, and the block's index in the sequence."""
         bs = self.block_size
         for sid in self._holders.get(int(blk), ()):
             s = self._seqs[sid]
             k = s.blocks.index(int(blk))
             if s.length >= (k + 1) * bs:
-                return s, k
+                return sid, k
+        for r in self._runs.values():
+            if int(blk) in r.blocks:
+                return r.sid, r.start + r.blocks.index(int(blk))
         return None

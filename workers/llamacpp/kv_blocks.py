@@ -11,8 +11,10 @@ of one sequence at positions [k*bs, (k+1)*bs). So:
   each cell's position, so a block keeps its absolute positions (RoPE is
   already applied to its keys).
 * import: restore each block's state into the scratch sequence, check it
-  holds exactly the positions the block must hold, copy it into the
-  destination sequence and remove the scratch.
+  holds the next whole block's positions, copy it into the destination
+  sequence and remove the scratch. The backend decides what the run joins
+  (a prefix from position 0 is a sequence of its own; a run that starts
+  later waits for the lane that names the device blocks before it).
 
 Flags 0 serialise every cache of the model: both Gemma 3's full-attention
 cache and its sliding-window cache (the backend opens the context with
@@ -82,12 +84,14 @@ class KvBlockIo:
         row[:LEN_BYTES] = np.frombuffer(np.uint64(n).tobytes(), np.uint8)
         row[LEN_BYTES + n:] = 0
 
-    def import_run(self, sid: int, rows: np.ndarray) -> None:
-        """Rows of blocks 0, 1, ... (positions from 0, consecutive) into the empty sequence `sid`.
+    def import_run(self, sid: int, rows: np.ndarray) -> int:
+        """Rows of consecutive whole blocks into the empty sequence `sid`; returns the block index of the first
+        (its positions say where it goes: a block keeps its absolute positions).
 
-        RecordRefused (cause "unsupported" or "layout") when a row is not the next whole block from
-        position 0; the caller then removes whatever reached `sid`."""
+        RecordRefused (cause "layout" or "unsupported") when a row is not a whole block or not the next
+        one; the caller then removes whatever reached `sid`."""
         m, sc, bs = self.model, self.scratch, self.block_size
+        first = -1
         for i, row in enumerate(rows):
             if len(row) != self.row_bytes:
                 raise RecordRefused("layout", f"llamacpp KV row of {len(row)} bytes, a block is {self.row_bytes}")
@@ -100,9 +104,12 @@ class KvBlockIo:
                 if m.state_seq_set(sc, row[LEN_BYTES:LEN_BYTES + n], FLAGS) <= 0:
                     raise RecordRefused("layout", "llama_state_seq_set_data refused a KV block")
                 lo, hi = m.seq_pos_min(sc), m.seq_pos_max(sc)
-                if (lo, hi) != (i * bs, (i + 1) * bs - 1):
-                    raise RecordRefused("unsupported", f"llamacpp backend imports whole prefixes from position 0 "
-                                                       f"only: block {i} of the run holds positions {lo}..{hi}")
+                if i == 0 and lo >= 0 and lo % bs == 0:
+                    first = lo // bs
+                if first < 0 or (lo, hi) != ((first + i) * bs, (first + i + 1) * bs - 1):
+                    raise RecordRefused("unsupported", f"llamacpp KV import: block {i} of the run holds positions "
+                                                       f"{lo}..{hi}, not the next whole block")
                 m.seq_cp(sc, sid, -1, -1)
             finally:
                 m.seq_rm(sc, -1, -1)
+        return first
