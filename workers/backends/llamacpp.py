@@ -437,7 +437,7 @@ class LlamacppBackend(OneStepBackend):
         sid = self._take_sid(set())
         try:
             start = self._kv_io.import_run(sid, rows)
-        except RecordRefused:
+        except Exception:  # RecordRefused (nothing kept), or anything else: the id goes back empty
             model.seq_rm(sid, -1, -1)
             self._free.append(sid)
             raise
