@@ -110,6 +110,8 @@ class TransferServer:
         g, hold = self._find(hid)
         held = hold.claim(hid, now) if hold is not None else None
         if held is None:
+            if g is None:  # unknown here (released, expired, another board's): counted on the first generation
+                g = next(iter(self.gens.serving_generations()), None)
             if g is not None:
                 _count(g, "handoff_claims_refused")
             _send(self.sock, [ident, json.dumps({"t": "refused", "tid": key[1], "reason": "not held"}).encode()])
@@ -191,8 +193,9 @@ class TransferClient:
     """The decode side: pulls a descriptor's blocks before the request is submitted."""
 
     def __init__(self, ctx: zmq.Context, poller: zmq.Poller, submit: Callable, client_keys=None,
-                 timeout_s: float = 2.0, credit: int = DEFAULT_CREDIT) -> None:
+                 timeout_s: float = 2.0, credit: int = DEFAULT_CREDIT, peer_dirs=()) -> None:
         self.ctx, self.poller, self.submit = ctx, poller, submit
+        self.peer_dirs = tuple(peer_dirs)  # board.handoff_peer_dirs: a one-host hand-off needs no transfer
         self.client_keys = client_keys  # (public, secret) of this board for CURVE prefill boards, or None
         self.timeout_s, self.credit = timeout_s, credit
         self._by_sock: dict[zmq.Socket, _Parked] = {}
@@ -220,6 +223,9 @@ class TransferClient:
             have += 1
         if have == len(chains):
             return False  # nothing to pull (the scheduler finds it all here)
+        first = chains[have].hex() + ".kv"
+        if any(os.path.exists(os.path.join(d, shell.layout_hex, first)) for d in self.peer_dirs):
+            return False  # the prefill board is on this host: its block files are linked (handoff_intake.py)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if handoff.get("curve_key"):
@@ -364,7 +370,8 @@ class Transfers:
             keys = read_key_pair(b.handoff_client_key)
         self.server = TransferServer(ctx, b.handoff_endpoint, gens, security, b.handoff_transfer_timeout_s) \
             if b.handoff_endpoint else None
-        self.client = TransferClient(ctx, poller, submit, keys, b.handoff_transfer_timeout_s)
+        self.client = TransferClient(ctx, poller, submit, keys, b.handoff_transfer_timeout_s,
+                                     peer_dirs=b.handoff_peer_dirs)
         self.poller = poller
         if self.server is not None:
             poller.register(self.server.sock, zmq.POLLIN)
