@@ -134,7 +134,7 @@ def _handoffs(endpoint: str) -> dict:
         d = c.stats()["daemon"]
     out = {k: d.get(k, 0) for k in ("handoff_exports", "handoff_imported", "handoff_recomputed",
                                     "handoff_staged_blocks", "handoff_pulled_blocks", "handoff_pull_failed",
-                                    "handoff_released")}
+                                    "handoff_released", "handoff_pull_us")}
     with Client(endpoint, timeout=10) as c:
         counters = c.stats()["scheduler"]["counters"]
     out["tier_hit_tokens"] = counters.get("tier_hit_tokens", 0)

@@ -27,7 +27,7 @@ HANDOFF_COUNTER_KEYS = ("handoff_exports", "handoff_imported", "handoff_recomput
                         "handoff_held", "handoff_expired",
                         # the transfer endpoint (handoff_transfer.py): prefill side, then decode side
                         "handoff_claimed", "handoff_claims_refused", "handoff_released", "handoff_served_blocks",
-                        "handoff_pulled_blocks", "handoff_pull_failed")
+                        "handoff_pulled_blocks", "handoff_pull_failed", "handoff_pull_us")
 
 
 class PeerDiskSink:

@@ -187,6 +187,7 @@ class _Parked:
     pull: Pull
     sock: zmq.Socket
     chains: list
+    t0: float = 0.0
 
 
 class TransferClient:
@@ -243,7 +244,7 @@ class TransferClient:
 
         pull = Pull(f"{os.getpid()}-{next(_tids)}", str(handoff["request"]), len(chains), now, credit=self.credit,
                     timeout_s=self.timeout_s, verify=verify)
-        p = _Parked(rid, g, params, pull, sock, chains)
+        p = _Parked(rid, g, params, pull, sock, chains, now)
         self._by_sock[sock], self._by_rid[rid] = p, p
         self.poller.register(sock, zmq.POLLIN)
         self._flush(p)
@@ -311,6 +312,7 @@ class TransferClient:
         p.sock.close(0)  # linger 0: the release is on its way or the peer is gone (it expires the hold)
         g = p.g
         staged = self._stage(p) if p.pull.state is PullState.DONE else 0
+        _count(g, "handoff_pull_us", round((now - p.t0) * 1e6))  # claim to staged (or given up): the transfer's cost
         if staged:
             _count(g, "handoff_imported")
             _count(g, "handoff_staged_blocks", staged)
