@@ -136,8 +136,9 @@ class TransferServer:
             for hdr, payload in serve.outbox:
                 _send(self.sock, [key[0], json.dumps(hdr).encode()] + ([payload] if payload is not None else []))
             serve.outbox.clear()
-            if serve.expired(now):
-                del self._serves[key]  # its hold stays until the release or the deadline
+            if serve.expired(now):  # ended, or the decode board went silent (killed): a claimed hold is
+                del self._serves[key]  # never claimed again, so it is freed now rather than at its deadline
+                self._release(serve.hid, False)
 
     def next_wakeup(self) -> float | None:
         """A serve waiting for an export job needs the loop to turn again soon."""
