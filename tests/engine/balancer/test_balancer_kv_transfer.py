@@ -144,3 +144,33 @@ def test_a_transfer_cut_or_corrupted_half_way_is_recomputed(daemon, short_dir, m
     assert daemon_counters(p)["handoff_expired"] == 0
     wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, timeout=10, what="pools at baseline")
     wait_until(lambda: _socket_fds(d.pid) == base_fds, timeout=10, what="the decode board's sockets at baseline")
+
+
+def test_a_cancel_during_the_transfer_ends_the_request_once(daemon, short_dir):
+    p, _, d, _, xfer = _boards(daemon, short_dir, **{"board.handoff_deadline_s": 30.0})
+    prompt = [random.Random(3).randrange(1, 250) for _ in range(300)]
+    base_fds = _socket_fds(d.pid)
+    first = run_streams(p.endpoint, [gen_msg("p", prompt, max_tokens=1, handoff={"export": True})])
+    (done,) = terminal_events(first["p"])
+    proxy = _Proxy(done["handoff"]["endpoint"], "cut")  # the transfer stalls after its first chunk
+    sent = {}
+
+    def cancel(events, sock):
+        from ipc.codec import encode
+        if proxy.chunks >= 1 and not sent:
+            sock.send(encode({"v": 1, "op": "cancel", "id": "d"}))
+            sent["at"] = True
+
+    try:
+        desc = {**done["handoff"], "endpoint": proxy.endpoint}
+        got = run_streams(d.endpoint, [gen_msg("d", prompt, max_tokens=10, continuation=streamed_tokens(first["p"]),
+                                               handoff=desc)], on_progress=cancel)
+    finally:
+        proxy.close()
+    (term,) = terminal_events(got["d"])
+    assert term["ev"] == "done" and term["finish_reason"] == "cancelled"
+    dc = daemon_counters(d)
+    assert dc["handoff_pull_failed"] == 1 and dc["handoff_imported"] == 0
+    wait_until(lambda: daemon_counters(p)["handoff_released"] == 1, timeout=10, what="hold released")
+    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, timeout=10, what="pools at baseline")
+    wait_until(lambda: _socket_fds(d.pid) == base_fds, timeout=10, what="the decode board's sockets at baseline")
