@@ -121,3 +121,22 @@ def test_a_pull_without_a_client_key_to_a_curve_board_is_not_started(tmp_path):
         assert not cli.park(dg, 1, desc, SimpleNamespace(prompt=list(range(20)), prefix_salt=""), 0.0)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_the_descriptor_carries_the_transfer_endpoint_on_the_wire_and_through_a_router():
+    import pytest
+
+    from engine.http import kv_transfer
+    from ipc.schema import ProtocolError, validate_request
+
+    desc = {"board": "0", "request": "r3", "prompt_len": 40, "endpoint": "tcp://10.0.0.2:7101", "curve_key": "k" * 40}
+    msg = validate_request({"v": 1, "op": "generate", "id": "a", "prompt": [1, 2], "handoff": desc})
+    assert msg["handoff"]["endpoint"] == desc["endpoint"] and msg["handoff"]["curve_key"] == "k" * 40
+    for bad in ({"endpoint": "http://x"}, {"curve_key": "short"}):
+        with pytest.raises(ProtocolError):
+            validate_request({"v": 1, "op": "generate", "id": "a", "prompt": [1, 2], "handoff": {**desc, **bad}})
+    # vllm-router carries our descriptor in kv_transfer_params: the endpoint survives, a mangled one is dropped
+    params = kv_transfer.response_params({"handoff": desc, "usage": {"prompt_tokens": 40}}, "w", "board-0")
+    assert kv_transfer.handoff_of(params)["endpoint"] == desc["endpoint"]
+    params[kv_transfer.OURS] = {**desc, "endpoint": "file:///etc/passwd"}
+    assert "endpoint" not in kv_transfer.handoff_of(params)
