@@ -28,6 +28,7 @@ from engine.config_schema import (BadValue, ConfigError, abs_path_or_empty, abs_
                                   key, name_list, number, string, unknown, zmq_endpoint,
                                   zmq_endpoint_or_empty, zmq_endpoints)
 from engine.core.handoff import BOARD_ROLES, DEFAULT_DEADLINE_S
+from engine.core.kv_pull import DEFAULT_TIMEOUT_S as KV_PULL_TIMEOUT_S
 from engine.core.scheduler_config import SchedulerConfig, TenantPolicy
 from ipc.schema import NAME_RE  # model aliases and tenant names: the wire's rule
 from workers.backends.names import BACKENDS
@@ -71,6 +72,14 @@ class BoardConfig:
                                     "how long a prefill board holds a hand-off's KV for its decode board")
     handoff_peer_dirs: tuple = key((), abs_paths, "decode boards: the kv.disk_dir of prefill boards on this host, "
                                    "whose block files a hand-off imports (needs kv.disk_dir here); () = recompute")
+    handoff_endpoint: str = key("", zmq_endpoint_or_empty, "prefill boards: the ZeroMQ endpoint (tcp://, CURVE with "
+                                "security.server_secret_key; or ipc://) that serves held hand-offs' KV blocks to "
+                                "decode boards on other hosts; advertised in the hand-off descriptor; \"\" = none")
+    handoff_transfer_timeout_s: float = key(KV_PULL_TIMEOUT_S, number(0.0, 600.0, lo_open=True),
+                                            "a KV transfer silent this long has failed: the decode board recomputes")
+    handoff_client_key: str = key("", abs_path_or_empty, "decode boards: this board's CURVE key pair (NAME.key_secret) "
+                                  "for pulling from prefill boards whose transfer endpoint has CURVE (the prefill "
+                                  "board's security.client_keys_dir must list NAME.key); \"\" = plain only")
 
     @property
     def replicas(self) -> int:

@@ -231,7 +231,9 @@ def _nullable(check: Checker) -> Checker:
 
 MAX_HANDOFF_BLOCKS = 1 << 16
 MAX_LAYOUT_KEYS = 16
-_HANDOFF_KEYS = ("export", "board", "request", "prompt_len", "blocks", "layout", "first_token")
+_HANDOFF_KEYS = ("export", "board", "request", "prompt_len", "blocks", "layout", "first_token", "endpoint",
+                 "curve_key")
+MAX_HANDOFF_ENDPOINT_CHARS = 256
 _handoff_name = _text(1, MAX_ID_CHARS)
 
 
@@ -258,6 +260,12 @@ def _handoff(name: str, value: Any) -> dict:
         out["blocks"] = _tokens(0, MAX_HANDOFF_BLOCKS)(f"{name}.blocks", value.get("blocks", []))
         if value.get("first_token") is not None:
             out["first_token"] = _int(0, TOKEN_ID_MAX)(f"{name}.first_token", value["first_token"])
+        if value.get("endpoint") is not None:  # the exporter's KV transfer endpoint (a zmq address)
+            out["endpoint"] = _text(1, MAX_HANDOFF_ENDPOINT_CHARS)(f"{name}.endpoint", value["endpoint"])
+            if not out["endpoint"].startswith(("tcp://", "ipc://")):
+                raise _FieldError("out_of_range", f"{name}.endpoint: must be a tcp:// or ipc:// endpoint")
+        if value.get("curve_key") is not None:  # its CURVE public key (z85, 40 characters)
+            out["curve_key"] = _text(40, 40)(f"{name}.curve_key", value["curve_key"])
         layout = value.get("layout")
         if layout is not None:
             if type(layout) is not dict or len(layout) > MAX_LAYOUT_KEYS or not all(

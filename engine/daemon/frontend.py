@@ -70,6 +70,7 @@ class Stream:
     pending_text: list[str] | None = None  # text deltas not yet sent / all text (None: no tokenizer)
     tokens_prefix: bytes = b""  # the encoded tokens-event envelope up to the token list (hot path)
     generation: int = 0  # the model generation serving it (its `done` says so); 0: not known
+    handoff: dict | None = None  # a prefill leg's hand-off descriptor, sent in its `done`
 
     def __post_init__(self) -> None:
         self.tokens_prefix = encode(_event_envelope("tokens", self.cid))[:-1] + b',"tokens":'
@@ -180,6 +181,11 @@ class Frontend:
         self.counters.requests += 1
         return True
 
+    def set_handoff(self, rid: int, desc: dict) -> None:
+        st = self._by_rid.get(rid)
+        if st is not None:
+            st.handoff = desc
+
     def lookup(self, conn: Conn, cid: str) -> int | None:
         return self._by_key.get((conn, cid))
 
@@ -220,6 +226,8 @@ class Frontend:
             self.counters.tokens_out += len(st.pending)
         if st.generation:
             ev["generation"] = st.generation
+        if st.handoff is not None:  # an export leg's hand-off descriptor, for the decode leg
+            ev["handoff"] = st.handoff
         self._close(st)
         self.send(st.conn, ev)
 

@@ -65,6 +65,7 @@ class OpContext:
     views: "Views"
     apply: Callable[[list, "Generation", float], None]
     set_accepting: Callable[[bool], None]  # drain/resume (a SIGTERM drain cannot be resumed)
+    transfers: Any = None  # engine.daemon.handoff_transfer.Transfers: KV pulls between boards, or None
 
 
 def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
@@ -97,12 +98,20 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
         if "handoff" in msg:
-            take_handoff(g, gens.cfg, rid, msg["handoff"], params, now)
+            tr = o.transfers
+            if tr is not None and tr.client.park(g, rid, msg["handoff"], params, now):
+                return []  # submitted when the KV pull ends (engine/daemon/handoff_transfer.py)
+            desc = take_handoff(g, gens.cfg, rid, msg["handoff"], params, now,
+                                None if tr is None or tr.server is None else tr.server.descriptor_fields())
+            if desc is not None:
+                fe.set_handoff(rid, desc)
         gens.admit(rid, g)
         o.apply(g.scheduler.submit(rid, params, now), g, now)
         return []
     if op == "cancel":
         rid = fe.lookup(conn, cid)
+        if rid is not None and o.transfers is not None:
+            o.transfers.client.cancel(rid, now)  # a pull in progress ends; the request is submitted to be cancelled
         g = None if rid is None else gens.generation_of(rid)
         if g is not None and g.scheduler is not None:
             o.apply(g.scheduler.cancel(rid, now), g, now)
