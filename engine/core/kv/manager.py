@@ -210,8 +210,13 @@ class KvManager:
         if self.paranoid:
             self.check_invariants()
 
-    def commit(self, seq_id: int, job_id: int, tokens: Sequence[int]) -> None:
+    def commit(self, seq_id: int, job_id: int, tokens: Sequence[int], new_len: int | None = None) -> None:
         """`tokens`: the sequence's tokens, at least its first pending_len (longer is fine; never copied).
+
+        `new_len` (default: the pending length) commits only a prefix of what
+        the job wrote: a verification job writes KV for every draft token, and
+        only the accepted ones count (the rest is garbage the next job
+        overwrites; `truncate` gives back whole blocks past it).
 
         Runs once per sequence per job, so it stays O(1) except when a block
         fills, which costs O(new full blocks) in the prefix cache.
@@ -219,7 +224,11 @@ class KvManager:
         seq = self._seqs.get(seq_id)
         if seq is None or seq.state is not S.UPDATING or seq.pending_job != job_id:
             seq = self._pending(seq_id, job_id)  # raises StaleJob with the details
-        new_len = seq.pending_len
+        if new_len is None:
+            new_len = seq.pending_len
+        elif not seq.committed_len < new_len <= seq.pending_len:
+            raise ValueError(f"seq {seq_id}: need committed_len={seq.committed_len} < new_len={new_len} "
+                             f"<= pending_len={seq.pending_len}")
         assert new_len is not None
         if len(tokens) < new_len:
             raise ValueError(f"seq {seq_id}: commit of {new_len} tokens given only {len(tokens)}")
@@ -232,6 +241,36 @@ class KvManager:
         assert seq.committed_len <= seq.reserved_len <= self.max_seq, seq
         if self.paranoid:
             self.check_invariants()
+
+    def truncate(self, seq_id: int, new_len: int) -> list[int]:
+        """Roll the sequence's tail back to `new_len` tokens; returns the blocks it gave back.
+
+        The KV tail rollback (rejected draft tokens, a discarded queued step):
+        committed_len and reserved_len drop to at most `new_len`, and whole
+        blocks past `new_len` lose this sequence's reference (freed blocks are
+        announced through `take_freed`). Only for a sequence with no job in
+        flight (RESERVED/ACTIVE). A block already offered to the prefix cache
+        holds committed tokens other sequences may read, so truncating into it
+        is refused (ValueError) rather than letting the next job overwrite it.
+        """
+        seq = self._live(seq_id)
+        if seq.state is S.UPDATING:
+            raise KvStateError(f"truncate of seq {seq_id} with job {seq.pending_job} in flight")
+        if new_len < 0:
+            raise ValueError("new_len must be >= 0")
+        if new_len < seq.cache_blocks * self.block_size or new_len < seq.cached_len:
+            raise ValueError(f"seq {seq_id}: cannot truncate to {new_len} into its "
+                             f"{max(seq.cache_blocks * self.block_size, seq.cached_len)} cached tokens")
+        if new_len >= seq.reserved_len:
+            return []
+        seq.committed_len = min(seq.committed_len, new_len)
+        seq.reserved_len = new_len
+        keep = self.blocks_needed(new_len)
+        tail = seq.blocks[keep:]
+        del seq.blocks[keep:]
+        self._drop_refs(tail)
+        self._after(seq_id)
+        return tail
 
     def fail(self, seq_id: int, job_id: int) -> None:
         seq = self._seqs.get(seq_id)
