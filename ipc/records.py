@@ -25,6 +25,10 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
   sampled token) where that position is context_lens[lane].
 * want_logprobs[B] uint8.
 * src_blocks[K], dst_blocks[K] int32: block ids for KV copy / swap jobs.
+* draft_lens[B] int32 (optional, empty = none): speculative verification. The
+  last draft_lens[i] tokens of lane i are draft tokens after its last real
+  token; the worker samples every one of those positions and returns the
+  longest accepted prefix (`JobResult.accepted`) plus the next token.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class JobStatus(enum.IntEnum):
 
 
 _META_LEN = 8
-_JOB_META_LEN = 24  # 4 scalars, 15 field sizes, submitted_ns, spare
+_JOB_META_LEN = 24  # 4 scalars, 15 field sizes, submitted_ns, draft_lens size, spare
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 
 
@@ -82,6 +86,8 @@ class Job:
     # (CLOCK_MONOTONIC is system-wide); 0 = unknown. A backend that models a
     # device queue (sim) starts the job no earlier than this.
     submitted_ns: int = 0
+    # speculative verification: draft tokens at the end of each lane ([B] or empty: no drafts)
+    draft_lens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
 
     @property
     def batch(self) -> int:
@@ -137,6 +143,13 @@ class Job:
             if not valid[lane]:
                 raise ValueError(f"inactive lane {lane} carries tokens")
             raise ValueError(f"decode lane {lane} must carry exactly one token")
+        if self.draft_lens.size:
+            if self.draft_lens.shape != (b,):
+                raise ValueError("draft_lens must have one entry per lane")
+            dl = self.draft_lens
+            bad = (dl < 0) | (dl >= np.maximum(counts, 1)) | ((dl > 0) & (self.sample == 0))
+            if bad.any():
+                raise ValueError(f"lane {int(bad.argmax())}: draft_lens must be below its token count, on a sampled lane")
 
     # -- wire format ------------------------------------------------------
     def array_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -154,7 +167,7 @@ class Job:
                 raise ValueError(f"{name} must be 1-D to be sent")
         return (
             2 * self.tokens.size + self.query_start.size + self.context_lens.size + self.top_k.size
-            + bt.size + self.src_blocks.size + self.dst_blocks.size,
+            + bt.size + self.src_blocks.size + self.dst_blocks.size + self.draft_lens.size,
             self.temperature.size + self.top_p.size,
             self.lane_valid.size + self.sample.size + self.want_logprobs.size,
             self.seed.size,
@@ -173,10 +186,11 @@ class Job:
             self.tokens.size, self.positions.size, self.query_start.size, self.context_lens.size,
             self.top_k.size, bt.shape[0], bt.shape[1], self.src_blocks.size, self.dst_blocks.size,
             self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
-            self.want_logprobs.size, self.seed.size, self.submitted_ns, 0, 0, 0, 0,
+            self.want_logprobs.size, self.seed.size, self.submitted_ns, self.draft_lens.size, 0, 0, 0,
         )
         np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
-                        bt.ravel(), self.src_blocks, self.dst_blocks), out=dst["i32"], casting="unsafe")
+                        bt.ravel(), self.src_blocks, self.dst_blocks, self.draft_lens), out=dst["i32"],
+                       casting="unsafe")
         np.concatenate((self.temperature, self.top_p), out=dst["f32"], casting="unsafe")
         np.concatenate((self.lane_valid, self.sample, self.want_logprobs), out=dst["u8"], casting="unsafe")
         dst["u64"][:] = self.seed
@@ -207,15 +221,16 @@ class Job:
         o5 = o4 + ntk
         o6 = o5 + b0 * b1
         o7 = o6 + nsrc
-        if o7 + ndst != i32.shape[0] or ntemp + ntp != f32.shape[0] or nlv + nsm + nwl != u8.shape[0] \
+        o8 = o7 + ndst
+        if o8 + m[20] != i32.shape[0] or ntemp + ntp != f32.shape[0] or nlv + nsm + nwl != u8.shape[0] \
                 or nseed != u64.shape[0]:
             raise ValueError("job record: array sizes disagree with its meta")
         return cls(
             job_id=m[0], generation=m[1], kind=JobKind(m[2]), return_logits=bool(m[3]),
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
-            top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7], dst_blocks=i32[o7:],
+            top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7], dst_blocks=i32[o7:o8],
             temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv], sample=u8[nlv:nlv + nsm],
-            want_logprobs=u8[nlv + nsm:], seed=u64, submitted_ns=m[19],
+            want_logprobs=u8[nlv + nsm:], seed=u64, submitted_ns=m[19], draft_lens=i32[o8:],
         )
 
     @classmethod
@@ -233,7 +248,8 @@ class Job:
 
 
 _LANE_FIELDS = ("context_lens", "sample", "temperature", "top_p", "top_k", "seed", "want_logprobs")
-_FLAT_FIELDS = ("tokens", "positions", "query_start", "lane_valid", *_LANE_FIELDS, "src_blocks", "dst_blocks")
+_FLAT_FIELDS = ("tokens", "positions", "query_start", "lane_valid", *_LANE_FIELDS, "src_blocks", "dst_blocks",
+                "draft_lens")
 
 
 @dataclass
@@ -249,6 +265,10 @@ class JobResult:
     logits: np.ndarray | None = None  # float32 [B, V] when the job asked for them
     device_us: int = 0  # time spent in the backend call
     worker_us: int = 0  # time from reading the job to writing this result
+    # verification jobs only: accepted draft tokens per lane (tokens[lane] is the token after them), and
+    # the logprobs of the accepted drafts, packed lane after lane
+    accepted: np.ndarray | None = None  # int32 [B]
+    accepted_logprobs: np.ndarray | None = None  # float32 [sum(accepted)]
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         meta = np.zeros(_META_LEN, dtype=np.int64)
@@ -260,6 +280,10 @@ class JobResult:
         }
         if self.logits is not None:
             out["logits"] = np.ascontiguousarray(self.logits, dtype=np.float32)
+        if self.accepted is not None:
+            out["accepted"] = _i32(self.accepted)
+            lps = self.accepted_logprobs
+            out["accepted_logprobs"] = np.ascontiguousarray(np.zeros(0) if lps is None else lps, dtype=np.float32)
         return out
 
     @classmethod
@@ -277,6 +301,8 @@ class JobResult:
             tokens=np.array(a["tokens"]),
             logprobs=np.array(a["logprobs"]),
             logits=None if logits is None else np.array(logits),
+            accepted=np.array(a["accepted"]) if "accepted" in a else None,
+            accepted_logprobs=np.array(a["accepted_logprobs"]) if "accepted_logprobs" in a else None,
         )
 
     @classmethod
@@ -304,6 +330,7 @@ class Lane(NamedTuple):
     top_k: int = 0
     seed: int = 0
     want_logprobs: bool = False
+    drafts: int = 0  # the last `drafts` tokens are speculative drafts to verify
 
 
 def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, generation: int = 0,
@@ -332,6 +359,7 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
     top_k = np.zeros(b, np.int32)
     seed = np.zeros(b, np.uint64)
     want_logprobs = np.zeros(b, np.uint8)
+    draft_lens = np.zeros(b, np.int32) if any(ln is not None and ln.drafts for ln in lanes) else _EMPTY_I32
     at = 0
     for i, ln in enumerate(lanes):
         if ln is not None:
@@ -348,6 +376,9 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
             temperature[i], top_p[i], top_k[i] = ln.temperature, ln.top_p, ln.top_k
             seed[i] = ln.seed & 0xFFFFFFFFFFFFFFFF
             want_logprobs[i] = ln.want_logprobs
+            if ln.drafts:
+                assert kind is JobKind.PREFILL and ln.sample and ln.drafts < n
+                draft_lens[i] = ln.drafts
         query_start[i + 1] = at
     query_start[len(lanes) + 1:] = at
     return Job(
@@ -355,4 +386,5 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
         query_start=query_start, lane_valid=lane_valid, context_lens=context_lens,
         block_tables=block_tables, sample=sample, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, want_logprobs=want_logprobs, return_logits=return_logits,
+        draft_lens=draft_lens,
     )

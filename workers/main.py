@@ -34,6 +34,7 @@ from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
 from workers.sampling import sample
+from workers.spec_verify import verify_drafts
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_DEATH_SIGNAL = signal.SIGUSR1
@@ -57,6 +58,8 @@ class JobOutcome:
     logits: np.ndarray | None  # [B, V] when the job asked for logits and the backend made them
     device_us: int
     error: str = ""
+    accepted: np.ndarray | None = None  # verification jobs: accepted drafts per lane
+    accepted_logprobs: np.ndarray | None = None
 
 
 def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> JobOutcome:
@@ -82,9 +85,14 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> 
         out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
         device_us = (time.perf_counter_ns() - t0) // 1000
         lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
+        accepted = accepted_lps = None
         if out.logits is not None:
             if lanes.size:
                 _sample_lanes(job, out.logits, lanes, tokens, logprobs)
+            if job.draft_lens.size:
+                if out.draft_logits is None:
+                    raise RuntimeError("the backend cannot verify draft tokens (no draft_logits)")
+                accepted, accepted_lps = verify_drafts(job, out.draft_logits, tokens, logprobs)
         elif out.tokens is not None:
             tokens[lanes] = out.tokens[lanes]
         else:
@@ -93,7 +101,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> 
         return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                           (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
     logits = out.logits if job.return_logits else None
-    return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us)
+    return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, accepted=accepted,
+                      accepted_logprobs=accepted_lps)
 
 
 def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
@@ -287,7 +296,9 @@ class WorkerProcess:
         b = job.batch
         logits = outcome.logits
         status = outcome.status
-        spec = _result_spec(b, None if logits is None else logits.shape)
+        accepted = outcome.accepted if status == JobStatus.OK else None
+        n_acc = -1 if accepted is None else int(accepted.sum())
+        spec = _result_spec(b, None if logits is None else logits.shape, n_acc)
         while True:
             try:
                 writer = self.result_ring.reserve(spec, timeout=self.interval)
@@ -295,7 +306,7 @@ class WorkerProcess:
             except RecordTooLarge:
                 _log("worker.result_too_large", job_id=job.job_id, shape=list(logits.shape) if logits is not None else None)
                 spec = _result_spec(b, None)
-                logits, status = None, JobStatus.FAILED
+                logits, status, accepted = None, JobStatus.FAILED, None
                 outcome.tokens[:] = -1
                 outcome.logprobs[:] = 0
             except RingFull:
@@ -312,6 +323,9 @@ class WorkerProcess:
             a["logprobs"][:] = outcome.logprobs
             if logits is not None:
                 a["logits"][...] = logits
+            if accepted is not None:
+                a["accepted"][:] = accepted
+                a["accepted_logprobs"][:] = outcome.accepted_logprobs
             meta[5] = (time.perf_counter_ns() - t0_ns) // 1000
 
     # -- loop ------------------------------------------------------------
@@ -333,7 +347,7 @@ class WorkerProcess:
 
 
 @functools.lru_cache(maxsize=256)
-def _result_spec(b: int, logits_shape: tuple[int, ...] | None) -> dict:
+def _result_spec(b: int, logits_shape: tuple[int, ...] | None, n_accepted: int = -1) -> dict:
     """The ring spec of a JobResult record (cached: a worker sees few distinct shapes).
 
     Callers must not mutate it. dtype strings, not numpy types: the ring keys
@@ -342,6 +356,9 @@ def _result_spec(b: int, logits_shape: tuple[int, ...] | None) -> dict:
     spec: dict = {"meta": ((8,), "<i8"), "tokens": ((b,), "<i4"), "logprobs": ((b,), "<f4")}
     if logits_shape is not None:
         spec["logits"] = (tuple(logits_shape), "<f4")
+    if n_accepted >= 0:  # a verification job: accepted drafts per lane, and their logprobs
+        spec["accepted"] = ((b,), "<i4")
+        spec["accepted_logprobs"] = ((n_accepted,), "<f4")
     return spec
 
 
