@@ -21,6 +21,7 @@ class InflightJob:
     batch: int
     submitted_at: float
     timeout_at: float
+    drafts: list[list[int]] | None = None  # per lane: draft tokens to verify (None: no lane speculates)
 
 
 @dataclass(eq=False)

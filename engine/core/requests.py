@@ -86,3 +86,4 @@ class GenerateParams:
     # inside the stop-sequence window, never re-emitted.
     continuation: list[int] = field(default_factory=list)
     prefix_salt: str = ""
+    speculative: str | None = None  # "off" | "ngram"; None: the board's speculative.method

@@ -44,6 +44,7 @@ from engine.core.request_record import RequestRecord
 from engine.core.requests import TERMINAL_STATES, GenerateParams, RequestState
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_stats import JobCounts, queue_stats, scheduler_stats
+from engine.core.spec.planner import SpecPlanner, draft_room
 from engine.core.stop_conditions import StepVerdict, StopChecker, StopReason
 from engine.core.text_stream import TextStream
 from ipc.records import JobKind, JobResult, JobStatus, Lane, build_job
@@ -69,6 +70,7 @@ class ModelSpec:
     profiles: tuple[int, ...]  # compiled decode batches the model declares
     chunked_prefill: bool  # incremental prefill numerically equal to one-shot
     mixed_batch_tokens: int = 0  # > 0: a prefill job may mix lanes (decode + prompt chunks) up to this many tokens
+    spec_verify: bool = False  # the backend verifies draft tokens (describe().extra["spec_verify"])
 
 
 class Scheduler:
@@ -91,6 +93,8 @@ class Scheduler:
         self.chunked = bool(config.chunked_prefill and model.chunked_prefill)
         self.planner = BatchPlanner(config, self.profiles, self.chunked, model.mixed_batch_tokens)
         self._eos = tuple(model.eos_ids)
+        self.spec = SpecPlanner(config.spec_method, config.spec_max_draft_tokens, config.spec_max_batch_lanes,
+                                model.spec_verify)
         self._piece = piece
         weights = {
             WorkClass.DECODE: config.decode_weight,
@@ -547,6 +551,9 @@ class Scheduler:
                                                                    job.sampled)):
             r = requests[rid]
             assert r.job_id == job_id and r.seq_id == seq_id
+            if job.drafts is not None and job.drafts[lane]:
+                self._complete_verify(ch, job, lane, r, result, toks, lps, now, out)
+                continue
             r.job_id = None
             kv.commit(seq_id, job_id, r.tokens)  # holds >= new_len tokens; the KV manager reads only those
             r.committed = new_len
@@ -569,13 +576,68 @@ class Scheduler:
                 continue
             self._accept_token(r, ch, token, lps[lane] if n_lps > lane else 0.0, now, out)
 
+    def _complete_verify(self, ch: ChipState, job: InflightJob, lane: int, r: RequestRecord, result: JobResult,
+                         toks: list[int] | None, lps: list[float], now: float, out: list[Action]) -> None:
+        """A lane that carried drafts: commit the accepted run, give back the rest, emit token by token."""
+        drafts = job.drafts[lane] if job.drafts is not None else []
+        acc = result.accepted
+        a = int(acc[lane]) if acc is not None and len(acc) > lane else -1
+        start = job.start_lens[lane]
+        r.job_id = None
+        if not 0 <= a <= len(drafts) or toks is None:
+            ch.kv.commit(r.seq_id, job.job_id, r.tokens, new_len=start + 1)  # the last token's KV is sound
+            r.committed = start + 1
+            if r.state in TERMINAL_STATES:
+                self._unbind(r, released=True)
+                self._forget_if_done(r)
+                return
+            self.counters["failed_bad_token"] += 1
+            out.append(FailRequest(r.request_id, 500, "bad_token", f"the chip accepted {a} of {len(drafts)} drafts",
+                                   False, r.timing(now)))
+            self._terminate_running(r, ch, S.FAILED)
+            return
+        new_len = start + 1 + a
+        ch.kv.commit(r.seq_id, job.job_id, r.tokens + drafts[:a], new_len=new_len)
+        r.committed = new_len
+        self.tenant_service[r.params.tenant] += new_len - start
+        if r.state in TERMINAL_STATES:
+            self._unbind(r, released=True)
+            self._forget_if_done(r)
+            return
+        # rejected drafts' KV: keep only the room a plain decode step would hold (the next position's block)
+        keep = min(self.model.max_seq, -(-(new_len + 1) // ch.block_size) * ch.block_size)
+        if keep < r.reserved:
+            ch.kv.truncate(r.seq_id, keep)
+            self._kv_reserved -= r.reserved - keep
+            r.reserved = keep
+        self.spec.observe(r, len(drafts), a)
+        run = drafts[:a] + [toks[lane]]
+        acc_lps = result.accepted_logprobs
+        if r.params.logprobs and acc_lps is not None:
+            at = int(acc[:lane].sum())
+            run_lps = acc_lps[at:at + a].tolist() + [lps[lane] if len(lps) > lane else 0.0]
+        else:
+            run_lps = [0.0] * len(run)
+        vocab = self.model.vocab_size
+        for i, token in enumerate(run):
+            if not 0 <= token < vocab:
+                self.counters["failed_bad_token"] += 1
+                out.append(FailRequest(r.request_id, 500, "bad_token", f"the chip returned token {token}", False,
+                                       r.timing(now)))
+                self._terminate_running(r, ch, S.FAILED)
+                return
+            if self._accept_token(r, ch, token, run_lps[i], now, out, more=i + 1 < len(run)):
+                return  # a stop inside the run: nothing after it is streamed
+
     def _terminate_running(self, r: RequestRecord, ch: ChipState, state: RequestState) -> None:
         """Terminal state for a request whose job just completed (its KV is committed, not in flight)."""
         self._unbind(r, released=True)
         self._terminate(r, state)
 
     def _accept_token(self, r: RequestRecord, ch: ChipState, token: int, logprob: float, now: float,
-                      out: list[Action]) -> None:
+                      out: list[Action], more: bool = False) -> bool:
+        """Feed one sampled token; True when the request stopped. `more`: further tokens of this lane follow
+        (an accepted draft run), so the request stays running until the last one."""
         r.tokens.append(token)
         r.generated += 1
         self.generation_tokens += 1
@@ -605,10 +667,13 @@ class Scheduler:
             r.terminal_emitted = True
             r.move(S.COMPLETED)
             self._forget_if_done(r)
-            return
+            return True
+        if more:
+            return False
         r.move(S.DECODE_READY)
         r.ready_since = now
         ch.decode_ready[r.request_id] = None
+        return False
 
     def _detokenize(self, ts: TextStream, verdict: StepVerdict, stop: StopReason | None
                     ) -> tuple[list[int], str, StopReason | None]:
@@ -746,14 +811,39 @@ class Scheduler:
         self._launch(ch, JobKind.PREFILL, decode, prompts, None, now, out)
         return True
 
-    def _lane(self, r: RequestRecord, ch: ChipState, start: int, end: int, sample: bool) -> Lane:
+    def _lane(self, r: RequestRecord, ch: ChipState, start: int, end: int, sample: bool,
+              drafts: list[int] | None = None) -> Lane:
         """The one place a request becomes a job lane (per-lane inputs the chip needs go here)."""
         p = r.params
         # block_table_view: not copied, build_job copies it into the record before the KV changes again
         return Lane(
-            tokens=r.tokens[start:end], start=start, block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
+            tokens=r.tokens[start:end] if not drafts else r.tokens[start:start + 1] + drafts, start=start,
+            block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
+            drafts=len(drafts) if drafts else 0,
         )
+
+    def _plan_drafts(self, ch: ChipState, decode: list[RequestRecord], prompt_tokens: int) -> list[list[int]] | None:
+        """Draft tokens for each decode lane (None: none speculates), within KV room and the job's token limit."""
+        spec = self.spec
+        if not spec.verify or not decode or len(decode) > spec.max_batch_lanes:
+            return None
+        limit = self.model.mixed_batch_tokens or (1 << 30)
+        used = prompt_tokens + len(decode)
+        plan: list[list[int]] = []
+        max_seq, bs = self.model.max_seq, ch.block_size
+        for r in decode:
+            ds = spec.drafts(r, len(decode), min(max_seq - r.committed - 1, limit - used))
+            need = r.committed + 1 + len(ds)
+            if need > r.reserved:  # room for the drafts: grow without preempting anyone, else draft less
+                target = min(max_seq, -(-need // bs) * bs)
+                if ch.kv.grow(r.seq_id, target):
+                    self._kv_reserved += target - r.reserved
+                    r.reserved = target
+                ds = ds[:max(0, draft_room(r.committed, r.reserved, max_seq))]
+            used += len(ds)
+            plan.append(ds)
+        return plan if any(plan) else None
 
     def _launch(self, ch: ChipState, kind: JobKind, decode: list[RequestRecord], prompts: list[PromptChunk],
                 batch: int | None, now: float, out: list[Action]) -> None:
@@ -769,8 +859,15 @@ class Scheduler:
         ends = [r.committed + 1 for r in decode] + [end for _, _, end in prompts]
         sampled = [True] * len(decode) + [end == r.prefill_target for r, _, end in prompts]
         lane = self._lane
-        job = build_job(kind, [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)],
-                        job_id=job_id, generation=self.model.generation, batch=batch,
+        drafts = self._plan_drafts(ch, decode, sum(e - s for _, s, e in prompts)) if self.spec.verify else None
+        if drafts is None:
+            lanes_in = [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)]
+        else:  # a verification job: a prefill-like chunk per speculating lane, one lane per request
+            kind, batch = JobKind.PREFILL, None
+            drafts += [[]] * len(prompts)
+            ends = [e + len(ds) for e, ds in zip(ends, drafts)]
+            lanes_in = [lane(r, ch, s, e, smp, ds) for r, s, e, smp, ds in zip(rs, starts, ends, sampled, drafts)]
+        job = build_job(kind, lanes_in, job_id=job_id, generation=self.model.generation, batch=batch,
                         table_width=ch.max_blocks_per_seq)
         for r, end in zip(rs, ends):
             kv.begin_update(r.seq_id, job_id, end)
@@ -787,7 +884,7 @@ class Scheduler:
         ch.inflight[job_id] = InflightJob(
             job_id=job_id, kind=kind, lanes=lanes, seq_ids=[r.seq_id for r in rs],
             start_lens=starts, new_lens=ends, sampled=sampled, batch=len(rs) if batch is None else batch,
-            submitted_at=now, timeout_at=now + self.config.job_timeout_s,
+            submitted_at=now, timeout_at=now + self.config.job_timeout_s, drafts=drafts,
         )
         ch.jobs_submitted += 1
         self._release_freed(ch, out)  # before the job: it may reuse a freed block
