@@ -135,6 +135,17 @@ def _name(name: str, value: Any) -> str:
     return value
 
 
+SPECULATIVE_METHODS = ("off", "ngram")  # a request's `speculative` (the board's method may also be "draft")
+
+
+def _choice(options: tuple[str, ...]) -> Checker:
+    def check(name: str, value: Any) -> str:
+        if value not in options or type(value) is not str:
+            raise _FieldError("out_of_range", f"{name}: must be one of {', '.join(options)}, got {value!r}")
+        return value
+    return check
+
+
 def _text(min_chars: int, max_chars: int) -> Checker:
     def check(name: str, value: Any) -> str:
         if type(value) is not str:
@@ -220,6 +231,8 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "stream": (_bool, True),
         "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
         "pool": (_nullable(_name), None),  # balancers: the backend pool to route to (daemons ignore it)
+        # speculative decoding for this request: "off" | "ngram"; null = the board's speculative.method
+        "speculative": (_nullable(_choice(SPECULATIVE_METHODS)), None),
     },
     "cancel": {},
     "health": {},

@@ -906,7 +906,7 @@ class Scheduler:
 
     def stats(self, now: float | None = None) -> dict:
         """Everything an operator may want, as plain data; queue waits only when `now` is given."""
-        return scheduler_stats(
+        st = scheduler_stats(
             accepting=self._accepting, admission_blocked=self.admission_blocked, profiles=self.profiles,
             chunked=self.chunked, waiting_requests=len(self._wfq) + len(self._requeue),
             waiting_prompt_tokens=self._waiting_tokens, active_sequences=self._n_bound,
@@ -915,3 +915,5 @@ class Scheduler:
             generation_tokens=self.generation_tokens, prompt_tokens=self.prompt_tokens,
             queue_waits=None if now is None else self.queue_stats(now),
         )
+        st["speculative"] = self.spec.counters.to_dict()
+        return st

@@ -153,7 +153,8 @@ class Generation:
             raise GenerationError("validate", "; ".join(getattr(e, "errors", [str(e)]))) from None
         model = ModelSpec(generation=self.id, vocab_size=info.vocab_size, eos_ids=tuple(info.eos_ids),
                           max_seq=info.max_seq, profiles=tuple(profiles), chunked_prefill=info.chunked_prefill,
-                          mixed_batch_tokens=info.mixed_batch_tokens)
+                          mixed_batch_tokens=info.mixed_batch_tokens,
+                          spec_verify=bool(info.extra.get("spec_verify", False)))
         chips = [ChipSpec(chip=c, num_blocks=i.kv.num_blocks, block_size=i.kv.block_size)
                  for c, i in enumerate(infos)]
         try:
