@@ -27,11 +27,12 @@ import orjson
 
 from engine.client import Client, default_endpoint
 from engine.errors import ClientError, ClientTimeout
+from ipc.schema import MAX_DEADLINE_MS
 
 PROG = "npuserve admin"
 LONG_OP_TIMEOUT_S = 600.0  # load/replace run golden cases and warm-up: seconds to minutes
 SHORT_OP_TIMEOUT_S = 10.0
-MAX_DRAIN_TIMEOUT_S = 86_400.0  # the protocol's timeout_ms bound (docs/protocol.md)
+MAX_DRAIN_TIMEOUT_S = MAX_DEADLINE_MS / 1000.0  # the protocol's timeout_ms bound
 SHORT_OPS = ("models", "drain", "resume")  # answered at once
 
 

@@ -162,12 +162,16 @@ class BalancerCore:
     def _drain_timed_out(self) -> list:
         """The drain's time is up: what is still in flight ends like at shutdown (503, retryable)."""
         self.drain_deadline = None
+        self.counters["drain_timed_out"] += len(self._reqs)
+        return self._end_live("the balancer's drain timed out")
+
+    def _end_live(self, message: str) -> list:
+        """Every live request ends (503 shutdown, retryable) and its attempt is cancelled upstream."""
         out: list = []
         for r in list(self._reqs.values()):
             if r.state is not ReqState.PENDING:
                 out.append(SendUpstream(r.backend, _cancel_msg(r.uid)))
-            out.append(FailRequest(r.rid, 503, "shutdown", "the balancer's drain timed out", True))
-            self.counters["drain_timed_out"] += 1
+            out.append(FailRequest(r.rid, 503, "shutdown", message, True))
             self._drop(r)
         return out
 
@@ -223,15 +227,9 @@ class BalancerCore:
         return out
 
     def shutdown(self, now: float) -> list:
-        """Every live request ends (503 shutdown, retryable) and its attempt is cancelled upstream."""
+        """Admission closes; every live request ends (503 shutdown, retryable), cancelled upstream."""
         self.accepting = False
-        out: list = []
-        for r in list(self._reqs.values()):
-            if r.state is not ReqState.PENDING:
-                out.append(SendUpstream(r.backend, _cancel_msg(r.uid)))
-            out.append(FailRequest(r.rid, 503, "shutdown", "the balancer is shutting down", True))
-            self._drop(r)
-        return out
+        return self._end_live("the balancer is shutting down")
 
     def active(self) -> int:
         return len(self._reqs)

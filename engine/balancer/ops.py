@@ -29,7 +29,6 @@ class BalancerPorts(Protocol):
     def next_request_id(self) -> int: ...
 
 NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback"})
-MAX_DRAIN_TIMEOUT_MS = 86_400_000  # docs/protocol.md
 
 
 def handle(bal: BalancerPorts, conn: "Conn", msg: dict, now: float) -> list:
@@ -57,11 +56,7 @@ def handle(bal: BalancerPorts, conn: "Conn", msg: dict, now: float) -> list:
             fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc:// or an admin key)")
             return []
         target = msg.get("backend")
-        timeout_ms = msg.get("timeout_ms") if op == "drain" else None
-        if timeout_ms is not None and (type(timeout_ms) is not int or not 0 <= timeout_ms <= MAX_DRAIN_TIMEOUT_MS):
-            fe.error(conn, cid, 400, "bad_request", f"drain: timeout_ms must be an int 0..{MAX_DRAIN_TIMEOUT_MS} "
-                                                    f"or null, got {timeout_ms!r}")
-            return []
+        timeout_ms = msg.get("timeout_ms") if op == "drain" else None  # checked by the wire schema
         if target is None and op == "drain":
             core.drain(now, None if timeout_ms is None else timeout_ms / 1000.0)
             fe.reply(conn, cid, op, {"accepting": core.accepting,

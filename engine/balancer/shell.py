@@ -34,6 +34,7 @@ from engine.config import ConfigError
 from engine.daemon.auth import visible_stats
 from engine.daemon.frontend import Frontend
 from engine.daemon.log import log
+from engine.daemon.signal_pipe import SignalPipe
 from engine.exit_codes import EXIT_INTERNAL
 from ipc.codec import ProtocolError, decode_event
 from ipc.schema import TOKEN_ID_MAX
@@ -55,10 +56,8 @@ class Balancer:
         self._link_socks: dict[zmq.Socket, str] = {}
         self._mon_socks: dict[zmq.Socket, str] = {}
         self._next_rid = 0
-        self._sig_r = self._sig_w = -1
+        self._signal_pipe = SignalPipe()
         self._signals: list[int] = []
-        self._old: dict[int, object] = {}
-        self._old_wakeup: int | None = None
         self.exit_code = 0
         self._stop = False
 
@@ -94,14 +93,8 @@ class Balancer:
             policy=self.settings.balancer.policy, curve=self.security is not None)
 
     def _install_signals(self) -> None:
-        r, w = os.pipe()
-        os.set_blocking(r, False)
-        os.set_blocking(w, False)
-        self._sig_r, self._sig_w = r, w
-        self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            self._old[sig] = signal.signal(sig, self._on_signal)
-        self._poller.register(r, zmq.POLLIN)
+        handlers = {sig: self._on_signal for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        self._poller.register(self._signal_pipe.install(handlers), zmq.POLLIN)
 
     def _on_signal(self, signum, frame) -> None:
         self._signals.append(signum)
@@ -190,8 +183,8 @@ class Balancer:
                 if idx is not None:
                     for conn, msg in fe.receive(idx):
                         actions += fe.handle_guarded(ops.handle, self, conn, msg, now)
-                elif sock == self._sig_r:
-                    _drain_fd(self._sig_r)
+                elif sock == self._signal_pipe.read_fd:
+                    self._signal_pipe.drain()
                     self._on_signals(now)
             actions += core.tick(now)
             self._apply(actions, now)
@@ -263,13 +256,7 @@ class Balancer:
         if self.security is not None:
             self.security.stop()
             self.security = None
-        if self._sig_r >= 0:
-            for sig, h in self._old.items():
-                signal.signal(sig, h)
-            signal.set_wakeup_fd(self._old_wakeup if self._old_wakeup is not None else -1)
-            os.close(self._sig_r)
-            os.close(self._sig_w)
-            self._sig_r = self._sig_w = -1
+        self._signal_pipe.close()
         if self.ctx is not None:
             for ep in self.settings.balancer.endpoints:
                 if ep.startswith("ipc://"):
@@ -302,11 +289,3 @@ def _tokens_fast(data: bytes) -> dict | None:
         if type(t) is not int or not 0 <= t <= TOKEN_ID_MAX:
             return None
     return ev
-
-
-def _drain_fd(fd: int) -> None:
-    try:
-        while os.read(fd, 512):
-            pass
-    except BlockingIOError:
-        pass

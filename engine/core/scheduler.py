@@ -317,18 +317,22 @@ class Scheduler:
         self._dirty = True
 
     def shutdown(self, now: float) -> list[Action]:
-        """Every live request gets 503 "shutdown" (retryable: a balancer resumes it elsewhere).
+        """Admission closes and every live request gets 503 "shutdown" (retryable: a balancer resumes it)."""
+        self.set_accepting(False, "shutdown")
+        return self.end_live(now, "the server is shutting down")
+
+    def end_live(self, now: float, message: str) -> list[Action]:
+        """Every live request gets 503 "shutdown" (retryable), e.g. when an admin drain's time is up.
 
         Jobs still on a chip keep their KV until their results drain (or the
         chip is declared down); everything else is released at once.
         """
-        self.set_accepting(False, "shutdown")
         out: list[Action] = []
         for r in list(self._requests.values()):
             if r.terminal:
                 continue
             self.counters["failed_shutdown"] += 1
-            out.append(FailRequest(r.request_id, 503, "shutdown", "the server is shutting down", True, r.timing(now)))
+            out.append(FailRequest(r.request_id, 503, "shutdown", message, True, r.timing(now)))
             self._terminate(r, S.FAILED)
         return out
 

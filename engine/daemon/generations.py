@@ -43,6 +43,7 @@ class Generations:
         self.generations: dict[int, Generation] = {}
         self.load_jobs: list[LoadJob] = []
         self.accepting = True  # the board admits new requests (drain/resume, SIGTERM)
+        self.drain_deadline: float | None = None  # an admin drain's end: what is still live then gets 503
         self.extra_backend_options = dict(extra_backend_options or {})
         self._apply, self.wake = apply, wake
         self._register, self._unregister, self._observe = register, unregister, observe
@@ -86,6 +87,8 @@ class Generations:
     # -- admission -------------------------------------------------------------------------
     def set_accepting(self, accepting: bool) -> None:
         self.accepting = accepting
+        if accepting:
+            self.drain_deadline = None
         for g in self.serving_generations():
             if g.rec.state is ModelState.READY:  # a load's golden cases run whatever the board admits
                 g.scheduler.set_accepting(accepting, "draining")
@@ -168,13 +171,27 @@ class Generations:
             self._unload_waiters.setdefault(rec.id, []).append(waiter)
         self.drains(now)
 
+    def drain_board(self, now: float, timeout_s: float) -> None:
+        """Admin `drain`: admission closes; requests still live `timeout_s` from now are ended (`drains`)."""
+        self.drain_deadline = now + timeout_s
+
     def drains_due(self, now: float) -> bool:
         """Between supervision ticks: an unload waits for its workers, or a drain deadline has passed."""
         deadline = self.models.next_deadline()
-        return bool(self._unloading) or (deadline is not None and now >= deadline)
+        return bool(self._unloading) or (deadline is not None and now >= deadline) \
+            or (self.drain_deadline is not None and now >= self.drain_deadline)
 
     def drains(self, now: float) -> None:
         """Move draining, recovering and unloading generations on (every supervision tick and after unloads)."""
+        if self.drain_deadline is not None and now >= self.drain_deadline:
+            self.drain_deadline = None
+            ended = 0
+            for g in self.serving_generations():
+                if g.rec.state is ModelState.READY:
+                    acts = g.scheduler.end_live(now, "the board was drained and its drain timeout passed")
+                    ended += len(acts)
+                    self.apply(acts, g, now)
+            log("drain_timed_out", ended_requests=ended)
         for g in list(self.generations.values()):
             st = g.rec.state
             if st is ModelState.DRAINING:

@@ -41,6 +41,7 @@ from engine.daemon.models.load_job import STARTUP_TIMEOUT_S, LoadJob
 from engine.daemon.observe import MetricsPortBusy, Observers
 from engine.daemon.sd_notify import Notifier
 from engine.daemon.service import STOP_SIGNALS, Service
+from engine.daemon.signal_pipe import SignalPipe
 from engine.daemon.views import Views
 from engine.exit_codes import EXIT_INTERNAL, EXIT_UNRECOVERABLE
 from ipc.stale import reap_stale
@@ -87,9 +88,7 @@ class Daemon:
         self._poller = zmq.Poller()
         self._link_socks: dict[zmq.Socket | int, tuple[Generation, int]] = {}  # link socket / result fd -> (gen, chip)
         self._front_socks: dict[zmq.Socket, int] = {}
-        self._sig_r = self._sig_w = -1
-        self._old_handlers: dict[int, object] = {}
-        self._old_wakeup_fd: int | None = None
+        self._signals = SignalPipe()
         self._child_exited = False  # SIGCHLD arrived: supervise on this turn
         self.counters = {"cancelled_dead_clients": 0}
 
@@ -183,11 +182,7 @@ class Daemon:
 
     def wake(self) -> None:
         """Make the loop turn again at once (from any thread: a byte on the self-pipe)."""
-        if self._sig_w >= 0:
-            try:
-                os.write(self._sig_w, b"\0")
-            except OSError:
-                pass
+        self._signals.wake()
 
     # -- poller registration ----------------------------------------------------------------
     def _register_link(self, g: Generation, chip: int) -> None:
@@ -204,15 +199,9 @@ class Daemon:
                 del self._link_socks[s]
 
     def _install_signals(self) -> None:
-        r, w = os.pipe()
-        os.set_blocking(r, False)
-        os.set_blocking(w, False)
-        self._sig_r, self._sig_w = r, w
-        self._old_wakeup_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        for sig in STOP_SIGNALS + self.service.extra_signals():
-            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-        self._old_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, self._on_child_exit)
-        self._poller.register(r, zmq.POLLIN)
+        handlers = {sig: self._on_signal for sig in STOP_SIGNALS + self.service.extra_signals()}
+        handlers[signal.SIGCHLD] = self._on_child_exit
+        self._poller.register(self._signals.install(handlers), zmq.POLLIN)
 
     def _on_child_exit(self, signum, frame) -> None:
         self._child_exited = True  # the wake-up fd wakes the loop; it supervises (reaping is the link's job)
@@ -293,8 +282,8 @@ class Daemon:
             elif sock in front_socks:
                 for conn, msg in fe.receive(front_socks[sock]):
                     fe.handle_guarded(ops.handle, self._ops, conn, msg, now)
-            elif sock == self._sig_r:
-                _drain_fd(self._sig_r)
+            elif sock == self._signals.read_fd:
+                self._signals.drain()
         if fe is not None:
             service.turn(now)
         for job in list(gens.load_jobs):
@@ -431,18 +420,12 @@ class Daemon:
             self._front_socks.clear()
             self.frontend.close(linger_ms=1000)  # let the terminal events leave
         self.gens.close()
-        if self._sig_r >= 0:
-            for sig, h in self._old_handlers.items():
-                signal.signal(sig, h)
-            self._old_handlers.clear()
-            signal.set_wakeup_fd(self._old_wakeup_fd if self._old_wakeup_fd is not None else -1)
+        if self._signals.installed:
             try:
-                self._poller.unregister(self._sig_r)
+                self._poller.unregister(self._signals.read_fd)
             except KeyError:
                 pass
-            os.close(self._sig_r)
-            os.close(self._sig_w)
-            self._sig_r = self._sig_w = -1
+            self._signals.close()
         self.service.close()
         if self.observe is not None:
             self.observe.close()
@@ -459,14 +442,6 @@ class Daemon:
                     _remove_stale_socket(ep[len("ipc://"):])
             self.ctx.term()
             self.ctx = None
-
-
-def _drain_fd(fd: int) -> None:
-    try:
-        while os.read(fd, 512):
-            pass
-    except BlockingIOError:
-        pass
 
 
 def _socket_in_use(path: str) -> bool:

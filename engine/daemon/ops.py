@@ -112,6 +112,9 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
                                                           "send it without `backend`")
             return []
         o.set_accepting(op == "resume")
+        if op == "drain":
+            timeout_ms = msg.get("timeout_ms")
+            gens.drain_board(now, gens.cfg.server.drain_timeout_s if timeout_ms is None else timeout_ms / 1000.0)
         fe.reply(conn, cid, op, {"accepting": gens.accepting})
         return []
     if op in NOT_IMPLEMENTED_OPS:

@@ -250,3 +250,19 @@ def test_socket_is_0600_in_a_0700_directory_whatever_the_umask(daemon, short_dir
     assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert d.proc.poll() is None
+
+
+def test_drain_timeout_ends_what_is_still_in_flight_and_resume_admits_again(daemon):
+    d = daemon(backend="sim", chips=1, backend_options=SLOW)  # 200 tokens take about a second
+    with d.client(timeout=30) as c:
+        stream = c.stream([1, 2, 3], max_tokens=200, seed=3)
+        first = next(stream)
+        assert c.call("drain", timeout_ms=100) == {"accepting": False}
+        with pytest.raises(Unavailable) as ended:
+            for _ in stream:
+                pass
+        assert ended.value.reason == "shutdown" and ended.value.retryable
+        with pytest.raises(Unavailable):
+            c.generate([4, 5], max_tokens=2)
+        c.call("resume")
+        assert c.generate([1, 2, 3], max_tokens=2, seed=3).finish_reason == "length"
