@@ -156,10 +156,12 @@ class ExecutorConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = key(_SCHED.spec_method, string(choices=("off", "ngram")),
-                      "speculative decoding for requests that do not choose: off, or ngram (prompt lookup: "
-                      "draft what followed the last tokens earlier in the prompt or output; the target model "
-                      "verifies, so outputs are unchanged)")
+    method: str = key(_SCHED.spec_method, string(choices=("off", "ngram", "draft")),
+                      "speculative decoding for requests that do not choose: off, ngram (prompt lookup: "
+                      "draft what followed the last tokens earlier in the prompt or output) or draft (the "
+                      "draft_package model proposes); the target model verifies, so outputs are unchanged")
+    draft_package: str = key("", string(), "a smaller model package with the target's vocabulary, run beside the "
+                             "target on every chip to propose drafts (method draft); \"\" = none")
     max_draft_tokens: int = key(_SCHED.spec_max_draft_tokens, integer(0, 32),
                                 "draft tokens per lane and step at most (adaptive k lowers it as drafts miss)")
     max_batch_lanes: int = key(_SCHED.spec_max_batch_lanes, integer(0, 256),
@@ -368,6 +370,9 @@ def load_config(path: str | None, overrides: Mapping[str, object] | None = None,
         for name in _PATH_KEYS:
             if model.get(name):
                 model[name] = _relative_to(base_dir, model[name])
+        spec = doc.get("speculative", {})
+        if spec.get("draft_package"):
+            spec["draft_package"] = _relative_to(base_dir, spec["draft_package"])
     if overrides:
         errors: list[str] = []
         _apply_overrides(doc, overrides, errors)

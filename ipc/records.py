@@ -29,6 +29,9 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
   last draft_lens[i] tokens of lane i are draft tokens after its last real
   token; the worker samples every one of those positions and returns the
   longest accepted prefix (`JobResult.accepted`) plus the next token.
+* draft_src[B] uint8 (optional, empty = none): 1 where the worker's draft
+  model proposes lane i's drafts (the tokens sent there are placeholders);
+  the accepted ones come back in `JobResult.accepted_tokens`.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class JobStatus(enum.IntEnum):
 _META_LEN = 8
 _JOB_META_LEN = 24  # 4 scalars, 15 field sizes, submitted_ns, draft_lens size, spare
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
+_EMPTY_U8 = np.zeros(0, dtype=np.uint8)
 
 
 def _i32(a) -> np.ndarray:
@@ -88,6 +92,7 @@ class Job:
     submitted_ns: int = 0
     # speculative verification: draft tokens at the end of each lane ([B] or empty: no drafts)
     draft_lens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    draft_src: np.ndarray = field(default_factory=lambda: _EMPTY_U8)
 
     @property
     def batch(self) -> int:
@@ -150,6 +155,8 @@ class Job:
             bad = (dl < 0) | (dl >= np.maximum(counts, 1)) | ((dl > 0) & (self.sample == 0))
             if bad.any():
                 raise ValueError(f"lane {int(bad.argmax())}: draft_lens must be below its token count, on a sampled lane")
+        if self.draft_src.size and (self.draft_src.shape != (b,) or not self.draft_lens.size):
+            raise ValueError("draft_src must have one entry per lane, beside draft_lens")
 
     # -- wire format ------------------------------------------------------
     def array_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -169,7 +176,7 @@ class Job:
             2 * self.tokens.size + self.query_start.size + self.context_lens.size + self.top_k.size
             + bt.size + self.src_blocks.size + self.dst_blocks.size + self.draft_lens.size,
             self.temperature.size + self.top_p.size,
-            self.lane_valid.size + self.sample.size + self.want_logprobs.size,
+            self.lane_valid.size + self.sample.size + self.want_logprobs.size + self.draft_src.size,
             self.seed.size,
         )
 
@@ -186,13 +193,14 @@ class Job:
             self.tokens.size, self.positions.size, self.query_start.size, self.context_lens.size,
             self.top_k.size, bt.shape[0], bt.shape[1], self.src_blocks.size, self.dst_blocks.size,
             self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
-            self.want_logprobs.size, self.seed.size, self.submitted_ns, self.draft_lens.size, 0, 0, 0,
+            self.want_logprobs.size, self.seed.size, self.submitted_ns, self.draft_lens.size, self.draft_src.size, 0, 0,
         )
         np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
                         bt.ravel(), self.src_blocks, self.dst_blocks, self.draft_lens), out=dst["i32"],
                        casting="unsafe")
         np.concatenate((self.temperature, self.top_p), out=dst["f32"], casting="unsafe")
-        np.concatenate((self.lane_valid, self.sample, self.want_logprobs), out=dst["u8"], casting="unsafe")
+        np.concatenate((self.lane_valid, self.sample, self.want_logprobs, self.draft_src), out=dst["u8"],
+                       casting="unsafe")
         dst["u64"][:] = self.seed
 
     def to_arrays(self) -> dict[str, np.ndarray]:
@@ -222,7 +230,7 @@ class Job:
         o6 = o5 + b0 * b1
         o7 = o6 + nsrc
         o8 = o7 + ndst
-        if o8 + m[20] != i32.shape[0] or ntemp + ntp != f32.shape[0] or nlv + nsm + nwl != u8.shape[0] \
+        if o8 + m[20] != i32.shape[0] or ntemp + ntp != f32.shape[0] or nlv + nsm + nwl + m[21] != u8.shape[0] \
                 or nseed != u64.shape[0]:
             raise ValueError("job record: array sizes disagree with its meta")
         return cls(
@@ -230,7 +238,8 @@ class Job:
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
             top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7], dst_blocks=i32[o7:o8],
             temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv], sample=u8[nlv:nlv + nsm],
-            want_logprobs=u8[nlv + nsm:], seed=u64, submitted_ns=m[19], draft_lens=i32[o8:],
+            want_logprobs=u8[nlv + nsm:nlv + nsm + nwl], seed=u64, submitted_ns=m[19], draft_lens=i32[o8:],
+            draft_src=u8[nlv + nsm + nwl:],
         )
 
     @classmethod
@@ -249,7 +258,7 @@ class Job:
 
 _LANE_FIELDS = ("context_lens", "sample", "temperature", "top_p", "top_k", "seed", "want_logprobs")
 _FLAT_FIELDS = ("tokens", "positions", "query_start", "lane_valid", *_LANE_FIELDS, "src_blocks", "dst_blocks",
-                "draft_lens")
+                "draft_lens", "draft_src")
 
 
 @dataclass
@@ -269,6 +278,7 @@ class JobResult:
     # the logprobs of the accepted drafts, packed lane after lane
     accepted: np.ndarray | None = None  # int32 [B]
     accepted_logprobs: np.ndarray | None = None  # float32 [sum(accepted)]
+    accepted_tokens: np.ndarray | None = None  # int32 [sum(accepted)]: the accepted drafts themselves
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         meta = np.zeros(_META_LEN, dtype=np.int64)
@@ -284,6 +294,8 @@ class JobResult:
             out["accepted"] = _i32(self.accepted)
             lps = self.accepted_logprobs
             out["accepted_logprobs"] = np.ascontiguousarray(np.zeros(0) if lps is None else lps, dtype=np.float32)
+            if self.accepted_tokens is not None:
+                out["accepted_tokens"] = _i32(self.accepted_tokens)
         return out
 
     @classmethod
@@ -303,6 +315,7 @@ class JobResult:
             logits=None if logits is None else np.array(logits),
             accepted=np.array(a["accepted"]) if "accepted" in a else None,
             accepted_logprobs=np.array(a["accepted_logprobs"]) if "accepted_logprobs" in a else None,
+            accepted_tokens=np.array(a["accepted_tokens"]) if "accepted_tokens" in a else None,
         )
 
     @classmethod
@@ -331,6 +344,7 @@ class Lane(NamedTuple):
     seed: int = 0
     want_logprobs: bool = False
     drafts: int = 0  # the last `drafts` tokens are speculative drafts to verify
+    draft_model: bool = False  # the worker's draft model proposes them (the tokens sent are placeholders)
 
 
 def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, generation: int = 0,
@@ -360,6 +374,7 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
     seed = np.zeros(b, np.uint64)
     want_logprobs = np.zeros(b, np.uint8)
     draft_lens = np.zeros(b, np.int32) if any(ln is not None and ln.drafts for ln in lanes) else _EMPTY_I32
+    draft_src = np.zeros(b, np.uint8) if any(ln is not None and ln.draft_model for ln in lanes) else _EMPTY_U8
     at = 0
     for i, ln in enumerate(lanes):
         if ln is not None:
@@ -379,6 +394,8 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
             if ln.drafts:
                 assert kind is JobKind.PREFILL and ln.sample and ln.drafts < n
                 draft_lens[i] = ln.drafts
+                if ln.draft_model:
+                    draft_src[i] = 1
         query_start[i + 1] = at
     query_start[len(lanes) + 1:] = at
     return Job(
@@ -386,5 +403,5 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
         query_start=query_start, lane_valid=lane_valid, context_lens=context_lens,
         block_tables=block_tables, sample=sample, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, want_logprobs=want_logprobs, return_logits=return_logits,
-        draft_lens=draft_lens,
+        draft_lens=draft_lens, draft_src=draft_src,
     )

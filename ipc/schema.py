@@ -135,7 +135,7 @@ def _name(name: str, value: Any) -> str:
     return value
 
 
-SPECULATIVE_METHODS = ("off", "ngram")  # a request's `speculative` (the board's method may also be "draft")
+SPECULATIVE_METHODS = ("off", "ngram", "draft")  # a request's `speculative` ("draft": the board's draft model)
 
 
 def _choice(options: tuple[str, ...]) -> Checker:
@@ -231,7 +231,7 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "stream": (_bool, True),
         "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
         "pool": (_nullable(_name), None),  # balancers: the backend pool to route to (daemons ignore it)
-        # speculative decoding for this request: "off" | "ngram"; null = the board's speculative.method
+        # speculative decoding for this request: "off" | "ngram" | "draft"; null = the board's speculative.method
         "speculative": (_nullable(_choice(SPECULATIVE_METHODS)), None),
     },
     "cancel": {},

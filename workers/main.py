@@ -34,6 +34,7 @@ from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
 from workers.sampling import sample
+from workers.draft_model import DraftModel
 from workers.spec_verify import verify_drafts
 
 _PR_SET_PDEATHSIG = 1
@@ -60,13 +61,17 @@ class JobOutcome:
     error: str = ""
     accepted: np.ndarray | None = None  # verification jobs: accepted drafts per lane
     accepted_logprobs: np.ndarray | None = None
+    accepted_tokens: np.ndarray | None = None
 
 
-def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> JobOutcome:
+def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0,
+                draft: DraftModel | None = None) -> JobOutcome:
     """Run one job on the backend and sample its lanes.
 
     Inputs may be read-only ring views; nothing here writes to them.
     `extra_device_s` is the chaos "slow" hook: it is spent as device time.
+    `draft`: the chip's draft model (speculative.draft_package): it proposes
+    the drafts of `draft_src` lanes and mirrors every job's KV.
     """
     b = job.batch
     tokens = np.full(b, -1, np.int32)
@@ -81,28 +86,34 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0) -> 
             time.sleep(extra_device_s)
         if job.kind == JobKind.KV_COPY:
             backend.copy_blocks(job.src_blocks, job.dst_blocks)
+            if draft is not None:
+                draft.copy_blocks(job.src_blocks, job.dst_blocks)
             return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
+        if draft is not None and job.draft_src.size:
+            job = draft.propose(job)
         out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
         device_us = (time.perf_counter_ns() - t0) // 1000
         lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
-        accepted = accepted_lps = None
+        accepted = accepted_lps = accepted_toks = None
         if out.logits is not None:
             if lanes.size:
                 _sample_lanes(job, out.logits, lanes, tokens, logprobs)
             if job.draft_lens.size:
                 if out.draft_logits is None:
                     raise RuntimeError("the backend cannot verify draft tokens (no draft_logits)")
-                accepted, accepted_lps = verify_drafts(job, out.draft_logits, tokens, logprobs)
+                accepted, accepted_lps, accepted_toks = verify_drafts(job, out.draft_logits, tokens, logprobs)
         elif out.tokens is not None:
             tokens[lanes] = out.tokens[lanes]
         else:
             raise RuntimeError("backend returned neither logits nor tokens")
+        if draft is not None:
+            draft.mirror(job)
     except Exception as exc:  # a device-level fault fails this job, never the worker
         return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                           (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
     logits = out.logits if job.return_logits else None
     return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, accepted=accepted,
-                      accepted_logprobs=accepted_lps)
+                      accepted_logprobs=accepted_lps, accepted_tokens=accepted_toks)
 
 
 def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
@@ -149,6 +160,7 @@ class WorkerProcess:
         self.job_ring = job_ring
         self.result_ring = result_ring
         self.backend = backend
+        self.draft: DraftModel | None = None  # the chip's draft model (speculative.draft_package)
         self.bell = bell
         self.result_fd = result_fd  # the link's result doorbell (an eventfd); None: RESULT messages
         self.jobs_done = 0
@@ -238,6 +250,8 @@ class WorkerProcess:
             _, blocks = self._releases.pop(0)
             try:
                 self.backend.release_blocks(blocks)
+                if self.draft is not None:
+                    self.draft.release_blocks(blocks)
             except Exception as exc:  # a backend bug must not kill the worker; the next job's checks stand
                 _log("worker.release_failed", error=f"{type(exc).__name__}: {exc}")
 
@@ -278,7 +292,7 @@ class WorkerProcess:
                 self.send(encode(Msg.HEARTBEAT, at=time.monotonic(), jobs_done=self.jobs_done, busy_job=job.job_id))
             self._set_in_job(True)
             try:
-                outcome = execute_job(self.backend, job, self.slow_s)
+                outcome = execute_job(self.backend, job, self.slow_s, self.draft)
             finally:
                 self._set_in_job(False)
             self.write_result(job, outcome, t0)
@@ -326,6 +340,7 @@ class WorkerProcess:
             if accepted is not None:
                 a["accepted"][:] = accepted
                 a["accepted_logprobs"][:] = outcome.accepted_logprobs
+                a["accepted_tokens"][:] = outcome.accepted_tokens
             meta[5] = (time.perf_counter_ns() - t0_ns) // 1000
 
     # -- loop ------------------------------------------------------------
@@ -359,13 +374,19 @@ def _result_spec(b: int, logits_shape: tuple[int, ...] | None, n_accepted: int =
     if n_accepted >= 0:  # a verification job: accepted drafts per lane, and their logprobs
         spec["accepted"] = ((b,), "<i4")
         spec["accepted_logprobs"] = ((n_accepted,), "<f4")
+        spec["accepted_tokens"] = ((n_accepted,), "<i4")
     return spec
+
+
+DRAFT_OPTION = "spec_draft_package"  # the backend option that names the draft model's package (not the backend's)
 
 
 def _load_backend(config: WorkerConfig) -> ChipBackend:
     from workers.backends.registry import make_backend
 
-    backend = make_backend(config.backend, **(config.backend_options or {}))
+    opts = dict(config.backend_options or {})
+    opts.pop(DRAFT_OPTION, None)
+    backend = make_backend(config.backend, **opts)
     package = None
     if config.package_path is not None:
         from workers.package_loader import load_package
@@ -373,6 +394,31 @@ def _load_backend(config: WorkerConfig) -> ChipBackend:
         package = load_package(config.package_path, verified_sha256=config.package_sha256)
     backend.load(package)
     return backend
+
+
+def load_draft(config: WorkerConfig, target: ChipBackend) -> DraftModel | None:
+    """The draft model of `backend_options[spec_draft_package]`: the target's backend kind, its KV geometry."""
+    from workers.backends.registry import make_backend
+    from workers.package_loader import load_package
+
+    opts = dict(config.backend_options or {})
+    path = opts.pop(DRAFT_OPTION, None)
+    if not path:
+        return None
+    info = target.describe()
+    opts["num_blocks"] = info.kv.num_blocks
+    if config.backend == "llamacpp":
+        opts["block_size"] = info.kv.block_size
+    draft = make_backend(config.backend, **opts)
+    draft.load(load_package(path))
+    d = draft.describe()
+    if d.kv.block_size != info.kv.block_size or d.kv.num_blocks < info.kv.num_blocks or d.vocab_size != info.vocab_size:
+        raise ValueError(f"draft package {path}: needs the target's vocabulary ({info.vocab_size}) and KV blocks "
+                         f"({info.kv.num_blocks} of {info.kv.block_size}), has {d.vocab_size} and "
+                         f"{d.kv.num_blocks} of {d.kv.block_size}")
+    if not d.extra.get("spec_verify"):
+        raise ValueError(f"backend {config.backend} cannot run a draft model")
+    return DraftModel(draft)
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -407,7 +453,10 @@ def run(config: WorkerConfig) -> int:
             if config.job_bell is not None:
                 bell = SemaphoreDoorbell.attach(config.job_bell, spin_s=config.job_spin_s)
             backend = _load_backend(config)
+            draft = load_draft(config, backend)
             info = backend.describe()
+            if draft is not None:
+                info.extra["spec_draft"] = True
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             _log("worker.start_failed", error=message)
@@ -416,6 +465,7 @@ def run(config: WorkerConfig) -> int:
             return 1
         sock.send(encode(Msg.READY, info=info.to_dict(), pid=os.getpid()))
         worker = WorkerProcess(config, sock, rings[0], rings[1], backend, bell, config.result_bell_fd)
+        worker.draft = draft
         try:
             worker.serve()
         finally:

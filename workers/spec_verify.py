@@ -49,17 +49,19 @@ def draft_rows(job: Job) -> np.ndarray:
 
 
 def verify_drafts(job: Job, rows_logits: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
-                  row_mask: RowMask | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  row_mask: RowMask | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Accept drafts lane by lane; rewrites tokens[lane] (and logprobs) to the token after the accepted run.
 
     `rows_logits` [len(draft_rows(job)), V]: the logits of `draft_rows(job)`,
     in that order; `tokens`/`logprobs` [B] hold each lane's sample from its
     last row (what follows a fully accepted run). Returns (accepted int32
-    [B], accepted drafts' logprobs float32, packed lane after lane).
+    [B], the accepted drafts' logprobs float32 and tokens int32, packed lane
+    after lane).
     """
     b = job.batch
     accepted = np.zeros(b, np.int32)
     acc_lps: list[float] = []
+    acc_toks: list[int] = []
     dl = job.draft_lens.tolist()
     ends = job.query_start[1:].tolist()
     at = 0
@@ -81,7 +83,8 @@ def verify_drafts(job: Job, rows_logits: np.ndarray, tokens: np.ndarray, logprob
         a = int(miss[0]) if miss.size else d
         accepted[lane] = a
         acc_lps.extend(lps[:a].tolist())
+        acc_toks.extend(drafts[:a].tolist())
         if a < d:  # the first rejected position's sample is the next token
             tokens[lane] = samp[a]
             logprobs[lane] = lps[a]
-    return accepted, np.asarray(acc_lps, np.float32)
+    return accepted, np.asarray(acc_lps, np.float32), np.asarray(acc_toks, np.int32)

@@ -22,6 +22,7 @@ class InflightJob:
     submitted_at: float
     timeout_at: float
     drafts: list[list[int]] | None = None  # per lane: draft tokens to verify (None: no lane speculates)
+    model_drafts: list[bool] | None = None  # per lane: the worker's draft model proposes them (placeholders here)
 
 
 @dataclass(eq=False)

@@ -71,6 +71,7 @@ class ModelSpec:
     chunked_prefill: bool  # incremental prefill numerically equal to one-shot
     mixed_batch_tokens: int = 0  # > 0: a prefill job may mix lanes (decode + prompt chunks) up to this many tokens
     spec_verify: bool = False  # the backend verifies draft tokens (describe().extra["spec_verify"])
+    spec_draft: bool = False  # the workers run a draft model (describe().extra["spec_draft"])
 
 
 class Scheduler:
@@ -94,7 +95,7 @@ class Scheduler:
         self.planner = BatchPlanner(config, self.profiles, self.chunked, model.mixed_batch_tokens)
         self._eos = tuple(model.eos_ids)
         self.spec = SpecPlanner(config.spec_method, config.spec_max_draft_tokens, config.spec_max_batch_lanes,
-                                model.spec_verify)
+                                model.spec_verify, draft_model=model.spec_draft)
         self._piece = piece
         weights = {
             WorkClass.DECODE: config.decode_weight,
@@ -584,10 +585,17 @@ class Scheduler:
                          toks: list[int] | None, lps: list[float], now: float, out: list[Action]) -> None:
         """A lane that carried drafts: commit the accepted run, give back the rest, emit token by token."""
         drafts = job.drafts[lane] if job.drafts is not None else []
+        n_drafted = len(drafts)
         acc = result.accepted
         a = int(acc[lane]) if acc is not None and len(acc) > lane else -1
         start = job.start_lens[lane]
         r.job_id = None
+        at = int(acc[:lane].sum()) if a >= 0 else 0
+        if job.model_drafts is not None and job.model_drafts[lane] and 0 <= a <= len(drafts):
+            got = result.accepted_tokens  # the draft model's proposals: the scheduler sent placeholders
+            drafts = got[at:at + a].tolist() if got is not None and len(got) >= at + a else []
+            if len(drafts) != a:
+                a = -1
         if not 0 <= a <= len(drafts) or toks is None:
             ch.kv.commit(r.seq_id, job.job_id, r.tokens, new_len=start + 1)  # the last token's KV is sound
             r.committed = start + 1
@@ -596,7 +604,7 @@ class Scheduler:
                 self._forget_if_done(r)
                 return
             self.counters["failed_bad_token"] += 1
-            out.append(FailRequest(r.request_id, 500, "bad_token", f"the chip accepted {a} of {len(drafts)} drafts",
+            out.append(FailRequest(r.request_id, 500, "bad_token", f"the chip accepted {a} of {n_drafted} drafts",
                                    False, r.timing(now)))
             self._terminate_running(r, ch, S.FAILED)
             return
@@ -614,11 +622,10 @@ class Scheduler:
             ch.kv.truncate(r.seq_id, keep)
             self._kv_reserved -= r.reserved - keep
             r.reserved = keep
-        self.spec.observe(r, len(drafts), a)
+        self.spec.observe(r, n_drafted, a)
         run = drafts[:a] + [toks[lane]]
         acc_lps = result.accepted_logprobs
         if r.params.logprobs and acc_lps is not None:
-            at = int(acc[:lane].sum())
             run_lps = acc_lps[at:at + a].tolist() + [lps[lane] if len(lps) > lane else 0.0]
         else:
             run_lps = [0.0] * len(run)
@@ -816,7 +823,7 @@ class Scheduler:
         return True
 
     def _lane(self, r: RequestRecord, ch: ChipState, start: int, end: int, sample: bool,
-              drafts: list[int] | None = None) -> Lane:
+              drafts: list[int] | None = None, draft_model: bool = False) -> Lane:
         """The one place a request becomes a job lane (per-lane inputs the chip needs go here)."""
         p = r.params
         # block_table_view: not copied, build_job copies it into the record before the KV changes again
@@ -824,20 +831,23 @@ class Scheduler:
             tokens=r.tokens[start:end] if not drafts else r.tokens[start:start + 1] + drafts, start=start,
             block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
-            drafts=len(drafts) if drafts else 0,
+            drafts=len(drafts) if drafts else 0, draft_model=draft_model,
         )
 
-    def _plan_drafts(self, ch: ChipState, decode: list[RequestRecord], prompt_tokens: int) -> list[list[int]] | None:
-        """Draft tokens for each decode lane (None: none speculates), within KV room and the job's token limit."""
+    def _plan_drafts(self, ch: ChipState, decode: list[RequestRecord], prompt_tokens: int
+                     ) -> tuple[list[list[int]], list[bool]] | None:
+        """Draft tokens for each decode lane, and whether the draft model fills them (None: none speculates),
+        within KV room and the job's token limit."""
         spec = self.spec
         if not spec.verify or not decode or len(decode) > spec.max_batch_lanes:
             return None
         limit = self.model.mixed_batch_tokens or (1 << 30)
         used = prompt_tokens + len(decode)
         plan: list[list[int]] = []
+        from_model: list[bool] = []
         max_seq, bs = self.model.max_seq, ch.block_size
         for r in decode:
-            ds = spec.drafts(r, len(decode), min(max_seq - r.committed - 1, limit - used))
+            ds, by_model = spec.drafts(r, len(decode), min(max_seq - r.committed - 1, limit - used))
             need = r.committed + 1 + len(ds)
             if need > r.reserved:  # room for the drafts: grow without preempting anyone, else draft less
                 target = min(max_seq, -(-need // bs) * bs)
@@ -847,7 +857,8 @@ class Scheduler:
                 ds = ds[:max(0, draft_room(r.committed, r.reserved, max_seq))]
             used += len(ds)
             plan.append(ds)
-        return plan if any(plan) else None
+            from_model.append(by_model and bool(ds))
+        return (plan, from_model) if any(plan) else None
 
     def _launch(self, ch: ChipState, kind: JobKind, decode: list[RequestRecord], prompts: list[PromptChunk],
                 batch: int | None, now: float, out: list[Action]) -> None:
@@ -863,14 +874,17 @@ class Scheduler:
         ends = [r.committed + 1 for r in decode] + [end for _, _, end in prompts]
         sampled = [True] * len(decode) + [end == r.prefill_target for r, _, end in prompts]
         lane = self._lane
-        drafts = self._plan_drafts(ch, decode, sum(e - s for _, s, e in prompts)) if self.spec.verify else None
-        if drafts is None:
+        planned = self._plan_drafts(ch, decode, sum(e - s for _, s, e in prompts)) if self.spec.verify else None
+        drafts = model_drafts = None
+        if planned is None:
             lanes_in = [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)]
         else:  # a verification job: a prefill-like chunk per speculating lane, one lane per request
             kind, batch = JobKind.PREFILL, None
-            drafts += [[]] * len(prompts)
+            drafts = planned[0] + [[]] * len(prompts)
+            model_drafts = planned[1] + [False] * len(prompts) if any(planned[1]) else None
             ends = [e + len(ds) for e, ds in zip(ends, drafts)]
-            lanes_in = [lane(r, ch, s, e, smp, ds) for r, s, e, smp, ds in zip(rs, starts, ends, sampled, drafts)]
+            lanes_in = [lane(r, ch, s, e, smp, ds, bool(model_drafts and model_drafts[i]))
+                        for i, (r, s, e, smp, ds) in enumerate(zip(rs, starts, ends, sampled, drafts))]
         job = build_job(kind, lanes_in, job_id=job_id, generation=self.model.generation, batch=batch,
                         table_width=ch.max_blocks_per_seq)
         for r, end in zip(rs, ends):
@@ -888,7 +902,7 @@ class Scheduler:
         ch.inflight[job_id] = InflightJob(
             job_id=job_id, kind=kind, lanes=lanes, seq_ids=[r.seq_id for r in rs],
             start_lens=starts, new_lens=ends, sampled=sampled, batch=len(rs) if batch is None else batch,
-            submitted_at=now, timeout_at=now + self.config.job_timeout_s, drafts=drafts,
+            submitted_at=now, timeout_at=now + self.config.job_timeout_s, drafts=drafts, model_drafts=model_drafts,
         )
         ch.jobs_submitted += 1
         self._release_freed(ch, out)  # before the job: it may reuse a freed block

@@ -108,7 +108,7 @@ def test_sampled_verification_is_the_plain_sample_whatever_the_draft() -> None:
         drafts = rng.integers(0, v, d).tolist()
         job = _lane_job(v, d, drafts, 0.8, seed)
         tok, lp = sample(last, job.temperature, job.top_p, job.top_k, job.seed, job.context_lens)
-        acc, _ = verify_drafts(job, rows, tok, lp)
+        acc, _, _ = verify_drafts(job, rows, tok, lp)
         plain = sample(rows, np.full(d, 0.8), np.ones(d), np.zeros(d, int), np.full(d, seed), np.arange(11, 14))[0]
         a = int(acc[0])
         assert drafts[:a] == plain[:a].tolist()
@@ -129,7 +129,7 @@ def test_sampled_distribution_matches_the_target_chi_square() -> None:
     for seed in range(4000):
         job = _lane_job(v, 1, [0], 1.0, seed)
         tok, lp = np.array([-1], np.int32), np.zeros(1, np.float32)
-        acc, _ = verify_drafts(job, z, tok, lp)
+        acc, _, _ = verify_drafts(job, z, tok, lp)
         counts[0 if acc[0] else int(tok[0])] += 1
     expected = p * counts.sum()
     stat = float(((counts - expected) ** 2 / expected).sum())

@@ -1,7 +1,8 @@
 """Which decode lanes speculate in a job, how many drafts each carries, and the counters.
 
-Per request: `GenerateParams.speculative` ("off" | "ngram", None = the board
-default `speculative.method`). Per job: no drafts once the job has more than
+Per request: `GenerateParams.speculative` ("off" | "ngram" | "draft", None =
+the board default `speculative.method`; "draft" without a draft model on the
+board decodes plainly). Per job: no drafts once the job has more than
 `max_batch_lanes` decode lanes -- a large batch already keeps the chip
 compute-bound, where verifying k extra positions per lane costs more than
 the passes it saves. Per lane: k from `AdaptiveK`, capped so that the run
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from engine.core.spec.adaptive import AdaptiveK
 from engine.core.spec.ngram_draft import NgramDrafter
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "draft")
 
 
 @dataclass
@@ -65,7 +66,7 @@ class SpecCounters:
 
 class SpecPlanner:
     def __init__(self, method: str, max_draft_tokens: int, max_batch_lanes: int, verify: bool,
-                 ngram_min: int = 1, ngram_max: int = 3) -> None:
+                 ngram_min: int = 1, ngram_max: int = 3, draft_model: bool = False) -> None:
         if method not in METHODS:
             raise ValueError(f"speculative.method must be one of {', '.join(METHODS)}")
         self.method = method
@@ -73,16 +74,29 @@ class SpecPlanner:
         self.max_batch_lanes = max_batch_lanes
         self.verify = verify  # the backend returns draft rows (describe().extra["spec_verify"])
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.draft_model = draft_model  # the workers run a draft model (describe().extra["spec_draft"])
         self.counters = SpecCounters()
 
-    def wants(self, requested: str | None) -> bool:
+    def method_for(self, requested: str | None) -> str:
         method = self.method if requested is None else requested
-        return self.verify and method != "off" and self.max_draft_tokens > 0
+        if not self.verify or self.max_draft_tokens <= 0 or (method == "draft" and not self.draft_model):
+            return "off"
+        return method
 
-    def drafts(self, r, decode_lanes: int, room: int) -> list[int]:
-        """Draft tokens for request record `r` this step (at most `room`); [] = a plain decode lane."""
-        if room <= 0 or decode_lanes > self.max_batch_lanes or not self.wants(r.params.speculative):
-            return []
+    def wants(self, requested: str | None) -> bool:
+        return self.method_for(requested) != "off"
+
+    def drafts(self, r, decode_lanes: int, room: int) -> tuple[list[int], bool]:
+        """(draft tokens for request record `r` this step, at most `room`; from the draft model).
+
+        ([], False) = a plain decode lane. Draft-model drafts are placeholders
+        (the lane's last token repeated) that the worker's draft model fills.
+        """
+        if room <= 0 or decode_lanes > self.max_batch_lanes:
+            return [], False
+        method = self.method_for(r.params.speculative)
+        if method == "off":
+            return [], False
         lane = r.spec
         if lane is None:
             lane = r.spec = SpecLane(NgramDrafter(self.ngram_min, self.ngram_max), AdaptiveK(self.max_draft_tokens))
@@ -90,8 +104,10 @@ class SpecPlanner:
         left = p.max_tokens - len(p.continuation) - r.generated - 1  # tokens after the one this step samples
         k = min(lane.k.next_k(), room, left)
         if k <= 0:
-            return []
-        return lane.drafter.propose(r.tokens, k)
+            return [], False
+        if method == "draft":
+            return [r.tokens[-1]] * k, True
+        return lane.drafter.propose(r.tokens, k), False
 
     def observe(self, r, drafted: int, accepted: int) -> None:
         if r.spec is not None:

@@ -113,6 +113,8 @@ class Generation:
         for chip in range(cfg.board.chips):
             opts = backend_options(cfg, chip)
             opts.update(self.extra_backend_options)
+            if cfg.speculative.draft_package:  # the worker loads it beside the target (workers.main.load_draft)
+                opts["spec_draft_package"] = cfg.speculative.draft_package
             link = ChipLink(ctx=self.ctx, board=cfg.board.id, chip=chip, backend=cfg.board.backend,
                             backend_options=opts, package_path=self.package_path,
                             runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb, generation=self.id,
@@ -154,7 +156,8 @@ class Generation:
         model = ModelSpec(generation=self.id, vocab_size=info.vocab_size, eos_ids=tuple(info.eos_ids),
                           max_seq=info.max_seq, profiles=tuple(profiles), chunked_prefill=info.chunked_prefill,
                           mixed_batch_tokens=info.mixed_batch_tokens,
-                          spec_verify=bool(info.extra.get("spec_verify", False)))
+                          spec_verify=bool(info.extra.get("spec_verify", False)),
+                          spec_draft=bool(info.extra.get("spec_draft", False)))
         chips = [ChipSpec(chip=c, num_blocks=i.kv.num_blocks, block_size=i.kv.block_size)
                  for c, i in enumerate(infos)]
         try:

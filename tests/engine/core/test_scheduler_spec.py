@@ -29,6 +29,7 @@ class VerifyingExecutor(FakeExecutor):
             return res
         accepted = np.zeros(job.batch, np.int32)
         lps = []
+        acc_toks: list[int] = []
         for lane in range(job.batch):
             d = int(job.draft_lens[lane])
             if not d:
@@ -36,6 +37,11 @@ class VerifyingExecutor(FakeExecutor):
             toks = job.lane_tokens(lane).tolist()
             start = int(job.lane_positions(lane)[0])
             seed = int(job.seed[lane])
+            if job.draft_src.size and job.draft_src[lane]:  # the fake draft model: right except every 3rd position
+                toks = toks[:1] + [self.token_fn(seed, start + j) + (1 if (start + j) % 3 == 0 else 0)
+                                   for j in range(1, d + 1)]
+                placeholders = job.lane_tokens(lane).tolist()[1:]
+                assert placeholders == [toks[0]] * d
             a = d
             for j in range(1, d + 1):
                 if toks[j] != self.token_fn(seed, start + j):
@@ -43,14 +49,16 @@ class VerifyingExecutor(FakeExecutor):
                     break
             accepted[lane] = a
             lps += [-0.25] * a
+            acc_toks += toks[1:1 + a]
             res.tokens[lane] = self.token_fn(seed, start + a + 1)
         res.accepted, res.accepted_logprobs = accepted, np.asarray(lps, np.float32)
+        res.accepted_tokens = np.asarray(acc_toks, np.int32)
         return res
 
 
 def run(cfg: SchedulerConfig, reqs, token_fn=periodic_token, rng=None, num_blocks=512, block_size=16,
-        mixed=0) -> VerifyingExecutor:
-    model = dataclasses.replace(make_model(mixed=mixed), spec_verify=True)
+        mixed=0, draft=False) -> VerifyingExecutor:
+    model = dataclasses.replace(make_model(mixed=mixed), spec_verify=True, spec_draft=draft)
     s = Scheduler(cfg, model, [ChipSpec(0, num_blocks, block_size)])
     ex = VerifyingExecutor(s, token_fn=token_fn, rng=rng)
     for rid, p in reqs:
@@ -147,3 +155,23 @@ def test_kv_accounting_returns_to_baseline_for_any_rejection_pattern(seed, k, bs
     plain = run(PLAIN, reqs, token_fn=fn, block_size=bs, num_blocks=64)
     spec = run(cfg, reqs, token_fn=fn, rng=random.Random(seed), block_size=bs, num_blocks=64)
     assert spec.tokens == plain.tokens
+
+
+def free_token(seed: int, position: int) -> int:
+    return 1 + (seed * 1_000_003 + position * 7_919) % 997  # nothing for an n-gram lookup to find
+
+
+def test_draft_model_lanes_equal_plain_decoding_and_use_the_workers_proposals() -> None:
+    reqs = [(i, params(n_prompt=10, max_tokens=30, seed=i, speculative="draft" if i < 2 else "ngram",
+                       stop_token_ids=[free_token(1, 10 + 17)] if i == 1 else []))
+            for i in range(3)]
+    cfg = SchedulerConfig(spec_method="ngram", spec_max_draft_tokens=4)
+    plain = run(PLAIN, reqs, token_fn=free_token)
+    spec = run(cfg, reqs, token_fn=free_token, draft=True)
+    assert spec.tokens == plain.tokens and len(spec.tokens[1]) < 30
+    assert any(job.draft_src.size for _, job in spec.jobs)
+    c = spec.sched.spec.counters
+    assert c.accepted_tokens > 10 and c.draft_tokens > c.accepted_tokens  # drafted counts the placeholders
+    # without a draft model on the board, "draft" decodes plainly
+    nodraft = run(cfg, reqs[:1], token_fn=free_token)
+    assert nodraft.tokens[0] == plain.tokens[0] and not any(job.draft_lens.size for _, job in nodraft.jobs)

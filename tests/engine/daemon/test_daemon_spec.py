@@ -55,3 +55,23 @@ def test_ngram_speculation_equals_plain_decoding_token_for_token(daemon):
         kv = c.stats()["scheduler"]["chips"]
     for chip in kv.values():
         assert chip["kv"]["blocks"]["used"] == 0 and chip["kv"]["blocks"]["quarantined"] == 0
+
+
+def test_a_draft_model_package_drafts_and_outputs_stay_the_targets(daemon, tmp_path):
+    """Target: the built-in tiny model; draft: a make-model package with the same vocabulary (other weights)."""
+    from workers.model_maker import make_model
+
+    draft = make_model(str(tmp_path / "draft"), seed=99)
+    d = daemon(backend="ref", chips=1, settings={"speculative.method": "draft", "speculative.draft_package": draft})
+    prompts = _prompts(4)
+
+    async def run(spec):
+        async with AsyncClient(d.endpoint, timeout=120) as c:
+            return await asyncio.gather(*(c.generate(p, max_tokens=20, seed=i, temperature=0.0 if i % 2 else 0.9,
+                                                     speculative=spec) for i, p in enumerate(prompts)))
+
+    plain, drafted = asyncio.run(run("off")), asyncio.run(run(None))
+    assert [r.tokens for r in drafted] == [r.tokens for r in plain]
+    with d.client(timeout=10) as c:
+        sp = c.stats()["scheduler"]["speculative"]
+    assert sp["num_drafts"] > 0, sp
