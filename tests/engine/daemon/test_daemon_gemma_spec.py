@@ -60,3 +60,34 @@ def test_gemma_greedy_with_ngram_speculation_equals_without(daemon, gemma_packag
     assert sum(same) >= len(same) - verdicts.count("near-tie"), (same, verdicts)
     assert sp["num_drafts"] > 0 and sp["num_accepted_tokens"] > 0, sp
     tok.close()
+
+
+def test_gemma_drafting_for_itself_gives_the_same_text(daemon, gemma_package):
+    """The draft-model path on a real model: Gemma as its own draft (same tokenizer, its own KV and cells)."""
+    gguf = f"{gemma_package}/model.gguf"
+    tok = GgufTokenizer(gguf)
+    prompts = [tok.encode(t) for t in PROMPTS]
+    d = daemon(backend="llamacpp", chips=1, extra=["--package", gemma_package],
+               settings={"board.threads_per_chip": 1, "model.alias": "gemma3-270m", "speculative.method": "draft",
+                         "speculative.draft_package": gemma_package})
+    kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        async with AsyncClient(d.endpoint, timeout=300) as c:
+            off = [await c.generate(p, speculative="off", **kw) for p in prompts]
+            on = [await c.generate(p, **kw) for p in prompts]
+            return off, on
+
+    off, on = asyncio.run(run())
+    with d.client(timeout=10) as c:
+        sp = c.stats()["scheduler"]["speculative"]
+    print(f"\nspeculative (self-draft): {sp}")
+    model = LlamaModel(gguf, n_ctx=512, n_batch=512, n_seq_max=1, n_threads=1)
+    try:
+        solo = [greedy_solo(model, p, MAX_TOKENS) for p in prompts]
+    finally:
+        model.close()
+    verdicts = [compare_greedy(r.tokens, want, gaps) for rs in (off, on) for r, (want, gaps) in zip(rs, solo)]
+    assert "differs" not in verdicts, verdicts
+    assert sp["num_drafts"] > 0 and sp["acceptance_rate"] > 0.8, sp  # a model agrees with itself
+    tok.close()
