@@ -170,12 +170,9 @@ class AsyncClient:
         finished = False
         try:
             while b.result is None:
-                toks = b.feed(await self._get(q, rid, deadline))
-                if text:
-                    if b.delta:
-                        yield b.delta
-                elif toks:
-                    yield toks
+                piece = b.piece(await self._get(q, rid, deadline), text)
+                if piece:
+                    yield piece
             finished = True
             if result is not None:
                 result.append(b.result)

@@ -149,6 +149,11 @@ class ResultBuilder:
             raise error_from_event(ev)
         raise ClientError(f"unexpected event {kind!r}", code=500, reason="protocol")
 
+    def piece(self, ev: dict, text: bool) -> list[int] | str | None:
+        """`feed`, then what a stream yields for the event: its text delta (`text`) or its new tokens."""
+        toks = self.feed(ev)
+        return self.delta if text else toks
+
     def _add_text(self, text: str | None) -> None:
         if isinstance(text, str):
             if self.texts is None:
@@ -255,12 +260,9 @@ class Client:
         finished = False
         try:
             while b.result is None:
-                toks = b.feed(self._next(rid, deadline))
-                if text:
-                    if b.delta:
-                        yield b.delta
-                elif toks:
-                    yield toks
+                piece = b.piece(self._next(rid, deadline), text)
+                if piece:
+                    yield piece
             finished = True
             if sink is not None:
                 sink.append(b.result)

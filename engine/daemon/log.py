@@ -44,6 +44,7 @@ EVENTS: dict[str, str] = {
     "drain_started": "info",
     "drain_progress": "info",
     "drain_ended": "info",
+    "drain_timed_out": "warning",
     "stopping": "info",
     "stopped": "info",
     "fatal": "error",

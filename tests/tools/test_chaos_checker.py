@@ -48,7 +48,7 @@ def test_a_clean_run_passes():
 def test_a_lost_terminal_event_fails_the_run():
     res = run({"a": [TOKENS, DONE], "b": [TOKENS]})  # b streamed, then nothing
     assert not res.passed
-    assert res.problems == ["request b: 0 terminal events"]
+    assert res.problems == ["request b: no terminal event"]
     assert res.details["terminal"] == {"done:length": 1, "none": 1}
 
 
@@ -56,15 +56,15 @@ def test_a_duplicated_terminal_event_fails_the_run():
     res = run({"a": [TOKENS, DONE, DONE]})
     assert not res.passed
     assert "request a: 2 terminal events" in res.problems
-    assert "request a: 1 events after its terminal event" in res.problems
+    assert "request a: 1 event(s) after the terminal event" in res.problems
 
 
 def test_a_done_then_an_error_and_tokens_after_the_end_fail_the_run():
     res = run({"a": [TOKENS, DONE, ERR], "b": [DONE | {"usage": {"completion_tokens": 0}}, TOKENS]})
     assert not res.passed
     assert "request a: 2 terminal events" in res.problems
-    assert "request b: 1 events after its terminal event" in res.problems
-    assert "request b: finished with 0 of 3 tokens" in res.problems
+    assert "request b: 1 event(s) after the terminal event" in res.problems
+    assert "request b: finished 'length' with 0 of 3 tokens" in res.problems
 
 
 def test_an_error_the_fault_does_not_allow_fails_the_run():
