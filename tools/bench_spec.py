@@ -11,7 +11,9 @@ n-gram and draft length matched to ours) when `--peer` is given.
 Workloads: `copy` (edit or repeat a given text: the output copies the
 prompt, where prompt lookup drafts well) and `free` (stories: little to copy,
 where adaptive k must turn drafting down). Greedy, `ignore_eos`, so both
-sides produce the same tokens. Every npuserve speculating row carries the
+sides produce the same tokens. The prefix cache is off: the side that runs second would
+otherwise find its prompts cached, and llama.cpp's fresh server never does.
+Every npuserve speculating row carries the
 acceptance rate and tokens per verification step read from the daemon's
 stats around the run.
 """
@@ -208,7 +210,7 @@ def main(argv: list[str]) -> int:
         return 2
     tok = GgufTokenizer(pkg.gguf_path)
     settings = [f"model.package=\"{pkg.path}\"", f"board.threads_per_chip={a.threads}", "executor.max_inflight=1",
-                "admission.deadline_default_ms=3600000", "speculative.method=\"ngram\"",
+                "admission.deadline_default_ms=3600000", "speculative.method=\"ngram\"", "kv.prefix_cache=false",
                 f"speculative.max_draft_tokens={a.max_draft_tokens}", *a.set]
     d = local_daemon.start(backend="llamacpp", chips=1, settings=settings, prefix="nps-")
     rows: list[Row] = []
