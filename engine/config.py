@@ -174,6 +174,18 @@ class KvConfig:
     block_size: int = key(16, integer(1, 1024), "tokens per KV block (a power of two)")
     num_blocks: int = key(0, integer(0), "KV blocks per chip; 0 = the backend/model default")
     prefix_cache: bool = key(_SCHED.prefix_cache, boolean, "share full blocks of common prompt prefixes (radix cache)")
+    host_pool_mb: int = key(0, integer(0, 1 << 20), "the board's host KV tier: one shared-memory block pool of this "
+                                                   "many MiB shared by every chip; 0 = off")
+    disk_dir: str = key("", abs_path_or_empty, "the disk KV tier's directory (block files per KV layout, and the "
+                                               "persisted prefix index); \"\" = off")
+    disk_max_gb: float = key(4.0, number(0.0, 1e5, lo_open=True), "cap of the disk tier's block files (LRU beyond it)")
+    write_through: bool = key(True, boolean, "export every block the prefix cache gains to the tiers at once (one "
+                                             "prefix cache per board); false: only blocks the device evicts")
+    promote: str = key("cost", string(choices=("cost", "always", "never")),
+                       "promote a tier hit when the backend's transfer cost model says it beats recomputing "
+                       "(cost), always, or never")
+    index_flush_s: float = key(30.0, number(0.0, 86400.0, lo_open=True), "how often the disk tier's prefix index "
+                                                                       "is written (and at shutdown)")
 
 
 @dataclass(frozen=True)

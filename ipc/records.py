@@ -24,7 +24,8 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
   sampling parameters. Sampling is deterministic per (seed, position of the
   sampled token) where that position is context_lens[lane].
 * want_logprobs[B] uint8.
-* src_blocks[K], dst_blocks[K] int32: block ids for KV copy / swap jobs.
+* src_blocks[K], dst_blocks[K] int32: block ids for KV copy jobs; for KV_EXPORT device blocks -> host
+  slots, for KV_IMPORT host slots -> device blocks (the host tier, `ipc.kv_slots`).
 * draft_lens[B] int32 (optional, empty = none): speculative verification. The
   last draft_lens[i] tokens of lane i are draft tokens after its last real
   token; the worker samples every one of those positions and returns the
@@ -32,6 +33,22 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
 * draft_src[B] uint8 (optional, empty = none): 1 where the worker's draft
   model proposes lane i's drafts (the tokens sent there are placeholders);
   the accepted ones come back in `JobResult.accepted_tokens`.
+  Both travel after every other field of their blob (sizes in meta[23:25]).
+
+Constrained decoding (structured output), present only when some lane is
+constrained (C = B then, else 0, and the job's record is as before):
+
+* constraint_id[C] uint64: the hash of the lane's compiled grammar, 0 = none.
+* constraint_key[C] uint64: the request the lane belongs to: the worker keeps
+  the constraint state of each request under it between jobs.
+* constraint_done[C] int32: how many output tokens come before the token this
+  lane samples. A decode lane's input token is output token done-1, which the
+  worker feeds to the lane's matcher once (a retried job feeds nothing new).
+* replay[R] int32 with replay_start[C+1]: for a sampling prefill lane, its
+  output tokens so far (`done` of them; a requeued or resumed request), which
+  rebuild the state from the grammar: deterministic, on any chip.
+* grammar[G] uint8 with grammar_start[C+1]: for a sampling prefill lane, the
+  UTF-8 llguidance grammar (decode lanes carry only the id).
 """
 
 from __future__ import annotations
@@ -48,6 +65,11 @@ class JobKind(enum.IntEnum):
     PREFILL = 1
     DECODE = 2
     KV_COPY = 3
+    KV_EXPORT = 4  # src_blocks: device blocks -> dst_blocks: host slots (ipc.kv_slots records)
+    KV_IMPORT = 5  # src_blocks: host slots -> dst_blocks: device blocks (refused whole when a record is bad)
+
+
+TRANSFER_KINDS = (JobKind.KV_COPY, JobKind.KV_EXPORT, JobKind.KV_IMPORT)
 
 
 class JobStatus(enum.IntEnum):
@@ -57,8 +79,9 @@ class JobStatus(enum.IntEnum):
 
 
 _META_LEN = 8
-_JOB_META_LEN = 24  # 4 scalars, 15 field sizes, submitted_ns, draft_lens size, spare
+_JOB_META_LEN = 26  # 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), 2 draft sizes, spare
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
+_EMPTY_U64 = np.zeros(0, dtype=np.uint64)
 _EMPTY_U8 = np.zeros(0, dtype=np.uint8)
 
 
@@ -90,9 +113,26 @@ class Job:
     # (CLOCK_MONOTONIC is system-wide); 0 = unknown. A backend that models a
     # device queue (sim) starts the job no earlier than this.
     submitted_ns: int = 0
+    constraint_id: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
+    constraint_key: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
+    constraint_done: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    replay: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    replay_start: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    grammar: np.ndarray = field(default_factory=lambda: _EMPTY_U8)
+    grammar_start: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
     # speculative verification: draft tokens at the end of each lane ([B] or empty: no drafts)
     draft_lens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
     draft_src: np.ndarray = field(default_factory=lambda: _EMPTY_U8)
+
+    @property
+    def constrained(self) -> bool:
+        return self.constraint_id.shape[0] != 0
+
+    def lane_replay(self, lane: int) -> np.ndarray:
+        return self.replay[self.replay_start[lane]:self.replay_start[lane + 1]]
+
+    def lane_grammar(self, lane: int) -> str:
+        return bytes(self.grammar[self.grammar_start[lane]:self.grammar_start[lane + 1]]).decode("utf-8")
 
     @property
     def batch(self) -> int:
@@ -112,7 +152,7 @@ class Job:
         lane-by-lane check would give.
         """
         b = self.batch
-        if self.kind == JobKind.KV_COPY:
+        if self.kind in TRANSFER_KINDS:
             if self.src_blocks.shape != self.dst_blocks.shape:
                 raise ValueError("src_blocks and dst_blocks differ in length")
             return
@@ -132,6 +172,8 @@ class Job:
                 raise ValueError(f"{name} must have one entry per lane")
         if self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
             raise ValueError("block_tables must be [B, M]")
+        if self.constrained:
+            self._validate_constraints(b)
         valid = self.lane_valid != 0
         # a valid decode lane carries exactly one token; an inactive lane never carries any
         bad_count = counts != valid if self.kind == JobKind.DECODE else (counts != 0) > valid
@@ -158,6 +200,15 @@ class Job:
         if self.draft_src.size and (self.draft_src.shape != (b,) or not self.draft_lens.size):
             raise ValueError("draft_src must have one entry per lane, beside draft_lens")
 
+    def _validate_constraints(self, b: int) -> None:
+        for name in ("constraint_id", "constraint_key", "constraint_done"):
+            if getattr(self, name).shape != (b,):
+                raise ValueError(f"{name} must have one entry per lane")
+        for name, blob in (("replay", self.replay), ("grammar", self.grammar)):
+            st = getattr(self, f"{name}_start")
+            if st.shape != (b + 1,) or st[0] != 0 or st[-1] != blob.shape[0] or (b and np.diff(st).min() < 0):
+                raise ValueError(f"{name}_start must have B+1 non-decreasing entries from 0 to len({name})")
+
     # -- wire format ------------------------------------------------------
     def array_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """{name: (shape, dtype str)} of the record `pack_into` fills (reserve ring space with it)."""
@@ -173,11 +224,13 @@ class Job:
             if getattr(self, name).ndim != 1:
                 raise ValueError(f"{name} must be 1-D to be sent")
         return (
-            2 * self.tokens.size + self.query_start.size + self.context_lens.size + self.top_k.size
-            + bt.size + self.src_blocks.size + self.dst_blocks.size + self.draft_lens.size,
+            self.tokens.size + self.positions.size + self.query_start.size + self.context_lens.size + self.top_k.size
+            + bt.size + self.src_blocks.size + self.dst_blocks.size
+            + self.constraint_done.size + self.replay.size + self.replay_start.size + self.grammar_start.size
+            + self.draft_lens.size,
             self.temperature.size + self.top_p.size,
-            self.lane_valid.size + self.sample.size + self.want_logprobs.size + self.draft_src.size,
-            self.seed.size,
+            self.lane_valid.size + self.sample.size + self.want_logprobs.size + self.grammar.size + self.draft_src.size,
+            self.seed.size + self.constraint_id.size + self.constraint_key.size,
         )
 
     def pack_into(self, dst) -> None:
@@ -188,20 +241,35 @@ class Job:
         which holds the scalars and every field's shape.
         """
         bt = self.block_tables
+        n32_plain = (self.tokens.size + self.positions.size + self.query_start.size + self.context_lens.size
+                     + self.top_k.size + bt.size + self.src_blocks.size + self.dst_blocks.size)
+        nu8_plain = self.lane_valid.size + self.sample.size + self.want_logprobs.size
+        n64_plain = self.seed.size
         dst["meta"][:] = (
             self.job_id, self.generation, int(self.kind), int(self.return_logits),
             self.tokens.size, self.positions.size, self.query_start.size, self.context_lens.size,
             self.top_k.size, bt.shape[0], bt.shape[1], self.src_blocks.size, self.dst_blocks.size,
             self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
-            self.want_logprobs.size, self.seed.size, self.submitted_ns, self.draft_lens.size, self.draft_src.size, 0, 0,
+            self.want_logprobs.size, self.seed.size, self.submitted_ns,
+            self.constraint_id.size, self.replay.size, self.grammar.size, self.draft_lens.size, self.draft_src.size, 0,
         )
         np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
-                        bt.ravel(), self.src_blocks, self.dst_blocks, self.draft_lens), out=dst["i32"],
-                       casting="unsafe")
+                        bt.ravel(), self.src_blocks, self.dst_blocks), out=dst["i32"][:n32_plain], casting="unsafe")
         np.concatenate((self.temperature, self.top_p), out=dst["f32"], casting="unsafe")
-        np.concatenate((self.lane_valid, self.sample, self.want_logprobs, self.draft_src), out=dst["u8"],
+        np.concatenate((self.lane_valid, self.sample, self.want_logprobs), out=dst["u8"][:nu8_plain],
                        casting="unsafe")
-        dst["u64"][:] = self.seed
+        dst["u64"][:n64_plain] = self.seed
+        if self.constrained:
+            n32_c = n32_plain + self.constraint_done.size + self.replay.size + self.replay_start.size \
+                + self.grammar_start.size
+            np.concatenate((self.constraint_done, self.replay, self.replay_start, self.grammar_start),
+                           out=dst["i32"][n32_plain:n32_c], casting="unsafe")
+            dst["u8"][nu8_plain:nu8_plain + self.grammar.size] = self.grammar
+            np.concatenate((self.constraint_id, self.constraint_key), out=dst["u64"][n64_plain:], casting="unsafe")
+        if self.draft_lens.size:  # speculative verification: after every other field of the blob
+            dst["i32"][dst["i32"].shape[0] - self.draft_lens.size:] = self.draft_lens
+        if self.draft_src.size:
+            dst["u8"][dst["u8"].shape[0] - self.draft_src.size:] = self.draft_src
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The job as a ring record: {name: array}. Raises ValueError for a field of the wrong rank."""
@@ -222,6 +290,8 @@ class Job:
         if copy:
             i32, f32, u8, u64 = np.array(i32), np.array(f32), np.array(u8), np.array(u64)
         nt, npos, nqs, nctx, ntk, b0, b1, nsrc, ndst, ntemp, ntp, nlv, nsm, nwl, nseed = m[4:19]
+        nc, nrep, ngr, ndl, nds = m[20:25]
+        nst = nc + 1 if nc else 0
         o1 = nt
         o2 = o1 + npos
         o3 = o2 + nqs
@@ -230,23 +300,38 @@ class Job:
         o6 = o5 + b0 * b1
         o7 = o6 + nsrc
         o8 = o7 + ndst
-        if o8 + m[20] != i32.shape[0] or ntemp + ntp != f32.shape[0] or nlv + nsm + nwl + m[21] != u8.shape[0] \
-                or nseed != u64.shape[0]:
+        u = nlv + nsm + nwl
+        if o8 + nc + nrep + 2 * nst + ndl != i32.shape[0] or ntemp + ntp != f32.shape[0] \
+                or u + ngr + nds != u8.shape[0] \
+                or nseed + 2 * nc != u64.shape[0]:
             raise ValueError("job record: array sizes disagree with its meta")
+        extra = {}
+        if nc:
+            o9 = o8 + nc
+            o10 = o9 + nrep
+            o11 = o10 + nst
+            extra = dict(constraint_done=i32[o8:o9], replay=i32[o9:o10], replay_start=i32[o10:o11],
+                         grammar_start=i32[o11:o11 + nst], grammar=u8[u:u + ngr], constraint_id=u64[nseed:nseed + nc],
+                         constraint_key=u64[nseed + nc:])
+        if ndl:
+            extra["draft_lens"] = i32[i32.shape[0] - ndl:]
+        if nds:
+            extra["draft_src"] = u8[u8.shape[0] - nds:]
         return cls(
             job_id=m[0], generation=m[1], kind=JobKind(m[2]), return_logits=bool(m[3]),
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
-            top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7], dst_blocks=i32[o7:o8],
-            temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv], sample=u8[nlv:nlv + nsm],
-            want_logprobs=u8[nlv + nsm:nlv + nsm + nwl], seed=u64, submitted_ns=m[19], draft_lens=i32[o8:],
-            draft_src=u8[nlv + nsm + nwl:],
+            top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7],
+            dst_blocks=i32[o7:o8], temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv],
+            sample=u8[nlv:nlv + nsm], want_logprobs=u8[nlv + nsm:u], seed=u64[:nseed], submitted_ns=m[19], **extra,
         )
 
     @classmethod
-    def kv_copy(cls, job_id: int, generation: int, src, dst) -> "Job":
+    def kv_copy(cls, job_id: int, generation: int, src, dst, kind: JobKind = JobKind.KV_COPY) -> "Job":
+        """A block job: KV_COPY (device -> device), KV_EXPORT (device -> host slots), KV_IMPORT (slots -> device)."""
+        assert kind in TRANSFER_KINDS
         z = np.zeros(0, dtype=np.int32)
         return cls(
-            job_id=job_id, generation=generation, kind=JobKind.KV_COPY,
+            job_id=job_id, generation=generation, kind=kind,
             tokens=z, positions=z, query_start=np.zeros(1, np.int32),
             lane_valid=np.zeros(0, np.uint8), context_lens=z,
             block_tables=np.zeros((0, 0), np.int32), sample=np.zeros(0, np.uint8),
@@ -274,15 +359,18 @@ class JobResult:
     logits: np.ndarray | None = None  # float32 [B, V] when the job asked for them
     device_us: int = 0  # time spent in the backend call
     worker_us: int = 0  # time from reading the job to writing this result
+    masks: int = 0  # constrained lanes the worker masked (structured output)
+    mask_us: int = 0  # time it spent computing their masks
     # verification jobs only: accepted draft tokens per lane (tokens[lane] is the token after them), and
-    # the logprobs of the accepted drafts, packed lane after lane
+    # the accepted drafts' logprobs and tokens, packed lane after lane
     accepted: np.ndarray | None = None  # int32 [B]
     accepted_logprobs: np.ndarray | None = None  # float32 [sum(accepted)]
-    accepted_tokens: np.ndarray | None = None  # int32 [sum(accepted)]: the accepted drafts themselves
+    accepted_tokens: np.ndarray | None = None  # int32 [sum(accepted)]
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         meta = np.zeros(_META_LEN, dtype=np.int64)
-        meta[:6] = (self.job_id, self.generation, int(self.kind), int(self.status), self.device_us, self.worker_us)
+        meta[:] = (self.job_id, self.generation, int(self.kind), int(self.status), self.device_us, self.worker_us,
+                   self.masks, self.mask_us)
         out = {
             "meta": meta,
             "tokens": _i32(self.tokens),
@@ -301,7 +389,7 @@ class JobResult:
     @classmethod
     def from_arrays(cls, a) -> "JobResult":
         """Build a JobResult from a mapping of arrays (ring views are copied out)."""
-        job_id, generation, kind, status, device_us, worker_us = a["meta"].tolist()[:6]
+        job_id, generation, kind, status, device_us, worker_us, masks, mask_us = a["meta"].tolist()[:8]
         logits = a["logits"] if "logits" in a else None
         return cls(
             job_id=job_id,
@@ -310,6 +398,8 @@ class JobResult:
             status=JobStatus(status),
             device_us=device_us,
             worker_us=worker_us,
+            masks=masks,
+            mask_us=mask_us,
             tokens=np.array(a["tokens"]),
             logprobs=np.array(a["logprobs"]),
             logits=None if logits is None else np.array(logits),
@@ -343,6 +433,12 @@ class Lane(NamedTuple):
     top_k: int = 0
     seed: int = 0
     want_logprobs: bool = False
+    # structured output (see the module docstring): 0 = unconstrained
+    constraint: int = 0
+    constraint_key: int = 0
+    constraint_done: int = 0
+    replay: Sequence[int] = ()  # sampling prefill lanes only
+    grammar: str = ""  # sampling prefill lanes only
     drafts: int = 0  # the last `drafts` tokens are speculative drafts to verify
     draft_model: bool = False  # the worker's draft model proposes them (the tokens sent are placeholders)
 
@@ -373,8 +469,8 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
     top_k = np.zeros(b, np.int32)
     seed = np.zeros(b, np.uint64)
     want_logprobs = np.zeros(b, np.uint8)
-    draft_lens = np.zeros(b, np.int32) if any(ln is not None and ln.drafts for ln in lanes) else _EMPTY_I32
-    draft_src = np.zeros(b, np.uint8) if any(ln is not None and ln.draft_model for ln in lanes) else _EMPTY_U8
+    draft_lens = np.zeros(b, np.int32) if any(ln.drafts for ln in active) else _EMPTY_I32
+    draft_src = np.zeros(b, np.uint8) if any(ln.draft_model for ln in active) else _EMPTY_U8
     at = 0
     for i, ln in enumerate(lanes):
         if ln is not None:
@@ -398,10 +494,43 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
                     draft_src[i] = 1
         query_start[i + 1] = at
     query_start[len(lanes) + 1:] = at
-    return Job(
+    job = Job(
         job_id=job_id, generation=generation, kind=kind, tokens=tokens, positions=positions,
         query_start=query_start, lane_valid=lane_valid, context_lens=context_lens,
         block_tables=block_tables, sample=sample, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, want_logprobs=want_logprobs, return_logits=return_logits,
         draft_lens=draft_lens, draft_src=draft_src,
     )
+    if any(ln.constraint for ln in active):
+        _add_constraints(job, lanes, b)
+    return job
+
+
+def _add_constraints(job: Job, lanes: Sequence[Lane | None], b: int) -> None:
+    """Fill the constraint fields of a job that has a constrained lane (the rare path: kept out of build_job)."""
+    cid = np.zeros(b, np.uint64)
+    key = np.zeros(b, np.uint64)
+    done = np.zeros(b, np.int32)
+    replay_start = np.zeros(b + 1, np.int32)
+    grammar_start = np.zeros(b + 1, np.int32)
+    replays: list[Sequence[int]] = []
+    grammars: list[bytes] = []
+    for i in range(b):
+        ln = lanes[i] if i < len(lanes) else None
+        n_rep = n_gr = 0
+        if ln is not None and ln.constraint:
+            cid[i], key[i], done[i] = ln.constraint, ln.constraint_key & 0xFFFFFFFFFFFFFFFF, ln.constraint_done
+            if ln.replay:
+                replays.append(ln.replay)
+                n_rep = len(ln.replay)
+            if ln.grammar:
+                g = ln.grammar.encode("utf-8")
+                grammars.append(g)
+                n_gr = len(g)
+        replay_start[i + 1] = replay_start[i] + n_rep
+        grammar_start[i + 1] = grammar_start[i] + n_gr
+    job.constraint_id, job.constraint_key, job.constraint_done = cid, key, done
+    job.replay = np.fromiter((t for r in replays for t in r), np.int32, int(replay_start[-1]))
+    job.replay_start = replay_start
+    job.grammar = np.frombuffer(b"".join(grammars), np.uint8).copy()
+    job.grammar_start = grammar_start

@@ -22,6 +22,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import orjson
+
 PROTOCOL_VERSION = 1
 
 REQUEST_OPS = ("generate", "cancel", "health", "stats", "load", "unload", "replace", "rollback",
@@ -196,6 +198,41 @@ def _stop(name: str, value: Any) -> list[list[int] | str]:
     return out
 
 
+# Structured output: what a `constraint` may be (the daemon compiles the body; see docs/protocol.md).
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
+MAX_CONSTRAINT_CHARS = 1 << 16  # compiled on the daemon's loop: ~1 s for a 100 KB schema (loaded 2 cores)
+
+
+def _constraint(name: str, value: Any) -> dict:
+    """{"kind": one of CONSTRAINT_KINDS, "body": a string (a JSON schema may also be an object)}.
+
+    Only the shape is checked here; whether the body compiles is the daemon's
+    question (a 400 `invalid_constraint` naming the problem)."""
+    if type(value) is not dict:
+        raise _FieldError("bad_type", f"{name}: must be an object with kind and body, got {_type_name(value)}")
+    extra = sorted(set(value) - {"kind", "body"})
+    if extra:
+        raise _FieldError("unknown_field", f"{name}.{extra[0][:64]}: unknown field (kind, body)")
+    kind = value.get("kind")
+    if kind not in CONSTRAINT_KINDS:
+        raise _FieldError("out_of_range", f"{name}.kind: must be one of {', '.join(CONSTRAINT_KINDS)}, "
+                                          f"got {str(kind)[:64]!r}")
+    body = value.get("body", "" if kind == "json_object" else None)
+    if kind == "json_schema" and type(body) in (dict, bool):
+        size = len(orjson.dumps(body))
+        if size > MAX_CONSTRAINT_CHARS:
+            raise _FieldError("out_of_range", f"{name}.body: at most {MAX_CONSTRAINT_CHARS} characters of JSON, "
+                                              f"got {size}")
+        return {"kind": kind, "body": body}
+    if type(body) is not str:
+        raise _FieldError("bad_type", f"{name}.body: must be a string for kind {kind!r}, got {_type_name(body)}")
+    if len(body) > MAX_CONSTRAINT_CHARS:
+        raise _FieldError("out_of_range", f"{name}.body: at most {MAX_CONSTRAINT_CHARS} characters, got {len(body)}")
+    if kind != "json_object" and not body:
+        raise _FieldError("out_of_range", f"{name}.body: must not be empty for kind {kind!r}")
+    return {"kind": kind, "body": body}
+
+
 def _nullable(check: Checker) -> Checker:
     def nullable(name: str, value: Any) -> Any:
         return None if value is None else check(name, value)
@@ -230,6 +267,7 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "logprobs": (_bool, False),
         "stream": (_bool, True),
         "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
+        "constraint": (_nullable(_constraint), _ABSENT),  # structured output: kind + body (absent: none)
         "pool": (_nullable(_name), None),  # balancers: the backend pool to route to (daemons ignore it)
         # speculative decoding for this request: "off" | "ngram" | "draft"; null = the board's speculative.method
         "speculative": (_nullable(_choice(SPECULATIVE_METHODS)), None),

@@ -105,6 +105,9 @@ def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="JSON Lines: one row per point, then a summary")
     g.add_argument("--plot", metavar="FILE.png", help="draw the throughput / TTFT-P99 plot (needs matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    from tools.bench_conversations import add_arguments
+
+    add_arguments(p)
     return p
 
 
@@ -374,6 +377,10 @@ def print_text(rows: list[dict], comparison: list[dict]) -> None:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
+    if a.conversations:
+        from tools.bench_conversations import run as run_conversations
+
+        return run_conversations(a)
     rows, comparison = run(a)
     if a.json:
         from tools.json_lines import emit

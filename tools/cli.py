@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-kv-layout": ("tools.bench_kv_layout", "what the shared KV cell pool costs a burst prefill (llamacpp)"),
     "simulate": ("tools.simulate", "run the scheduler core against a virtual clock"),
     "bench-ipc": ("tools.bench_ipc", "benchmark shared-memory rings against other transports"),
+    "bench-kv-transfer": ("tools.bench_kv_transfer", "the KV export/import path against a memcpy; promote break-even"),
     "bench-backend": ("tools.bench_backend", "benchmark a chip backend in-process and through a worker"),
     "bench-serve": ("tools.bench_serve", "benchmark a daemon end to end through the client library"),
     "install-systemd": ("tools.install_systemd_cmd", "install the npuserve@.service unit and a board config"),
@@ -41,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "http": ("engine.http.main", "serve the OpenAI API over HTTP in front of a daemon or balancer"),
     "bench-http": ("tools.bench_http", "benchmark the HTTP front against ZeroMQ on one daemon (its targets)"),
     "bench-http-peer": ("tools.bench_http_peer", "benchmark npuserve against llama.cpp's server, both over HTTP"),
+    "bench-structured": ("tools.bench_structured", "what JSON-schema constraints cost, against none and llama.cpp"),
     "bench-recovery": ("tools.bench_recovery", "time a chip back in service after its worker is killed or hung"),
 }
 

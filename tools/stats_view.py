@@ -163,6 +163,23 @@ def render(stats: dict, previous: tuple[float, dict] | None = None, now: float |
             per[lb["chip"]][lb["state"]] = v
         lines += _table(["chip", *states], [[c, *(_num(s.get(k)) for k in states)] for c, s in per.items()])
 
+    tier_blocks = f.by("kv_tier_blocks", "tier")
+    if tier_blocks:
+        lines += ["", "kv tiers (host pool shared by the board's chips; disk under kv.disk_dir)"]
+        tb, cap = f.by("kv_tier_bytes", "tier"), f.by("kv_tier_capacity_blocks", "tier")
+        hits, ev = f.by("kv_tier_hits_total", "tier"), f.by("kv_tier_evictions_total", "tier")
+        rows = [[t, _num(tier_blocks[t]), _num(cap.get(t)), f"{tb.get(t, 0) / 2**20:.1f} MiB", _num(hits.get(t)),
+                 _num(ev.get(t))] for t in ("host", "disk") if t in tier_blocks]
+        lines += _table(["tier", "blocks", "capacity", "bytes", "hits", "evictions"], rows)
+        misses = f.by("kv_tier_misses_total", "cause")
+        dem = f.by("kv_tier_demotions_total", "why")
+        lines.append(f"  promoted {_num(f.total('kv_tier_promotions_total'))} blocks   exported "
+                     f"{_num(sum(dem.values()))}{detail(dem)}   moved "
+                     f"{f.total('kv_tier_bytes_moved_total') / 2**20:.1f} MiB   misses "
+                     f"{_num(sum(misses.values()))}{detail({k: v for k, v in misses.items() if v})}")
+        lines.append(f"  transfer p50 export {_secs(f.quantile('kv_tier_transfer_seconds', 0.5, kind='kv_export'))}"
+                     f"   import {_secs(f.quantile('kv_tier_transfer_seconds', 0.5, kind='kv_import'))}")
+
     chips = f.by("chip_up", "chip")
     if chips:
         lines += ["", "chips"]

@@ -49,6 +49,7 @@ class Msg(str, enum.Enum):
     SHUTDOWN = "shutdown"
     CHAOS = "chaos"
     RELEASE = "release"  # the scheduler freed these KV blocks (`blocks`); see ChipBackend.release_blocks
+    KV_POOL = "kv_pool"  # attach the board's host KV pool (`name`, `slots`, `slot_bytes`) for transfer jobs
     # worker -> link
     READY = "ready"
     FAILED = "failed"
@@ -72,6 +73,7 @@ _REQUIRED: dict[Msg, tuple[str, ...]] = {
     Msg.SHUTDOWN: (),
     Msg.CHAOS: ("action", "seconds"),
     Msg.RELEASE: ("blocks",),
+    Msg.KV_POOL: ("name", "slots", "slot_bytes"),
     Msg.READY: ("info", "pid"),
     Msg.FAILED: ("message",),
     Msg.HEARTBEAT: ("at", "jobs_done"),

@@ -29,12 +29,15 @@ import orjson
 import zmq
 
 from ipc.doorbell import SemaphoreDoorbell
+from ipc.kv_slots import KvSlotPool, RecordRefused
 from ipc.records import Job, JobKind, JobResult, JobStatus
 from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
+from workers.constraints import ConstraintBook, ConstraintError, LaneMask, lltokenizer_for
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
-from workers.sampling import sample
 from workers.draft_model import DraftModel
+from workers.kv_transfer import HostKv
+from workers.sampling import sample, token_logprob
 from workers.spec_verify import verify_drafts
 
 _PR_SET_PDEATHSIG = 1
@@ -59,17 +62,21 @@ class JobOutcome:
     logits: np.ndarray | None  # [B, V] when the job asked for logits and the backend made them
     device_us: int
     error: str = ""
+    masks: int = 0  # constrained lanes masked in this job (structured output)
+    mask_us: int = 0  # time spent computing their masks
     accepted: np.ndarray | None = None  # verification jobs: accepted drafts per lane
     accepted_logprobs: np.ndarray | None = None
     accepted_tokens: np.ndarray | None = None
 
 
-def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0,
-                draft: DraftModel | None = None) -> JobOutcome:
+def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, host_kv: HostKv | None = None,
+                constraints: ConstraintBook | None = None, draft: DraftModel | None = None) -> JobOutcome:
     """Run one job on the backend and sample its lanes.
 
     Inputs may be read-only ring views; nothing here writes to them.
     `extra_device_s` is the chaos "slow" hook: it is spent as device time.
+    `constraints` masks the constrained lanes (structured output); a job with
+    such lanes and no book fails.
     `draft`: the chip's draft model (speculative.draft_package): it proposes
     the drafts of `draft_src` lanes and mirrors every job's KV.
     """
@@ -81,6 +88,7 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0,
     except ValueError as exc:
         return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, 0, f"invalid job: {exc}")
     t0 = time.perf_counter_ns()
+    masks0, mask_us0 = (constraints.stats.masks, constraints.stats.mask_us) if constraints is not None else (0, 0)
     try:
         if extra_device_s > 0:
             time.sleep(extra_device_s)
@@ -89,20 +97,38 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0,
             if draft is not None:
                 draft.copy_blocks(job.src_blocks, job.dst_blocks)
             return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
+        if job.kind in (JobKind.KV_EXPORT, JobKind.KV_IMPORT):
+            if host_kv is None:
+                return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, 0, "no host KV pool attached")
+            try:
+                host_kv.run(job)
+            except RecordRefused as exc:  # checked before any block was written: the device KV is untouched
+                return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000,
+                                  f"import refused ({exc.cause}): {exc}")
+            return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
+        if job.draft_lens.size and job.constrained and job.constraint_id[job.draft_lens != 0].any():
+            # spec_verify's row_mask hook would need the matcher advanced through each draft: not done
+            raise ConstraintError("a constrained lane cannot carry draft tokens")
         if draft is not None and job.draft_src.size:
             job = draft.propose(job)
-        out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
-        device_us = (time.perf_counter_ns() - t0) // 1000
         lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
+        masks = constraints.start(job, lanes) if job.constrained and constraints is not None else None
+        try:
+            out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
+        finally:
+            lane_masks = masks.result() if masks is not None else None  # never leave the helper on a dead job
+        device_us = (time.perf_counter_ns() - t0) // 1000
         accepted = accepted_lps = accepted_toks = None
         if out.logits is not None:
             if lanes.size:
-                _sample_lanes(job, out.logits, lanes, tokens, logprobs)
+                _sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks)
             if job.draft_lens.size:
                 if out.draft_logits is None:
                     raise RuntimeError("the backend cannot verify draft tokens (no draft_logits)")
                 accepted, accepted_lps, accepted_toks = verify_drafts(job, out.draft_logits, tokens, logprobs)
         elif out.tokens is not None:
+            if job.constrained and job.constraint_id[lanes].any():
+                raise ConstraintError("this backend samples on the device: constrained lanes need logits")
             tokens[lanes] = out.tokens[lanes]
         else:
             raise RuntimeError("backend returned neither logits nor tokens")
@@ -112,14 +138,27 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0,
         return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                           (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
     logits = out.logits if job.return_logits else None
-    return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, accepted=accepted,
-                      accepted_logprobs=accepted_lps, accepted_tokens=accepted_toks)
+    spec = dict(accepted=accepted, accepted_logprobs=accepted_lps, accepted_tokens=accepted_toks)
+    if job.constrained and constraints is not None:
+        st = constraints.stats
+        return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, masks=st.masks - masks0,
+                          mask_us=st.mask_us - mask_us0, **spec)
+    return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, **spec)
 
 
-def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+                  constraints: ConstraintBook | None = None, masks: dict[int, LaneMask] | None = None) -> None:
     # Sampling is per lane and deterministic per (seed, position), so sampling
-    # only the lanes that want a token gives the same tokens as sampling all.
+    # only the lanes that want a token gives the same tokens as sampling all
+    # (and masking a constrained lane leaves its neighbours' rows alone).
     # Skip the fancy-index copy of [B, V] logits when every lane samples.
+    if job.constrained and masks is None:
+        if constraints is None:
+            raise ConstraintError("constrained lanes in a job run without a constraint book")
+        masks = constraints.masks(job, lanes, logits.shape[1])
+    if masks:
+        _sample_masked(job, logits, lanes, tokens, logprobs, masks)
+        return
     sel = slice(None) if lanes.size == job.batch else lanes
     t, lp = sample(
         logits[sel], job.temperature[sel], job.top_p[sel], job.top_k[sel], job.seed[sel],
@@ -127,6 +166,47 @@ def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.nd
     )
     tokens[lanes] = t
     logprobs[lanes] = lp
+
+
+def _sample_masked(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+                   masks: dict[int, LaneMask]) -> None:
+    """Sample with the constrained lanes masked: the same tokens as sampling full rows with the disallowed
+    logits at -inf (a -inf logit has zero weight and keeps its place in every candidate order), cheaper.
+
+    A lane with few allowed tokens samples over just those, plus one -inf (so that a top-k at least as
+    large as the allowed set still takes sampling's top-k path, as on the full row); the others are copied
+    with the denied ones at -inf and sampled together with the unconstrained lanes. Logprobs stay the
+    model's own (raw logits)."""
+    vocab = logits.shape[1]
+    if any(m.vocab != vocab for m in masks.values()):
+        raise ConstraintError(f"masks for a vocabulary other than the logits' {vocab}")
+    lane_list = lanes.tolist()
+    few = [lane for lane in lane_list if lane in masks and masks[lane].allow is not None]
+    rest = np.array([lane for lane in lane_list if lane not in few], dtype=np.int64)
+    for lane in few:
+        ids = masks[lane].allow
+        one = slice(lane, lane + 1)
+        row = np.full((1, ids.shape[0] + 1), -np.inf, np.float32)
+        row[0, :-1] = logits[lane, ids]
+        k = int(job.top_k[lane])
+        top_k = np.array([min(k, ids.shape[0]) if 0 < k < vocab else k], np.int32)
+        t, _ = sample(row, job.temperature[one], job.top_p[one], top_k, job.seed[one], job.context_lens[one],
+                      np.zeros(1, np.uint8))
+        tokens[lane] = ids[int(t[0])]
+    if rest.size:
+        rows = logits[rest].astype(np.float32, copy=False)  # fancy indexing copies: writable, whatever the source
+        for j, lane in enumerate(rest.tolist()):
+            m = masks.get(lane)
+            if m is not None:
+                rows[j, m.deny] = -np.inf
+        want = job.want_logprobs[rest] * np.array([lane not in masks for lane in rest.tolist()], np.uint8)
+        t, lp = sample(rows, job.temperature[rest], job.top_p[rest], job.top_k[rest], job.seed[rest],
+                       job.context_lens[rest], want)
+        tokens[rest] = t
+        logprobs[rest] = lp
+    for lane in lane_list:
+        if lane in masks:
+            logprobs[lane] = token_logprob(logits[lane], int(tokens[lane])) if job.want_logprobs[lane] else 0.0
 
 
 def _set_parent_death_signal(sig: int) -> None:
@@ -154,8 +234,10 @@ class WorkerProcess:
     """The serve loop of one worker; owns its socket, rings and backend."""
 
     def __init__(self, config: WorkerConfig, sock: zmq.Socket, job_ring: Ring, result_ring: Ring, backend: ChipBackend,
-                 bell: SemaphoreDoorbell | None = None, result_fd: int | None = None):
+                 bell: SemaphoreDoorbell | None = None, result_fd: int | None = None,
+                 constraints: ConstraintBook | None = None):
         self.config = config
+        self.constraints = constraints
         self.sock = sock
         self.job_ring = job_ring
         self.result_ring = result_ring
@@ -167,6 +249,7 @@ class WorkerProcess:
         self.ctl_seen = 0  # control messages received (jobs carry how many precede them)
         self._releases: list[tuple[int, list[int]]] = []  # (control message index, blocks) not applied yet
         self.slow_s = 0.0
+        self.host_kv: HostKv | None = None  # the board's host KV pool, once the link sent KV_POOL
         self.running = True
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
@@ -238,11 +321,25 @@ class WorkerProcess:
                 self.running = False
             elif kind is Msg.CHAOS:
                 self.chaos(ChaosAction(msg["action"]), float(msg["seconds"]))
+            elif kind is Msg.KV_POOL:
+                self.attach_host_pool(msg["name"], int(msg["slots"]), int(msg["slot_bytes"]), msg.get("disk_dir"))
             elif kind is Msg.RELEASE:
                 # Applied just before the first job submitted after it (apply_releases): a job already in
                 # the ring may still read these blocks (a request cancelled while its job was in flight).
                 self._releases.append((self.ctl_seen - 1, msg["blocks"]))
             # JOB is only a doorbell: the serve loop reads the ring every turn.
+
+    def attach_host_pool(self, name: str | None, slots: int, slot_bytes: int, disk_dir: str | None) -> None:
+        """Map the board's host KV pool and note the disk tier's directory (for transfer jobs after this
+        message); a failure leaves neither (transfer jobs are then refused and the scheduler recomputes)."""
+        old, self.host_kv = self.host_kv, None
+        if old is not None and old.pool is not None:
+            old.pool.close()
+        try:
+            pool = KvSlotPool.attach(name, slots, slot_bytes) if name else None
+            self.host_kv = HostKv(pool, self.backend, self.backend.describe(), disk_dir)
+        except Exception as exc:  # transfer jobs are then answered INVALID and the scheduler recomputes
+            _log("worker.kv_pool_failed", error=f"{type(exc).__name__}: {exc}")
 
     def apply_releases(self, sent_before: int) -> None:
         """Give the backend the release notices sent before the job about to run (and none sent after it)."""
@@ -292,7 +389,7 @@ class WorkerProcess:
                 self.send(encode(Msg.HEARTBEAT, at=time.monotonic(), jobs_done=self.jobs_done, busy_job=job.job_id))
             self._set_in_job(True)
             try:
-                outcome = execute_job(self.backend, job, self.slow_s, self.draft)
+                outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints, self.draft)
             finally:
                 self._set_in_job(False)
             self.write_result(job, outcome, t0)
@@ -311,8 +408,7 @@ class WorkerProcess:
         logits = outcome.logits
         status = outcome.status
         accepted = outcome.accepted if status == JobStatus.OK else None
-        n_acc = -1 if accepted is None else int(accepted.sum())
-        spec = _result_spec(b, None if logits is None else logits.shape, n_acc)
+        spec = _result_spec(b, None if logits is None else logits.shape, -1 if accepted is None else int(accepted.sum()))
         while True:
             try:
                 writer = self.result_ring.reserve(spec, timeout=self.interval)
@@ -332,7 +428,8 @@ class WorkerProcess:
         with writer:
             a = writer.arrays
             meta = a["meta"]
-            meta[:] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, 0, 0)
+            meta[:] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, outcome.masks,
+                       outcome.mask_us)
             a["tokens"][:] = outcome.tokens
             a["logprobs"][:] = outcome.logprobs
             if logits is not None:
@@ -371,7 +468,7 @@ def _result_spec(b: int, logits_shape: tuple[int, ...] | None, n_accepted: int =
     spec: dict = {"meta": ((8,), "<i8"), "tokens": ((b,), "<i4"), "logprobs": ((b,), "<f4")}
     if logits_shape is not None:
         spec["logits"] = (tuple(logits_shape), "<f4")
-    if n_accepted >= 0:  # a verification job: accepted drafts per lane, and their logprobs
+    if n_accepted >= 0:  # a verification job: accepted drafts per lane, their logprobs and tokens
         spec["accepted"] = ((b,), "<i4")
         spec["accepted_logprobs"] = ((n_accepted,), "<f4")
         spec["accepted_tokens"] = ((n_accepted,), "<i4")
@@ -381,7 +478,8 @@ def _result_spec(b: int, logits_shape: tuple[int, ...] | None, n_accepted: int =
 DRAFT_OPTION = "spec_draft_package"  # the backend option that names the draft model's package (not the backend's)
 
 
-def _load_backend(config: WorkerConfig) -> ChipBackend:
+def _load_backend(config: WorkerConfig):
+    """(backend, package or None): the package's vocabulary also serves the constraint masks."""
     from workers.backends.registry import make_backend
 
     opts = dict(config.backend_options or {})
@@ -393,7 +491,7 @@ def _load_backend(config: WorkerConfig) -> ChipBackend:
 
         package = load_package(config.package_path, verified_sha256=config.package_sha256)
     backend.load(package)
-    return backend
+    return backend, package
 
 
 def load_draft(config: WorkerConfig, target: ChipBackend) -> DraftModel | None:
@@ -419,6 +517,20 @@ def load_draft(config: WorkerConfig, target: ChipBackend) -> DraftModel | None:
     if not d.extra.get("spec_verify"):
         raise ValueError(f"backend {config.backend} cannot run a draft model")
     return DraftModel(draft)
+
+
+def constraint_book(package, info) -> ConstraintBook:
+    """The worker's constraint book; the llguidance tokenizer is built from the package on first use."""
+    def make():
+        from workers.tokenizer import load_tokenizer
+
+        if package is None:
+            raise ConstraintError("constrained lanes need a model package with a tokenizer")
+        t0 = time.perf_counter()
+        tok = lltokenizer_for(load_tokenizer(package), info.vocab_size, info.eos_ids)
+        _log("worker.constraint_tokenizer", vocab=info.vocab_size, seconds=round(time.perf_counter() - t0, 3))
+        return tok
+    return ConstraintBook(make, info.vocab_size)
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -452,7 +564,7 @@ def run(config: WorkerConfig) -> int:
             rings.append(Ring.attach(config.result_ring))
             if config.job_bell is not None:
                 bell = SemaphoreDoorbell.attach(config.job_bell, spin_s=config.job_spin_s)
-            backend = _load_backend(config)
+            backend, package = _load_backend(config)
             draft = load_draft(config, backend)
             info = backend.describe()
             if draft is not None:
@@ -464,7 +576,8 @@ def run(config: WorkerConfig) -> int:
             sock.send(encode(Msg.FAILED, message=message))
             return 1
         sock.send(encode(Msg.READY, info=info.to_dict(), pid=os.getpid()))
-        worker = WorkerProcess(config, sock, rings[0], rings[1], backend, bell, config.result_bell_fd)
+        worker = WorkerProcess(config, sock, rings[0], rings[1], backend, bell, config.result_bell_fd,
+                               constraint_book(package, info))
         worker.draft = draft
         try:
             worker.serve()

@@ -108,6 +108,11 @@ def _sample_row(z: np.ndarray, temperature: float, top_p: float, top_k: int, u: 
     return _draw(np.exp(scaled - m), u)
 
 
+def token_logprob(z: np.ndarray, token: int) -> float:
+    """log-softmax of one row of raw logits at `token` (what `sample` reports as a lane's logprob)."""
+    return _logprob(np.asarray(z, dtype=np.float32), token)
+
+
 def _logprob(z: np.ndarray, token: int) -> float:
     m = float(z.max())
     lse = m + float(np.log(np.exp(z - np.float32(m)).sum(dtype=np.float64)))

@@ -39,6 +39,7 @@ class ChipState:
     decode_ready: dict[int, None] = field(default_factory=dict)  # ordered set of request ids
     bound: set[int] = field(default_factory=set)  # request ids holding a KV sequence here
     jobs_submitted: int = 0
+    transfers: int = 0  # KV_EXPORT / KV_IMPORT jobs among `inflight` (they take no compute slot)
     faults: int = 0
 
     @property

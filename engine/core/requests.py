@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.core.constraint_spec import ConstraintSpec
+
 
 class RequestState(enum.Enum):
     NEW = "new"
@@ -87,3 +89,4 @@ class GenerateParams:
     continuation: list[int] = field(default_factory=list)
     prefix_salt: str = ""
     speculative: str | None = None  # "off" | "ngram"; None: the board's speculative.method
+    constraint: ConstraintSpec | None = None  # structured output, compiled by the daemon at admission

@@ -36,6 +36,7 @@ from engine.core.admission import (
 from engine.core.batch_planner import BatchPlanner, PromptChunk
 from engine.core.batch_profiles import resolve_profiles
 from engine.core.chip_state import ChipState, InflightJob
+from engine.core.constraint_spec import lane_fields
 from engine.core.dispatch import ChipCandidate, choose_chip
 from engine.core.fair_queue import WeightedFairQueue
 from engine.core.kv import KvManager, OutOfBlocks, PrefixKey, StaleJob
@@ -47,11 +48,15 @@ from engine.core.scheduler_stats import JobCounts, queue_stats, scheduler_stats
 from engine.core.spec.planner import SpecPlanner, draft_room
 from engine.core.stop_conditions import StepVerdict, StopChecker, StopReason
 from engine.core.text_stream import TextStream
+from engine.core.tier_transfers import ImportPlan, KvTiers
 from ipc.records import JobKind, JobResult, JobStatus, Lane, build_job
+
+_TRANSFERS = (JobKind.KV_EXPORT, JobKind.KV_IMPORT)
 
 __all__ = ["ChipSpec", "ModelSpec", "Scheduler", "SchedulerConfig"]
 
 S = RequestState
+_NO_CONSTRAINT: dict = {}  # the lane fields of an unconstrained request
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,10 @@ class ModelSpec:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, model: ModelSpec, chips: list[ChipSpec], *,
-                 piece: Callable[[int], bytes] | None = None) -> None:
-        """`piece(token_id)` is the tokenizer's bytes of a token: with it every request's output is also
+                 piece: Callable[[int], bytes] | None = None, tiers: KvTiers | None = None) -> None:
+        """`tiers`: the host/disk KV tiers below the chips (None: KV never leaves a chip).
+
+        `piece(token_id)` is the tokenizer's bytes of a token: with it every request's output is also
         decoded to text (and may stop on strings); without it (no tokenizer) requests get token ids only."""
         if not chips:
             raise ConfigError("at least one chip is required")
@@ -150,6 +157,11 @@ class Scheduler:
         # "static_batching"
         self.admission_blocked: str | None = None
         self.tenant_service: Counter[str] = Counter()  # tokens computed per tenant (prefill + decode)
+        self.tiers = tiers
+        self._imports: list[tuple[int, int, ImportPlan]] = []  # (chip, request id, plan) reserved, not launched
+        if tiers is not None:
+            for ch in self.chips.values():
+                tiers.attach(ch.kv)
 
     # ------------------------------------------------------------------ events
     def submit(self, request_id: int, params: GenerateParams, now: float) -> list[Action]:
@@ -216,7 +228,9 @@ class Scheduler:
         assert ch is not None
         self._dirty = True
         out: list[Action] = []
-        if result.generation != self.model.generation or result.kind != job.kind:
+        if job.kind in _TRANSFERS:
+            self._transfer_result(ch, job, result, now, out)
+        elif result.generation != self.model.generation or result.kind != job.kind:
             self.counters["stale_results"] += 1
             self._fail_job(ch, job, "stale_result", "the job's result did not match its generation", now, out)
         elif result.status != JobStatus.OK:
@@ -237,6 +251,11 @@ class Scheduler:
         self.counters["chip_faults"] += 1
         self._dirty = True
         inflight_lanes = [rid for job in ch.inflight.values() for rid in job.lanes]
+        if self.tiers is not None:  # its transfers are lost, and blocks noted for export are gone with the chip
+            self.tiers.chip_down(chip, [j for j, job in ch.inflight.items() if job.kind in _TRANSFERS], now)
+            ch.kv.tier_sink.clear()
+            ch.kv.cache.evict_sink.clear()
+            ch.transfers = 0
         ch.inflight.clear()
         ch.kv.chip_fault()
         for rid in inflight_lanes:
@@ -269,6 +288,8 @@ class Scheduler:
         self._expire_deadlines(now, out)
         self._expire_jobs(now, out)
         self._admit(now)
+        if self.tiers is not None:
+            self._launch_transfers(now, out)
         self._window_wakeup = None
         for ch in self.chips.values():
             self._dispatch(ch, now, out)
@@ -371,7 +392,10 @@ class Scheduler:
                 r.decode_key = (math.inf if r.deadline is None else r.deadline, r.vft, r.request_id)
             r.move(S.PREFILL_READY)
             r.admit_order = next(self._admit_order)
-            self.chips[r.chip].prefill.push(rid, r.prefill_target - r.committed)
+            if self._imports and self._imports[-1][1] == rid:
+                pass  # its tier hit is imported first (_launch_transfers); it queues for prefill after that
+            else:
+                self.chips[r.chip].prefill.push(rid, r.prefill_target - r.committed)
             r.ready_since = now
             self.counters["admitted"] += 1
         return "max_sequences" if self._requeue or self._wfq else None
@@ -424,14 +448,23 @@ class Scheduler:
         except OutOfBlocks:
             return False
         assert 0 <= cached < n
+        plan = None
+        if self.tiers is not None and key is not None:
+            plan = self.tiers.plan_import(key.salt, r.tokens, cached // ch.block_size)
+            if plan is not None:
+                self._imports.append((chip, r.request_id, plan))
         r.chip, r.seq_id = chip, seq_id
         r.committed, r.reserved, r.prefill_target = cached, reserve_len, n
+        promoted = 0 if plan is None else plan.blocks * ch.block_size
         if r.retries == 0 and r.t_first_sched is None:
-            r.cached_tokens = cached
+            r.cached_tokens = cached + promoted
         if key is not None:
             self.counters["prefix_query_tokens"] += n
         if cached:
             self.counters["prefix_hit_tokens"] += cached
+        if promoted:
+            self.counters["prefix_hit_tokens"] += promoted
+            self.counters["tier_hit_tokens"] += promoted
         ch.bound.add(r.request_id)
         self._n_bound += 1
         self._kv_reserved += reserve_len
@@ -513,6 +546,9 @@ class Scheduler:
             late = [j for j in ch.inflight.values() if j.timeout_at <= now]
             for job in late:
                 del ch.inflight[job.job_id]
+                if job.kind in _TRANSFERS:
+                    ch.transfers -= 1
+                    self.tiers.job_done(job.job_id, False, False, now)
                 self.counters["timed_out_jobs"] += 1
                 self._fail_job(ch, job, "job_timeout", "the chip did not answer within job_timeout", now, out)
 
@@ -717,11 +753,11 @@ class Scheduler:
         """Fill the chip's free job slots, choosing decode vs prefill classes by weighted round robin."""
         budget = self.planner.mixed_budget
         if budget:
-            while ch.in_service and len(ch.inflight) < self.config.max_inflight \
+            while ch.in_service and len(ch.inflight) - ch.transfers < self.config.max_inflight \
                     and self._submit_mixed(ch, budget, now, out):
                 pass
             return
-        while ch.in_service and len(ch.inflight) < self.config.max_inflight:
+        while ch.in_service and len(ch.inflight) - ch.transfers < self.config.max_inflight:
             classes = ch.prefill.nonempty()
             if ch.decode_ready and self._may_fire(self.planner.decode_hold(ch.decode_ready, self._requests, now)):
                 classes.append(WorkClass.DECODE)
@@ -832,6 +868,8 @@ class Scheduler:
             block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
             drafts=len(drafts) if drafts else 0, draft_model=draft_model,
+            **(_NO_CONSTRAINT if p.constraint is None else
+               lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
         )
 
     def _plan_drafts(self, ch: ChipState, decode: list[RequestRecord], prompt_tokens: int
@@ -905,8 +943,84 @@ class Scheduler:
             submitted_at=now, timeout_at=now + self.config.job_timeout_s, drafts=drafts, model_drafts=model_drafts,
         )
         ch.jobs_submitted += 1
+        if self.tiers is not None:
+            self._flush_exports(ch, now, out)  # before the job: it may overwrite a block being exported
         self._release_freed(ch, out)  # before the job: it may reuse a freed block
         out.append(SubmitJob(ch.chip, job, lanes))
+
+    # ------------------------------------------------------------ KV tiers
+    def _flush_exports(self, ch: ChipState, now: float, out: list[Action]) -> None:
+        """Queue the chip's pending exports as one KV_EXPORT job, ahead of any job that could overwrite them."""
+        tiers = self.tiers
+        tiers.collect(ch.chip, ch.kv)
+        if not ch.in_service:
+            return
+        job_id = next(self._job_ids)
+        job = tiers.export_job(ch.chip, job_id, self.model.generation, now)
+        if job is None:
+            return
+        self._submit_transfer(ch, job, [], [], [], [], now, out)
+
+    def _submit_transfer(self, ch: ChipState, job, lanes: list[int], seq_ids: list[int], starts: list[int],
+                         ends: list[int], now: float, out: list[Action]) -> None:
+        ch.inflight[job.job_id] = InflightJob(
+            job_id=job.job_id, kind=job.kind, lanes=lanes, seq_ids=seq_ids, start_lens=starts, new_lens=ends,
+            sampled=[False] * len(lanes), batch=len(lanes), submitted_at=now,
+            timeout_at=now + self.config.job_timeout_s)
+        ch.transfers += 1
+        self.counters[f"{job.kind.name.lower()}_jobs"] += 1
+        out.append(SubmitJob(ch.chip, job, lanes))
+
+    def _launch_transfers(self, now: float, out: list[Action]) -> None:
+        """Every chip's exports, then the imports planned at admission (an import may reuse an exported block)."""
+        for ch in self.chips.values():
+            self._flush_exports(ch, now, out)
+        imports, self._imports = self._imports, []
+        for chip, rid, plan in imports:
+            ch = self.chips[chip]
+            r = self._requests[rid]
+            bs = ch.block_size
+            first = r.committed // bs
+            end = r.committed + plan.blocks * bs
+            job_id = next(self._job_ids)
+            job = self.tiers.import_job(chip, job_id, self.model.generation, plan,
+                                        ch.kv.block_table_view(r.seq_id)[first:first + plan.blocks], now)
+            ch.kv.begin_update(r.seq_id, job_id, end)
+            r.job_id = job_id
+            r.move(S.PREFILL_RUNNING)
+            if r.t_first_sched is None:
+                r.t_first_sched = now
+            self._release_freed(ch, out)  # before the import: it may write a freed block
+            self._submit_transfer(ch, job, [rid], [r.seq_id], [r.committed], [end], now, out)
+
+    def _transfer_result(self, ch: ChipState, job: InflightJob, result: JobResult, now: float,
+                         out: list[Action]) -> None:
+        ch.transfers -= 1
+        fresh = result.generation == self.model.generation and result.kind == job.kind
+        ok = fresh and result.status == JobStatus.OK
+        refused = fresh and result.status == JobStatus.INVALID
+        self.tiers.job_done(job.job_id, ok, refused, now)
+        if job.kind is JobKind.KV_EXPORT:
+            return
+        if ok:
+            self._complete_job(ch, job, result, now, out)  # the imported tokens are committed; prefill next
+            return
+        if not refused:
+            self._fail_job(ch, job, "job_failed", "a KV import failed", now, out)
+            return
+        # Refused whole before any write: the blocks hold what they held; recompute those tokens.
+        self.counters["tier_refused_imports"] += 1
+        for rid, seq_id in zip(job.lanes, job.seq_ids):
+            r = self._requests[rid]
+            ch.kv.abort_update(seq_id, job.job_id)
+            r.job_id = None
+            if r.state in TERMINAL_STATES:
+                self._unbind(r, released=True)
+                self._forget_if_done(r)
+                continue
+            r.move(S.PREFILL_READY)
+            ch.prefill.push(rid, r.prefill_target - r.committed, front=True)
+            r.ready_since = now
 
     def _release_freed(self, ch: ChipState, out: list[Action]) -> None:
         freed = ch.kv.take_freed()
@@ -932,6 +1046,6 @@ class Scheduler:
             tenant_active=self._tenant_active, tenant_service=self.tenant_service,
             generation_tokens=self.generation_tokens, prompt_tokens=self.prompt_tokens,
             queue_waits=None if now is None else self.queue_stats(now),
-        )
+        ) | ({} if self.tiers is None else {"kv_tiers": self.tiers.stats()})
         st["speculative"] = self.spec.counters.to_dict()
         return st

@@ -267,6 +267,11 @@ class ChipLink:
         assert self.socket is not None, "release_blocks() on a stopped ChipLink"
         self._send_control(encode(Msg.RELEASE, blocks=[int(b) for b in blocks]))
 
+    def attach_kv_pool(self, fields: dict) -> None:
+        """Give the worker the board's host KV pool and disk tier (it applies this before any later job)."""
+        assert self.socket is not None, "attach_kv_pool() on a stopped ChipLink"
+        self._send_control(encode(Msg.KV_POOL, **fields))
+
     def chaos(self, action: str, seconds: float = 0.0) -> None:
         """Test hook: "crash", "hang" (for `seconds`) or "slow" (`seconds` added to every job)."""
         assert self.socket is not None, "chaos() on a stopped ChipLink"

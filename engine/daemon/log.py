@@ -25,6 +25,13 @@ EVENTS: dict[str, str] = {
     "metrics_serving": "info",
     "serving": "info",
     "kv_events_publishing": "info",
+    "kv_tiers": "info",
+    "kv_tiers_unsupported": "warning",
+    "kv_host_pool_too_small": "warning",
+    "kv_index_flush_failed": "warning",
+    "kv_disk_warm": "info",
+    "kv_disk_ignored": "info",
+    "kv_tiers_close_failed": "warning",
     "startup_failed": "error",
     # chips
     "chip_up": "info",

@@ -28,11 +28,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
+from engine.daemon.constraint_cache import BOARD_CACHE
 from engine.core.model_state import ModelState
+from engine.daemon.kv_tier_metrics import tier_families
 
 if TYPE_CHECKING:
     from engine.daemon.generations import Generations
@@ -65,7 +67,7 @@ class MetricsPortBusy(RuntimeError):
 # -- the immutable snapshot -----------------------------------------------------------
 @dataclass(frozen=True)
 class Family:
-    kind: str  # "gauge" | "counter"
+    kind: str  # "gauge" | "counter" | "histogram" (a sample's value: ((le, count) per bucket, +Inf count, sum))
     name: str  # without PREFIX; a counter without its _total
     doc: str
     labels: tuple[str, ...]
@@ -83,6 +85,17 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         for f in self.snapshot:  # one read of the reference: a consistent snapshot
+            if f.kind == "histogram":
+                h = HistogramMetricFamily(PREFIX + f.name, f.doc, labels=f.labels)
+                for values, (buckets, n_inf, total) in f.samples:
+                    cum, rows = 0, []
+                    for le, n in buckets:
+                        cum += n
+                        rows.append((repr(float(le)), cum))
+                    rows.append(("+Inf", cum + n_inf))
+                    h.add_metric(values, rows, total)
+                yield h
+                continue
             cls = GaugeMetricFamily if f.kind == "gauge" else CounterMetricFamily
             m = cls(PREFIX + f.name, f.doc, labels=f.labels)
             for values, v in f.samples:
@@ -101,7 +114,8 @@ class _Builder:
 
     def add(self, kind: str, name: str, doc: str, labels: tuple[str, ...],
             samples: Iterable[tuple[tuple[str, ...], float]]) -> None:
-        rows = tuple(((*self.head, *vals), float(v)) for vals, v in samples if v is not None)
+        rows = tuple(((*self.head, *vals), v if kind == "histogram" else float(v)) for vals, v in samples
+                     if v is not None)
         self.families.append(Family(kind, name, doc, (*self.head_labels, *labels), rows))
 
     def one(self, kind: str, name: str, doc: str, value: float) -> None:
@@ -126,9 +140,23 @@ def build_snapshot(v: "Views", now: float, bounded_tenants: frozenset[str]) -> S
     b.one("gauge", "loop_lag_seconds", "Longest recent turn of the scheduler loop.", v.liveness.lag_s(now))
     b.one("counter", "loop_turns", "Turns of the scheduler loop.", v.liveness.turns)
     b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if gens.accepting else 0)
+    constraint_families(b)
     merge(b.families)
     merge(_lifecycle_families(gens))
     return tuple(merged.values())
+
+
+def constraint_families(b: _Builder) -> None:
+    """Structured output at admission: constrained requests, refusals, compiles and their time (the board's)."""
+    c = BOARD_CACHE.stats()
+    b.one("counter", "constrained_requests", "Requests admitted with an output constraint (structured output).",
+          c["compiles"] + c["hits"])
+    b.one("counter", "constraint_rejected", "Requests refused because their constraint does not compile.",
+          c["rejected"])
+    b.one("counter", "constraint_compiles", "Constraints compiled at admission (a repeated one is cached).",
+          c["compiles"])
+    b.one("counter", "constraint_compile_seconds", "Time spent compiling constraints at admission.",
+          c["compile_s_total"])
 
 
 def _lifecycle_families(gens: "Generations") -> list[Family]:
@@ -250,6 +278,8 @@ def _generation_families(b: _Builder, st: dict, chips: list[dict], bounded_tenan
         service[key] = service.get(key, 0) + n
     b.add("counter", "tenant_service_tokens", "Tokens computed per tenant (configured tenants; others as "
           "\"other\").", ("tenant",), [((t,), n) for t, n in sorted(service.items())])
+    if "kv_tiers" in st:
+        tier_families(b, st["kv_tiers"])
 
 
 # -- the recorder (loop thread) ------------------------------------------------------------
@@ -294,6 +324,10 @@ class MetricsRecorder:
         self.job_latency = Histogram(PREFIX + "job_latency_seconds", "Chip jobs from hand-over to result, as "
                                      "the scheduler loop sees them, by chip and kind.",
                                      ["model_name", "chip", "kind"], buckets=JOB_LATENCY_BUCKETS, registry=r)
+        self.constraint_masks = Counter(PREFIX + "constraint_masks", "Token masks computed for constrained "
+                                        "lanes (structured output), one per lane and step.", m, registry=r)
+        self.constraint_mask_seconds = Counter(PREFIX + "constraint_mask_seconds", "Worker time spent computing "
+                                               "those masks.", m, registry=r)
         self._job_children: dict[tuple[str, int, str], object] = {}
         self._success_children: dict[tuple[str, str], object] = {}
         self._series: dict[str, _ModelSeries] = {}  # model alias -> its histogram children
@@ -383,6 +417,9 @@ class MetricsRecorder:
         start = self._job_start.pop((generation, result.job_id), None)
         if start is None or start[1] != chip:
             return
+        if result.masks:
+            self.constraint_masks.labels(start[3]).inc(result.masks)
+            self.constraint_mask_seconds.labels(start[3]).inc(result.mask_us / 1e6)
         key = (start[3], chip, start[2])
         child = self._job_children.get(key)
         if child is None:

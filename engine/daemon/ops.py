@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.actions import Action
 from engine.core.requests import GenerateParams
+from engine.daemon.constraint_cache import BOARD_CACHE, ConstraintRejected
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
 from engine.daemon.auth import is_admin, tenant_for, visible_stats
 from engine.daemon.models import admin_ops
@@ -39,10 +40,17 @@ NOT_IMPLEMENTED_OPS: frozenset[str] = frozenset()
 def params_from(msg: dict, tokenizer=None) -> GenerateParams:
     """Scheduler parameters of a validated generate: a `text` prompt is tokenized, string stops split off.
 
-    Raises TextRejected when the text cannot be tokenized for this model."""
+    Raises TextRejected when the text cannot be tokenized for this model, or its `constraint` does not
+    compile (`invalid_constraint`)."""
     fields = {k: msg[k] for k in _PARAM_FIELDS if k in msg}
     fields["prompt"] = prompt_of(msg, tokenizer)
     fields["stop"], fields["stop_strings"] = split_stop(msg.get("stop", []))
+    c = msg.get("constraint")
+    if c is not None:
+        try:
+            fields["constraint"] = BOARD_CACHE.get(c["kind"], c["body"])
+        except ConstraintRejected as e:
+            raise TextRejected("invalid_constraint", str(e)) from None
     return GenerateParams(**fields)
 
 
@@ -77,6 +85,10 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         except TextRejected as e:
             fe.error(conn, cid, 400, e.reason, e.message)
             return []
+        if params.constraint is not None and g.info is not None and g.info.extra.get("samples_on_device"):
+            fe.error(conn, cid, 400, "constraint_unsupported", f"constraint: the {g.info.name} backend samples on "
+                                                               "the device, so no token mask can apply")
+            return []
         rid = gens.next_request_id()
         if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False)),
                        text=g.tokenizer is not None, generation=g.id):
@@ -95,7 +107,8 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         fe.reply(conn, cid, "health", o.views.health(now))
         return []
     if op == "stats":
-        fe.reply(conn, cid, "stats", visible_stats(conn, jsonable(o.views.stats(now))))
+        body = {**o.views.stats(now), "constraints": BOARD_CACHE.stats()}  # structured output: the board's compiles
+        fe.reply(conn, cid, "stats", visible_stats(conn, jsonable(body)))
         return []
     if op == "models":  # open to every client, as before: a front or a balancer learns what is served
         fe.reply(conn, cid, "models", {"models": o.views.models_list()})

@@ -467,8 +467,11 @@ class Front:
                 raise self.upstream.unavailable()
         except OpenAIError as e:
             return error_response(e)
+        served = self.upstream.served
         data = [{"id": m["alias"], "object": "model", "created": 0, "owned_by": "npuserve",
-                 "max_model_len": m.get("max_seq")} for m in self.upstream.models]
+                 "max_model_len": m.get("max_seq"),
+                 "chat_template": (served[m["alias"]].chat_template or None) if m["alias"] in served else None}
+                for m in self.upstream.models]
         return json_response({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine.http.openai_error import bad
+from engine.http.response_format import FIELDS as CONSTRAINT_FIELDS, constraint_of
 from ipc.schema import NAME_RE, SPECULATIVE_METHODS
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions body (one choice each)
@@ -147,8 +148,6 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tools": (lambda v: v is None or v == [], "tool calling is not supported"),
     "functions": (lambda v: v is None or v == [], "function calling is not supported"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "only response_format {\"type\": \"text\"} "
-                                                                      "is supported"),
     "store": (_falsy, "stored completions are not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
     "audio": (lambda v: v is None, "audio output is not supported"),
@@ -160,7 +159,7 @@ _IGNORED = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoni
 
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "user",
-                     "priority", "speculative"})
+                     "priority", "speculative"}) | CONSTRAINT_FIELDS
 COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL) | _IGNORED
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "add_generation_prompt", "chat_template_kwargs"} \
     | set(_NEUTRAL) | _IGNORED
@@ -235,6 +234,9 @@ def _common(body: dict, kind: str, default_temperature: float) -> GenerateReques
         if spec not in SPECULATIVE_METHODS:
             raise bad("speculative", f"must be one of {', '.join(SPECULATIVE_METHODS)}, got {spec!r}")
         sampling["speculative"] = spec
+    constraint = constraint_of(body)
+    if constraint is not None:
+        sampling["constraint"] = constraint
     return GenerateRequest(kind, model, stream, include_usage, False, user, sampling)
 
 

@@ -30,6 +30,7 @@ class ServedModel:
     template: ChatTemplate | None = None
     tokenizer: object | None = None  # workers.tokenizer.Tokenizer (+ encode_template for GGUF ones)
     problem: str = ""  # why there is no template/tokenizer (shown in the 400)
+    chat_template: str = ""  # where the template comes from: "package", "--chat-template", "llama.cpp built-in ..."
 
     def token_text(self, token_id: int) -> str:
         """A generated token as logprobs show it: its text, or `token_id:N` without a tokenizer (as vLLM)."""
@@ -50,6 +51,15 @@ class ServedModel:
         if getattr(tok, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
         return ids
+
+
+def _family_template(manifest: dict) -> str | None:
+    """llama.cpp's built-in template for the package's model family (None: not a known family)."""
+    try:
+        from workers.llamacpp.chat_builtin import family_template
+    except ImportError:
+        return None
+    return family_template(manifest.get("architecture"))
 
 
 @dataclass(frozen=True)
@@ -100,10 +110,18 @@ def load_served_model(info: dict, package_override: str | None = None,
         m.problem = f"cannot read the model package {path}: {e}"
         return m
     source = template_override or spec.get("chat_template")
-    if not source:
-        m.problem = "its package has no tokenizer.chat_template (give the front one with --chat-template FILE)"
-        return m
     tok = m.tokenizer
+    if not source:
+        family = _family_template(manifest) if getattr(tok, "encode_template", None) else None
+        if family is None:
+            m.problem = "its package has no tokenizer.chat_template (give the front one with --chat-template FILE)"
+            return m
+        from workers.llamacpp.chat_builtin import BuiltinChatTemplate
+
+        m.template = BuiltinChatTemplate(family)
+        m.chat_template = f"{m.template.source} (the package has none; architecture {manifest.get('architecture')})"
+        return m
+    m.chat_template = "--chat-template" if template_override else "package"
     text_of = getattr(tok, "token_text", None)
     bos = text_of(tok.bos_id) if text_of and getattr(tok, "bos_id", None) is not None else ""
     eos = text_of(tok.eos_id) if text_of and getattr(tok, "eos_id", None) is not None else ""

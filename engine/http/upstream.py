@@ -100,6 +100,8 @@ class Upstream:
                     m = await asyncio.to_thread(load_served_model, entry, self.package, self.chat_template)
                     if m.template is None:
                         log.info("model %s: no chat template (%s)", m.alias, m.problem)
+                    elif m.chat_template.startswith("llama.cpp"):
+                        log.info("model %s: chat template: %s", m.alias, m.chat_template)
                 served[entry["alias"]] = m
             default = next((e for e in models if e.get("default")), models[0])
             self.models, self.served, self.model = models, served, served[default["alias"]]

@@ -41,6 +41,30 @@ class KvLayout:
     num_kv_heads: int = 0
     head_dim: int = 0
     dtype: str = "float32"
+    bytes_per_token: int = 0  # > 0: a token's KV is this many opaque bytes (a vendor layout, `ctypes`)
+
+    def block_bytes(self) -> int:
+        """Bytes of one block in the host format (K and V of every layer): the size of a host slot's payload."""
+        if self.bytes_per_token:
+            return self.block_size * self.bytes_per_token
+        item = 2 if self.dtype in ("float16", "bfloat16") else 1 if self.dtype in ("int8", "uint8") else 4
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * item
+
+
+@dataclass(frozen=True)
+class KvTransferCost:
+    """What moving KV costs against recomputing it on this backend: the tier policy's cost model.
+
+    A promotion of n blocks is expected to take `base_s + n * per_block_s`;
+    recomputing those tokens `n * block_size * prefill_s_per_token`.
+    """
+
+    base_s: float = 2e-4  # one transfer job's turnaround
+    per_block_s: float = 1e-5
+    prefill_s_per_token: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -57,6 +81,9 @@ class BackendInfo:
     # with one, prompt chunks with many), up to this many tokens in all: the scheduler's mixed batches.
     # 0: a prefill job carries one lane (the backend's compiled shapes separate prefill from decode).
     mixed_batch_tokens: int = 0
+    # Not None: the backend exports and imports KV blocks (KV_EXPORT / KV_IMPORT jobs, swap_out / swap_in),
+    # at this cost; None: its KV never leaves the chip (no host or disk tier for it).
+    kv_transfer: KvTransferCost | None = None
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -70,6 +97,7 @@ class BackendInfo:
             "chunked_prefill": self.chunked_prefill,
             "model_sha256": self.model_sha256,
             "mixed_batch_tokens": self.mixed_batch_tokens,
+            "kv_transfer": None if self.kv_transfer is None else self.kv_transfer.to_dict(),
             "extra": dict(self.extra),
         }
 
@@ -85,6 +113,7 @@ class BackendInfo:
             chunked_prefill=bool(d.get("chunked_prefill", False)),
             model_sha256=d.get("model_sha256", ""),
             mixed_batch_tokens=int(d.get("mixed_batch_tokens", 0)),
+            kv_transfer=None if d.get("kv_transfer") is None else KvTransferCost(**d["kv_transfer"]),
             extra=dict(d.get("extra", {})),
         )
 
@@ -133,7 +162,10 @@ class ChipBackend(abc.ABC):
 
     @abc.abstractmethod
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
-        """Return the KV content of `blocks` as one host array (demotion to the host tier)."""
+        """Return the KV content of `blocks` as one host array [n, ...] (export to the host tier).
+
+        Row i is block i's bytes in the host format, `describe().kv.block_bytes()` long.
+        """
 
     @abc.abstractmethod
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:

@@ -32,6 +32,7 @@ from workers.backends.base import (
     BatchProfile,
     ChipBackend,
     KvLayout,
+    KvTransferCost,
     StepOutput,
 )
 from workers.backends.block_ids import check_block_ids, check_copy_pair
@@ -158,8 +159,12 @@ class CtypesBackend(ChipBackend):
             eos_ids=self.eos_ids,
             max_seq=self.max_seq,
             profiles=tuple(BatchProfile(b) for b in self.profiles),
-            kv=KvLayout(block_size=self.block_size, num_blocks=self.num_blocks, dtype="uint8"),
+            kv=KvLayout(block_size=self.block_size, num_blocks=self.num_blocks, dtype="uint8",
+                        bytes_per_token=self.kv_bytes_per_token),
             chunked_prefill=self.chunked_prefill,
+            # the paged cache is this process's memory (the vendor call gets it gathered): a block moves as
+            # one row copy, whatever the library's model costs per token
+            kv_transfer=KvTransferCost(base_s=2e-4, per_block_s=2e-6, prefill_s_per_token=1e-4),
             model_sha256=self.library_sha256,  # the library is the model: rebuilding it is a new generation
             extra={"library": self.library, "chip_id": self.chip_id, "abi_version": ABI_VERSION,
                    "kv_bytes_per_token": self.kv_bytes_per_token},

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from ipc.records import Job
-from workers.backends.base import BackendError, BackendInfo, BatchProfile, KvLayout, OneStepBackend, StepOutput
+from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLayout, KvTransferCost, OneStepBackend,
+                                   StepOutput)
 from workers.default_package import ensure_default_package
 from workers.model_package import ModelPackage
 from workers.package_loader import load_package
@@ -72,6 +73,8 @@ class RefBackend(OneStepBackend):
                         num_kv_heads=d.kv_heads, head_dim=d.head_dim, dtype="float32"),
             chunked_prefill=True,
             model_sha256=pkg.sha256,
+            # NumPy pages: a block moves as one slice copy; a prompt token costs a small forward pass
+            kv_transfer=KvTransferCost(base_s=2e-4, per_block_s=5e-6, prefill_s_per_token=1e-4),
             extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
                    "bos_id": pkg.bos_id, "pad_id": pkg.pad_id, "dims": d.to_dict(),
                    "spec_verify": True},

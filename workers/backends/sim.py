@@ -24,7 +24,9 @@ import time
 import numpy as np
 
 from ipc.records import Job, JobKind
-from workers.backends.base import BackendInfo, StepOutput
+import dataclasses
+
+from workers.backends.base import BackendInfo, KvTransferCost, StepOutput
 from workers.backends.sim_latency import LatencyModel
 from workers.backends.stub import StubBackend
 
@@ -43,6 +45,11 @@ class SimBackend(StubBackend):
         busy_wait: bool = False,
         spin_ms: float = 1.5,
         time_scale: float = 1.0,
+        # The modelled KV transfer (host link): a block of the modelled model's KV (7B, GQA, bf16, 16 tokens:
+        # 2 MiB) over a 25 GB/s link, plus a fixed turnaround per transfer job.
+        kv_block_bytes_model: int = 2 << 20,
+        transfer_gbps: float = 25.0,
+        transfer_base_ms: float = 0.05,
         # StubBackend's options, spelled out so inspect.signature() shows them (the daemon filters by it)
         vocab_size: int = 320,
         eos_ids: tuple[int, ...] = (257,),
@@ -72,9 +79,15 @@ class SimBackend(StubBackend):
         self.spin_s = spin_ms / 1000.0
         self._device_free_at = 0.0  # time.monotonic() at which the modelled device finishes its queue
         self.time_scale = float(time_scale)
+        if transfer_gbps <= 0 or kv_block_bytes_model < 0 or transfer_base_ms < 0:
+            raise ValueError("transfer_gbps must be > 0, kv_block_bytes_model and transfer_base_ms >= 0")
+        self.transfer_base_s = transfer_base_ms / 1000.0
+        self.transfer_s_per_block = kv_block_bytes_model / (transfer_gbps * 1e9)
 
     def describe(self) -> BackendInfo:
-        info = super().describe()
+        info = dataclasses.replace(super().describe(), kv_transfer=KvTransferCost(
+            base_s=self.transfer_base_s * self.time_scale, per_block_s=self.transfer_s_per_block * self.time_scale,
+            prefill_s_per_token=self.prefill_seconds(1) * self.time_scale))
         info.extra.update(
             latency=dict(self.latency.__dict__), time_scale=self.time_scale, busy_wait=self.busy_wait,
             spin_ms=self.spin_s * 1000.0,
@@ -105,6 +118,23 @@ class SimBackend(StubBackend):
         out = StepOutput(tokens=self.sampled_tokens(job))
         self._wait_until(self._device_end(job, called, self.decode_seconds(active)))
         return out
+
+    def swap_out(self, blocks: np.ndarray) -> np.ndarray:
+        out = super().swap_out(blocks)
+        self._transfer_wait(out.shape[0])
+        return out
+
+    def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
+        super().swap_in(blocks, data)
+        self._transfer_wait(len(data))
+
+    def _transfer_wait(self, n_blocks: int) -> None:
+        """A transfer occupies the modelled device queue like a job (the worker orders it with compute)."""
+        called = time.monotonic()
+        end = max(called, self._device_free_at) + (self.transfer_base_s + n_blocks * self.transfer_s_per_block) \
+            * self.time_scale
+        self._device_free_at = end
+        self._wait_until(end)
 
     def _device_end(self, job: Job, called: float, seconds: float) -> float:
         """When the modelled device finishes `job`: queued behind the previous job, from its submission."""

@@ -22,6 +22,7 @@ from workers.backends.base import (
     BatchProfile,
     ChipBackend,
     KvLayout,
+    KvTransferCost,
     StepOutput,
 )
 from workers.backends.block_ids import check_block_ids, check_copy_pair
@@ -105,7 +106,10 @@ class StubBackend(ChipBackend):
             profiles=tuple(BatchProfile(b) for b in self.profiles),
             kv=KvLayout(block_size=self.block_size, num_blocks=self.num_blocks, **_STUB_KV),
             chunked_prefill=True,
-            extra={"chip_id": self.chip_id},
+            # its "KV" is nominal zeros and a prompt costs nothing: moving is never cheaper than recomputing
+            kv_transfer=KvTransferCost(base_s=2e-4, per_block_s=1e-6, prefill_s_per_token=0.0),
+            # it "samples on the device" (returns tokens, no logits): structured output cannot mask it
+            extra={"chip_id": self.chip_id, "samples_on_device": True},
         )
 
     def load(self, package) -> None:

@@ -36,6 +36,14 @@ class GgufTokenizer:
         """A token's text with special tokens spelled out (`<bos>`): what a chat template calls bos_token."""
         return self._model.piece(token_id, special=True).decode("utf-8", errors="replace")
 
+    def special_piece(self, token_id: int) -> bytes:
+        """A token's bytes with special tokens spelled out (b"<eos>"): how a grammar library names them."""
+        return self._model.piece(token_id, special=True)
+
+    def encode_bytes(self, data: bytes) -> list[int]:
+        """Token ids of raw bytes, no BOS, special-token text as plain text (a grammar library's tokenize)."""
+        return self._model.tokenize(data, add_special=False, parse_special=False)
+
     def piece(self, token_id: int) -> bytes:
         p = self._pieces.get(token_id)
         if p is None:

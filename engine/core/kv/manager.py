@@ -48,6 +48,7 @@ class KvSequence:
     cache_stopped: bool = False  # insert hit a concurrent duplicate; stop feeding the cache
     cache_tail: int | None = None  # the block at position cache_blocks-1 (None when cache_blocks == 0)
     cache_epoch: int = -1  # PrefixCache.epoch when cache_tail was recorded; a mismatch means re-walk
+    chain: list[bytes] | None = None  # chain hashes of its leading full blocks (KV tiers only, see tier_transfers)
 
 
 _LIVE = (S.RESERVED, S.ACTIVE, S.UPDATING)
@@ -84,6 +85,9 @@ class KvManager:
         self.preempt_refusals = 0  # grow() calls refused for lack of blocks
         self.released_in_flight = 0  # release() of an UPDATING sequence (its tail got quarantined)
         self._freed: list[int] = []  # blocks back in the free pool since take_freed() (not cached, not quarantined)
+        # None, or where blocks newly offered to the prefix cache are noted for the KV tiers (write-through):
+        # (sequence, its tokens, first new block index, end index, the block ids of those positions)
+        self.tier_sink: list[tuple] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -280,6 +284,14 @@ class KvManager:
         self._to_unknown(seq)
         self._after(seq_id)
 
+    def abort_update(self, seq_id: int, job_id: int) -> None:
+        """The pending job wrote nothing (a KV import the worker refused whole): back to ACTIVE, committed_len kept."""
+        seq = self._pending(seq_id, job_id)
+        seq.state = S.ACTIVE  # UPDATING -> ACTIVE is legal (checked at import)
+        seq.pending_job = None
+        seq.pending_len = None
+        self._after(seq_id)
+
     def release(self, seq_id: int) -> None:
         """Idempotent. UNKNOWN: the entry goes, its blocks stay quarantined until recover_chip().
 
@@ -417,6 +429,8 @@ class KvManager:
             seq.cache_epoch = cache.epoch
         if done < full:
             seq.cache_stopped = True
+        if self.tier_sink is not None and done > seq.cache_blocks:
+            self.tier_sink.append((seq, tokens, seq.cache_blocks, done, seq.blocks[seq.cache_blocks:done]))
         seq.cache_blocks = done
         seq.cache_tail = seq.blocks[done - 1] if done else None
 

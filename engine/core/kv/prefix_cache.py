@@ -65,6 +65,9 @@ class PrefixCache:
         # router, engine/daemon/kv_events.py): ("stored", parent block | None, [(block, edge tokens), ...])
         # for a chain of new nodes, ("removed", [block, ...]) for nodes gone.
         self.journal: list[tuple] | None = None
+        # None, or where evicted blocks are noted for demotion to the KV tiers: (key, every token of the
+        # evicted block's path, block id), read before the block is reused
+        self.evict_sink: list[tuple[PrefixKey, list[int], int]] | None = None
 
     # -- lookup --------------------------------------------------------------
     def _walk(self, key: PrefixKey, tokens: Sequence[int]) -> list[_Node]:
@@ -211,6 +214,8 @@ class PrefixCache:
             last_used, _, node = heapq.heappop(self._heap)
             if not self._is_evictable(node) or node.last_used != last_used:
                 continue
+            if self.evict_sink is not None:
+                self.evict_sink.append((node.key, self.path_tokens(node), node.block))
             self._remove(node)
             out.append(node.block)
             parent = node.parent
@@ -261,6 +266,15 @@ class PrefixCache:
         if gone and self.journal is not None:
             self.journal.append(("removed", gone))
         return out
+
+    @staticmethod
+    def path_tokens(node: _Node) -> list[int]:
+        """Every token from the root through `node`'s block."""
+        edges = []
+        while node is not None:
+            edges.append(node.edge)
+            node = node.parent
+        return [t for edge in reversed(edges) for t in edge]
 
     # -- internals -----------------------------------------------------------
     def _touch(self, node: _Node) -> None:

@@ -24,7 +24,8 @@ from engine.core.model_table import GenerationRecord
 from engine.config_schema import ConfigError
 from engine.core.scheduler import ChipSpec, ModelSpec, Scheduler
 from engine.core.scheduler_config import scheduler_config_from
-from engine.daemon.chip_link import ChipLink, Heartbeat, Ready, Result, WorkerFailed
+from engine.daemon.chip_link import SHM_PREFIX, ChipLink, Heartbeat, Ready, Result, WorkerFailed
+from engine.daemon.kv_tier_shell import KvTierShell
 from engine.daemon.log import log
 from engine.daemon.supervisor import ChipState, Decision, Supervisor
 from engine.daemon.text_io import piece_function, served_tokenizer
@@ -89,6 +90,7 @@ class Generation:
         self.info: BackendInfo | None = None
         self.tokenizer = None
         self.scheduler: Scheduler | None = None
+        self.kv_tiers: KvTierShell | None = None  # the host/disk KV tiers (kv.host_pool_mb, kv.disk_dir)
         self.supervisor: Supervisor | None = None
         self.rids: set[int] = set()  # requests pinned to this generation (clients' and the load job's)
         self._backlog: list[deque[Job]] = [deque() for _ in range(chips)]
@@ -170,10 +172,21 @@ class Generation:
         sc = scheduler_config_from(cfg)
         checking = dataclasses.replace(sc, max_waiting_requests=max(sc.max_waiting_requests, 1024),
                                        max_waiting_prompt_tokens=max(sc.max_waiting_prompt_tokens, 1 << 22))
+        if KvTierShell.wanted(cfg, info):
+            try:
+                self.kv_tiers = KvTierShell(cfg, info, SHM_PREFIX)
+            except ShmFull as e:
+                raise GenerationError("configure", f"host KV pool: {e.strerror}") from None
+            except OSError as e:
+                raise GenerationError("configure", f"KV tiers: {e}") from None
         try:
-            self.scheduler = Scheduler(checking, model, chips, piece=piece)
+            self.scheduler = Scheduler(checking, model, chips, piece=piece,
+                                       tiers=None if self.kv_tiers is None else self.kv_tiers.tiers)
         except ConfigError as e:
             raise GenerationError("validate", f"configuration does not fit the model: {e}") from None
+        if self.kv_tiers is not None:
+            for lk in self.links:
+                lk.attach_kv_pool(self.kv_tiers.pool_message())
         self.supervisor = Supervisor(cfg.board.chips, max_resets_per_10min=cfg.recovery.max_resets_per_10min,
                                      heartbeat_timeout_s=cfg.recovery.heartbeat_timeout_ms / 1000.0,
                                      startup_timeout_s=RESTART_TIMEOUT_S, now=now)
@@ -204,6 +217,8 @@ class Generation:
                 if sup.state(chip) in (ChipState.STARTING, ChipState.RESTARTING):
                     sup.on_ready(chip, now)
                     log("chip_up", chip=chip, pid=ev.pid, model=self.alias, generation=self.id)
+                    if self.kv_tiers is not None:  # a restarted worker maps the pool again
+                        self.links[chip].attach_kv_pool(self.kv_tiers.pool_message())
                     out += sched.on_chip_up(chip, now)
             elif t is WorkerFailed:
                 if sup.state(chip) is not ChipState.OUT:
@@ -246,6 +261,8 @@ class Generation:
     def supervise(self, now: float) -> list:
         sup = self.supervisor
         out: list = []
+        if self.kv_tiers is not None:
+            self.kv_tiers.tick(now)
         for chip, lk in enumerate(self.links):
             if sup.state(chip) is ChipState.OUT:
                 continue
@@ -312,6 +329,12 @@ class Generation:
                 lk.stop()
             except Exception as e:  # keep cleaning the other chips
                 log("stop_failed", chip=chip, error=repr(e), model=self.alias, generation=self.id)
+        if self.kv_tiers is not None:
+            try:
+                self.kv_tiers.close()
+            except Exception as e:
+                log("kv_tiers_close_failed", error=repr(e), model=self.alias, generation=self.id)
+            self.kv_tiers = None
         self.scheduler = None
 
     # -- reports -----------------------------------------------------------------------------

