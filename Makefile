@@ -44,7 +44,7 @@ run: $(RUN_STAMP)
 # command its figure was measured with. `make bench-peer` runs one; `make -k bench` goes on past a failure.
 BENCHES := bench-ipc bench-backend simulate bench-serve-stub bench-serve-sim bench-observe \
 	bench-sim-frontier bench-sim-static bench-balancer bench-mixed-load bench-http-stub bench-http-llamacpp \
-	bench-http-peer bench-peer bench-kv-layout bench-http-client bench-spec
+	bench-http-peer bench-peer bench-kv-layout bench-http-client bench-tp bench-spec
 
 .PHONY: test run bench venv clean $(BENCHES)
 
@@ -91,6 +91,12 @@ bench-spec:
 	$(NPU) bench-spec --streams 1,4,16 --rounds 2 --peer
 bench-http-client:
 	$(PY) -m tools.bench_http_client
+bench-tp:  # tensor parallelism on a model where compute dominates (built once into $(BENCH_OUT))
+	test -f $(BENCH_OUT)/tp-model/manifest.json || $(NPU) make-model --out $(BENCH_OUT)/tp-model --name tp-bench \
+		--layers 4 --d-model 1024 --heads 16 --kv-heads 8 --head-dim 64 --ffn-dim 2816 --max-seq 512 \
+		--kv-blocks 256 --golden-cases 1 --golden-max-tokens 2
+	$(NPU) bench-backend --tp 1,2 --package $(BENCH_OUT)/tp-model --batches 1,16 --decode-steps 8 --prompt-len 32 \
+		--tp-repeats 4
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -23,9 +23,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config_schema import (BadValue, ConfigError, abs_path_or_empty, boolean, check_section, host_port, integer,
+from engine.config_schema import (BadValue, ConfigError, abs_path_or_empty, abs_paths, boolean, check_section,
+                                  host_port, integer,
                                   key, name_list, number, string, unknown, zmq_endpoint,
                                   zmq_endpoint_or_empty, zmq_endpoints)
+from engine.core.handoff import BOARD_ROLES, DEFAULT_DEADLINE_S
 from engine.core.scheduler_config import SchedulerConfig, TenantPolicy
 from ipc.schema import NAME_RE  # model aliases and tenant names: the wire's rule
 from workers.backends.names import BACKENDS
@@ -56,9 +58,24 @@ class BoardConfig:
                            "sockets and state; \"\" = $XDG_RUNTIME_DIR/npuserve, else /tmp/npuserve-$UID")
     threads_per_chip: int = key(0, integer(0, 1024), "CPU threads of each chip worker (backend llamacpp); "
                                                   "0 = the machine's cores split over the chips")
+    chips_per_replica: int = key(1, integer(1, 64), "chips that run one model replica together (tensor "
+                                                 "parallelism, backends ref, sim and ctypes); must divide chips; "
+                                                 "the scheduler sees chips / chips_per_replica replicas")
     memory_budget_mb: int = key(0, integer(0), "memory the models of this board may hold (weights + KV pools of "
                                             "every worker, all generations); a load that does not fit is "
                                             "refused; 0 = no budget")
+    role: str = key("mixed", string(choices=BOARD_ROLES), "prefill/decode disaggregation: \"prefill\" boards run "
+                    "prompts and hand off, \"decode\" boards continue streams, \"mixed\" boards do both "
+                    "(docs/disaggregation.md)")
+    handoff_deadline_s: float = key(DEFAULT_DEADLINE_S, number(0.0, 3600.0, lo_open=True),
+                                    "how long a prefill board holds a hand-off's KV for its decode board")
+    handoff_peer_dirs: tuple = key((), abs_paths, "decode boards: the kv.disk_dir of prefill boards on this host, "
+                                   "whose block files a hand-off imports (needs kv.disk_dir here); () = recompute")
+
+    @property
+    def replicas(self) -> int:
+        """Model replicas per generation: what the scheduler calls chips."""
+        return self.chips // self.chips_per_replica
 
 
 @dataclass(frozen=True)
@@ -406,6 +423,9 @@ def _build(doc: Mapping[str, Any]) -> Config:
     return cfg
 
 
+TP_BACKENDS = ("ref", "sim", "ctypes")  # the backends that run a replica across chips (board.chips_per_replica > 1)
+
+
 def _check_cross_keys(cfg: Config, errors: list[str]) -> None:
     """Rules between keys, checked once overrides are applied."""
     if cfg.kv.block_size & (cfg.kv.block_size - 1):
@@ -418,6 +438,12 @@ def _check_cross_keys(cfg: Config, errors: list[str]) -> None:
     if r.heartbeat_timeout_ms <= r.heartbeat_interval_ms:
         errors.append(f"recovery.heartbeat_timeout_ms: must be > heartbeat_interval_ms "
                       f"({r.heartbeat_interval_ms}), got {r.heartbeat_timeout_ms}")
+    b = cfg.board
+    if b.chips % b.chips_per_replica:
+        errors.append(f"board.chips_per_replica: must divide board.chips ({b.chips}), got {b.chips_per_replica}")
+    if b.chips_per_replica > 1 and b.backend not in TP_BACKENDS:
+        errors.append(f"board.chips_per_replica: tensor parallelism needs board.backend in {list(TP_BACKENDS)}, "
+                      f"got {b.backend!r}")
     if cfg.board.backend == "ctypes" and not cfg.model.ctypes_library:
         errors.append("model.ctypes_library: required when board.backend = \"ctypes\"")
 

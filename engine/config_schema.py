@@ -141,6 +141,12 @@ def abs_path_or_empty(v: Any) -> str:
     return v
 
 
+def abs_paths(v: Any) -> tuple[str, ...]:
+    if type(v) not in (list, tuple) or not all(type(x) is str and os.path.isabs(x) for x in v):
+        raise BadValue(f"must be a list of absolute paths, got {v!r}")
+    return tuple(v)
+
+
 def zmq_endpoint(v: Any) -> str:
     """A ZeroMQ endpoint: ipc:///absolute/path (within the unix socket path limit) or tcp://HOST:PORT."""
     if type(v) is not str:

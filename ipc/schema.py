@@ -239,6 +239,46 @@ def _nullable(check: Checker) -> Checker:
     return nullable
 
 
+MAX_HANDOFF_BLOCKS = 1 << 16
+MAX_LAYOUT_KEYS = 16
+_HANDOFF_KEYS = ("export", "board", "request", "prompt_len", "blocks", "layout", "first_token")
+_handoff_name = _text(1, MAX_ID_CHARS)
+
+
+def _handoff(name: str, value: Any) -> dict:
+    """Prefill/decode hand-off (docs/protocol.md#handoff): `{"export": true}` on a prefill leg, or the
+    descriptor of where the prompt's KV is held (board, request, prompt_len, blocks, layout, first_token)
+    on a decode leg. A decode board that cannot use the descriptor recomputes the prompt."""
+    if type(value) is not dict:
+        raise _FieldError("bad_type", f"{name}: must be an object, got {_type_name(value)}")
+    unknown = sorted(k for k in value if k not in _HANDOFF_KEYS)
+    if unknown:
+        raise _FieldError("unknown_field", f"{name}.{unknown[0][:64]}: unknown field")
+    out: dict[str, Any] = {}
+    if "export" in value:
+        out["export"] = _bool(f"{name}.export", value["export"])
+    if out.get("export") and len(value) > 1:
+        raise _FieldError("conflicting_fields", f"{name}: an export leg carries only export")
+    if not out.get("export"):
+        for k in ("board", "request"):
+            if k not in value:
+                raise _FieldError("missing_field", f"{name}.{k}: required in a hand-off descriptor")
+            out[k] = _handoff_name(f"{name}.{k}", value[k])
+        out["prompt_len"] = _int(0, MAX_PROMPT_TOKENS)(f"{name}.prompt_len", value.get("prompt_len", 0))
+        out["blocks"] = _tokens(0, MAX_HANDOFF_BLOCKS)(f"{name}.blocks", value.get("blocks", []))
+        if value.get("first_token") is not None:
+            out["first_token"] = _int(0, TOKEN_ID_MAX)(f"{name}.first_token", value["first_token"])
+        layout = value.get("layout")
+        if layout is not None:
+            if type(layout) is not dict or len(layout) > MAX_LAYOUT_KEYS or not all(
+                    type(k) is str and len(k) <= 64 and (type(v) in (int, str) and len(str(v)) <= 256)
+                    for k, v in layout.items()):
+                raise _FieldError("bad_type", f"{name}.layout: must be an object of at most {MAX_LAYOUT_KEYS} "
+                                              f"short string or int values")
+            out["layout"] = dict(layout)
+    return out
+
+
 _AUTH = {"auth": (_nullable(_text(1, MAX_AUTH_CHARS)), None)}
 # unload/replace/rollback: how long the generation that goes away may drain (seconds; None = the daemon's
 # server.drain_timeout_s).
@@ -271,6 +311,7 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "pool": (_nullable(_name), None),  # balancers: the backend pool to route to (daemons ignore it)
         # speculative decoding for this request: "off" | "ngram" | "draft"; null = the board's speculative.method
         "speculative": (_nullable(_choice(SPECULATIVE_METHODS)), None),
+        "handoff": (_handoff, _ABSENT),  # prefill/decode disaggregation (docs/protocol.md#handoff)
     },
     "cancel": {},
     "health": {},

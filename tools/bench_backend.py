@@ -257,6 +257,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--seconds", type=float, default=0.6, help="minimum measuring time per row")
     p.add_argument("--json", action="store_true", help="print one JSON row per line")
+    p.add_argument("--tp", default=None,
+                   help="comma-separated tensor-parallel degrees (ref only), e.g. 1,2: decode tokens/s per degree, "
+                        "one process per rank, and the all-reduce vs a memcpy (tools/bench_tp.py)")
+    p.add_argument("--tp-rounds", type=int, default=3, help="--tp: decode rounds per run")
+    p.add_argument("--tp-repeats", type=int, default=3, help="--tp: runs per degree, alternating")
     return p.parse_args(argv)
 
 
@@ -277,6 +282,13 @@ def main(argv: list[str]) -> int:
         from workers.default_package import ensure_default_package
 
         package = ensure_default_package()
+    if args.tp is not None:
+        if args.backend != "ref":
+            print("bench-backend: --tp needs --backend ref", file=sys.stderr)
+            return 2
+        from tools.bench_tp import run as run_tp
+
+        return run_tp(args, package, list(batches))
     options: dict = {}
     scratch = None
     if args.backend == "ctypes":

@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chaos": ("tools.chaos.main", "named fault scenarios under load, each with its invariant checks"),
     "balance": ("engine.balancer.main", "run a balancer in front of daemons or balancers"),
     "bench-balancer": ("tools.bench_balancer", "benchmark a balancer against direct daemon access"),
+    "bench-disagg": ("tools.bench_disagg", "prefill/decode disaggregation against co-location on two sim boards"),
     "keygen": ("tools.keygen_cmd", "write a CURVE key pair (NAME.key, NAME.key_secret; 0600)"),
     "sign-package": ("tools.sign_package_cmd", "sign a model package's manifest (manifest.sig, Ed25519)"),
     "golden": ("tools.golden_cmd", "run a package's golden cases against a live endpoint"),

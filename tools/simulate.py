@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-mean", type=int, default=1024)
     ap.add_argument("--gen-mean", type=int, default=256)
     ap.add_argument("--chips", type=int, default=1)
+    ap.add_argument("--chips-per-replica", type=int, default=1,
+                    help="tensor parallelism: chips per replica (divides --chips); each step costs compute / N "
+                         "plus two all-reduces per layer (the sim backend's TP latency model)")
     ap.add_argument("--profiles", type=_ints, default=list(SIM_PROFILES), help="compiled decode batches")
     ap.add_argument("--policies", default=",".join(POLICIES), help=f"subset of {','.join(POLICIES)}")
     ap.add_argument("--seed", type=int, default=42)
@@ -50,16 +53,22 @@ def main(argv: list[str]) -> int:
         print(f"npuserve simulate: bad arguments (unknown policies {bad})" if bad else
               "npuserve simulate: --requests and --chips must be >= 1", file=sys.stderr)
         return 2
+    per = args.chips_per_replica
+    if per < 1 or args.chips % per:
+        print("npuserve simulate: --chips-per-replica must be >= 1 and divide --chips", file=sys.stderr)
+        return 2
     workload = make_workload(args.requests, args.prompt_mean, args.gen_mean, seed=args.seed)
-    latency = LatencyModel()
+    latency = LatencyModel(tp_degree=per)
+    replicas = args.chips // per  # what the scheduler (and the simulator) calls chips
     if not args.json:
+        tp = f" as {replicas} replica(s) of {per}" if per > 1 else ""
         print(f"workload: {args.requests} requests, prompt ~{args.prompt_mean}, gen ~{args.gen_mean}, "
-              f"{args.chips} chip(s), profiles {args.profiles}, latency {latency}")
+              f"{args.chips} chip(s){tp}, profiles {args.profiles}, latency {latency}")
         print(f"{'policy':<20}{'concurrency':>12}{'tok/s':>10}{'TTFT P50 ms':>13}{'TTFT P99 ms':>13}"
               f"{'TPOT ms':>9}{'ITL P99 ms':>12}")
-    kw = dict(chips=args.chips, latency=latency, profiles=tuple(args.profiles))
+    kw = dict(chips=replicas, latency=latency, profiles=tuple(args.profiles))
     for policy in policies:
-        if policy == "serial" and args.chips == 1:
+        if policy == "serial" and replicas == 1:
             rows = serial_table(args.concurrency, workload, **kw)
         else:
             rows = (simulate(policy, c, workload, **kw) for c in args.concurrency)

@@ -95,9 +95,15 @@ def check_npz_manifest(m, where: str) -> None:
     need(m.get("architecture") == ARCHITECTURE, where, f"unsupported architecture {m.get('architecture')!r}")
     need(isinstance(m.get("dims"), dict), where, "dims must be an object")
     try:
-        ModelDims.from_dict(m["dims"])
+        dims = ModelDims.from_dict(m["dims"])
     except (TypeError, ValueError) as e:
         raise PackageError(f"{where}: bad dims: {e}") from e
+    if "tp_degrees" in m:
+        tp = m["tp_degrees"]
+        need(isinstance(tp, list) and tp and all(isinstance(w, int) and not isinstance(w, bool) for w in tp)
+             and set(tp) <= set(dims.tp_degrees()) and 1 in tp, where,
+             f"tp_degrees must list degrees among {list(dims.tp_degrees())} (heads, KV heads and ffn_dim "
+             "divide evenly), including 1")
     for name in REQUIRED_FILES:
         need(name in m["files"], where, f"files does not list {name}")
 
@@ -109,4 +115,6 @@ def load_npz_package(path: str, manifest: dict, raw: bytes, verify_files: bool =
     check_npz_manifest(manifest, os.path.join(path, MANIFEST))
     if verify_files:
         verify_listed_files(path, manifest["files"])
-    return ModelPackage(**common_fields(path, manifest, raw), dims=ModelDims.from_dict(manifest["dims"]))
+    dims = ModelDims.from_dict(manifest["dims"])
+    tp = tuple(sorted(manifest.get("tp_degrees", dims.tp_degrees())))
+    return ModelPackage(**common_fields(path, manifest, raw), dims=dims, tp_degrees=tp)

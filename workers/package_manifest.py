@@ -42,6 +42,16 @@ class PackageFacts:
     profiles: list[int]
     kv_num_blocks: int
     golden_cases: list[dict] = field(repr=False, default_factory=list)
+    # The tensor-parallel degrees (chips per replica) the package can be split into; a kind that
+    # cannot be sharded keeps (1,). The `.npz` kind derives them from its dims (manifest `tp_degrees`
+    # may narrow them).
+    tp_degrees: tuple[int, ...] = (1,)
+
+    def check_tp_degree(self, degree: int) -> None:
+        """PackageError unless the package supports running on `degree` chips as one replica."""
+        if degree not in self.tp_degrees:
+            raise PackageError(f"{self.path}: model {self.name!r} does not support tensor-parallel degree "
+                               f"{degree} (board.chips_per_replica); it supports {list(self.tp_degrees)}")
 
     def file_path(self, name: str) -> str:
         return os.path.join(self.path, name)

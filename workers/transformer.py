@@ -11,10 +11,18 @@ attention, SwiGLU MLP, tied or untied LM head. Two entry points:
   recompute (its own Q/K/V projections, `np.repeat` for GQA, a causal mask).
   It is the oracle the paged path is tested against and the source of the
   golden cases, so it shares only the elementwise primitives.
+
+Tensor parallelism (Megatron-style, `shard=(rank, world)`): a rank holds the
+query heads, KV heads (so its KV cache) and MLP columns of its 1/world slice,
+and the rows of `wo`/`w_down` that read them; embeddings, norms and the LM
+head are replicated. The two partial products of a layer (after attention,
+after the MLP) are summed by `reduce` (an all-reduce across the ranks), so
+the residual stream, and the logits, are the same on every rank.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -52,6 +60,11 @@ class ModelDims:
     @property
     def group(self) -> int:
         return self.heads // self.kv_heads
+
+    def tp_degrees(self) -> tuple[int, ...]:
+        """The tensor-parallel degrees this shape splits into evenly (heads, KV heads, MLP columns)."""
+        return tuple(w for w in range(1, self.kv_heads + 1)
+                     if self.kv_heads % w == 0 and self.heads % w == 0 and self.ffn_dim % w == 0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -118,10 +131,22 @@ def _softmax_last(scores: np.ndarray) -> np.ndarray:
     return scores
 
 
+def _cols(a: np.ndarray, rank: int, world: int) -> np.ndarray:
+    n = a.shape[1] // world
+    return a[:, rank * n:(rank + 1) * n]
+
+
+def _rows(a: np.ndarray, rank: int, world: int) -> np.ndarray:
+    n = a.shape[0] // world
+    return a[rank * n:(rank + 1) * n]
+
+
 class Transformer:
     """Weights plus precomputed tables; stateless across calls (KV lives in the cache)."""
 
-    def __init__(self, dims: ModelDims, weights: dict[str, np.ndarray], *, vocab_size: int, max_seq: int) -> None:
+    def __init__(self, dims: ModelDims, weights: dict[str, np.ndarray], *, vocab_size: int, max_seq: int,
+                 shard: tuple[int, int] = (0, 1),
+                 reduce: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         expected = weight_shapes(dims, vocab_size)
         missing = sorted(set(expected) - set(weights))
         extra = sorted(set(weights) - set(expected))
@@ -130,24 +155,39 @@ class Transformer:
         for name, shape in expected.items():
             if tuple(weights[name].shape) != shape:
                 raise ValueError(f"weight {name} has shape {weights[name].shape}, expected {shape}")
+        rank, world = shard
+        if world not in dims.tp_degrees() or not 0 <= rank < world:
+            raise ValueError(f"tensor-parallel shard {rank}/{world}: degrees this model supports are "
+                             f"{list(dims.tp_degrees())} (heads, KV heads and ffn_dim must divide evenly)")
+        if world > 1 and reduce is None:
+            raise ValueError("a tensor-parallel shard needs a reduce (all-reduce) callable")
         self.dims = dims
         self.vocab_size = vocab_size
         self.max_seq = max_seq
+        self.rank, self.world = rank, world
+        self._reduce = reduce if world > 1 else None
+        self.heads, self.kv_heads = dims.heads // world, dims.kv_heads // world  # this rank's
+        self.ffn_dim = dims.ffn_dim // world
         w = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
-        self.weights = w
+        # A shard keeps only its slices (the cache-free oracle needs the whole model: world 1 only).
+        self.weights = w if world == 1 else {}
         self.embed = w["embed"]
         self.final_norm = w["final_norm"]
         self.lm_head = np.ascontiguousarray(self.embed.T) if dims.tie_embeddings else w["lm_head"]
         self.layers = []
+        hd = dims.head_dim
         for i in range(dims.layers):
             p = f"layers.{i}."
+            wq, wk, wv = (_cols(w[p + n].reshape(dims.d_model, -1, hd), rank, world).reshape(dims.d_model, -1)
+                          if world > 1 else w[p + n] for n in ("wq", "wk", "wv"))
             self.layers.append({
                 "attn_norm": w[p + "attn_norm"],
-                "wqkv": np.ascontiguousarray(np.concatenate([w[p + "wq"], w[p + "wk"], w[p + "wv"]], axis=1)),
-                "wo": w[p + "wo"],
+                "wqkv": np.ascontiguousarray(np.concatenate([wq, wk, wv], axis=1)),
+                "wo": np.ascontiguousarray(_rows(w[p + "wo"], rank, world)),
                 "mlp_norm": w[p + "mlp_norm"],
-                "w_gate_up": np.ascontiguousarray(np.concatenate([w[p + "w_gate"], w[p + "w_up"]], axis=1)),
-                "w_down": w[p + "w_down"],
+                "w_gate_up": np.ascontiguousarray(np.concatenate(
+                    [_cols(w[p + "w_gate"], rank, world), _cols(w[p + "w_up"], rank, world)], axis=1)),
+                "w_down": np.ascontiguousarray(_rows(w[p + "w_down"], rank, world)),
             })
         self.cos, self.sin = rope_tables(dims.head_dim, max_seq, dims.rope_theta)
         self.scale = np.float32(1.0 / np.sqrt(dims.head_dim))
@@ -196,7 +236,7 @@ class Transformer:
         tables = block_tables[:, :n_blocks]
 
         x = self.embed[tokens]
-        h_q, h_kv, hd = d.heads, d.kv_heads, d.head_dim
+        h_q, h_kv, hd = self.heads, self.kv_heads, d.head_dim
         for li, layer in enumerate(self.layers):
             last_layer = li == d.layers - 1
             h = rms_norm(x, layer["attn_norm"], d.norm_eps)
@@ -221,39 +261,43 @@ class Transformer:
                 q = apply_rope(q, cos, sin)
                 attn_pad = self._attend(cache, li, q[pad_src], q_pos, tables)
                 attn = attn_pad[lane_of, within]
-            x = x + attn.reshape(attn.shape[0], h_q * hd) @ layer["wo"]
-            x = x + self._mlp(x, layer)
+            x = x + self._all_reduce(attn.reshape(attn.shape[0], h_q * hd) @ layer["wo"])
+            x = x + self._all_reduce(self._mlp(x, layer))
         return self._logits(x)
+
+    def _all_reduce(self, partial: np.ndarray) -> np.ndarray:
+        return partial if self._reduce is None else self._reduce(partial)
 
     def _attend(self, cache: PagedKvCache, layer: int, q: np.ndarray, q_pos: np.ndarray,
                 tables: np.ndarray) -> np.ndarray:
         """q [n, Q, H, hd] at q_pos [n, Q] over each lane's cached context -> [n, Q, H, hd]."""
         d = self.dims
         n, q_len = q.shape[0], q.shape[1]
+        heads, kv_heads = self.heads, self.kv_heads
         k_ctx, v_ctx = cache.gather(layer, tables)  # [n, S, KVH, hd]
         s_len = k_ctx.shape[1]
         kt = k_ctx.transpose(0, 2, 3, 1)  # [n, KVH, hd, S]
         vt = v_ctx.transpose(0, 2, 1, 3)  # [n, KVH, S, hd]
         key_idx = np.arange(s_len)
-        out = np.empty((n, q_len, d.heads, d.head_dim), dtype=np.float32)
+        out = np.empty((n, q_len, heads, d.head_dim), dtype=np.float32)
         for a in range(0, q_len, _QUERY_SLICE):
             b = min(q_len, a + _QUERY_SLICE)
-            qs = q[:, a:b].reshape(n, b - a, d.kv_heads, d.group, d.head_dim)
-            qs = qs.transpose(0, 2, 1, 3, 4).reshape(n, d.kv_heads, (b - a) * d.group, d.head_dim)
+            qs = q[:, a:b].reshape(n, b - a, kv_heads, d.group, d.head_dim)
+            qs = qs.transpose(0, 2, 1, 3, 4).reshape(n, kv_heads, (b - a) * d.group, d.head_dim)
             scores = (qs @ kt) * self.scale  # [n, KVH, Q*G, S]
             visible = key_idx[None, None, :] <= q_pos[:, a:b, None]  # [n, Q, S]; pos < ctx by construction
             visible = np.repeat(visible, d.group, axis=1)[:, None]  # [n, 1, Q*G, S]
             scores = np.where(visible, scores, np.float32(-np.inf))
             probs = _softmax_last(scores)
             o = probs @ vt  # [n, KVH, Q*G, hd]
-            o = o.reshape(n, d.kv_heads, b - a, d.group, d.head_dim).transpose(0, 2, 1, 3, 4)
-            out[:, a:b] = o.reshape(n, b - a, d.heads, d.head_dim)
+            o = o.reshape(n, kv_heads, b - a, d.group, d.head_dim).transpose(0, 2, 1, 3, 4)
+            out[:, a:b] = o.reshape(n, b - a, heads, d.head_dim)
         return out
 
     def _mlp(self, x: np.ndarray, layer: dict) -> np.ndarray:
         h = rms_norm(x, layer["mlp_norm"], self.dims.norm_eps)
         gu = h @ layer["w_gate_up"]
-        f = self.dims.ffn_dim
+        f = self.ffn_dim
         return (silu(gu[:, :f]) * gu[:, f:]) @ layer["w_down"]
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
@@ -264,6 +308,8 @@ class Transformer:
     def dense_logits(self, tokens) -> np.ndarray:
         """Logits [T, V] for every position of `tokens`, recomputed from scratch without a cache."""
         d, w = self.dims, self.weights
+        if self.world > 1:
+            raise ValueError("dense_logits needs the whole model (a tensor-parallel shard holds a slice)")
         toks = np.asarray(tokens, dtype=np.int64)
         t = len(toks)
         if not 0 < t <= self.max_seq:

@@ -29,6 +29,7 @@ class BackendSpec:
     endpoint: str
     pool: str = "default"
     weight: float = 1.0
+    role: str = "mixed"  # prefill/decode disaggregation (engine/balancer/pd_routing.py)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class Backend:
     def snapshot(self, now: float, policy: HealthPolicy) -> dict:
         model = self.reported.get("model") if isinstance(self.reported.get("model"), dict) else None
         return {
-            "endpoint": self.name, "pool": self.spec.pool, "weight": self.spec.weight,
+            "endpoint": self.name, "pool": self.spec.pool, "weight": self.spec.weight, "role": self.spec.role,
             "state": self.health.value, "reason": self.reason, "routable": self.routable(),
             "drained": self.drained, "removed": self.removed, "accepting": self.accepting,
             "chips_up": self.chips_up, "load": self.load(), "inflight": len(self.inflight),

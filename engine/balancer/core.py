@@ -29,6 +29,8 @@ from typing import Any
 from engine.balancer.actions import (CloseBackend, EmitTokens, FailRequest, FinishRequest, OpenBackend, Reply,
                                      SendUpstream)
 from engine.balancer.backend_state import Backend, BackendSpec, Health, HealthPolicy
+from engine.balancer.pd_routing import (Stage, choose_decode, continues_after_prefill, decode_msg, first_stage,
+                                        for_stage, pd_enabled, prefill_msg, shows_first_token)
 from engine.balancer.prefix_index import PrefixIndex, block_hashes, text_block_hashes
 from engine.balancer.routing import RoutingPolicy, choose, imbalanced
 from engine.balancer.stats_merge import merge_stats
@@ -84,6 +86,10 @@ class BRequest:
     cached_tokens: int = 0
     prompt_tokens: int | None = None  # the backend's count, for text prompts (tokenized there)
     last_error: tuple[int, str, str] = (503, "no_backend", "no backend available")
+    stage: Stage = Stage.WHOLE  # prefill/decode disaggregation: which leg is upstream
+    handoff: dict | None = None  # the prefill leg's hand-off descriptor, for the decode leg
+    hidden: list[EmitTokens] = field(default_factory=list)  # a prefill leg's output not shown (stop sequences)
+    prefilled: bool = False  # a prefill leg handed off: its usage (cached_tokens) is the request's
 
 
 @dataclass(eq=False)
@@ -114,6 +120,7 @@ class BalancerCore:
         self._timers: list[tuple[float, int, int]] = []  # (time, seq, rid)
         self._seq = itertools.count(1)
         self._uids = itertools.count(1)
+        self.pd = False  # prefill and decode backends both configured: requests run in two legs
         self._pending_actions: list = self.set_backends(backends, now)
 
     # ------------------------------------------------------------------ backends
@@ -134,6 +141,7 @@ class BalancerCore:
             if name not in wanted and not b.removed:
                 b.removed = True
                 self.index.forget(name)
+        self.pd = pd_enabled(list(self.backends.values()))
         return out + self._close_idle_removed()
 
     def take_setup_actions(self) -> list:
@@ -193,6 +201,7 @@ class BalancerCore:
         dl = msg.get("deadline_ms")
         pool = msg.get("pool") or self._pool_for(msg["priority"])
         r = BRequest(rid, msg, now, None if dl is None else now + dl / 1000.0, pool, self._hashes(msg))
+        r.stage = first_stage(msg, 0, self.pd)
         self._reqs[rid] = r
         return self._dispatch(r, now)
 
@@ -266,6 +275,9 @@ class BalancerCore:
         kind = ev["ev"]
         if kind == "tokens":
             toks = ev["tokens"]
+            if r.stage is Stage.PREFILL and not shows_first_token(r.msg):
+                r.hidden.append(EmitTokens(r.rid, toks, ev.get("logprobs"), ev.get("text")))
+                return []
             if r.t_first is None:
                 r.t_first = now
             r.t_last = now
@@ -274,7 +286,11 @@ class BalancerCore:
                 r.state = ReqState.STREAMING
                 b.on_success()
             return [EmitTokens(r.rid, toks, ev.get("logprobs"), ev.get("text"))]
+        uid = r.uid
         self._detach(r)
+        if kind == "done" and r.stage is Stage.PREFILL:
+            b.on_success()
+            return self._prefill_done(r, b, uid, ev, now)
         if kind == "done":
             b.on_success()
             if ev.get("tokens"):  # a backend that answered non-streamed (not what we ask, but legal)
@@ -283,8 +299,9 @@ class BalancerCore:
             else:
                 out = []
             usage = ev.get("usage") or {}
-            r.cached_tokens = int(usage.get("cached_tokens", 0) or 0)
-            r.prompt_tokens = usage.get("prompt_tokens")
+            if not r.prefilled:  # the prompt was computed (and counted) at the prefill leg
+                r.cached_tokens = int(usage.get("cached_tokens", 0) or 0)
+                r.prompt_tokens = usage.get("prompt_tokens")
             return out + self._finish(r, ev["finish_reason"], now)
         assert kind == "error", kind
         code, reason, message = ev["code"], ev["reason"], ev["message"]
@@ -295,6 +312,8 @@ class BalancerCore:
         if r.cancelling:
             return self._finish(r, "cancelled", now)
         if not r.streamed and (code in RETRY_CODES or (code == 500 and retryable)):
+            return self._retry(r, now, immediate=False)
+        if r.stage is Stage.DECODE and code == 429:  # a decode board that is full now: another, after a backoff
             return self._retry(r, now, immediate=False)
         if r.streamed and retryable and code in MIGRATE_CODES:
             return self._migrate(r, now)
@@ -416,6 +435,13 @@ class BalancerCore:
 
     def candidates(self, r: BRequest, now: float) -> list[Backend]:
         cands = [b for b in self.backends.values() if b.routable()]
+        if self.pd:
+            staged = for_stage(cands, r.stage, self.pd)
+            if not staged and r.stage is Stage.PREFILL:  # no prefill board: the whole request, co-located
+                self.counters["pd_whole_fallbacks"] += 1
+                r.stage = Stage.WHOLE
+                staged = for_stage(cands, r.stage, self.pd)
+            cands = staged
         model = r.msg.get("model")
         if model is not None:
             cands = [b for b in cands if _alias(b) in (None, model)]
@@ -448,11 +474,15 @@ class BalancerCore:
                                   f"no backend could take the request ({message})", True)
             return self._wait(r, now + NO_BACKEND_POLL_S)
         r.waiting_since = None
+        r.hidden = []  # a new attempt: what an abandoned prefill leg produced is gone
         rp = self.config.routing
-        ch = choose(cands, r.hashes, _prompt_len(r.msg), rp, self.index)
-        if ch.policy_used is not rp.policy:
-            self.counters["imbalance_fallbacks"] += 1
-        b = ch.backend
+        if self.pd and r.stage is Stage.DECODE:
+            b = choose_decode(cands)
+        else:
+            ch = choose(cands, r.hashes, _prompt_len(r.msg), rp, self.index)
+            if ch.policy_used is not rp.policy:
+                self.counters["imbalance_fallbacks"] += 1
+            b = ch.backend
         uid = f"g{next(self._uids)}"
         r.uid, r.backend = uid, b.name
         r.state = ReqState.STREAMING if r.streamed else ReqState.SENT
@@ -475,6 +505,10 @@ class BalancerCore:
             m["continuation"] = list(r.msg["continuation"]) + r.streamed
         if r.deadline is not None:
             m["deadline_ms"] = max(1, int((r.deadline - now) * 1000))
+        if r.stage is Stage.PREFILL:
+            return prefill_msg(m, list(r.msg["continuation"]) + r.streamed)
+        if r.stage is Stage.DECODE:
+            return decode_msg(m, r.handoff)
         return m
 
     def _wait(self, r: BRequest, at: float) -> list:
@@ -506,7 +540,35 @@ class BalancerCore:
             return self._fail(r, 503, "stream_broken", f"the stream broke ({r.last_error[2]}); {why}", True)
         r.migrations += 1
         self.counters["migrations"] += 1
+        if r.stage is Stage.PREFILL:  # the first token is out: the rest is a decode leg (which recomputes)
+            r.stage = Stage.DECODE
         return self._dispatch(r, now)
+
+    def _prefill_done(self, r: BRequest, b: Backend, uid: str | None, ev: dict, now: float) -> list:
+        """The prefill leg ended: hand off to a decode board, or end the request when it is complete."""
+        hidden, r.hidden = r.hidden, []
+        if ev.get("tokens") and not hidden and shows_first_token(r.msg):  # answered non-streamed
+            r.streamed.extend(ev["tokens"])
+            out: list = [EmitTokens(r.rid, ev["tokens"], ev.get("logprobs"), ev.get("text"))]
+        else:
+            out = []
+        usage = ev.get("usage") or {}
+        r.cached_tokens = int(usage.get("cached_tokens", 0) or 0)
+        r.prompt_tokens = usage.get("prompt_tokens")
+        reason = ev["finish_reason"]
+        if r.cancelling or not continues_after_prefill(reason, r.msg, len(r.streamed)):
+            for e in hidden:  # the request ends here: what the prefill leg produced is its output
+                r.streamed.extend(e.tokens)
+            if (hidden or out) and r.t_first is None:
+                r.t_first = now
+            return hidden + out + self._finish(r, "cancelled" if r.cancelling else reason, now)
+        if out and r.t_first is None:
+            r.t_first = now
+        r.stage, r.prefilled = Stage.DECODE, True
+        r.handoff = ev.get("handoff") if isinstance(ev.get("handoff"), dict) else {
+            "board": b.name[:128], "request": uid or "?", "prompt_len": int(r.prompt_tokens or 0), "blocks": []}
+        self.counters["pd_handoffs"] += 1
+        return out + self._dispatch(r, now)
 
     def _detach(self, r: BRequest) -> None:
         """The current attempt is over (terminal event, or its backend is lost)."""

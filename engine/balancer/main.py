@@ -21,16 +21,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--endpoint", action="append", default=[], metavar="E",
                    help="ipc:///path or tcp://host:port to listen on (repeatable; replaces balancer.endpoints)")
     p.add_argument("--backends", help="comma-separated backend endpoints (replaces [[backends]])")
-    p.add_argument("--policy", choices=POLICIES, help="routing policy")
+    p.add_argument("--prefill", help="comma-separated prefill board endpoints (with --decode: prefill/decode "
+                                     "disaggregation; beside --backends, replacing [[backends]] with them all)")
+    p.add_argument("--decode", help="comma-separated decode board endpoints")
+    p.add_argument("--policy", choices=POLICIES, help="routing policy (of whole requests and prefill legs)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    def listed(flag: str | None) -> list[str] | None:
+        return [b.strip() for b in flag.split(",") if b.strip()] if flag else None
+
+    backends, prefill, decode = listed(args.backends), listed(args.prefill), listed(args.decode)
 
     def load():
-        return load_settings(args.config, endpoints=args.endpoint or None, backends=backends, policy=args.policy)
+        return load_settings(args.config, endpoints=args.endpoint or None, backends=backends, policy=args.policy,
+                             prefill=prefill, decode=decode)
 
     try:
         settings = load()

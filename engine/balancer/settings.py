@@ -6,7 +6,7 @@
     [retry]     max_retries, backoff_base_ms, backoff_max_ms, migrate, max_migrations, no_backend_wait_ms
     [routing]   block_size, decode_cost_tokens, imbalance_abs, imbalance_rel, prefix_capacity_blocks
     [security]  server_secret_key, client_keys_dir, admins, forwarders, client_secret_key
-    [[backends]] endpoint, pool, weight, server_key
+    [[backends]] endpoint, pool, weight, server_key, role
     [[pools]]   name, min_priority
 
 Key declarations use `engine.config_schema`, as the daemon's do (one check and one line of
@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.balancer.backend_state import BackendSpec, HealthPolicy
 from engine.balancer.core import CoreConfig
+from engine.balancer.pd_routing import ROLES
 from engine.balancer.routing import Policy, RoutingPolicy
 from engine.config_schema import (BadValue, ConfigError, boolean, check_section, integer, key, name_list, number,
                                   string, unknown, zmq_endpoint, zmq_endpoints)
@@ -84,6 +85,8 @@ class BackendEntry:
     pool: str = key("default", string(NAME_RE, "a pool name"), "pool it belongs to")
     weight: float = key(1.0, number(0.0, 1e6, lo_open=True), "share of the traffic relative to the others")
     server_key: str = key("", string(), "the backend's CURVE public key file (tcp:// with CURVE)")
+    role: str = key("mixed", string(choices=ROLES), "prefill | decode | mixed: with both prefill and decode "
+                    "backends a request is prefilled on one and decoded on another (docs/disaggregation.md)")
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ class BalancerSettings:
     pools: tuple = ()
 
     def backend_specs(self) -> list[BackendSpec]:
-        return [BackendSpec(b.endpoint, b.pool, b.weight) for b in self.backends]
+        return [BackendSpec(b.endpoint, b.pool, b.weight, b.role) for b in self.backends]
 
     def core_config(self) -> CoreConfig:
         h, r, ro = self.health, self.retry, self.routing
@@ -126,7 +129,8 @@ _PATH_KEYS = (("security", "server_secret_key"), ("security", "client_keys_dir")
 
 
 def load_settings(path: str | None, *, endpoints: list[str] | None = None, backends: list[str] | None = None,
-                  policy: str | None = None) -> BalancerSettings:
+                  policy: str | None = None, prefill: list[str] | None = None,
+                  decode: list[str] | None = None) -> BalancerSettings:
     """Read and check the file (if any), then apply the command-line flags. Raises ConfigError."""
     doc: dict[str, Any] = {}
     if path:
@@ -156,8 +160,10 @@ def load_settings(path: str | None, *, endpoints: list[str] | None = None, backe
     try:
         if endpoints:
             s = replace(s, balancer=replace(s.balancer, endpoints=zmq_endpoints(endpoints)))
-        if backends:
-            s = replace(s, backends=tuple(BackendEntry(endpoint=zmq_endpoint(e)) for e in backends))
+        if backends or prefill or decode:  # the flags together replace [[backends]]
+            s = replace(s, backends=tuple(BackendEntry(endpoint=zmq_endpoint(e), role=role)
+                                          for role, eps in (("mixed", backends), ("prefill", prefill),
+                                                            ("decode", decode)) for e in eps or ()))
         if policy:
             s = replace(s, balancer=replace(s.balancer, policy=string(choices=POLICIES)(policy)))
     except BadValue as bad:
@@ -168,7 +174,10 @@ def load_settings(path: str | None, *, endpoints: list[str] | None = None, backe
     if not s.balancer.endpoints:
         errors.append("balancer.endpoints: at least one endpoint to listen on (or --endpoint)")
     if not s.backends:
-        errors.append("backends: at least one [[backends]] entry (or --backends)")
+        errors.append("backends: at least one [[backends]] entry (or --backends, --prefill/--decode)")
+    roles = {b.role for b in s.backends}
+    if ("prefill" in roles) != ("decode" in roles):
+        errors.append("backends: prefill/decode disaggregation needs at least one prefill and one decode backend")
     if any(b.server_key and b.endpoint.startswith("tcp://") for b in s.backends) and not s.security.client_secret_key:
         errors.append("security.client_secret_key: required when a backend has a server_key (the key pair this "
                       "balancer presents to CURVE backends)")

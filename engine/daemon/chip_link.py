@@ -211,6 +211,10 @@ class ChipLink:
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def pollables(self) -> list:
+        """What the loop polls for this link: the control socket and the result doorbell."""
+        return [self.socket, self.result_fd]
+
     def _cleanup(self) -> None:
         if self.result_fd is not None:
             os.close(self.result_fd)

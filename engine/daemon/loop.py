@@ -127,7 +127,7 @@ class Daemon:
                                  lambda j: failures.append(j) if j.error else None,
                                  package_path=None if under_root else package, resolve=under_root)
         next_supervise = self.clock()
-        workers = cfg.board.chips * len(self.startup_models)
+        workers = cfg.board.replicas * len(self.startup_models)  # `infos` counts a TP replica once
         deadline = self.clock() + STARTUP_TIMEOUT_S
         while any(not j.finished for j in self.gens.load_jobs):
             if self._stop_signal is not None:
@@ -186,9 +186,9 @@ class Daemon:
 
     # -- poller registration ----------------------------------------------------------------
     def _register_link(self, g: Generation, chip: int) -> None:
-        lk = g.links[chip]
-        assert lk.socket is not None and lk.result_fd is not None
-        for s in (lk.socket, lk.result_fd):  # a restarted link has a new socket and a new fd
+        socks = g.links[chip].pollables()  # a chip's socket and fd; every rank's of a TP replica
+        assert None not in socks
+        for s in socks:  # a restarted link has a new socket and a new fd
             self._link_socks[s] = (g, chip)
             self._poller.register(s, zmq.POLLIN)
 

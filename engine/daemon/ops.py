@@ -22,6 +22,7 @@ from engine.core.requests import GenerateParams
 from engine.daemon.constraint_cache import BOARD_CACHE, ConstraintRejected
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
 from engine.daemon.auth import is_admin, tenant_for, visible_stats
+from engine.daemon.handoff_intake import take_handoff
 from engine.daemon.models import admin_ops
 from engine.core.model_table import RouteOutcome
 
@@ -94,6 +95,8 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
                        text=g.tokenizer is not None, generation=g.id):
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
+        if "handoff" in msg:
+            take_handoff(g, gens.cfg, rid, msg["handoff"], params, now)
         gens.admit(rid, g)
         o.apply(g.scheduler.submit(rid, params, now), g, now)
         return []

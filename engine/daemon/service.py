@@ -195,7 +195,8 @@ class Service:
         up = len(g.supervisor.in_service()) if g is not None and g.supervisor is not None else 0
         admit = "serving" if gens.accepting else "not admitting (drained by an admin)"
         return (f"{admit} model {gens.model_alias!r} on {', '.join(gens.cfg.server.endpoints)}: "
-                f"{up}/{gens.cfg.board.chips} chips up, {self.host.active_requests()} requests in flight")
+                f"{up}/{gens.cfg.board.replicas} {'replicas' if gens.cfg.board.chips_per_replica > 1 else 'chips'} "
+                f"up, {self.host.active_requests()} requests in flight")
 
     def _draining_status(self, now: float) -> str:
         return (f"draining: {self.host.active_requests()} requests in flight, "

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from engine.daemon.handoff_intake import HANDOFF_COUNTER_KEYS
 from engine.daemon.liveness import LoopLiveness
 from engine.daemon.load_report import load_report
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from engine.daemon.frontend import Frontend
     from engine.daemon.generations import Generations
 
-BOARD_COUNTER_KEYS = ("jobs_submitted", "ring_full", "results", "chip_failures", "worker_restarts")
+BOARD_COUNTER_KEYS = ("jobs_submitted", "ring_full", "results", "chip_failures", "worker_restarts") + HANDOFF_COUNTER_KEYS
 
 
 class Views:
@@ -73,6 +74,7 @@ class Views:
             "model": self.model_info(),
             "models": sorted(gens.models.published),
             "board": gens.cfg.board.id,
+            "role": gens.cfg.board.role,
             "pid": os.getpid(),
             "uptime_s": round(now - self.started_at, 3),
             "active_requests": self.frontend.active(),

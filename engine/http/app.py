@@ -27,6 +27,7 @@ from engine.errors import ClientError
 from engine.http.api_keys import ApiKeys
 from engine.http.chat_template import no_template
 from engine.http.metrics import HttpMetrics
+from engine.http import kv_transfer
 from engine.http.openai_error import OpenAIError, bad, from_upstream
 from engine.http.openai_request import GenerateRequest, parse_chat, parse_completion, tenant_of_user
 from engine.http.openai_response import (
@@ -215,6 +216,8 @@ class Front:
             base["model"] = req.model
         if req.logprobs:
             base["logprobs"] = True
+        if req.handoff is not None:
+            base["handoff"] = req.handoff
         for k, v in req.sampling.items():
             if v is not None:
                 base[k] = v
@@ -338,6 +341,10 @@ class Front:
                 choices.append(completion_choice(i, d.get("text") or "", d.get("finish_reason"), lp))
             obj = completion_object(new_id("completion"), prep.model, created, choices,
                                     [d.get("usage") or {} for d in dones])
+        if req.handoff is not None and req.handoff.get("export"):  # vllm-router's prefill leg
+            board = (getattr(self.upstream, "last_health", None) or {}).get("board")
+            obj[kv_transfer.FIELD] = kv_transfer.response_params(dones[0], prep.msgs[0]["id"],
+                                                                 f"board-{board}" if board else "npuserve")
         self._finish(endpoint, 200, t0)
         return json_response(obj)
 

@@ -16,6 +16,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from engine.http import kv_transfer
 from engine.http.openai_error import bad
 from engine.http.response_format import FIELDS as CONSTRAINT_FIELDS, constraint_of
 from ipc.schema import NAME_RE, SPECULATIVE_METHODS
@@ -44,6 +45,7 @@ class GenerateRequest:
     messages: list = field(default_factory=list)  # chat: validated messages
     add_generation_prompt: bool = True
     template_kwargs: dict = field(default_factory=dict)  # chat: extra variables for the template
+    handoff: dict | None = None  # vLLM's kv_transfer_params as the wire's hand-off (engine/http/kv_transfer.py)
 
 
 # -- field checks ------------------------------------------------------------------------------------
@@ -159,7 +161,7 @@ _IGNORED = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoni
 
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "user",
-                     "priority", "speculative"}) | CONSTRAINT_FIELDS
+                     "priority", "speculative", kv_transfer.FIELD}) | CONSTRAINT_FIELDS
 COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL) | _IGNORED
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "add_generation_prompt", "chat_template_kwargs"} \
     | set(_NEUTRAL) | _IGNORED
@@ -172,6 +174,8 @@ def _check_fields(body: Any, known: frozenset | set) -> None:
         if name not in known:
             raise bad(name, "unrecognized request argument", "unknown_field")
     for name, (neutral, what) in _NEUTRAL.items():
+        if name == "min_tokens" and body.get(name) == 1 and kv_transfer.is_prefill_leg(body):
+            continue  # vllm-router's prefill leg: one token, whose text the router drops
         if name in body and not neutral(body[name]):
             raise bad(name, what, "unsupported_value")
     for name in ("separate_reasoning", "stream_reasoning", "include_reasoning", "parallel_tool_calls"):
@@ -237,7 +241,9 @@ def _common(body: dict, kind: str, default_temperature: float) -> GenerateReques
     constraint = constraint_of(body)
     if constraint is not None:
         sampling["constraint"] = constraint
-    return GenerateRequest(kind, model, stream, include_usage, False, user, sampling)
+    req = GenerateRequest(kind, model, stream, include_usage, False, user, sampling)
+    req.handoff = kv_transfer.handoff_of(body.get(kv_transfer.FIELD))
+    return req
 
 
 def parse_completion(body: Any, default_temperature: float = 1.0) -> GenerateRequest:

@@ -27,3 +27,19 @@ def test_bench_backend_json_rows_cover_both_modes(backend):
     }
     assert all(set(r) == {"kind", "mode", "phase", "batch", "tokens_per_s"} and r["kind"] == "row"
                and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_bench_backend_tp_rows_and_allreduce():
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "bench-backend", "--tp", "1,2", "--batches", "1,4", "--prompt-len", "8",
+         "--decode-steps", "2", "--tp-rounds", "1", "--tp-repeats", "1", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    tp = [r for r in rows if r["kind"] == "tp_row"]
+    assert {(r["batch"], r["tp"]) for r in tp} == {(b, w) for b in (1, 4) for w in (1, 2)}
+    assert all(r["tokens_per_s"] > 0 for r in tp) and all(r["vs_tp1"] == 1.0 for r in tp if r["tp"] == 1)
+    ar = [r for r in rows if r["kind"] == "allreduce"]
+    assert {r["bytes"] for r in ar} == {1 * 64 * 4, 4 * 64 * 4} and all(r["allreduce_us"] > 0 for r in ar)
+    assert rows[-1]["kind"] == "tp_summary"

@@ -10,6 +10,13 @@ lane's blocks into `kv_in` before a call and scatters the returned `kv_out`
 the job writes are touched, so blocks shared through the prefix cache stay
 intact.
 
+Tensor parallelism: with `tp_world` > 1 the library must export
+`simpler_tp_init`; this backend hands it the chip's rank and world and
+npuserve's collective (an all-reduce over the replica's shared-memory
+segment `tp_group`, `ipc.allreduce`) as a C callback, for a runtime that has
+no collective of its own. A failed collective fails the call and poisons the
+group (the replica restarts).
+
 Loading is strict: a missing library, a missing symbol or a different ABI
 version raises `NativeLibraryError` naming what is wrong. There is no silent
 fallback to a stub (seed 000's dlopen fallback hid misconfigured boards).
@@ -25,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ipc.allreduce import AllReduce, CollectiveError
 from ipc.records import Job, JobKind
 from workers.backends.base import (
     BackendError,
@@ -79,6 +87,9 @@ def build_reference_library(out_dir: str | os.PathLike, *, name: str = "librefer
     return out
 
 
+ALLREDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t)
+
+
 def _load_library(library: str) -> ctypes.CDLL:
     path = os.fspath(library)
     try:
@@ -117,7 +128,8 @@ class CtypesBackend(ChipBackend):
 
     name = "ctypes"
 
-    def __init__(self, *, library: str, chip_id: int = 0, block_size: int = 16, num_blocks: int = 4096) -> None:
+    def __init__(self, *, library: str, chip_id: int = 0, block_size: int = 16, num_blocks: int = 4096,
+                 tp_rank: int = 0, tp_world: int = 1, tp_group: str = "", tp_timeout_s: float = 30.0) -> None:
         if block_size < 1 or num_blocks < 1:
             raise ValueError("block_size and num_blocks must be positive")
         self.library = os.fspath(library)
@@ -149,6 +161,36 @@ class CtypesBackend(ChipBackend):
         self.chunked_prefill = bool(info.chunked_prefill)
         self.kv_bytes_per_token = int(info.kv_bytes_per_token)
         self._cache: np.ndarray | None = None
+        self.tp_rank, self.tp_world = int(tp_rank), int(tp_world)
+        self.collective: AllReduce | None = None
+        self._reduce_cb = None  # the C callback object: kept alive as long as the library may call it
+        if self.tp_world > 1:
+            self._init_tp(tp_group, float(tp_timeout_s))
+
+    def _init_tp(self, group: str, timeout_s: float) -> None:
+        init = getattr(self._lib, "simpler_tp_init", None)
+        if init is None:
+            raise NativeLibraryError(f"chip library {self.library!r} lacks simpler_tp_init: it cannot run "
+                                     f"tensor parallel (board.chips_per_replica = {self.tp_world})")
+        if not group:
+            raise ValueError("tp_world > 1 needs tp_group (the all-reduce segment's name)")
+        init.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ALLREDUCE_FN, ctypes.c_void_p]
+        init.restype = ctypes.c_int
+        self.collective = ar = AllReduce(group, self.tp_rank, timeout_s=timeout_s)
+
+        def reduce(_ctx, buf, count) -> int:
+            view = np.ctypeslib.as_array(buf, shape=(int(count),))
+            try:
+                view[:] = ar.allreduce(view)
+            except CollectiveError:
+                return 1
+            return 0
+
+        self._reduce_cb = ALLREDUCE_FN(reduce)
+        rc = init(self.chip_id, self.tp_rank, self.tp_world, self._reduce_cb, None)
+        if rc != 0:
+            raise NativeLibraryError(f"simpler_tp_init(chip {self.chip_id}, rank {self.tp_rank}, world "
+                                     f"{self.tp_world}) in {self.library!r} failed: {_STATUS.get(rc, rc)}")
 
     # -- description and lifecycle -------------------------------------------------
 
@@ -167,7 +209,8 @@ class CtypesBackend(ChipBackend):
             kv_transfer=KvTransferCost(base_s=2e-4, per_block_s=2e-6, prefill_s_per_token=1e-4),
             model_sha256=self.library_sha256,  # the library is the model: rebuilding it is a new generation
             extra={"library": self.library, "chip_id": self.chip_id, "abi_version": ABI_VERSION,
-                   "kv_bytes_per_token": self.kv_bytes_per_token},
+                   "kv_bytes_per_token": self.kv_bytes_per_token,
+                   "tp": {"rank": self.tp_rank, "world": self.tp_world}},
         )
 
     def load(self, package) -> None:
@@ -214,6 +257,8 @@ class CtypesBackend(ChipBackend):
         return start
 
     def _fail(self, fn: str, rc: int, job: Job) -> BackendError:
+        if self.collective is not None:
+            self.collective.abort()  # peers may wait in a collective this rank will not reach
         return BackendError(f"{fn} on chip {self.chip_id} failed for job {job.job_id}: {_STATUS.get(rc, rc)} ({rc})")
 
     # -- compute ---------------------------------------------------------------------

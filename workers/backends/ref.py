@@ -8,12 +8,21 @@ because it is numerically equal (to float32 rounding) to one-shot prefill.
 Inputs are validated completely before the first KV write, so a rejected job
 (ValueError) leaves the cache untouched; a failure after writing began is a
 BackendError (the KV the job touched is unknown).
+
+Tensor parallelism: with `tp_world` > 1 this worker is rank `tp_rank` of a
+replica; it holds its slice of the heads (and their KV) and MLP columns and
+sums partial results with its peers through the all-reduce segment
+`tp_group` (`ipc.allreduce`), made by the replica's owner. A collective that
+fails (a peer died, hung past `tp_timeout_s`, or aborted) fails the job like
+any device fault, and poisons the group: the replica's workers are restarted
+together.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ipc.allreduce import AllReduce
 from ipc.records import Job
 from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLayout, KvTransferCost, OneStepBackend,
                                    StepOutput)
@@ -28,11 +37,19 @@ from workers.transformer import Transformer
 class RefBackend(OneStepBackend):
     name = "ref"
 
-    def __init__(self, *, num_blocks: int | None = None, chip_id: int = 0) -> None:
+    def __init__(self, *, num_blocks: int | None = None, chip_id: int = 0, tp_rank: int = 0, tp_world: int = 1,
+                 tp_group: str = "", tp_timeout_s: float = 30.0, tp_mode: str = "shared") -> None:
         if num_blocks is not None and num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
+        if tp_world < 1 or not 0 <= tp_rank < tp_world:
+            raise ValueError(f"tp_rank {tp_rank} outside 0..{tp_world - 1}")
+        if tp_world > 1 and not tp_group:
+            raise ValueError("tp_world > 1 needs tp_group (the all-reduce segment's name)")
         self._num_blocks = num_blocks
         self.chip_id = chip_id
+        self.tp_rank, self.tp_world, self.tp_group = int(tp_rank), int(tp_world), tp_group
+        self.tp_timeout_s, self.tp_mode = float(tp_timeout_s), tp_mode
+        self.collective: AllReduce | None = None
         self.package: ModelPackage | None = None
         self.model: Transformer | None = None
         self.cache: PagedKvCache | None = None
@@ -45,15 +62,28 @@ class RefBackend(OneStepBackend):
             package = load_package(ensure_default_package())
         elif isinstance(package, str):
             package = load_package(package)
-        model = Transformer(package.dims, package.weights(), vocab_size=package.vocab_size, max_seq=package.max_seq)
+        package.check_tp_degree(self.tp_world)
+        collective = None
+        if self.tp_world > 1:
+            collective = AllReduce(self.tp_group, self.tp_rank, timeout_s=self.tp_timeout_s, mode=self.tp_mode)
+        try:
+            model = Transformer(package.dims, package.weights(), vocab_size=package.vocab_size,
+                                max_seq=package.max_seq, shard=(self.tp_rank, self.tp_world),
+                                reduce=collective.allreduce if collective else None)
+        except BaseException:
+            if collective:
+                collective.close()
+            raise
         d = package.dims
         cache = PagedKvCache(layers=d.layers, num_blocks=self._num_blocks or package.kv_num_blocks,
-                             block_size=package.block_size, kv_heads=d.kv_heads, head_dim=d.head_dim)
+                             block_size=package.block_size, kv_heads=model.kv_heads, head_dim=d.head_dim)
         self.unload()
-        self.package, self.model, self.cache = package, model, cache
+        self.package, self.model, self.cache, self.collective = package, model, cache, collective
 
     def unload(self) -> None:
-        self.package = self.model = self.cache = None
+        if self.collective is not None:
+            self.collective.close()
+        self.package = self.model = self.cache = self.collective = None
 
     def _loaded(self) -> tuple[ModelPackage, Transformer, PagedKvCache]:
         if self.package is None or self.model is None or self.cache is None:
@@ -77,11 +107,13 @@ class RefBackend(OneStepBackend):
             kv_transfer=KvTransferCost(base_s=2e-4, per_block_s=5e-6, prefill_s_per_token=1e-4),
             extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
                    "bos_id": pkg.bos_id, "pad_id": pkg.pad_id, "dims": d.to_dict(),
-                   "spec_verify": True},
+                   "tp": {"rank": self.tp_rank, "world": self.tp_world},
+                   "spec_verify": self.tp_world == 1},  # draft rows: not proven across tensor-parallel ranks
         )
 
     def health(self) -> dict:
-        return {"ok": self.package is not None, "backend": self.name, "chip_id": self.chip_id,
+        ok = self.package is not None and not (self.collective is not None and self.collective.aborted)
+        return {"ok": ok, "backend": self.name, "chip_id": self.chip_id,
                 "model_sha256": self.package.sha256 if self.package else ""}
 
     # ---- compute -------------------------------------------------------------------
@@ -113,6 +145,10 @@ class RefBackend(OneStepBackend):
                 extra_rows=extra,
             )
         except Exception as e:  # noqa: BLE001 - after the first write the KV state is unknown
+            if self.collective is not None:
+                # The peers may be waiting in (or past) a collective this rank will not reach: poison the
+                # group so they fail this job too, rather than pair their next call with the wrong one.
+                self.collective.abort()
             raise BackendError(f"ref backend: {type(e).__name__}: {e}") from e
         logits[lanes] = out[:len(lanes)]
         return StepOutput(logits=logits, draft_logits=out[len(lanes):] if extra is not None else None)

@@ -60,6 +60,14 @@ class SimBackend(StubBackend):
         chip_id: int = 0,
         fail_job: int = 0,
         fail_chip: int = 0,
+        # tensor parallelism: rank `tp_rank` of `tp_world` chips (the TP latency model; tokens are the
+        # stub's, equal on every rank, so the sim needs no collective and ignores the group)
+        tp_rank: int = 0,
+        tp_world: int = 1,
+        tp_group: str = "",
+        tp_timeout_s: float = 30.0,
+        layers: int = 32,
+        allreduce_us: float = 20.0,
     ) -> None:
         super().__init__(vocab_size=vocab_size, eos_ids=eos_ids, max_seq=max_seq, block_size=block_size,
                          num_blocks=num_blocks, profiles=profiles, chip_id=chip_id, fail_job=fail_job,
@@ -72,7 +80,11 @@ class SimBackend(StubBackend):
             flops_per_token=flops_per_token,
             throughput_flops=throughput_flops,
             prefill_base_ms=prefill_base_ms,
+            tp_degree=int(tp_world),
+            layers=int(layers),
+            allreduce_us=float(allreduce_us),
         )
+        self.tp_rank, self.tp_world = int(tp_rank), int(tp_world)
         if spin_ms < 0:
             raise ValueError("spin_ms must be >= 0")
         self.busy_wait = bool(busy_wait)

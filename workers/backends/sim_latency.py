@@ -4,6 +4,13 @@ Shared by the `sim` backend (which sleeps for these durations) and the
 in-process scheduler simulator (which advances a virtual clock by them), so
 both study the same hardware. Decode is memory-bound: a fixed step cost plus
 a small per-lane increment. Prefill is compute-bound: FLOPs / throughput.
+
+Tensor parallelism (`tp_degree` chips per replica): each chip streams and
+computes 1/degree of every layer, and each layer then pays two all-reduces
+(after attention, after the MLP) of `allreduce_us` each. So a step costs
+compute / degree + 2 x layers x allreduce_us: TP shortens a step (latency)
+but spends `degree` chips on it, which is why independent replicas win
+throughput once there are enough streams to fill them.
 """
 
 from __future__ import annotations
@@ -18,9 +25,14 @@ class LatencyModel:
     flops_per_token: float = 2 * 7e9  # ~2 FLOPs per parameter per token, 7B model
     throughput_flops: float = 312e12  # sustained FLOP/s (A100-class dense bf16)
     prefill_base_ms: float = 0.0  # fixed launch cost per prefill call; seed 002 has none
+    tp_degree: int = 1  # chips per replica the step is split across
+    layers: int = 32  # transformer layers (each pays two all-reduces under TP)
+    allreduce_us: float = 20.0  # one all-reduce of a step's activations between the replica's chips
 
     def __post_init__(self) -> None:
-        for name in ("decode_base_ms", "decode_per_lane_ms", "flops_per_token", "prefill_base_ms"):
+        if int(self.tp_degree) < 1 or int(self.layers) < 1:
+            raise ValueError("tp_degree and layers must be >= 1")
+        for name in ("decode_base_ms", "decode_per_lane_ms", "flops_per_token", "prefill_base_ms", "allreduce_us"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.throughput_flops <= 0:
@@ -30,10 +42,16 @@ class LatencyModel:
         """One decode step over `active_lanes` valid lanes (inactive lanes cost nothing)."""
         if active_lanes < 0:
             raise ValueError("active_lanes must be >= 0")
-        return (self.decode_base_ms + self.decode_per_lane_ms * active_lanes) / 1000.0
+        return (self.decode_base_ms + self.decode_per_lane_ms * active_lanes) / 1000.0 / self.tp_degree \
+            + self._collectives()
 
     def prefill_seconds(self, n_tokens: int) -> float:
         """One prefill call over `n_tokens` new tokens."""
         if n_tokens < 0:
             raise ValueError("n_tokens must be >= 0")
-        return self.prefill_base_ms / 1000.0 + n_tokens * self.flops_per_token / self.throughput_flops
+        return (self.prefill_base_ms / 1000.0 + n_tokens * self.flops_per_token / self.throughput_flops) \
+            / self.tp_degree + self._collectives()
+
+    def _collectives(self) -> float:
+        """Two all-reduces per layer under TP; none on one chip."""
+        return 2 * self.layers * self.allreduce_us / 1e6 if self.tp_degree > 1 else 0.0

@@ -97,6 +97,30 @@ int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
                          const size_t* kv_size, void* const* kv_out,
                          float* logits, int vocab);
 
+/*
+ * Tensor parallelism (optional: a library without this symbol runs one chip per
+ * replica only; npuserve refuses board.chips_per_replica > 1 with it).
+ *
+ * A replica of `world` chips runs every call on all of them at once (the same
+ * arguments on every rank, each rank with its own KV cache of its shard). The
+ * runtime splits the model across the ranks and combines partial results with
+ * an all-reduce (sum) -- NCCL/HCCL on real hardware. npuserve calls
+ * simpler_tp_init once per chip before any other model call:
+ *   rank, world : this chip's place in its replica (0 <= rank < world)
+ *   reduce, ctx : npuserve's collective, for a runtime that has none of its own:
+ *                 reduce(ctx, buf, count) sums `count` floats in place across the
+ *                 ranks (every rank calls it in the same order with the same
+ *                 count) and returns 0, or nonzero when a peer died or hung (the
+ *                 call must then fail with SIMPLER_E_DEVICE). A runtime that owns
+ *                 its collective ignores reduce and uses its own, keyed by
+ *                 (rank, world) and the chip ids of the replica.
+ * Every rank must return the same logits. Calls for one chip stay sequential; a
+ * reduce that fails poisons the replica (npuserve restarts all its chips).
+ */
+typedef int (*simpler_allreduce_fn)(void* ctx, float* buf, size_t count);
+
+int simpler_tp_init(int chip_id, int rank, int world, simpler_allreduce_fn reduce, void* ctx);
+
 #ifdef __cplusplus
 }
 #endif

@@ -14,6 +14,11 @@
  *   -DSIMPLER_ABI_VERSION=N  build a library claiming another ABI version
  *   -DREF_VOCAB=N -DREF_MAX_SEQ=N  other model shapes
  *
+ * Tensor parallelism (simpler_tp_init): rank r of w computes the logits of its
+ * slice of the vocabulary, zeros elsewhere, and npuserve's all-reduce sums the
+ * slices -- exactly the logits of one chip (a sum with zeros is exact), so the
+ * callback is exercised on every row without changing any result.
+ *
  * Python re-statement (used by the tests):
  *   mix32(x)       = lowbias32 finalizer below
  *   h0             = 0x811C9DC5
@@ -54,11 +59,37 @@ static uint32_t step(uint32_t h, int32_t token) {
     return mix32(h * 0x01000193u + (uint32_t)token + 1u);
 }
 
-static void write_logits(uint32_t h, float* logits, int vocab) {
+typedef struct ref_tp {
+    int rank, world;
+    simpler_allreduce_fn reduce;
+    void* ctx;
+} ref_tp;
+
+static ref_tp tp_state[REF_MAX_CHIPS];
+
+int simpler_tp_init(int chip_id, int rank, int world, simpler_allreduce_fn reduce, void* ctx) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS || world < 1 || rank < 0 || rank >= world ||
+        REF_VOCAB % world != 0)
+        return SIMPLER_E_INVALID;
+    if (world > 1 && reduce == NULL) return SIMPLER_E_INVALID; /* no collective of its own */
+    tp_state[chip_id] = (ref_tp){rank, world, reduce, ctx};
+    return SIMPLER_OK;
+}
+
+static int write_logits(int chip_id, uint32_t h, float* logits, int vocab) {
+    const ref_tp* t = &tp_state[chip_id];
+    int world = t->world > 0 ? t->world : 1, rank = t->world > 0 ? t->rank : 0;
+    int lo = vocab / world * rank, hi = vocab / world * (rank + 1);
     for (int v = 0; v < vocab; v++) {
+        if (v < lo || v >= hi) {
+            logits[v] = 0.0f;
+            continue;
+        }
         uint32_t r = mix32(h ^ ((uint32_t)v * 0x9E3779B9u));
         logits[v] = (float)((r >> 16) & 0xFFFu) / 256.0f - 8.0f;
     }
+    if (world > 1 && t->reduce(t->ctx, logits, (size_t)vocab) != 0) return SIMPLER_E_DEVICE;
+    return SIMPLER_OK;
 }
 
 /* Verify a KV history and return its final running hash via *h_out. */
@@ -100,7 +131,7 @@ int simpler_model_describe(int chip_id, simpler_model_info* out) {
 }
 
 /* Append n tokens after a verified history; writes their KV entries and the last logits. */
-static int extend(int32_t pos, uint32_t h, const int32_t* tokens, int n, void* kv_out,
+static int extend(int chip_id, int32_t pos, uint32_t h, const int32_t* tokens, int n, void* kv_out,
                   float* logits, int vocab) {
     if ((int64_t)pos + n > REF_MAX_SEQ) return SIMPLER_E_TOO_LONG;
     for (int i = 0; i < n; i++) {
@@ -112,8 +143,7 @@ static int extend(int32_t pos, uint32_t h, const int32_t* tokens, int n, void* k
         ref_kv_entry e = {REF_MAGIC, tokens[i], pos + i, h};
         memcpy(o + (size_t)i * sizeof e, &e, sizeof e);
     }
-    write_logits(h, logits, vocab);
-    return SIMPLER_OK;
+    return write_logits(chip_id, h, logits, vocab);
 }
 
 int simpler_model_prefill(int chip_id, const int32_t* tokens, int n_tokens,
@@ -126,7 +156,7 @@ int simpler_model_prefill(int chip_id, const int32_t* tokens, int n_tokens,
     uint32_t h;
     int rc = check_history(kv_in, kv_size, &pos, &h);
     if (rc != SIMPLER_OK) return rc;
-    return extend(pos, h, tokens, n_tokens, kv_out, logits, vocab);
+    return extend(chip_id, pos, h, tokens, n_tokens, kv_out, logits, vocab);
 }
 
 int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
@@ -144,7 +174,7 @@ int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
         uint32_t h;
         int rc = check_history(kv_in[b], kv_size[b], &pos, &h);
         if (rc != SIMPLER_OK) return rc;
-        rc = extend(pos, h, &tokens[b], 1, kv_out[b], logits + (size_t)b * (size_t)vocab, vocab);
+        rc = extend(chip_id, pos, h, &tokens[b], 1, kv_out[b], logits + (size_t)b * (size_t)vocab, vocab);
         if (rc != SIMPLER_OK) return rc;
     }
     return SIMPLER_OK;

@@ -2,7 +2,8 @@
 
 A generation is a unit of its own (issue 12): its package, its scheduler core
 with its own KV pool per chip, one worker per chip of the board and the rings
-between them. Unloading it is stopping its workers, unlinking its shared
+between them. With `board.chips_per_replica` > 1 a "chip" of everything here is
+a tensor-parallel replica: its workers sit behind one `ReplicaLink`. Unloading it is stopping its workers, unlinking its shared
 memory and dropping its scheduler, so "no segment, fd or process outlives its
 owner" holds per generation. The loop feeds it the events of its links and
 carries out the actions its scheduler returns; requests admitted under it
@@ -25,14 +26,17 @@ from engine.config_schema import ConfigError
 from engine.core.scheduler import ChipSpec, ModelSpec, Scheduler
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon.chip_link import SHM_PREFIX, ChipLink, Heartbeat, Ready, Result, WorkerFailed
+from engine.daemon.handoff_intake import tick_holds
 from engine.daemon.kv_tier_shell import KvTierShell
 from engine.daemon.log import log
+from engine.daemon.replica_link import ReplicaLink
 from engine.daemon.supervisor import ChipState, Decision, Supervisor
 from engine.daemon.text_io import piece_function, served_tokenizer
 from ipc.records import Job, JobResult
 from ipc.ring import RingFull
 from ipc.shm import ShmFull
 from workers.backends.base import BackendInfo
+from workers.package_manifest import PackageError
 
 
 class ChipObserver(Protocol):
@@ -84,13 +88,14 @@ class Generation:
         self.package = package  # the verified package (workers.model_package), None for stub/sim/ctypes
         self.extra_backend_options = dict(extra_backend_options or {})
         self._register, self._unregister, self._observe = register, unregister, observe
-        chips = cfg.board.chips
-        self.links: list[ChipLink] = []
+        chips = cfg.board.replicas  # a tensor-parallel replica is one "chip" to everything below
+        self.links: list[ChipLink | ReplicaLink] = []
         self.infos: dict[int, BackendInfo] = {}
         self.info: BackendInfo | None = None
         self.tokenizer = None
         self.scheduler: Scheduler | None = None
         self.kv_tiers: KvTierShell | None = None  # the host/disk KV tiers (kv.host_pool_mb, kv.disk_dir)
+        self.handoff_hold = None  # prefill/decode hand-offs held for their decode boards (handoff_hold.py)
         self.supervisor: Supervisor | None = None
         self.rids: set[int] = set()  # requests pinned to this generation (clients' and the load job's)
         self._backlog: list[deque[Job]] = [deque() for _ in range(chips)]
@@ -112,16 +117,31 @@ class Generation:
         """Create every chip's rings and socket and start its worker; READY comes later (`startup_events`)."""
         cfg = self.cfg
         hb = cfg.recovery.heartbeat_interval_ms / 1000.0
-        for chip in range(cfg.board.chips):
-            opts = backend_options(cfg, chip)
-            opts.update(self.extra_backend_options)
-            if cfg.speculative.draft_package:  # the worker loads it beside the target (workers.main.load_draft)
-                opts["spec_draft_package"] = cfg.speculative.draft_package
-            link = ChipLink(ctx=self.ctx, board=cfg.board.id, chip=chip, backend=cfg.board.backend,
-                            backend_options=opts, package_path=self.package_path,
-                            runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb, generation=self.id,
-                            job_spin_s=cfg.executor.worker_spin_us / 1e6,
-                            package_sha256=self.package.sha256 if self.package is not None else None)
+        per = cfg.board.chips_per_replica
+        if per > 1 and self.package is not None:
+            try:
+                self.package.check_tp_degree(per)  # the package's declared degrees (heads etc. divide)
+            except PackageError as e:  # a config error: exit status 2 at start-up
+                raise GenerationError("validate", str(e)) from None
+        for chip in range(cfg.board.replicas):
+            common = dict(package_path=self.package_path, runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb,
+                          generation=self.id, job_spin_s=cfg.executor.worker_spin_us / 1e6,
+                          package_sha256=self.package.sha256 if self.package is not None else None)
+            members = list(range(chip * per, (chip + 1) * per))
+            opts = []
+            for c in members:
+                o = backend_options(cfg, c)
+                o.update(self.extra_backend_options)
+                if cfg.speculative.draft_package:  # the worker loads it beside the target (workers.main.load_draft)
+                    o["spec_draft_package"] = cfg.speculative.draft_package
+                opts.append(o)
+            if per == 1:
+                link = ChipLink(ctx=self.ctx, board=cfg.board.id, chip=chip, backend=cfg.board.backend,
+                                backend_options=opts[0], **common)
+            else:
+                link = ReplicaLink(ctx=self.ctx, board=cfg.board.id, replica=chip, chips=members,
+                                   backend=cfg.board.backend, backend_options=opts,
+                                   tp_timeout_s=cfg.executor.job_timeout_ms / 1000.0, **common)
             self.links.append(link)
             try:
                 link.start()
@@ -172,7 +192,7 @@ class Generation:
         sc = scheduler_config_from(cfg)
         checking = dataclasses.replace(sc, max_waiting_requests=max(sc.max_waiting_requests, 1024),
                                        max_waiting_prompt_tokens=max(sc.max_waiting_prompt_tokens, 1 << 22))
-        if KvTierShell.wanted(cfg, info):
+        if KvTierShell.wanted(cfg, info) and not self._tp_without_tiers():
             try:
                 self.kv_tiers = KvTierShell(cfg, info, SHM_PREFIX)
             except ShmFull as e:
@@ -187,11 +207,19 @@ class Generation:
         if self.kv_tiers is not None:
             for lk in self.links:
                 lk.attach_kv_pool(self.kv_tiers.pool_message())
-        self.supervisor = Supervisor(cfg.board.chips, max_resets_per_10min=cfg.recovery.max_resets_per_10min,
+        self.supervisor = Supervisor(cfg.board.replicas, max_resets_per_10min=cfg.recovery.max_resets_per_10min,
                                      heartbeat_timeout_s=cfg.recovery.heartbeat_timeout_ms / 1000.0,
                                      startup_timeout_s=RESTART_TIMEOUT_S, now=now)
-        for chip in range(cfg.board.chips):
+        for chip in range(cfg.board.replicas):
             self.supervisor.on_ready(chip, now)
+
+    def _tp_without_tiers(self) -> bool:
+        """KV tiers move a chip's KV as one blob; a TP replica's KV is split across its ranks: not yet."""
+        if self.cfg.board.chips_per_replica == 1:
+            return False
+        log("kv_tiers_unsupported", backend=self.cfg.board.backend,
+            reason="tensor-parallel replicas (board.chips_per_replica > 1) keep no host or disk KV tier yet")
+        return True
 
     def serve(self, accepting: bool) -> None:
         """Published: the board's admission limits and admission state apply from now on."""
@@ -263,6 +291,7 @@ class Generation:
         out: list = []
         if self.kv_tiers is not None:
             self.kv_tiers.tick(now)
+            tick_holds(self, now)
         for chip, lk in enumerate(self.links):
             if sup.state(chip) is ChipState.OUT:
                 continue
@@ -344,6 +373,8 @@ class Generation:
         snap = self.supervisor.snapshot(now)
         for s, lk in zip(snap, self.links):
             s["pid"] = lk.pid
+            if isinstance(lk, ReplicaLink):
+                s["pids"], s["member_chips"] = lk.pids, lk.chips
             s["backlog"] = len(self._backlog[s["chip"]])
             s["device_s"] = round(self.device_us[s["chip"]] / 1e6, 3)
             s["worker_s"] = round(self.worker_us[s["chip"]] / 1e6, 3)

@@ -77,3 +77,21 @@ def test_npuserve_balance_exits_2_on_a_configuration_error(tmp_path, capsys):
     p.write_text("[balancer]\nendpoints = []\n")
     assert balance_main.main(["--config", str(p)]) == 2
     assert "balancer.endpoints" in capsys.readouterr().err
+
+
+def test_prefill_and_decode_flags_set_backend_roles():
+    from engine.balancer.settings import load_settings
+    s = load_settings(None, endpoints=["tcp://127.0.0.1:1"], prefill=["tcp://p:1", "tcp://p:2"],
+                      decode=["tcp://d:1"], backends=["tcp://m:1"])
+    assert [(b.endpoint, b.role) for b in s.backends] == [("tcp://m:1", "mixed"), ("tcp://p:1", "prefill"),
+                                                          ("tcp://p:2", "prefill"), ("tcp://d:1", "decode")]
+    assert [sp.role for sp in s.backend_specs()] == ["mixed", "prefill", "prefill", "decode"]
+
+
+def test_prefill_without_decode_is_a_config_error():
+    import pytest
+
+    from engine.balancer.settings import load_settings
+    from engine.config_schema import ConfigError
+    with pytest.raises(ConfigError, match="one prefill and one decode"):
+        load_settings(None, endpoints=["tcp://127.0.0.1:1"], prefill=["tcp://p:1"])

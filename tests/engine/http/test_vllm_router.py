@@ -128,12 +128,19 @@ def cluster_of(daemon, short_dir):
     routers: list[subprocess.Popen] = []
 
     def start(front_args: list[str] | None = None, kv_events: bool = False, settings: dict | None = None,
-              **daemon_options) -> Cluster:
-        """`kv_events`: the daemons publish KV events and the router runs `--policy kv_aware` on them."""
+              pd: bool = False, **daemon_options) -> Cluster:
+        """`kv_events`: the daemons publish KV events and the router runs `--policy kv_aware` on them.
+        `pd`: board 0 is a prefill board, board 1 a decode board, and the router runs in its PD mode."""
         started = []
         for i in range(2):  # both daemons load at once (a model takes seconds), then both fronts
             kv = f"tcp://127.0.0.1:{free_tcp_port()}" if kv_events else ""
             board_settings = {**(settings or {}), **({"kv_events.endpoint": kv} if kv else {})}
+            if pd:  # both boards on this host with disk KV tiers: the decode board imports the prefill board's
+                board_settings.update({"board.role": ("prefill", "decode")[i],
+                                       "kv.disk_dir": os.path.join(short_dir, f"kv{i}")})
+                if i == 1:
+                    board_settings.update({"board.handoff_peer_dirs": [os.path.join(short_dir, "kv0")],
+                                           "kv.promote": "always"})
             started.append((daemon(settings=board_settings, wait=False, **daemon_options), kv))
         for d, kv in started:
             _wait_healthy(d, START_TIMEOUT_S)
@@ -150,7 +157,8 @@ def cluster_of(daemon, short_dir):
         with open(router_log, "wb") as log:
             router = subprocess.Popen(
                 [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port),
-                 "--worker-urls", *[b.front.url for b in boards], *policy,
+                 *(["--vllm-pd-disaggregation", "--prefill", boards[0].front.url, "--decode", boards[1].front.url]
+                   if pd else ["--worker-urls", *[b.front.url for b in boards]]), *policy,
                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_tcp_port()),
                  "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1",
                  "--log-level", "debug"],
@@ -363,3 +371,39 @@ def test_kv_aware_router_follows_what_each_board_holds(cluster_of):
         for sub in subs:
             sub.close(linger=0)
         ctx.term()
+
+
+def test_prefill_decode_disaggregation_behind_the_routers_pd_mode(cluster_of):
+    """`--vllm-pd-disaggregation`: the router asks the prefill board for one token (kv_transfer_params
+    do_remote_decode), passes its answer's kv_transfer_params to the decode board with the original body,
+    and the client gets the decode board's answer: the same text as the decode board serving it alone."""
+    c = cluster_of(backend="ref", pd=True)
+    prefill, decode = c.boards
+    direct = openai.OpenAI(base_url=f"{decode.front.url}/v1", api_key="unused", max_retries=0, timeout=60.0)
+    cases = [("the quick brown fox", 0.0, 8, False), ("jumps over the lazy dog " * 6, 0.8, 12, True),
+             ("a", 0.0, 5, True), ("seeded and sampled", 1.0, 10, False)]
+    before_p, before_d = prefill.served(), decode.served()
+    for prompt, temperature, n, stream in cases:
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=n, temperature=temperature, seed=27)
+        if stream:
+            chunks = list(c.client().completions.create(stream=True, **kw))
+            text = "".join(ch.choices[0].text for ch in chunks)
+        else:
+            got = c.client().completions.create(**kw)
+            text = got.choices[0].text
+        want = direct.completions.create(**kw)  # afterwards: before, it would be a prefix hit on the decode board
+        if not stream:
+            assert got.usage.prompt_tokens == want.usage.prompt_tokens  # the prompt counted once
+            assert got.usage.completion_tokens == want.usage.completion_tokens
+        else:
+            assert chunks[-1].choices[0].finish_reason == want.choices[0].finish_reason
+        assert text == want.choices[0].text, (prompt, text, want.choices[0].text)
+    assert prefill.served() - before_p == len(cases)  # every request's prefill leg
+    assert decode.served() - before_d == 2 * len(cases)  # the direct runs and every decode leg
+    with prefill.daemon.client() as pc, decode.daemon.client() as dc:
+        p, d = pc.stats()["daemon"], dc.stats()["daemon"]
+    assert p["handoff_exports"] == len(cases)
+    # the decode board found the prompts' blocks in the prefill board's disk tier and imported them
+    assert d["handoff_imported"] + d["handoff_recomputed"] == len(cases) and d["handoff_imported"] >= 2, d
+    with decode.daemon.client() as dc:
+        assert dc.stats()["scheduler"]["counters"]["tier_hit_tokens"] > 0

@@ -1,0 +1,259 @@
+"""`npuserve bench-disagg`: prefill/decode disaggregation against co-location on the same two boards.
+
+One run starts two `sim` board daemons (one chip each, tcp://) and two
+balancers over them: `disaggregated` (board 0 prefills, board 1 decodes:
+`--prefill`/`--decode`) and `co-located` (both boards mixed, least load).
+Both sides drive the same two boards, so the hardware is equal by
+construction; at each arrival rate (open loop, Poisson) both sides get the
+same requests, in ABBA order across rates, and the table gives TTFT/TPOT
+P99 and goodput at `--slo` side by side. The verdict: at the lowest rate
+where co-located TPOT P99 breaks the SLO, disaggregated goodput / co-located
+goodput against the target (>= 1.3x).
+
+Until the boards can move KV between them (the export/import of issue 22),
+the decode board recomputes every handed-off prompt; the numbers then show
+what the split costs without a transfer (docs/disaggregation.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from tools.json_lines import emit
+from tools.load import child_process, runner
+from tools.load.ports import free_port
+from tools.load.report import Slo, summarize, table
+from tools.load.workload import LengthDist, WorkloadSpec, build
+
+SIDES = ("disaggregated", "co-located")
+TARGET_GOODPUT_RATIO = 1.3
+COLUMNS = [("label", "side"), ("rate", "rate/s"), ("requests", "reqs"), ("errors", "err"),
+           ("tokens_per_s", "tok/s"), ("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
+           ("tpot_p50_ms", "TPOT p50"), ("tpot_p99_ms", "TPOT p99"), ("slo_met", "met"),
+           ("goodput_requests_per_s", "good req/s"), ("goodput_tokens_per_s", "good tok/s")]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="npuserve bench-disagg", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="1,2,3,4", help="arrival rates (requests/s), comma-separated")
+    p.add_argument("--seconds", type=float, default=12.0, help="seconds of arrivals per point")
+    p.add_argument("--prompt", default="fixed:1536", help="prompt lengths (as `npuserve bench --prompt`)")
+    p.add_argument("--output", default="fixed:64", help="output lengths")
+    p.add_argument("--slo", default="ttft=1s,tpot=40ms", help="goodput SLO (as `npuserve bench --slo`)")
+    p.add_argument("--max-inflight", type=int, default=2, help="each board's executor.max_inflight")
+    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="sim latency model options for both boards (e.g. flops_per_token=3e10)")
+    p.add_argument("--transfer", choices=("disk", "none"), default="disk",
+                   help="disk: both boards get a disk KV tier and the decode board imports the prefill board's "
+                        "blocks (board.handoff_peer_dirs); none: the decode board recomputes every prompt")
+    p.add_argument("--seed", type=int, default=27)
+    p.add_argument("--json", action="store_true", help="JSON Lines: a row per side and rate, then the summary")
+    p.add_argument("--plot", metavar="FILE.png", help="TPOT P99 and goodput against the rate (needs matplotlib)")
+    a = p.parse_args(argv)
+    try:
+        a.rate_list = [float(x) for x in a.rates.split(",") if x.strip()]
+        a.prompt_dist, a.output_dist = LengthDist.parse(a.prompt), LengthDist.parse(a.output)
+        a.slo_obj = Slo.parse(a.slo)
+    except ValueError as e:
+        p.error(str(e))
+    if not a.rate_list or min(a.rate_list) <= 0:
+        p.error("--rates must be positive numbers")
+    if a.plot:
+        from tools.load.plot import require_matplotlib
+
+        require_matplotlib()
+    return a
+
+
+class _Procs:
+    def __init__(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="npsbd-", dir="/tmp")
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, name: str, cmd: list[str]) -> None:
+        with open(os.path.join(self.tmp, name + ".log"), "wb") as log:
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+
+    def daemon(self, i: int, a: argparse.Namespace) -> str:
+        ep = f"tcp://127.0.0.1:{free_port()}"
+        opts = [x for o in a.backend_option for x in ("--backend-option", o)]
+        if a.transfer == "disk":  # board 1 (the decode board of the disaggregated side) imports board 0's blocks
+            opts += ["--set", f"kv.disk_dir={os.path.join(self.tmp, f'kv{i}')}"]
+            if i == 1:
+                opts += ["--set", f"board.handoff_peer_dirs=[\"{os.path.join(self.tmp, 'kv0')}\"]"]
+        self.spawn(f"daemon{i}", [sys.executable, "-m", "engine.daemon.main", "--backend", "sim", "--chips", "1",
+                                  "--board", f"bd{i}", "--runtime-dir", os.path.join(self.tmp, f"d{i}"),
+                                  "--endpoint", ep, "--set", "admission.max_waiting_requests=100000",
+                                  "--set", f"executor.max_inflight={a.max_inflight}", *opts])
+        return ep
+
+    def balancer(self, name: str, flags: list[str]) -> str:
+        ep = f"tcp://127.0.0.1:{free_port()}"
+        self.spawn(name, [sys.executable, "-m", "engine.balancer.main", "--endpoint", ep, *flags])
+        return ep
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            child_process.stop(p, 30)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _wait(endpoint: str, up: int | None = None, timeout: float = 120) -> None:
+    from engine.client import Client
+    from engine.errors import ClientError
+
+    deadline = time.monotonic() + timeout
+    with Client(endpoint, timeout=0.5) as c:
+        while time.monotonic() < deadline:
+            try:
+                h = c.health()
+                if h.get("chips_up") and (up is None or h.get("backends_up", 0) >= up):
+                    return
+            except ClientError:
+                pass
+            time.sleep(0.05)
+    raise SystemExit(f"bench-disagg: {endpoint} not ready in time")
+
+
+def _handoffs(endpoint: str) -> dict:
+    from engine.client import Client
+
+    with Client(endpoint, timeout=10) as c:
+        d = c.stats()["daemon"]
+    out = {k: d.get(k, 0) for k in ("handoff_exports", "handoff_imported", "handoff_recomputed",
+                                    "handoff_staged_blocks")}
+    with Client(endpoint, timeout=10) as c:
+        counters = c.stats()["scheduler"]["counters"]
+    out["tier_hit_tokens"] = counters.get("tier_hit_tokens", 0)
+    out["prefill_tokens"] = counters.get("prefill_tokens", 0)
+    return out
+
+
+def fresh_prompts(reqs: list, seed: int) -> list:
+    """The same lengths and arrival times with new token ids: the two sides share the boards, and a prompt
+    the other side already sent would be a prefix-cache hit."""
+    rng = random.Random(seed)
+    return [dataclasses.replace(r, prompt=[rng.randrange(1, 256) for _ in r.prompt]) for r in reqs]
+
+
+def verdict(rows: list[dict], slo: Slo) -> dict:
+    """At the lowest rate where co-located TPOT P99 breaks the SLO: the goodput ratio against the target."""
+    by = {(r["label"], r["rate"]): r for r in rows}
+    rates = sorted({r["rate"] for r in rows})
+    ratios = {}
+    for rate in rates:
+        d, c = by.get(("disaggregated", rate)), by.get(("co-located", rate))
+        if d and c:
+            ratios[rate] = round((d.get("goodput_requests_per_s") or 0) / max(c.get("goodput_requests_per_s")
+                                                                           or 0, 1e-9), 3)
+    broken = [rate for rate in rates if slo.tpot_ms is not None and (by.get(("co-located", rate)) or {}).get(
+        "tpot_p99_ms") is not None and by[("co-located", rate)]["tpot_p99_ms"] > slo.tpot_ms]
+    at = broken[0] if broken else None
+    ratio = ratios.get(at) if at is not None else None
+    return {"slo": str(slo), "goodput_ratio_by_rate": {str(k): v for k, v in ratios.items()},
+            "co_located_tpot_breaks_at_rate": at, "goodput_ratio_there": ratio,
+            "target_goodput_ratio": TARGET_GOODPUT_RATIO,
+            "met": None if ratio is None else ratio >= TARGET_GOODPUT_RATIO,
+            "vs_target": None if ratio is None else round(ratio / TARGET_GOODPUT_RATIO, 3)}
+
+
+def run(a: argparse.Namespace) -> dict:
+    procs = _Procs()
+    rows: list[dict] = []
+    try:
+        boards = [procs.daemon(i, a) for i in range(2)]
+        for e in boards:
+            _wait(e)
+        routes = {"disaggregated": procs.balancer("pd", ["--prefill", boards[0], "--decode", boards[1],
+                                                         "--policy", "least-load"]),
+                  "co-located": procs.balancer("mixed", ["--backends", ",".join(boards), "--policy", "least-load"])}
+        for ep in routes.values():
+            _wait(ep, up=2)
+        before = [_handoffs(e) for e in boards]
+        for i, rate in enumerate(a.rate_list):
+            n = max(8, int(rate * a.seconds))
+            spec = WorkloadSpec(n, a.prompt_dist, a.output_dist, vocab=256, max_seq=2048, rate=rate,
+                                seed=a.seed + i)
+            base = build(spec)
+            for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+                reqs = fresh_prompts(base, a.seed * 1000 + 2 * i + SIDES.index(side))
+                if not a.json:
+                    print(f"bench-disagg: {side} at {rate:g} req/s ({n} requests) ...", file=sys.stderr,
+                          flush=True)
+                recs = runner.run([routes[side]], reqs, concurrency=None, clients=1)
+                row = {"label": side, "rate": rate, **summarize(recs, a.slo_obj)}
+                rows.append(row)
+                if a.json:
+                    emit("row", row)
+        after = [_handoffs(e) for e in boards]
+    finally:
+        procs.close()
+    handoffs = {f"board{i}": {k: after[i][k] - before[i][k] for k in after[i]} for i in range(2)}
+    return {"rows": rows, "verdict": verdict(rows, a.slo_obj), "handoffs": handoffs,
+            "workload": {"prompt": str(a.prompt_dist), "output": str(a.output_dist), "seconds": a.seconds,
+                         "backend": "sim", "boards": 2, "max_inflight": a.max_inflight, "transfer": a.transfer,
+                         "backend_options": a.backend_option}}
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
+    for i, side in enumerate(SIDES):
+        pts = sorted((r for r in rows if r["label"] == side), key=lambda r: r["rate"])
+        x = [r["rate"] for r in pts]
+        ax1.plot(x, [r.get("tpot_p99_ms") for r in pts], marker="os"[i], label=side, color=f"C{i}")
+        ax1.plot(x, [r.get("ttft_p99_ms") for r in pts], marker="os"[i], linestyle=":", color=f"C{i}",
+                 label=f"{side} TTFT")
+        ax2.plot(x, [r.get("goodput_requests_per_s") for r in pts], marker="os"[i], label=side, color=f"C{i}")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("arrival rate (requests/s)")
+    ax1.set_ylabel("P99 ms (TPOT solid, TTFT dotted; log)")
+    ax2.set_xlabel("arrival rate (requests/s)")
+    ax2.set_ylabel("goodput (requests/s meeting the SLO)")
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    res = run(a)
+    v = res["verdict"]
+    title = (f"sim, 2 boards: 1 prefill + 1 decode vs 2 mixed; prompt {a.prompt}, output {a.output}, "
+             f"SLO {a.slo}, transfer {a.transfer}")
+    if a.plot:
+        plot(res["rows"], a.plot, title)
+    if a.json:
+        emit("summary", {"verdict": v, "handoffs": res["handoffs"], "workload": res["workload"]})
+        return 0
+    print(f"bench-disagg: {title}")
+    print(table(res["rows"], COLUMNS))
+    print(f"hand-offs: {res['handoffs']}")
+    if v["co_located_tpot_breaks_at_rate"] is None:
+        print(f"co-located TPOT P99 met the SLO ({a.slo}) at every rate: no break point; goodput ratios by rate "
+              f"{v['goodput_ratio_by_rate']}")
+    else:
+        print(f"co-located TPOT P99 breaks {a.slo} at {v['co_located_tpot_breaks_at_rate']:g} req/s: disaggregated "
+              f"goodput {v['goodput_ratio_there']}x co-located, target >= {TARGET_GOODPUT_RATIO}x "
+              f"({'met' if v['met'] else 'MISSED'}, {v['vs_target']} of target)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
