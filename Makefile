@@ -44,7 +44,7 @@ run: $(RUN_STAMP)
 # command its figure was measured with. `make bench-peer` runs one; `make -k bench` goes on past a failure.
 BENCHES := bench-ipc bench-backend simulate bench-serve-stub bench-serve-sim bench-observe \
 	bench-sim-frontier bench-sim-static bench-balancer bench-mixed-load bench-http-stub bench-http-llamacpp \
-	bench-http-peer bench-peer bench-kv-layout bench-http-client bench-tp
+	bench-http-peer bench-peer bench-kv-layout bench-http-client bench-tp bench-spec
 
 .PHONY: test run bench venv clean $(BENCHES)
 
@@ -87,6 +87,8 @@ bench-peer:
 	$(NPU) bench-peer --concurrency 8,32 --shared-prefix --rounds 3
 bench-kv-layout:
 	$(NPU) bench-kv-layout
+bench-spec:
+	$(NPU) bench-spec --streams 1,4,16 --rounds 2 --peer
 bench-http-client:
 	$(PY) -m tools.bench_http_client
 bench-tp:  # tensor parallelism on a model where compute dominates (built once into $(BENCH_OUT))

@@ -27,7 +27,7 @@ DEFAULT_ENDPOINT_ENV = "NPUSERVE_ENDPOINT"
 # The generate fields a caller may set (DESIGN §4); anything else is a typo.
 SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
-    "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "pool",
+    "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "pool", "speculative",
     "constraint",  # structured output: {"kind": ..., "body": ...} (docs/protocol.md)
 })
 

@@ -192,6 +192,21 @@ class ExecutorConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = key(_SCHED.spec_method, string(choices=("off", "ngram", "draft")),
+                      "speculative decoding for requests that do not choose: off, ngram (prompt lookup: "
+                      "draft what followed the last tokens earlier in the prompt or output) or draft (the "
+                      "draft_package model proposes); the target model verifies, so outputs are unchanged")
+    draft_package: str = key("", string(), "a smaller model package with the target's vocabulary, run beside the "
+                             "target on every chip to propose drafts (method draft); \"\" = none")
+    max_draft_tokens: int = key(_SCHED.spec_max_draft_tokens, integer(0, 32),
+                                "draft tokens per lane and step at most (adaptive k lowers it as drafts miss)")
+    max_batch_lanes: int = key(_SCHED.spec_max_batch_lanes, integer(0, 256),
+                               "no drafts in a job of more decode lanes (compute-bound: verification would cost "
+                               "more than it saves)")
+
+
+@dataclass(frozen=True)
 class KvConfig:
     block_size: int = key(16, integer(1, 1024), "tokens per KV block (a power of two)")
     num_blocks: int = key(0, integer(0), "KV blocks per chip; 0 = the backend/model default")
@@ -291,7 +306,7 @@ SECTIONS: dict[str, type] = {
     "board": BoardConfig, "model": ModelConfig, "admission": AdmissionConfig, "queues": QueuesConfig,
     "batch": BatchConfig, "executor": ExecutorConfig, "kv": KvConfig, "recovery": RecoveryConfig,
     "server": ServerConfig, "metrics": MetricsConfig, "log": LogConfig, "security": SecurityConfig,
-    "http": HttpConfig, "kv_events": KvEventsConfig,
+    "http": HttpConfig, "kv_events": KvEventsConfig, "speculative": SpeculativeConfig,
 }
 
 # Keys SIGHUP applies to a running daemon (fnmatch patterns over dotted keys).
@@ -322,6 +337,7 @@ class Config:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 # ---------------------------------------------------------------- loading
@@ -403,6 +419,9 @@ def load_config(path: str | None, overrides: Mapping[str, object] | None = None,
         for name in _PATH_KEYS:
             if model.get(name):
                 model[name] = _relative_to(base_dir, model[name])
+        spec = doc.get("speculative", {})
+        if spec.get("draft_package"):
+            spec["draft_package"] = _relative_to(base_dir, spec["draft_package"])
     if overrides:
         errors: list[str] = []
         _apply_overrides(doc, overrides, errors)

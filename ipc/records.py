@@ -26,6 +26,14 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
 * want_logprobs[B] uint8.
 * src_blocks[K], dst_blocks[K] int32: block ids for KV copy jobs; for KV_EXPORT device blocks -> host
   slots, for KV_IMPORT host slots -> device blocks (the host tier, `ipc.kv_slots`).
+* draft_lens[B] int32 (optional, empty = none): speculative verification. The
+  last draft_lens[i] tokens of lane i are draft tokens after its last real
+  token; the worker samples every one of those positions and returns the
+  longest accepted prefix (`JobResult.accepted`) plus the next token.
+* draft_src[B] uint8 (optional, empty = none): 1 where the worker's draft
+  model proposes lane i's drafts (the tokens sent there are placeholders);
+  the accepted ones come back in `JobResult.accepted_tokens`.
+  Both travel after every other field of their blob (sizes in meta[24:26]).
 
 Constrained decoding (structured output), present only when some lane is
 constrained (C = B then, else 0, and the job's record is as before):
@@ -81,7 +89,8 @@ FOLLOW_PREVIOUS = -1  # a lane's token: the one the lane's previous job samples 
 # job id, generation, kind, status, device_us, worker_us, masks, mask_us, device_start_ns, idle_us
 _META_LEN = 10
 RESULT_META_LEN = _META_LEN
-_JOB_META_LEN = 24  # 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps
+# 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps, 2 draft sizes, spare
+_JOB_META_LEN = 27
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_U64 = np.zeros(0, dtype=np.uint64)
 _EMPTY_U8 = np.zeros(0, dtype=np.uint8)
@@ -126,6 +135,9 @@ class Job:
     replay_start: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
     grammar: np.ndarray = field(default_factory=lambda: _EMPTY_U8)
     grammar_start: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    # speculative verification: draft tokens at the end of each lane ([B] or empty: no drafts)
+    draft_lens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    draft_src: np.ndarray = field(default_factory=lambda: _EMPTY_U8)
 
     @property
     def constrained(self) -> bool:
@@ -193,6 +205,15 @@ class Job:
             if not valid[lane]:
                 raise ValueError(f"inactive lane {lane} carries tokens")
             raise ValueError(f"decode lane {lane} must carry exactly one token")
+        if self.draft_lens.size:
+            if self.draft_lens.shape != (b,):
+                raise ValueError("draft_lens must have one entry per lane")
+            dl = self.draft_lens
+            bad = (dl < 0) | (dl >= np.maximum(counts, 1)) | ((dl > 0) & (self.sample == 0))
+            if bad.any():
+                raise ValueError(f"lane {int(bad.argmax())}: draft_lens must be below its token count, on a sampled lane")
+        if self.draft_src.size and (self.draft_src.shape != (b,) or not self.draft_lens.size):
+            raise ValueError("draft_src must have one entry per lane, beside draft_lens")
 
     def _validate_constraints(self, b: int) -> None:
         for name in ("constraint_id", "constraint_key", "constraint_done"):
@@ -220,9 +241,10 @@ class Job:
         return (
             self.tokens.size + self.positions.size + self.query_start.size + self.context_lens.size + self.top_k.size
             + bt.size + self.src_blocks.size + self.dst_blocks.size
-            + self.constraint_done.size + self.replay.size + self.replay_start.size + self.grammar_start.size,
+            + self.constraint_done.size + self.replay.size + self.replay_start.size + self.grammar_start.size
+            + self.draft_lens.size,
             self.temperature.size + self.top_p.size,
-            self.lane_valid.size + self.sample.size + self.want_logprobs.size + self.grammar.size,
+            self.lane_valid.size + self.sample.size + self.want_logprobs.size + self.grammar.size + self.draft_src.size,
             self.seed.size + self.constraint_id.size + self.constraint_key.size,
         )
 
@@ -245,6 +267,7 @@ class Job:
             self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
             self.want_logprobs.size, self.seed.size, self.submitted_ns,
             self.constraint_id.size, self.replay.size, self.grammar.size, self.decode_steps,
+            self.draft_lens.size, self.draft_src.size, 0,
         )
         np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
                         bt.ravel(), self.src_blocks, self.dst_blocks), out=dst["i32"][:n32_plain], casting="unsafe")
@@ -253,10 +276,16 @@ class Job:
                        casting="unsafe")
         dst["u64"][:n64_plain] = self.seed
         if self.constrained:
+            n32_c = n32_plain + self.constraint_done.size + self.replay.size + self.replay_start.size \
+                + self.grammar_start.size
             np.concatenate((self.constraint_done, self.replay, self.replay_start, self.grammar_start),
-                           out=dst["i32"][n32_plain:], casting="unsafe")
-            dst["u8"][nu8_plain:] = self.grammar
+                           out=dst["i32"][n32_plain:n32_c], casting="unsafe")
+            dst["u8"][nu8_plain:nu8_plain + self.grammar.size] = self.grammar
             np.concatenate((self.constraint_id, self.constraint_key), out=dst["u64"][n64_plain:], casting="unsafe")
+        if self.draft_lens.size:  # speculative verification: after every other field of the blob
+            dst["i32"][dst["i32"].shape[0] - self.draft_lens.size:] = self.draft_lens
+        if self.draft_src.size:
+            dst["u8"][dst["u8"].shape[0] - self.draft_src.size:] = self.draft_src
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The job as a ring record: {name: array}. Raises ValueError for a field of the wrong rank."""
@@ -278,6 +307,7 @@ class Job:
             i32, f32, u8, u64 = np.array(i32), np.array(f32), np.array(u8), np.array(u64)
         nt, npos, nqs, nctx, ntk, b0, b1, nsrc, ndst, ntemp, ntp, nlv, nsm, nwl, nseed = m[4:19]
         nc, nrep, ngr = m[20:23]
+        ndl, nds = m[24:26]
         nst = nc + 1 if nc else 0
         o1 = nt
         o2 = o1 + npos
@@ -288,7 +318,8 @@ class Job:
         o7 = o6 + nsrc
         o8 = o7 + ndst
         u = nlv + nsm + nwl
-        if o8 + nc + nrep + 2 * nst != i32.shape[0] or ntemp + ntp != f32.shape[0] or u + ngr != u8.shape[0] \
+        if o8 + nc + nrep + 2 * nst + ndl != i32.shape[0] or ntemp + ntp != f32.shape[0] \
+                or u + ngr + nds != u8.shape[0] \
                 or nseed + 2 * nc != u64.shape[0]:
             raise ValueError("job record: array sizes disagree with its meta")
         extra = {}
@@ -297,8 +328,12 @@ class Job:
             o10 = o9 + nrep
             o11 = o10 + nst
             extra = dict(constraint_done=i32[o8:o9], replay=i32[o9:o10], replay_start=i32[o10:o11],
-                         grammar_start=i32[o11:], grammar=u8[u:], constraint_id=u64[nseed:nseed + nc],
+                         grammar_start=i32[o11:o11 + nst], grammar=u8[u:u + ngr], constraint_id=u64[nseed:nseed + nc],
                          constraint_key=u64[nseed + nc:])
+        if ndl:
+            extra["draft_lens"] = i32[i32.shape[0] - ndl:]
+        if nds:
+            extra["draft_src"] = u8[u8.shape[0] - nds:]
         return cls(
             job_id=m[0], generation=m[1], kind=JobKind(m[2]), return_logits=bool(m[3]),
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
@@ -324,7 +359,8 @@ class Job:
 
 
 _LANE_FIELDS = ("context_lens", "sample", "temperature", "top_p", "top_k", "seed", "want_logprobs")
-_FLAT_FIELDS = ("tokens", "positions", "query_start", "lane_valid", *_LANE_FIELDS, "src_blocks", "dst_blocks")
+_FLAT_FIELDS = ("tokens", "positions", "query_start", "lane_valid", *_LANE_FIELDS, "src_blocks", "dst_blocks",
+                "draft_lens", "draft_src")
 
 
 @dataclass
@@ -345,6 +381,11 @@ class JobResult:
     idle_us: int = -1  # the chip's idle time from the end of its previous backend call to this one's start; -1 = first
     masks: int = 0  # constrained lanes the worker masked (structured output)
     mask_us: int = 0  # time it spent computing their masks
+    # verification jobs only: accepted draft tokens per lane (tokens[lane] is the token after them), and
+    # the accepted drafts' logprobs and tokens, packed lane after lane
+    accepted: np.ndarray | None = None  # int32 [B]
+    accepted_logprobs: np.ndarray | None = None  # float32 [sum(accepted)]
+    accepted_tokens: np.ndarray | None = None  # int32 [sum(accepted)]
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         meta = np.zeros(_META_LEN, dtype=np.int64)
@@ -357,6 +398,12 @@ class JobResult:
         }
         if self.logits is not None:
             out["logits"] = np.ascontiguousarray(self.logits, dtype=np.float32)
+        if self.accepted is not None:
+            out["accepted"] = _i32(self.accepted)
+            lps = self.accepted_logprobs
+            out["accepted_logprobs"] = np.ascontiguousarray(np.zeros(0) if lps is None else lps, dtype=np.float32)
+            if self.accepted_tokens is not None:
+                out["accepted_tokens"] = _i32(self.accepted_tokens)
         return out
 
     @classmethod
@@ -380,6 +427,9 @@ class JobResult:
             tokens=np.array(a["tokens"]),
             logprobs=np.array(a["logprobs"]),
             logits=None if logits is None else np.array(logits),
+            accepted=np.array(a["accepted"]) if "accepted" in a else None,
+            accepted_logprobs=np.array(a["accepted_logprobs"]) if "accepted_logprobs" in a else None,
+            accepted_tokens=np.array(a["accepted_tokens"]) if "accepted_tokens" in a else None,
         )
 
     @classmethod
@@ -413,6 +463,8 @@ class Lane(NamedTuple):
     constraint_done: int = 0
     replay: Sequence[int] = ()  # sampling prefill lanes only
     grammar: str = ""  # sampling prefill lanes only
+    drafts: int = 0  # the last `drafts` tokens are speculative drafts to verify
+    draft_model: bool = False  # the worker's draft model proposes them (the tokens sent are placeholders)
 
 
 def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, generation: int = 0,
@@ -442,6 +494,8 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
     top_k = np.zeros(b, np.int32)
     seed = np.zeros(b, np.uint64)
     want_logprobs = np.zeros(b, np.uint8)
+    draft_lens = np.zeros(b, np.int32) if any(ln.drafts for ln in active) else _EMPTY_I32
+    draft_src = np.zeros(b, np.uint8) if any(ln.draft_model for ln in active) else _EMPTY_U8
     at = 0
     for i, ln in enumerate(lanes):
         if ln is not None:
@@ -458,6 +512,11 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
             temperature[i], top_p[i], top_k[i] = ln.temperature, ln.top_p, ln.top_k
             seed[i] = ln.seed & 0xFFFFFFFFFFFFFFFF
             want_logprobs[i] = ln.want_logprobs
+            if ln.drafts:
+                assert kind is JobKind.PREFILL and ln.sample and ln.drafts < n
+                draft_lens[i] = ln.drafts
+                if ln.draft_model:
+                    draft_src[i] = 1
         query_start[i + 1] = at
     query_start[len(lanes) + 1:] = at
     job = Job(
@@ -465,7 +524,7 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
         query_start=query_start, lane_valid=lane_valid, context_lens=context_lens,
         block_tables=block_tables, sample=sample, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, want_logprobs=want_logprobs, return_logits=return_logits,
-        decode_steps=decode_steps,
+        decode_steps=decode_steps, draft_lens=draft_lens, draft_src=draft_src,
     )
     if any(ln.constraint for ln in active):
         _add_constraints(job, lanes, b)

@@ -138,6 +138,17 @@ def _name(name: str, value: Any) -> str:
     return value
 
 
+SPECULATIVE_METHODS = ("off", "ngram", "draft")  # a request's `speculative` ("draft": the board's draft model)
+
+
+def _choice(options: tuple[str, ...]) -> Checker:
+    def check(name: str, value: Any) -> str:
+        if value not in options or type(value) is not str:
+            raise _FieldError("out_of_range", f"{name}: must be one of {', '.join(options)}, got {value!r}")
+        return value
+    return check
+
+
 def _text(min_chars: int, max_chars: int) -> Checker:
     def check(name: str, value: Any) -> str:
         if type(value) is not str:
@@ -307,6 +318,8 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
         "constraint": (_nullable(_constraint), _ABSENT),  # structured output: kind + body (absent: none)
         "pool": (_nullable(_name), None),  # balancers: the backend pool to route to (daemons ignore it)
+        # speculative decoding for this request: "off" | "ngram" | "draft"; null = the board's speculative.method
+        "speculative": (_nullable(_choice(SPECULATIVE_METHODS)), None),
         "handoff": (_handoff, _ABSENT),  # prefill/decode disaggregation (docs/protocol.md#handoff)
     },
     "cancel": {},

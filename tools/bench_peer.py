@@ -113,7 +113,8 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
 # ---------------------------------------------------------------- llama.cpp's server engine
 
 def run_llamacpp_server(a, gguf: str, prompts: list[list[int]], warm: list[list[int]], out_tokens: int, c: int,
-                        workload: str, rnd: int) -> Row:
+                        workload: str, rnd: int, tune=None, engine: str = "llama.cpp") -> Row:
+    """`tune(params)`: further settings of the server's CommonParams (bench-spec: its speculative decoding)."""
     import xllamacpp as xlc
 
     p = xlc.CommonParams()
@@ -123,6 +124,8 @@ def run_llamacpp_server(a, gguf: str, prompts: list[list[int]], warm: list[list[
     p.cpuparams.n_threads = p.cpuparams_batch.n_threads = a.threads
     p.warmup = False
     p.verbosity = -1
+    if tune is not None:
+        tune(p)
     server = xlc.Server(p)
     records: list[Record] = []
     lock = threading.Lock()
@@ -158,7 +161,7 @@ def run_llamacpp_server(a, gguf: str, prompts: list[list[int]], warm: list[list[
             th.join()
     finally:
         server = None  # stops llama.cpp's server loop and frees the model
-    return _row("llama.cpp", c, workload, rnd, records)
+    return _row(engine, c, workload, rnd, records)
 
 
 # ---------------------------------------------------------------- report

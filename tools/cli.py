@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check-package": ("tools.check_package", "verify a model package and run its golden cases"),
     "import-gguf": ("tools.import_gguf", "make a model package around a GGUF file (llamacpp backend)"),
     "bench-peer": ("tools.bench_peer", "benchmark npuserve (llamacpp) against llama.cpp's own server"),
+    "bench-spec": ("tools.bench_spec", "speculative (n-gram) decoding against plain decoding and llama.cpp's server n-gram"),
     "bench-kv-layout": ("tools.bench_kv_layout", "what the shared KV cell pool costs a burst prefill (llamacpp)"),
     "simulate": ("tools.simulate", "run the scheduler core against a virtual clock"),
     "bench-ipc": ("tools.bench_ipc", "benchmark shared-memory rings against other transports"),

@@ -35,10 +35,12 @@ from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
 from workers.constraints import ConstraintBook, ConstraintError, LaneMask, lltokenizer_for
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
+from workers.draft_model import DraftModel
 from workers.follow_tokens import FollowTokens, UnresolvedFollow
 from workers.multi_step import next_step
 from workers.kv_transfer import HostKv
 from workers.sampling import sample, token_logprob
+from workers.spec_verify import verify_drafts
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_DEATH_SIGNAL = signal.SIGUSR1
@@ -64,16 +66,21 @@ class JobOutcome:
     error: str = ""
     masks: int = 0  # constrained lanes masked in this job (structured output)
     mask_us: int = 0  # time spent computing their masks
+    accepted: np.ndarray | None = None  # verification jobs: accepted drafts per lane
+    accepted_logprobs: np.ndarray | None = None
+    accepted_tokens: np.ndarray | None = None
 
 
 def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, host_kv: HostKv | None = None,
-                constraints: ConstraintBook | None = None) -> JobOutcome:
+                constraints: ConstraintBook | None = None, draft: DraftModel | None = None) -> JobOutcome:
     """Run one job on the backend and sample its lanes.
 
     Inputs may be read-only ring views; nothing here writes to them.
     `extra_device_s` is the chaos "slow" hook: it is spent as device time.
     `constraints` masks the constrained lanes (structured output); a job with
     such lanes and no book fails.
+    `draft`: the chip's draft model (speculative.draft_package): it proposes
+    the drafts of `draft_src` lanes and mirrors every job's KV.
     """
     b = job.batch
     tokens = np.full(b, -1, np.int32)
@@ -89,6 +96,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
             time.sleep(extra_device_s)
         if job.kind == JobKind.KV_COPY:
             backend.copy_blocks(job.src_blocks, job.dst_blocks)
+            if draft is not None:
+                draft.copy_blocks(job.src_blocks, job.dst_blocks)
             return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
         if job.kind in (JobKind.KV_EXPORT, JobKind.KV_IMPORT):
             if host_kv is None:
@@ -99,6 +108,11 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
                 return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000,
                                   f"import refused ({exc.cause}): {exc}")
             return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
+        if job.draft_lens.size and job.constrained and job.constraint_id[job.draft_lens != 0].any():
+            # spec_verify's row_mask hook would need the matcher advanced through each draft: not done
+            raise ConstraintError("a constrained lane cannot carry draft tokens")
+        if draft is not None and job.draft_src.size:
+            job = draft.propose(job)
         lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
         masks = constraints.start(job, lanes) if job.constrained and constraints is not None else None
         try:
@@ -106,15 +120,22 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         finally:
             lane_masks = masks.result() if masks is not None else None  # never leave the helper on a dead job
         device_us = (time.perf_counter_ns() - t0) // 1000
+        accepted = accepted_lps = accepted_toks = None
         if out.logits is not None:
             if lanes.size:
                 _sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks)
+            if job.draft_lens.size:
+                if out.draft_logits is None:
+                    raise RuntimeError("the backend cannot verify draft tokens (no draft_logits)")
+                accepted, accepted_lps, accepted_toks = verify_drafts(job, out.draft_logits, tokens, logprobs)
         elif out.tokens is not None:
             if job.constrained and job.constraint_id[lanes].any():
                 raise ConstraintError("this backend samples on the device: constrained lanes need logits")
             tokens[lanes] = out.tokens[lanes]
         else:
             raise RuntimeError("backend returned neither logits nor tokens")
+        if draft is not None:
+            draft.mirror(job)
         if job.kind == JobKind.DECODE and job.decode_steps > 1:
             # multi-step decode: the next steps on this worker, each fed the token the step before sampled
             steps = [tokens]
@@ -124,6 +145,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
                 step = next_step(step, steps[-1])
                 t, lp = np.full(b, -1, np.int32), np.zeros(b, np.float32)
                 _step_tokens(step, backend.decode(step), lanes, t, lp)
+                if draft is not None:
+                    draft.mirror(step)
                 steps.append(t)
                 lp_steps.append(lp)
             tokens, logprobs = np.stack(steps, axis=1), np.stack(lp_steps, axis=1)
@@ -132,11 +155,12 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                           (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
     logits = out.logits if job.return_logits else None
+    spec = dict(accepted=accepted, accepted_logprobs=accepted_lps, accepted_tokens=accepted_toks)
     if job.constrained and constraints is not None:
         st = constraints.stats
         return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, masks=st.masks - masks0,
-                          mask_us=st.mask_us - mask_us0)
-    return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us)
+                          mask_us=st.mask_us - mask_us0, **spec)
+    return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, **spec)
 
 
 def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
@@ -246,6 +270,7 @@ class WorkerProcess:
         self.job_ring = job_ring
         self.result_ring = result_ring
         self.backend = backend
+        self.draft: DraftModel | None = None  # the chip's draft model (speculative.draft_package)
         self.bell = bell
         self.result_fd = result_fd  # the link's result doorbell (an eventfd); None: RESULT messages
         self.jobs_done = 0
@@ -353,6 +378,8 @@ class WorkerProcess:
             _, blocks = self._releases.pop(0)
             try:
                 self.backend.release_blocks(blocks)
+                if self.draft is not None:
+                    self.draft.release_blocks(blocks)
             except Exception as exc:  # a backend bug must not kill the worker; the next job's checks stand
                 _log("worker.release_failed", error=f"{type(exc).__name__}: {exc}")
 
@@ -401,7 +428,7 @@ class WorkerProcess:
                     outcome = JobOutcome(JobStatus.INVALID, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                                          0, f"invalid job: {exc}")
                 else:
-                    outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints)
+                    outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints, self.draft)
                     if outcome.status == JobStatus.OK:
                         self.follow.record(job, outcome.tokens)
             finally:
@@ -424,7 +451,9 @@ class WorkerProcess:
         b = job.batch
         logits = outcome.logits
         status = outcome.status
-        spec = _result_spec(b, None if logits is None else logits.shape, job.decode_steps)
+        accepted = outcome.accepted if status == JobStatus.OK else None
+        spec = _result_spec(b, None if logits is None else logits.shape, job.decode_steps,
+                            -1 if accepted is None else int(accepted.sum()))
         while True:
             try:
                 writer = self.result_ring.reserve(spec, timeout=self.interval)
@@ -432,7 +461,7 @@ class WorkerProcess:
             except RecordTooLarge:
                 _log("worker.result_too_large", job_id=job.job_id, shape=list(logits.shape) if logits is not None else None)
                 spec = _result_spec(b, None, job.decode_steps)
-                logits, status = None, JobStatus.FAILED
+                logits, status, accepted = None, JobStatus.FAILED, None
                 outcome.tokens[:] = -1
                 outcome.logprobs[:] = 0
             except RingFull:
@@ -451,6 +480,10 @@ class WorkerProcess:
             a["logprobs"][:] = outcome.logprobs
             if logits is not None:
                 a["logits"][...] = logits
+            if accepted is not None:
+                a["accepted"][:] = accepted
+                a["accepted_logprobs"][:] = outcome.accepted_logprobs
+                a["accepted_tokens"][:] = outcome.accepted_tokens
             meta[5] = (time.perf_counter_ns() - t0_ns) // 1000
 
     # -- loop ------------------------------------------------------------
@@ -472,7 +505,7 @@ class WorkerProcess:
 
 
 @functools.lru_cache(maxsize=256)
-def _result_spec(b: int, logits_shape: tuple[int, ...] | None, steps: int = 1) -> dict:
+def _result_spec(b: int, logits_shape: tuple[int, ...] | None, steps: int = 1, n_accepted: int = -1) -> dict:
     """The ring spec of a JobResult record (cached: a worker sees few distinct shapes).
 
     Callers must not mutate it. dtype strings, not numpy types: the ring keys
@@ -482,14 +515,23 @@ def _result_spec(b: int, logits_shape: tuple[int, ...] | None, steps: int = 1) -
     spec: dict = {"meta": ((RESULT_META_LEN,), "<i8"), "tokens": (shape, "<i4"), "logprobs": (shape, "<f4")}
     if logits_shape is not None:
         spec["logits"] = (tuple(logits_shape), "<f4")
+    if n_accepted >= 0:  # a verification job: accepted drafts per lane, their logprobs and tokens
+        spec["accepted"] = ((b,), "<i4")
+        spec["accepted_logprobs"] = ((n_accepted,), "<f4")
+        spec["accepted_tokens"] = ((n_accepted,), "<i4")
     return spec
+
+
+DRAFT_OPTION = "spec_draft_package"  # the backend option that names the draft model's package (not the backend's)
 
 
 def _load_backend(config: WorkerConfig):
     """(backend, package or None): the package's vocabulary also serves the constraint masks."""
     from workers.backends.registry import make_backend
 
-    backend = make_backend(config.backend, **(config.backend_options or {}))
+    opts = dict(config.backend_options or {})
+    opts.pop(DRAFT_OPTION, None)
+    backend = make_backend(config.backend, **opts)
     package = None
     if config.package_path is not None:
         from workers.package_loader import load_package
@@ -497,6 +539,31 @@ def _load_backend(config: WorkerConfig):
         package = load_package(config.package_path, verified_sha256=config.package_sha256)
     backend.load(package)
     return backend, package
+
+
+def load_draft(config: WorkerConfig, target: ChipBackend) -> DraftModel | None:
+    """The draft model of `backend_options[spec_draft_package]`: the target's backend kind, its KV geometry."""
+    from workers.backends.registry import make_backend
+    from workers.package_loader import load_package
+
+    opts = dict(config.backend_options or {})
+    path = opts.pop(DRAFT_OPTION, None)
+    if not path:
+        return None
+    info = target.describe()
+    opts["num_blocks"] = info.kv.num_blocks
+    if config.backend == "llamacpp":
+        opts["block_size"] = info.kv.block_size
+    draft = make_backend(config.backend, **opts)
+    draft.load(load_package(path))
+    d = draft.describe()
+    if d.kv.block_size != info.kv.block_size or d.kv.num_blocks < info.kv.num_blocks or d.vocab_size != info.vocab_size:
+        raise ValueError(f"draft package {path}: needs the target's vocabulary ({info.vocab_size}) and KV blocks "
+                         f"({info.kv.num_blocks} of {info.kv.block_size}), has {d.vocab_size} and "
+                         f"{d.kv.num_blocks} of {d.kv.block_size}")
+    if not d.extra.get("spec_verify"):
+        raise ValueError(f"backend {config.backend} cannot run a draft model")
+    return DraftModel(draft)
 
 
 def constraint_book(package, info) -> ConstraintBook:
@@ -545,7 +612,10 @@ def run(config: WorkerConfig) -> int:
             if config.job_bell is not None:
                 bell = SemaphoreDoorbell.attach(config.job_bell, spin_s=config.job_spin_s)
             backend, package = _load_backend(config)
+            draft = load_draft(config, backend)
             info = backend.describe()
+            if draft is not None:
+                info.extra["spec_draft"] = True
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             _log("worker.start_failed", error=message)
@@ -555,6 +625,7 @@ def run(config: WorkerConfig) -> int:
         sock.send(encode(Msg.READY, info=info.to_dict(), pid=os.getpid()))
         worker = WorkerProcess(config, sock, rings[0], rings[1], backend, bell, config.result_bell_fd,
                                constraint_book(package, info))
+        worker.draft = draft
         try:
             worker.serve()
         finally:

@@ -202,8 +202,12 @@ class Transformer:
         lane_starts: np.ndarray,
         context_lens: np.ndarray,
         block_tables: np.ndarray,
+        extra_rows: np.ndarray | None = None,
     ) -> np.ndarray:
         """Run the new tokens of n lanes; return logits [n, V] of each lane's last token.
+
+        `extra_rows` (packed token indices, speculative verification): their
+        logits are returned too, after the n last-token rows ([n + len, V]).
 
         tokens/positions [T] are packed lane after lane; lane i owns
         tokens[lane_starts[i]:lane_starts[i+1]] (every lane owns >= 1 token and
@@ -244,9 +248,15 @@ class Transformer:
             cache.write(li, block_ids, offsets, k, v)
             if last_layer:
                 # Only each lane's last token feeds the LM head: skip the other queries.
-                q = apply_rope(q[last_rows], cos[last_rows], sin[last_rows])
-                attn = self._attend(cache, li, q[:, None], (context_lens - 1)[:, None], tables)[:, 0]
-                x = x[last_rows]
+                if extra_rows is None or not len(extra_rows):
+                    q = apply_rope(q[last_rows], cos[last_rows], sin[last_rows])
+                    attn = self._attend(cache, li, q[:, None], (context_lens - 1)[:, None], tables)[:, 0]
+                    x = x[last_rows]
+                else:  # each row attends as of its own position, within its lane's table
+                    rows = np.concatenate([last_rows, extra_rows])
+                    q = apply_rope(q[rows], cos[rows], sin[rows])
+                    attn = self._attend(cache, li, q[:, None], positions[rows][:, None], tables[lane_of[rows]])[:, 0]
+                    x = x[rows]
             else:
                 q = apply_rope(q, cos, sin)
                 attn_pad = self._attend(cache, li, q[pad_src], q_pos, tables)

@@ -40,6 +40,7 @@ class RequestRecord:
     t_last_token: float | None = None
     terminal_emitted: bool = False
     text: TextStream | None = None  # output text and stop strings (None: no tokenizer)
+    spec: object | None = None  # engine.core.spec.planner.SpecLane once the request speculates
 
     @property
     def tenant(self) -> str:

@@ -88,4 +88,5 @@ class GenerateParams:
     # inside the stop-sequence window, never re-emitted.
     continuation: list[int] = field(default_factory=list)
     prefix_salt: str = ""
+    speculative: str | None = None  # "off" | "ngram"; None: the board's speculative.method
     constraint: ConstraintSpec | None = None  # structured output, compiled by the daemon at admission

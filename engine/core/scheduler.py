@@ -46,6 +46,7 @@ from engine.core.request_record import RequestRecord
 from engine.core.requests import TERMINAL_STATES, GenerateParams, RequestState
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_stats import JobCounts, queue_stats, scheduler_stats
+from engine.core.spec.planner import SpecPlanner, draft_room
 from engine.core.stop_conditions import StepVerdict, StopChecker, StopReason
 from engine.core.text_stream import TextStream
 from engine.core.tier_transfers import ImportPlan, KvTiers
@@ -76,6 +77,8 @@ class ModelSpec:
     profiles: tuple[int, ...]  # compiled decode batches the model declares
     chunked_prefill: bool  # incremental prefill numerically equal to one-shot
     mixed_batch_tokens: int = 0  # > 0: a prefill job may mix lanes (decode + prompt chunks) up to this many tokens
+    spec_verify: bool = False  # the backend verifies draft tokens (describe().extra["spec_verify"])
+    spec_draft: bool = False  # the workers run a draft model (describe().extra["spec_draft"])
 
 
 class Scheduler:
@@ -102,6 +105,8 @@ class Scheduler:
         # Queued next steps (issue 23): decode jobs only; a mixed job's lanes take prompts as they come.
         self._follow = bool(config.queue_next_step and not self.planner.mixed_budget)
         self._eos = tuple(model.eos_ids)
+        self.spec = SpecPlanner(config.spec_method, config.spec_max_draft_tokens, config.spec_max_batch_lanes,
+                                model.spec_verify, draft_model=model.spec_draft)
         self._piece = piece
         weights = {
             WorkClass.DECODE: config.decode_weight,
@@ -654,6 +659,9 @@ class Scheduler:
                 continue  # its step before failed: the lane was handled then
             r = requests[rid]
             assert r.job_id == job_id and r.seq_id == seq_id
+            if job.drafts is not None and job.drafts[lane]:
+                self._complete_verify(ch, job, lane, r, result, toks, lps, now, out)
+                continue
             nxt = r.next_job  # a queued next step takes the lane over (KV: the hand-off at commit)
             r.job_id, r.next_job = nxt, None
             if followable is not None and nxt is None:
@@ -685,6 +693,65 @@ class Scheduler:
                 self._terminate_running(r, ch, S.FAILED)
                 continue
             self._accept_token(r, ch, token, lps[lane] if n_lps > lane else 0.0, now, out)
+
+    def _complete_verify(self, ch: ChipState, job: InflightJob, lane: int, r: RequestRecord, result: JobResult,
+                         toks: list[int] | None, lps: list[float], now: float, out: list[Action]) -> None:
+        """A lane that carried drafts: commit the accepted run, give back the rest, emit token by token."""
+        drafts = job.drafts[lane] if job.drafts is not None else []
+        n_drafted = len(drafts)
+        acc = result.accepted
+        a = int(acc[lane]) if acc is not None and len(acc) > lane else -1
+        start = job.start_lens[lane]
+        r.job_id = None
+        at = int(acc[:lane].sum()) if a >= 0 else 0
+        if job.model_drafts is not None and job.model_drafts[lane] and 0 <= a <= len(drafts):
+            got = result.accepted_tokens  # the draft model's proposals: the scheduler sent placeholders
+            drafts = got[at:at + a].tolist() if got is not None and len(got) >= at + a else []
+            if len(drafts) != a:
+                a = -1
+        if not 0 <= a <= len(drafts) or toks is None:
+            ch.kv.commit(r.seq_id, job.job_id, r.tokens, upto=start + 1)  # the last token's KV is sound
+            r.committed = start + 1
+            if r.state in TERMINAL_STATES:
+                self._unbind(r, released=True)
+                self._forget_if_done(r)
+                return
+            self.counters["failed_bad_token"] += 1
+            out.append(FailRequest(r.request_id, 500, "bad_token", f"the chip accepted {a} of {n_drafted} drafts",
+                                   False, r.timing(now)))
+            self._terminate_running(r, ch, S.FAILED)
+            return
+        new_len = start + 1 + a
+        ch.kv.commit(r.seq_id, job.job_id, r.tokens + drafts[:a], upto=new_len)
+        r.committed = new_len
+        self.tenant_service[r.params.tenant] += new_len - start
+        if r.state in TERMINAL_STATES:
+            self._unbind(r, released=True)
+            self._forget_if_done(r)
+            return
+        # rejected drafts' KV: keep only the room a plain decode step would hold (the next position's block)
+        keep = min(self.model.max_seq, -(-(new_len + 1) // ch.block_size) * ch.block_size)
+        if keep < r.reserved:
+            ch.kv.rollback_tail(r.seq_id, keep)
+            self._kv_reserved -= r.reserved - keep
+            r.reserved = keep
+        self.spec.observe(r, n_drafted, a)
+        run = drafts[:a] + [toks[lane]]
+        acc_lps = result.accepted_logprobs
+        if r.params.logprobs and acc_lps is not None:
+            run_lps = acc_lps[at:at + a].tolist() + [lps[lane] if len(lps) > lane else 0.0]
+        else:
+            run_lps = [0.0] * len(run)
+        vocab = self.model.vocab_size
+        for i, token in enumerate(run):
+            if not 0 <= token < vocab:
+                self.counters["failed_bad_token"] += 1
+                out.append(FailRequest(r.request_id, 500, "bad_token", f"the chip returned token {token}", False,
+                                       r.timing(now)))
+                self._terminate_running(r, ch, S.FAILED)
+                return
+            if self._accept_token(r, ch, token, run_lps[i], now, out, more=i + 1 < len(run)):
+                return  # a stop inside the run: nothing after it is streamed
 
     def _terminate_running(self, r: RequestRecord, ch: ChipState, state: RequestState) -> None:
         """Terminal state for a request whose job just completed (its KV is committed; a queued next step
@@ -758,8 +825,9 @@ class Scheduler:
         return n
 
     def _accept_token(self, r: RequestRecord, ch: ChipState, token: int, logprob: float, now: float,
-                      out: list[Action], more: bool = False) -> None:
-        """`more`: a multi-step job's token with more of the lane's tokens after it (the lane stays running)."""
+                      out: list[Action], more: bool = False) -> bool:
+        """Feed one sampled token; True when the request stopped. `more`: further tokens of this lane follow
+        (a multi-step job's, or an accepted draft run), so the request stays running until the last one."""
         r.tokens.append(token)
         r.generated += 1
         self.generation_tokens += 1
@@ -794,15 +862,16 @@ class Scheduler:
             r.terminal_emitted = True
             r.move(S.COMPLETED)
             self._forget_if_done(r)
-            return
+            return True
         if more:
-            return
+            return False
         if r.job_id is not None:  # its queued next step already carries it (still DECODE_RUNNING)
             self._may_follow(ch, r)
-            return
+            return False
         r.move(S.DECODE_READY)
         r.ready_since = now
         ch.decode_ready[r.request_id] = None
+        return False
 
     def _detokenize(self, ts: TextStream, verdict: StepVerdict, stop: StopReason | None
                     ) -> tuple[list[int], str, StopReason | None]:
@@ -981,16 +1050,45 @@ class Scheduler:
         self._launch(ch, JobKind.PREFILL, decode, prompts, None, now, out)
         return True
 
-    def _lane(self, r: RequestRecord, ch: ChipState, start: int, end: int, sample: bool) -> Lane:
+    def _lane(self, r: RequestRecord, ch: ChipState, start: int, end: int, sample: bool,
+              drafts: list[int] | None = None, draft_model: bool = False) -> Lane:
         """The one place a request becomes a job lane (per-lane inputs the chip needs go here)."""
         p = r.params
         # block_table_view: not copied, build_job copies it into the record before the KV changes again
         return Lane(
-            tokens=r.tokens[start:end], start=start, block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
+            tokens=r.tokens[start:end] if not drafts else r.tokens[start:start + 1] + drafts, start=start,
+            block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
+            drafts=len(drafts) if drafts else 0, draft_model=draft_model,
             **(_NO_CONSTRAINT if p.constraint is None else
                lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
         )
+
+    def _plan_drafts(self, ch: ChipState, decode: list[RequestRecord], prompt_tokens: int
+                     ) -> tuple[list[list[int]], list[bool]] | None:
+        """Draft tokens for each decode lane, and whether the draft model fills them (None: none speculates),
+        within KV room and the job's token limit."""
+        spec = self.spec
+        if not spec.verify or not decode or len(decode) > spec.max_batch_lanes:
+            return None
+        limit = self.model.mixed_batch_tokens or (1 << 30)
+        used = prompt_tokens + len(decode)
+        plan: list[list[int]] = []
+        from_model: list[bool] = []
+        max_seq, bs = self.model.max_seq, ch.block_size
+        for r in decode:
+            ds, by_model = spec.drafts(r, len(decode), min(max_seq - r.committed - 1, limit - used))
+            need = r.committed + 1 + len(ds)
+            if need > r.reserved:  # room for the drafts: grow without preempting anyone, else draft less
+                target = min(max_seq, -(-need // bs) * bs)
+                if ch.kv.grow(r.seq_id, target):
+                    self._kv_reserved += target - r.reserved
+                    r.reserved = target
+                ds = ds[:max(0, draft_room(r.committed, r.reserved, max_seq))]
+            used += len(ds)
+            plan.append(ds)
+            from_model.append(by_model and bool(ds))
+        return (plan, from_model) if any(plan) else None
 
     def _launch(self, ch: ChipState, kind: JobKind, decode: list[RequestRecord], prompts: list[PromptChunk],
                 batch: int | None, now: float, out: list[Action], steps: int = 1) -> None:
@@ -1011,11 +1109,24 @@ class Scheduler:
         ends += [end for _, _, end in prompts]
         sampled = [True] * len(decode) + [end == r.prefill_target for r, _, end in prompts]
         lane = self._lane
-        lanes = [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)]
-        if queued is not None and any(queued):
-            lanes = [ln._replace(tokens=_FOLLOW) if i < len(queued) and queued[i] else ln
-                     for i, ln in enumerate(lanes)]
-        job = build_job(kind, lanes, job_id=job_id, generation=self.model.generation, batch=batch,
+        queuing = queued is not None and any(queued)
+        # speculation only in a plain one-step job (a queued step or a multi-step job has no room for drafts)
+        planned = self._plan_drafts(ch, decode, sum(e - s for _, s, e in prompts)) \
+            if self.spec.verify and steps == 1 and not queuing else None
+        drafts = model_drafts = None
+        if planned is None:
+            lanes_in = [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)]
+            if queuing:
+                lanes_in = [ln._replace(tokens=_FOLLOW) if i < len(queued) and queued[i] else ln
+                            for i, ln in enumerate(lanes_in)]
+        else:  # a verification job: a prefill-like chunk per speculating lane, one lane per request
+            kind, batch = JobKind.PREFILL, None
+            drafts = planned[0] + [[]] * len(prompts)
+            model_drafts = planned[1] + [False] * len(prompts) if any(planned[1]) else None
+            ends = [e + len(ds) for e, ds in zip(ends, drafts)]
+            lanes_in = [lane(r, ch, s, e, smp, ds, bool(model_drafts and model_drafts[i]))
+                        for i, (r, s, e, smp, ds) in enumerate(zip(rs, starts, ends, sampled, drafts))]
+        job = build_job(kind, lanes_in, job_id=job_id, generation=self.model.generation, batch=batch,
                         table_width=ch.max_blocks_per_seq, decode_steps=steps)
         ready = ch.decode_ready
         if queued is None:
@@ -1039,7 +1150,7 @@ class Scheduler:
                     r.job_id = job_id
                     del ready[rid]
                     r.move(S.DECODE_RUNNING)
-                    if steps == 1:
+                    if steps == 1 and drafts is None:
                         self._may_follow(ch, r)
             for r, end in zip(rs[len(decode):], ends[len(decode):]):
                 kv.begin_update(r.seq_id, job_id, end)
@@ -1053,6 +1164,7 @@ class Scheduler:
             job_id=job_id, kind=kind, lanes=lanes, seq_ids=[r.seq_id for r in rs],
             start_lens=starts, new_lens=ends, sampled=sampled, batch=len(rs) if batch is None else batch,
             submitted_at=now, timeout_at=now + self.config.job_timeout_s, steps=steps,
+            drafts=drafts, model_drafts=model_drafts,
         )
         ch.jobs_submitted += 1
         if steps > 1:
@@ -1152,7 +1264,7 @@ class Scheduler:
 
     def stats(self, now: float | None = None) -> dict:
         """Everything an operator may want, as plain data; queue waits only when `now` is given."""
-        return scheduler_stats(
+        st = scheduler_stats(
             accepting=self._accepting, admission_blocked=self.admission_blocked, profiles=self.profiles,
             chunked=self.chunked, waiting_requests=len(self._wfq) + len(self._requeue),
             waiting_prompt_tokens=self._waiting_tokens, active_sequences=self._n_bound,
@@ -1161,3 +1273,5 @@ class Scheduler:
             generation_tokens=self.generation_tokens, prompt_tokens=self.prompt_tokens,
             queue_waits=None if now is None else self.queue_stats(now),
         ) | ({} if self.tiers is None else {"kv_tiers": self.tiers.stats()})
+        st["speculative"] = self.spec.counters.to_dict()
+        return st

@@ -60,6 +60,10 @@ class SchedulerConfig:
     # the step a prompt burst imposes on the running streams, at some cost to the burst's TTFT.
     mixed_batches: bool = True
     mixed_token_budget: int = 0
+    # speculative decoding (engine.core.spec): "off" | "ngram" by default for requests that do not say
+    spec_method: str = "off"
+    spec_max_draft_tokens: int = 4
+    spec_max_batch_lanes: int = 4  # no drafts in a job of more decode lanes (compute-bound)
     # executor
     max_inflight: int = 1
     # Queue a decode lane's next step while its current one runs (issue 23); off until measured faster.
@@ -99,6 +103,8 @@ class SchedulerConfig:
             raise ValueError("batching_window_s and prefill_window_s must be >= 0 and job_timeout_s > 0")
         if not 0 < self.max_tenant_lane_share <= 1:
             raise ValueError("max_tenant_lane_share must be in (0, 1]")
+        if self.spec_max_draft_tokens < 0 or self.spec_max_batch_lanes < 0:
+            raise ValueError("spec_max_draft_tokens and spec_max_batch_lanes must be >= 0")
         if not 0 < self.profile_fill_ratio <= 1:
             raise ValueError("profile_fill_ratio must be in (0, 1]")
 
@@ -136,6 +142,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
     b = _get(cfg, "batch", None)
     ex = _get(cfg, "executor", None)
     kv = _get(cfg, "kv", None)
+    sp = _get(cfg, "speculative", None)
     deadline_ms = _get(adm, "deadline_default_ms", None)
     tenants_raw = _get(q, "tenants", {}) or {}
     tenants = {str(name): _tenant_from(t) for name, t in dict(tenants_raw).items()}
@@ -164,6 +171,9 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         prefill_chunk_tokens=int(_get(b, "prefill_chunk_tokens", d.prefill_chunk_tokens)),
         mixed_batches=bool(_get(b, "mixed_batches", d.mixed_batches)),
         mixed_token_budget=int(_get(b, "mixed_token_budget", d.mixed_token_budget)),
+        spec_method=str(_get(sp, "method", d.spec_method)),
+        spec_max_draft_tokens=int(_get(sp, "max_draft_tokens", d.spec_max_draft_tokens)),
+        spec_max_batch_lanes=int(_get(sp, "max_batch_lanes", d.spec_max_batch_lanes)),
         max_inflight=int(_get(ex, "max_inflight", d.max_inflight)),
         queue_next_step=bool(_get(ex, "queue_next_step", d.queue_next_step)),
         decode_steps=int(_get(ex, "decode_steps", d.decode_steps)),

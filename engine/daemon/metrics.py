@@ -185,6 +185,26 @@ def _lifecycle_families(gens: "Generations") -> list[Family]:
     return fams
 
 
+def _spec_families(b: _Builder, sp: dict | None) -> None:
+    """Speculative decoding, under vLLM's spec_decode_* names (engine.core.spec.planner.SpecCounters)."""
+    if not sp:
+        return
+    b.one("counter", "spec_decode_num_drafts", "Verification steps: lanes that carried draft tokens.",
+          sp["num_drafts"])
+    b.one("counter", "spec_decode_num_draft_tokens", "Draft tokens proposed.", sp["num_draft_tokens"])
+    b.one("counter", "spec_decode_num_accepted_tokens", "Draft tokens accepted.", sp["num_accepted_tokens"])
+    b.one("counter", "spec_decode_num_emitted_tokens", "Tokens produced by verification steps (accepted drafts "
+          "plus the token after them): tokens per step = this / spec_decode_num_drafts.", sp["num_emitted_tokens"])
+    b.add("counter", "spec_decode_num_accepted_tokens_per_pos", "Steps whose draft at this position was accepted.",
+          ("position",), [((str(i),), n) for i, n in enumerate(sp["accepted_per_pos"])])
+    buckets = sp["acceptance_rate_buckets"]
+    cum = [sum(buckets[:i + 1]) for i in range(len(buckets))]
+    les = [f"{(i + 1) / 10:.1f}" for i in range(len(buckets) - 1)] + ["+Inf"]
+    b.add("counter", "spec_decode_acceptance_rate_steps", "Verification steps by acceptance rate "
+          "(accepted / drafted), cumulative as histogram buckets: le=0.1 holds the steps below 0.1, "
+          "+Inf all of them (1.0 falls only in +Inf).", ("le",), [((le,), n) for le, n in zip(les, cum)])
+
+
 def _generation_families(b: _Builder, st: dict, chips: list[dict], bounded_tenants: frozenset[str]) -> None:
     """The scheduler, KV, queue, batch and chip figures of one generation."""
     counters = st["counters"]
@@ -218,6 +238,7 @@ def _generation_families(b: _Builder, st: dict, chips: list[dict], bounded_tenan
     b.one("counter", "generation_tokens", "Tokens sampled.", counters["generation_tokens"])
     b.one("counter", "num_preemptions", "Sequences preempted (KV released, recomputed later).",
           counters.get("preemptions", 0))
+    _spec_families(b, st.get("speculative"))
     # admission
     b.one("counter", "requests_accepted", "Requests accepted into the waiting queue.", counters.get("accepted", 0))
     b.one("counter", "requests_admitted", "Admissions to a chip (KV reserved); a requeued request counts again.",

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 # Wire fields of `generate` that are scheduler parameters (model/stream are the shell's).
 _PARAM_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
-                 "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation")
+                 "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "speculative")
 NOT_IMPLEMENTED_OPS: frozenset[str] = frozenset()
 
 

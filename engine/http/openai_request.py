@@ -19,7 +19,7 @@ from typing import Any, Callable
 from engine.http import kv_transfer
 from engine.http.openai_error import bad
 from engine.http.response_format import FIELDS as CONSTRAINT_FIELDS, constraint_of
-from ipc.schema import NAME_RE
+from ipc.schema import NAME_RE, SPECULATIVE_METHODS
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions body (one choice each)
 MAX_STOPS = 16  # the wire protocol's limit on `stop` entries
@@ -161,7 +161,7 @@ _IGNORED = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoni
 
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "user",
-                     "priority", kv_transfer.FIELD}) | CONSTRAINT_FIELDS
+                     "priority", "speculative", kv_transfer.FIELD}) | CONSTRAINT_FIELDS
 COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL) | _IGNORED
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "add_generation_prompt", "chat_template_kwargs"} \
     | set(_NEUTRAL) | _IGNORED
@@ -233,6 +233,11 @@ def _common(body: dict, kind: str, default_temperature: float) -> GenerateReques
         sampling["ignore_eos"] = _bool("ignore_eos", body["ignore_eos"])
     if body.get("priority") is not None:
         sampling["priority"] = _int("priority", body["priority"], -100, 100)
+    spec = body.get("speculative")  # extension: "off" | "ngram" (null: the board's default)
+    if spec is not None:
+        if spec not in SPECULATIVE_METHODS:
+            raise bad("speculative", f"must be one of {', '.join(SPECULATIVE_METHODS)}, got {spec!r}")
+        sampling["speculative"] = spec
     constraint = constraint_of(body)
     if constraint is not None:
         sampling["constraint"] = constraint

@@ -28,14 +28,15 @@ def test_generate_defaults_are_filled_with_the_documented_values():
         "v": 1, "op": "generate", "id": "r1", "model": None, "prompt": [5], "max_tokens": 16,
         "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "stop_token_ids": [], "stop": [],
         "ignore_eos": False, "deadline_ms": None, "tenant": "default", "priority": 0, "logprobs": False,
-        "stream": True, "continuation": [], "pool": None,
+        "stream": True, "continuation": [], "pool": None, "speculative": None,
     }
 
 
 def test_every_generate_field_is_kept_when_valid():
     full = gen(model="tiny", max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1,
                stop_token_ids=[9], stop=[[1, 2], [3]], ignore_eos=True, deadline_ms=500, tenant="acme",
-               priority=-3, logprobs=True, stream=False, continuation=[4, 5], pool="bulk")
+               priority=-3, logprobs=True, stream=False, continuation=[4, 5], pool="bulk",
+               speculative="ngram")
     assert validate_request(full) == full
 
 

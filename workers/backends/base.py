@@ -128,6 +128,9 @@ class StepOutput:
 
     logits: np.ndarray | None = None
     tokens: np.ndarray | None = None
+    # verification jobs (Job.draft_lens): logits [len(spec_verify.draft_rows(job)), V] of the draft rows.
+    # A backend that makes them says so with describe().extra["spec_verify"] = True.
+    draft_logits: np.ndarray | None = None
 
 
 class BackendError(RuntimeError):

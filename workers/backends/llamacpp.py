@@ -198,7 +198,7 @@ class LlamacppBackend(OneStepBackend):
             extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
                    "architecture": pkg.architecture, "bos_id": pkg.bos_id, "pad_id": pkg.pad_id,
                    "threads": self.threads, "n_seq_max": self.n_seq_max, "kv_cells": info["n_ctx"],
-                   "supports": dict(SUPPORTS), "tokenizer": dict(pkg.tokenizer)},
+                   "supports": dict(SUPPORTS), "tokenizer": dict(pkg.tokenizer), "spec_verify": True},
         )
 
     def health(self) -> dict:
@@ -247,9 +247,12 @@ class LlamacppBackend(OneStepBackend):
         emit = (job.sample[lanes] != 0) | bool(job.return_logits)
         want[last[emit]] = 1
         out_rows[last] = lanes
+        # verification: the draft rows' logits too, in rows b.. of the output (spec_verify.draft_rows order)
+        n_draft = self._want_draft_rows(job, lane_list, counts, want, out_rows, b)
+        logits = self._out[:b]  # _want_draft_rows may have grown the buffer
         # Every lane valid and wanting logits (decode steps, mixed jobs of whole prompts): the logits are
         # read where llama.cpp wrote them, lane i in row i, instead of copied (a MB per lane on Gemma).
-        in_place = len(lane_list) == b and bool(emit.all())
+        in_place = len(lane_list) == b and bool(emit.all()) and not n_draft
         if in_place:
             rc, view = model.decode_in_place(job.tokens[rows], job.positions[rows], seq_ids, want)
         else:
@@ -266,7 +269,29 @@ class LlamacppBackend(OneStepBackend):
         quiet[lanes[emit]] = False
         if quiet.any():
             logits[quiet] = 0
-        return StepOutput(logits=logits)
+        return StepOutput(logits=logits, draft_logits=self._out[b:b + n_draft] if n_draft else None)
+
+    def _want_draft_rows(self, job: Job, lane_list: list[int], counts: list[int], want: np.ndarray,
+                         out_rows: np.ndarray, b: int) -> int:
+        """Ask for the logits of each lane's draft rows (output rows b, b+1, ...); returns how many.
+
+        The rejected drafts' cells are rolled back by the lane's next job: it starts at the accepted
+        length, and `_resolve` cuts the lane's own sequence there (`llama_memory_seq_rm`) before it runs.
+        """
+        dl = job.draft_lens
+        if not dl.size or not dl.any():
+            return 0
+        at, k = 0, b
+        for lane, n in zip(lane_list, counts):
+            d = int(dl[lane])
+            if d:
+                want[at + n - 1 - d:at + n - 1] = 1
+                out_rows[at + n - 1 - d:at + n - 1] = np.arange(k, k + d)
+                k += d
+            at += n
+        if self._out.shape[0] < k:
+            self._out = np.zeros((k, self._out.shape[1]), np.float32)
+        return k - b
 
     # ---- the block-table <-> sequence map --------------------------------------------
 
@@ -290,6 +315,10 @@ class LlamacppBackend(OneStepBackend):
             raise BackendError(f"llamacpp backend: lane {lane}: the KV of positions 0..{p0 - 1} is not on this chip "
                                f"(never written, or evicted); the request must be recomputed")
         best.used = self._clock
+        if p0 % bs == 0 and best.sid not in busy and len(best.blocks) > n and len(table) > n \
+                and best.blocks[n] == table[n]:
+            self._truncate(best, p0)  # the lane's own sequence past rejected drafts: roll its tail back
+            return best
         if p0 % bs and best.sid not in busy:
             self._truncate(best, p0)  # a retry inside the lane's own partial block
             return best

@@ -30,6 +30,7 @@ from workers.default_package import ensure_default_package
 from workers.model_package import ModelPackage
 from workers.package_loader import load_package
 from workers.paged_kv import PagedKvCache
+from workers.spec_verify import draft_rows
 from workers.transformer import Transformer
 
 
@@ -106,7 +107,8 @@ class RefBackend(OneStepBackend):
             kv_transfer=KvTransferCost(base_s=2e-4, per_block_s=5e-6, prefill_s_per_token=1e-4),
             extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
                    "bos_id": pkg.bos_id, "pad_id": pkg.pad_id, "dims": d.to_dict(),
-                   "tp": {"rank": self.tp_rank, "world": self.tp_world}},
+                   "tp": {"rank": self.tp_rank, "world": self.tp_world},
+                   "spec_verify": self.tp_world == 1},  # draft rows: not proven across tensor-parallel ranks
         )
 
     def health(self) -> dict:
@@ -120,6 +122,7 @@ class RefBackend(OneStepBackend):
         pkg, model, cache = self._loaded()
         lanes = self._validate(job, pkg, cache)
         logits = np.zeros((job.batch, pkg.vocab_size), dtype=np.float32)
+        want = draft_rows(job)
         if len(lanes) == 0:
             return StepOutput(logits=logits)
         qs = job.query_start.astype(np.int64)
@@ -127,14 +130,19 @@ class RefBackend(OneStepBackend):
         # Valid lanes are packed back to back (inactive lanes own no tokens), but select explicitly.
         rows = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)])
         lane_starts = np.concatenate([[0], np.cumsum(ends - starts)])
+        # draft rows as indices into the selected (packed) rows
+        packed_at = np.full(len(job.tokens), -1, np.int64)
+        packed_at[rows] = np.arange(len(rows))
+        extra = packed_at[want] if len(want) else None
         try:
-            logits[lanes] = model.forward_paged(
+            out = model.forward_paged(
                 cache,
                 job.tokens[rows].astype(np.int64),
                 job.positions[rows].astype(np.int64),
                 lane_starts,
                 job.context_lens[lanes].astype(np.int64),
                 job.block_tables[lanes].astype(np.int64),
+                extra_rows=extra,
             )
         except Exception as e:  # noqa: BLE001 - after the first write the KV state is unknown
             if self.collective is not None:
@@ -142,7 +150,8 @@ class RefBackend(OneStepBackend):
                 # group so they fail this job too, rather than pair their next call with the wrong one.
                 self.collective.abort()
             raise BackendError(f"ref backend: {type(e).__name__}: {e}") from e
-        return StepOutput(logits=logits)
+        logits[lanes] = out[:len(lanes)]
+        return StepOutput(logits=logits, draft_logits=out[len(lanes):] if extra is not None else None)
 
     @staticmethod
     def _validate(job: Job, pkg: ModelPackage, cache: PagedKvCache) -> np.ndarray:

@@ -132,6 +132,8 @@ class Generation:
             for c in members:
                 o = backend_options(cfg, c)
                 o.update(self.extra_backend_options)
+                if cfg.speculative.draft_package:  # the worker loads it beside the target (workers.main.load_draft)
+                    o["spec_draft_package"] = cfg.speculative.draft_package
                 opts.append(o)
             if per == 1:
                 link = ChipLink(ctx=self.ctx, board=cfg.board.id, chip=chip, backend=cfg.board.backend,
@@ -175,7 +177,9 @@ class Generation:
             raise GenerationError("validate", "; ".join(getattr(e, "errors", [str(e)]))) from None
         model = ModelSpec(generation=self.id, vocab_size=info.vocab_size, eos_ids=tuple(info.eos_ids),
                           max_seq=info.max_seq, profiles=tuple(profiles), chunked_prefill=info.chunked_prefill,
-                          mixed_batch_tokens=info.mixed_batch_tokens)
+                          mixed_batch_tokens=info.mixed_batch_tokens,
+                          spec_verify=bool(info.extra.get("spec_verify", False)),
+                          spec_draft=bool(info.extra.get("spec_draft", False)))
         chips = [ChipSpec(chip=c, num_blocks=i.kv.num_blocks, block_size=i.kv.block_size)
                  for c, i in enumerate(infos)]
         try:
