@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from balancer_procs import tcp_daemon
+from balancer_procs import tcp_daemon, tcp_endpoint
 from raw_streams import gen_msg, run_streams, streamed_tokens, terminal_events
 from test_balancer_disagg import daemon_counters
 
@@ -20,10 +20,10 @@ from conftest import shm_objects_of, wait_until
 pytestmark = pytest.mark.integration
 
 
-def _boards(daemon, short_dir):
+def _boards(daemon, short_dir, **prefill):
     p, _ = tcp_daemon(daemon, backend="ref", settings={"board.role": "prefill", "kv.host_pool_mb": 8,
                                                         "kv.disk_dir": f"{short_dir}/pk",
-                                                        "board.handoff_deadline_s": 60.0})
+                                                        "board.handoff_deadline_s": 60.0, **prefill})
     d, _ = tcp_daemon(daemon, backend="ref", settings={"board.role": "decode", "kv.disk_dir": f"{short_dir}/dk",
                                                         "kv.promote": "always"})
     return p, d
@@ -40,7 +40,7 @@ def _hand_off(p, d, rid, prompt, spoil=None, **kw):
     first = run_streams(p.endpoint, [gen_msg(rid + "p", prompt, max_tokens=1, handoff={"export": True}, **kw)])
     (done,) = terminal_events(first[rid + "p"])
     desc = done["handoff"]
-    assert "endpoint" not in desc and desc["host_pool"]["name"]
+    assert desc["host_pool"]["name"]
     wait_until(lambda: _exported(p), timeout=10, what="the prompt's blocks in the host pool")
     if spoil is not None:
         spoil(desc)
@@ -70,6 +70,17 @@ def test_the_decode_board_copies_the_blocks_from_the_prefill_boards_host_pool(da
     p.stop()
     d.stop()
     assert [shm_objects_of(pid) for pid in pids] == [[], []]
+
+
+def test_with_a_transfer_endpoint_the_copy_is_still_from_shared_memory_and_releases_the_hold(daemon, short_dir):
+    p, d = _boards(daemon, short_dir, **{"board.handoff_endpoint": tcp_endpoint()})
+    prompt = [random.Random(30).randrange(1, 250) for _ in range(150)]
+    got = _hand_off(p, d, "r", prompt, ignore_eos=True)
+    assert got == streamed_tokens(run_streams(p.endpoint, [gen_msg("o", prompt, max_tokens=8, ignore_eos=True)])["o"])
+    dc = daemon_counters(d)
+    assert dc["handoff_shm_blocks"] > 0 and dc.get("handoff_pulled_blocks", 0) == 0, dc
+    wait_until(lambda: daemon_counters(p).get("handoff_released") == 1, timeout=10, what="the hold released")
+    assert daemon_counters(p).get("handoff_expired", 0) == 0
 
 
 def test_an_overwritten_slot_or_a_lost_segment_is_recomputed(daemon, short_dir):
