@@ -114,8 +114,8 @@ class KvSlotPool:
         return cls(Segment.create(prefix, board, slots * slot_bytes, tag="kvh"), slots, slot_bytes)
 
     @classmethod
-    def attach(cls, name: str, slots: int, slot_bytes: int) -> "KvSlotPool":
-        return cls(Segment.attach(name), slots, slot_bytes)
+    def attach(cls, name: str, slots: int, slot_bytes: int, read_only: bool = False) -> "KvSlotPool":
+        return cls(Segment.attach(name, read_only), slots, slot_bytes)
 
     @property
     def name(self) -> str:

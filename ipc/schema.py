@@ -243,9 +243,21 @@ def _nullable(check: Checker) -> Checker:
 MAX_HANDOFF_BLOCKS = 1 << 16
 MAX_LAYOUT_KEYS = 16
 _HANDOFF_KEYS = ("export", "board", "request", "prompt_len", "blocks", "layout", "first_token", "endpoint",
-                 "curve_key")
+                 "curve_key", "host_pool")
+_HOST_POOL_KEYS = ("name", "slots", "slot_bytes", "layout", "host")
 MAX_HANDOFF_ENDPOINT_CHARS = 256
 _handoff_name = _text(1, MAX_ID_CHARS)
+
+
+def _host_pool(name: str, value: Any) -> dict:
+    """The exporter's host KV slot pool: segment name, slots, slot size, layout tag, host id."""
+    if type(value) is not dict or sorted(value) != sorted(_HOST_POOL_KEYS):
+        raise _FieldError("bad_type", f"{name}: must be an object of {', '.join(_HOST_POOL_KEYS)}")
+    return {"name": _text(1, 255)(f"{name}.name", value["name"]),
+            "slots": _int(1, 1 << 31)(f"{name}.slots", value["slots"]),
+            "slot_bytes": _int(1, 1 << 40)(f"{name}.slot_bytes", value["slot_bytes"]),
+            "layout": _text(1, 64)(f"{name}.layout", value["layout"]),
+            "host": _text(1, MAX_HANDOFF_ENDPOINT_CHARS)(f"{name}.host", value["host"])}
 
 
 def _handoff(name: str, value: Any) -> dict:
@@ -277,6 +289,8 @@ def _handoff(name: str, value: Any) -> dict:
                 raise _FieldError("out_of_range", f"{name}.endpoint: must be a tcp:// or ipc:// endpoint")
         if value.get("curve_key") is not None:  # its CURVE public key (z85, 40 characters)
             out["curve_key"] = _text(40, 40)(f"{name}.curve_key", value["curve_key"])
+        if value.get("host_pool") is not None:  # its host KV slot pool (shared memory, one host)
+            out["host_pool"] = _host_pool(f"{name}.host_pool", value["host_pool"])
         layout = value.get("layout")
         if layout is not None:
             if type(layout) is not dict or len(layout) > MAX_LAYOUT_KEYS or not all(

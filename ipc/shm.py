@@ -107,13 +107,14 @@ class Segment:
         return cls(name, mm, size, created=True)
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
-        shm = posix_ipc.SharedMemory(name)
+    def attach(cls, name: str, read_only: bool = False) -> "Segment":
+        """Map an existing segment; `read_only` maps it PROT_READ (another board's host KV pool)."""
+        shm = posix_ipc.SharedMemory(name, read_only=read_only)
         try:
             size = shm.size
             if size <= 0:
                 raise ValueError(f"segment {name} is empty")
-            mm = mmap.mmap(shm.fd, size)
+            mm = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ) if read_only else mmap.mmap(shm.fd, size)
         finally:
             shm.close_fd()
         return cls(name, mm, size, created=False)

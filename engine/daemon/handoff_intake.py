@@ -27,7 +27,9 @@ HANDOFF_COUNTER_KEYS = ("handoff_exports", "handoff_imported", "handoff_recomput
                         "handoff_held", "handoff_expired",
                         # the transfer endpoint (handoff_transfer.py): prefill side, then decode side
                         "handoff_claimed", "handoff_claims_refused", "handoff_released", "handoff_served_blocks",
-                        "handoff_pulled_blocks", "handoff_pull_failed", "handoff_pull_us")
+                        "handoff_pulled_blocks", "handoff_pull_failed", "handoff_pull_us",
+                        # one host, from the prefill board's host slot pool (handoff_shm.py)
+                        "handoff_shm_blocks", "handoff_shm_refused")
 
 
 class PeerDiskSink:

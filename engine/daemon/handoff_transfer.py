@@ -178,6 +178,30 @@ def _read(shell, chain: bytes) -> bytes | None:
     return None
 
 
+def stage_records(shell, chains, records) -> int:
+    """Write checked records into this board's disk tier (whole file or nothing under the name) and index
+    them, in prompt order; the count staged (a full disk tier stops it: the rest is recomputed)."""
+    disk = shell.tiers.disk
+    staged = 0
+    for chain, rec in zip(chains, records):
+        if chain in disk:
+            staged += 1
+            continue
+        path = block_file(shell.disk_dir, chain)
+        tmp = f"{path}.{os.getpid()}.pull.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(rec)
+            os.replace(tmp, path)
+        except OSError:
+            break
+        if disk.adopt(chain) is None:  # the disk tier is full of pinned blocks: the rest is recomputed
+            os.unlink(path)
+            break
+        staged += 1
+    return staged
+
+
 @dataclass
 class _Parked:
     """A decode leg waiting for its pull; submitted when it ends, whichever way."""
@@ -325,27 +349,7 @@ class TransferClient:
         self.submit(p.rid, g, p.params, now)
 
     def _stage(self, p: _Parked) -> int:
-        """Write the received records into this board's disk tier (whole file or nothing) and index them."""
-        shell = p.g.kv_tiers
-        disk = shell.tiers.disk
-        staged = 0
-        for chain, rec in zip(p.chains, p.pull.records):
-            if chain in disk:
-                staged += 1
-                continue
-            path = block_file(shell.disk_dir, chain)
-            tmp = f"{path}.{os.getpid()}.pull.tmp"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(rec)
-                os.replace(tmp, path)
-            except OSError:
-                break
-            if disk.adopt(chain) is None:  # the disk tier is full of pinned blocks: the rest is recomputed
-                os.unlink(path)
-                break
-            staged += 1
-        return staged
+        return stage_records(p.g.kv_tiers, p.chains, p.pull.records)
 
     def close(self) -> None:
         for p in list(self._by_rid.values()):

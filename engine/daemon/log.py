@@ -28,6 +28,7 @@ EVENTS: dict[str, str] = {
     "handoff_serving": "info",
     "handoff_pull_skipped": "warning",
     "handoff_pull_failed": "warning",
+    "handoff_shm_refused": "info",
     "kv_tiers": "info",
     "kv_tiers_unsupported": "warning",
     "kv_host_pool_too_small": "warning",

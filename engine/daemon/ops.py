@@ -23,6 +23,7 @@ from engine.daemon.constraint_cache import BOARD_CACHE, ConstraintRejected
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
 from engine.daemon.auth import is_admin, tenant_for, visible_stats
 from engine.daemon.handoff_intake import take_handoff
+from engine.daemon.handoff_shm import advertise, take_from_host_pool
 from engine.daemon.log import log
 from engine.daemon.models import admin_ops
 from engine.core.model_table import RouteOutcome
@@ -99,12 +100,16 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
             return []
         if "handoff" in msg:
             tr = o.transfers
-            if tr is not None and tr.client.park(g, rid, msg["handoff"], params, now):
+            if take_from_host_pool(g, msg["handoff"], params, None if tr is None else tr.client.ctx):
+                pass  # one host: copied from the prefill board's host slot pool (engine/daemon/handoff_shm.py)
+            elif tr is not None and tr.client.park(g, rid, msg["handoff"], params, now):
                 return []  # submitted when the KV pull ends (engine/daemon/handoff_transfer.py)
-            desc = take_handoff(g, gens.cfg, rid, msg["handoff"], params, now,
-                                None if tr is None or tr.server is None else tr.server.descriptor_fields())
-            if desc is not None:
-                fe.set_handoff(rid, desc)
+            else:
+                desc = take_handoff(g, gens.cfg, rid, msg["handoff"], params, now,
+                                    {**({} if tr is None or tr.server is None else tr.server.descriptor_fields()),
+                                     **advertise(g)})
+                if desc is not None:
+                    fe.set_handoff(rid, desc)
         gens.admit(rid, g)
         o.apply(g.scheduler.submit(rid, params, now), g, now)
         return []

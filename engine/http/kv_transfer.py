@@ -81,6 +81,11 @@ def _sane(d: dict) -> dict:
     key = d.get("curve_key")
     if type(key) is str and len(key) == 40:
         out["curve_key"] = key
+    hp = d.get("host_pool")  # the exporter's host KV slot pool (engine/daemon/handoff_shm.py)
+    if type(hp) is dict and sorted(hp) == ["host", "layout", "name", "slot_bytes", "slots"] and all(
+            type(hp[k]) is str and 0 < len(hp[k]) <= 255 for k in ("host", "layout", "name")) and all(
+            type(hp[k]) is int and 0 < hp[k] < 1 << 40 for k in ("slots", "slot_bytes")):
+        out["host_pool"] = hp
     t = d.get("first_token")
     if type(t) is int and 0 <= t < 1 << 31:
         out["first_token"] = t

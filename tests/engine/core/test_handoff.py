@@ -27,6 +27,17 @@ def test_the_schema_refuses_bad_handoffs(bad):
         validate_request({"v": 1, "op": "generate", "id": "a", "prompt": [1], "handoff": bad})
 
 
+def test_the_host_pool_field_names_a_segment_or_is_refused():
+    hp = {"name": "/npuserve-1-2-kvh", "slots": 8, "slot_bytes": 4160, "layout": "00ff" * 4, "host": "h/boot"}
+    msg = validate_request({"v": 1, "op": "generate", "id": "a", "prompt": [1],
+                            "handoff": {"board": "b", "request": "r", "host_pool": hp}})
+    assert msg["handoff"]["host_pool"] == hp
+    for bad in ({**hp, "slots": 0}, {**hp, "extra": 1}, {k: v for k, v in hp.items() if k != "host"}, "x"):
+        with pytest.raises(ProtocolError):
+            validate_request({"v": 1, "op": "generate", "id": "a", "prompt": [1],
+                              "handoff": {"board": "b", "request": "r", "host_pool": bad}})
+
+
 def test_an_export_leg_is_just_the_flag():
     msg = validate_request({"v": 1, "op": "generate", "id": "a", "prompt": [1], "handoff": {"export": True}})
     assert msg["handoff"] == {"export": True}

@@ -43,3 +43,21 @@ def test_a_prompt_without_a_full_block_holds_nothing():
     sh = shell(capacity=3)
     hold = HandoffHold(deadline_s=5.0)
     assert hold.hold(sh, "r1", [1, 2, 3, 4], "", now=0.0) == 0 and len(hold.table) == 0
+
+
+def test_the_held_blocks_host_slots_are_pinned_until_the_release():
+    """A decode board on this host reads those slots (handoff_shm.py): none is freed or reused meanwhile."""
+    sh = SimpleNamespace(tiers=KvTiers("tag", BS, host_slots=2, disk_blocks=8), disk_dir="/nowhere")
+    prompt = list(range(1, 11))
+    chains = chain_of(sh.tiers.root(""), prompt[:8], BS)
+    for c in chains:
+        for tier in (sh.tiers.host, sh.tiers.disk):
+            tier.filled(tier.claim(c), True)
+    hold = HandoffHold(deadline_s=60.0)
+    assert hold.hold(sh, "r1", prompt, "", now=0.0) == 2
+    slots = [sh.tiers.host.entry(c).slot for c in chains]
+    assert sh.tiers.host.claim(b"\1" * 16) is None  # the pool is full of held slots: nothing is evicted
+    assert hold.claim("r1", now=1.0) is not None and hold.release(sh, "r1")
+    e = sh.tiers.host.claim(b"\1" * 16)  # released: evictable (and reusable) again
+    assert e is not None and e.slot in slots
+    sh.tiers.host.check_invariants()

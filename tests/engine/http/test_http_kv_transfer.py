@@ -40,7 +40,8 @@ def test_the_routers_prefill_leg_is_an_export_and_its_answer_names_the_handoff()
 
 
 def test_an_exported_descriptor_travels_whole():
-    desc = {"board": "b", "request": "r", "prompt_len": 32, "blocks": [1, 2], "layout": {"block_size": 16}}
+    desc = {"board": "b", "request": "r", "prompt_len": 32, "blocks": [1, 2], "layout": {"block_size": 16},
+            "host_pool": {"name": "/npuserve-1-2-kvh", "slots": 8, "slot_bytes": 4160, "layout": "0" * 16, "host": "h"}}
     params = kv_transfer.response_params({"handoff": desc}, "w1", "x")
     assert params["remote_block_ids"] == [1, 2]
     assert parse_chat({"messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": params}).handoff == desc
@@ -62,7 +63,8 @@ def test_other_peers_params_are_a_recompute_and_min_tokens_stays_refused_elsewhe
 def test_a_mangled_descriptor_is_a_recompute_not_a_refused_request():
     params = {"do_remote_prefill": True, kv_transfer.OURS: {"board": "b" * 300, "request": "", "prompt_len": -3,
                                                              "blocks": [1, "x"], "layout": {"k": [1]},
-                                                             "first_token": True}}
+                                                             "first_token": True,
+                                                             "host_pool": {"name": 3, "slots": 1}}}
     h = parse_completion({"prompt": "x", "kv_transfer_params": params}).handoff
     assert h == {"board": "b" * 128, "request": "remote", "prompt_len": 0, "blocks": []}
     assert wire(parse_completion({"prompt": "x", "kv_transfer_params": params}))["handoff"] == h
