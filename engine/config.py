@@ -185,7 +185,7 @@ class ExecutorConfig:
     downgrade_tpot_p99_ratio: float = key(_SCHED.downgrade_tpot_p99_ratio, number(0.0), "ping/pong drops to one "
                                           "job in flight when a chip's TPOT P99 passes this ratio x its "
                                           "one-in-flight window's (0 = off)")
-    job_timeout_ms: int = key(round(_SCHED.job_timeout_s * 1000), integer(1), "a job not answered within this is failed and its KV Unknown")
+    job_timeout_ms: int = key(round(_SCHED.job_timeout_s * 1000), integer(1), "an unanswered job is failed, its KV Unknown, its (hung) chip's worker restarted")
     worker_spin_us: int = key(200, integer(0, 100_000), "how long a chip worker polls for its next job before it "
                                                      "parks in the kernel; 0 = park at once (hosts with no spare "
                                                      "core, where the spin takes CPU the daemon needs)")

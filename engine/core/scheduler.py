@@ -344,7 +344,8 @@ class Scheduler:
         return done
 
     def take_notices(self) -> list[tuple[str, int, str]]:
-        """Events for the shell's log since the last call: ("inflight_downgraded", chip, reason)."""
+        """Events for the shell since the last call: ("inflight_downgraded", chip, reason) to log, and
+        ("chip_hung", chip, "job_timeout"): the core took the chip down; the shell restarts its worker."""
         out, self.notices = self.notices, []
         return out
 
@@ -586,8 +587,13 @@ class Scheduler:
             self._terminate(r, S.FAILED)
 
     def _expire_jobs(self, now: float, out: list[Action]) -> None:
+        """A job past job_timeout means a hung chip: its lanes fail (KV Unknown, quarantined), then the whole
+        chip goes down as on a worker death and a "chip_hung" notice asks the shell to restart the worker;
+        its READY (on_chip_up) recovers the KV, so nothing waits on the quarantine forever."""
         for ch in self.chips.values():
             late = [j for j in ch.inflight.values() if j.timeout_at <= now]
+            if not late:
+                continue
             for job in late:
                 del ch.inflight[job.job_id]
                 if job.kind in _TRANSFERS:
@@ -597,6 +603,10 @@ class Scheduler:
                 if ch.governor.on_timeout():
                     self._downgraded(ch)
                 self._fail_job(ch, job, "job_timeout", "the chip did not answer within job_timeout", now, out)
+            if ch.in_service:
+                out += self.on_chip_down(ch.chip, now)
+                self.counters["hung_chips"] += 1
+                self.notices.append(("chip_hung", ch.chip, "job_timeout"))
 
     # ------------------------------------------------------------ completions
     def _fail_job(self, ch: ChipState, job: InflightJob, reason: str, message: str, now: float,

@@ -40,6 +40,7 @@ EVENTS: dict[str, str] = {
     # chips
     "chip_up": "info",
     "chip_down": "warning",
+    "chip_hung": "warning",
     "inflight_downgraded": "warning",
     "inflight_reenabled": "info",
     "restart_failed": "error",

@@ -335,9 +335,12 @@ class Daemon:
             n_actions += len(acts)
             self.apply(acts, g, now)
             blocked = blocked or g.scheduler.admission_blocked
-            if g.scheduler.notices:  # a ping/pong downgrade (engine/core/inflight_governor.py)
+            if g.scheduler.notices:  # a ping/pong downgrade (inflight_governor.py), a chip hung on a job timeout
                 for event, chip, reason in g.scheduler.take_notices():
-                    assert event == "inflight_downgraded", event  # the only notice the core gives
+                    if event == "chip_hung":
+                        self.apply(g.chip_hung(chip, reason, now), g, now)
+                        continue
+                    assert event == "inflight_downgraded", event
                     log("inflight_downgraded", chip=chip, reason=reason, model=g.alias, generation=g.id)
         if self.kv_events is not None:
             self.kv_events.follow(gens.default_generation())

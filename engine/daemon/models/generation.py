@@ -21,6 +21,7 @@ from typing import Protocol
 import zmq
 
 from engine.config import Config, validate_against_model
+from engine.core.model_state import ModelState
 from engine.core.model_table import GenerationRecord
 from engine.config_schema import ConfigError
 from engine.core.scheduler import ChipSpec, ModelSpec, Scheduler
@@ -299,6 +300,16 @@ class Generation:
             if reason is not None:
                 out += self.chip_failed(chip, reason, now)
         return out
+
+    def chip_hung(self, chip: int, reason: str, now: float) -> list:
+        """The core timed out a job on `chip` and took the chip down: restart its worker as on a heartbeat
+        loss (the quarantined KV is recovered on its READY). A generation going away is not restarted."""
+        if self.supervisor.state(chip) is not ChipState.UP or \
+                self.rec.state in (ModelState.UNLOADING, ModelState.RECOVERING):
+            return []
+        log("chip_hung", chip=chip, reason=reason, job_timeout_ms=self.cfg.executor.job_timeout_ms,
+            model=self.alias, generation=self.id)
+        return self.chip_failed(chip, reason, now)
 
     def chip_failed(self, chip: int, reason: str, now: float) -> list:
         sup = self.supervisor

@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from conftest import shm_objects_of
+from engine.errors import ServerError
 
 pytestmark = pytest.mark.integration
 
@@ -196,3 +197,24 @@ def test_in_flight_lane_that_emitted_no_token_is_requeued_when_its_worker_dies(d
     assert got == fault_free
     assert after.get("requeued", 0) > before.get("requeued", 0), "no in-flight lane was requeued"
     assert not any(k.startswith("failed_") and v for k, v in after.items()), after
+
+
+def test_a_job_timeout_restarts_the_worker_and_the_board_keeps_serving(daemon):
+    """A job slower than executor.job_timeout_ms: the chip is treated as hung, its worker restarted, and its
+    quarantined KV recovered on READY, so later requests are served (they used to wait for KV forever)."""
+    slow_prefill = {**SLOW, "flops_per_token": 1.0, "throughput_flops": 100.0}  # a prompt token takes 10 ms
+    d = daemon(backend="sim", chips=1, backend_options=slow_prefill,
+               settings={"executor.job_timeout_ms": 200, "recovery.max_resets_per_10min": 10})
+    first = _chip(d, 0)["pid"]
+    with d.client(timeout=30) as cl:
+        with pytest.raises(ServerError) as failed:  # 100 prompt tokens: every prefill outlives the timeout
+            cl.generate(list(range(1, 101)), max_tokens=2)
+        assert failed.value.reason == "job_timeout" and failed.value.retryable
+        c, _ = _wait_chip(d, 0, lambda c: c["state"] == "up" and c["pid"] not in (None, first), 20)
+        assert c["last_failure"] == "job_timeout", c
+        for seed in range(3):  # short prompts fit the timeout: served on the restarted worker
+            assert cl.generate([1, 2, 3], max_tokens=4, seed=seed).finish_reason == "length"
+    events = [orjson.loads(line) for line in _restart_lines(d).splitlines()]
+    kinds = [(e["event"], e.get("reason"), e.get("action")) for e in events]
+    assert kinds[:3] == [("chip_hung", "job_timeout", None), ("chip_down", "job_timeout", "restart"),
+                         ("chip_up", None, None)], kinds
