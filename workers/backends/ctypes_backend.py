@@ -249,8 +249,8 @@ class CtypesBackend(ChipBackend):
             kv=KvLayout(block_size=self.block_size, num_blocks=self.num_blocks, dtype="uint8",
                         bytes_per_token=self.block_token_bytes),
             chunked_prefill=self.chunked_prefill,
-            # the paged cache is this process's memory (the vendor call gets it gathered): a block moves as
-            # one row copy, whatever the library's model costs per token
+            # host KV: the paged cache is this process's memory, a block moves as one row copy; device KV: one
+            # simpler_kv_copy_out/_in call per transfer (the ABI gives no cost model, so the same figures)
             kv_transfer=KvTransferCost(base_s=2e-4, per_block_s=2e-6, prefill_s_per_token=1e-4),
             model_sha256=self.library_sha256,  # the library is the model: rebuilding it is a new generation
             extra={"library": self.library, "chip_id": self.chip_id, "abi_version": ABI_VERSION,
