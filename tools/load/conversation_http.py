@@ -72,26 +72,31 @@ async def _one(session, url: str, model: str | None, prompt: list[int], answer_l
             "temperature": 0.0, "ignore_eos": True}
     if model:
         body["model"] = model
+    import aiohttp
+
     sent, first, final, error = time.monotonic(), None, {}, None
-    async with session.post(url + "/v1/completions", data=orjson.dumps(body)) as resp:
-        if resp.status != 200:
-            error = resp.status
-            await resp.read()
-        else:
-            dec = SseDecoder()
-            async for chunk in resp.content.iter_any():
-                now = time.monotonic()
-                for ev in dec.feed(chunk):
-                    if ev.data == b"[DONE]":
-                        continue
-                    obj = orjson.loads(ev.data)
-                    if "error" in obj:
-                        error = 500
-                    for k in ("timings", "usage"):
-                        if obj.get(k):
-                            final[k] = obj[k]
-                    if first is None and any(ch.get("text") for ch in obj.get("choices") or ()):
-                        first = now
+    try:
+        async with session.post(url + "/v1/completions", data=orjson.dumps(body)) as resp:
+            if resp.status != 200:
+                error = resp.status
+                await resp.read()
+            else:
+                dec = SseDecoder()
+                async for chunk in resp.content.iter_any():
+                    now = time.monotonic()
+                    for ev in dec.feed(chunk):
+                        if ev.data == b"[DONE]":
+                            continue
+                        obj = orjson.loads(ev.data)
+                        if "error" in obj:
+                            error = 500
+                        for k in ("timings", "usage"):
+                            if obj.get(k):
+                                final[k] = obj[k]
+                        if first is None and any(ch.get("text") for ch in obj.get("choices") or ()):
+                            first = now
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        error = 0  # cut off (openai_load.CUT_OFF)
     computed, cached = computed_tokens(final, len(prompt))
     return {"prompt": len(prompt), "computed": computed, "cached": cached, "error": error,
             "ttft_ms": None if first is None else round((first - sent) * 1000.0, 3)}
@@ -102,7 +107,9 @@ async def _drive(url: str, model: str | None, convs: list[list[list[int]]], conc
     import aiohttp
 
     out: list[dict] = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+    # a new connection per request: llama.cpp's server closes kept-alive connections after a stream
+    # (openai_load retries for it); loopback set-up costs both servers the same ~0.1 ms
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                      timeout=aiohttp.ClientTimeout(total=900)) as session:
         for t in range(len(convs[0]) if convs else 0):
             todo = list(range(len(convs)))
