@@ -28,6 +28,7 @@ from engine.config_schema import (BadValue, ConfigError, abs_path_or_empty, abs_
                                   key, name_list, number, string, unknown, zmq_endpoint,
                                   zmq_endpoint_or_empty, zmq_endpoints)
 from engine.core.handoff import BOARD_ROLES, DEFAULT_DEADLINE_S
+from engine.core.kv_pull import DEFAULT_TIMEOUT_S as KV_PULL_TIMEOUT_S
 from engine.core.scheduler_config import SchedulerConfig, TenantPolicy
 from ipc.schema import NAME_RE  # model aliases and tenant names: the wire's rule
 from workers.backends.names import BACKENDS
@@ -71,6 +72,14 @@ class BoardConfig:
                                     "how long a prefill board holds a hand-off's KV for its decode board")
     handoff_peer_dirs: tuple = key((), abs_paths, "decode boards: the kv.disk_dir of prefill boards on this host, "
                                    "whose block files a hand-off imports (needs kv.disk_dir here); () = recompute")
+    handoff_endpoint: str = key("", zmq_endpoint_or_empty, "prefill boards: the ZeroMQ endpoint (tcp://, CURVE with "
+                                "security.server_secret_key; or ipc://) that serves held hand-offs' KV blocks to "
+                                "decode boards on other hosts; advertised in the hand-off descriptor; \"\" = none")
+    handoff_transfer_timeout_s: float = key(KV_PULL_TIMEOUT_S, number(0.0, 600.0, lo_open=True),
+                                            "a KV transfer silent this long has failed: the decode board recomputes")
+    handoff_client_key: str = key("", abs_path_or_empty, "decode boards: this board's CURVE key pair (NAME.key_secret) "
+                                  "for pulling from prefill boards whose transfer endpoint has CURVE (the prefill "
+                                  "board's security.client_keys_dir must list NAME.key); \"\" = plain only")
 
     @property
     def replicas(self) -> int:
@@ -165,6 +174,17 @@ class BatchConfig:
 @dataclass(frozen=True)
 class ExecutorConfig:
     max_inflight: int = key(_SCHED.max_inflight, integer(1, 8), "jobs in flight per chip (2 = ping/pong)")
+    queue_next_step: bool = key(_SCHED.queue_next_step, boolean, "submit a decode lane's next step while its "
+                                "current one runs (its token: the one the worker samples), so the chip does not "
+                                "wait for the scheduler's turn (decode jobs without mixed batches)")
+    decode_steps: int = key(_SCHED.decode_steps, integer(1, 64), "multi-step decode: a decode job runs up to this "
+                            "many steps on the worker before it answers, when no prompt waits and no deadline "
+                            "is near (1 = one step per job)")
+    downgrade_timeouts: int = key(_SCHED.downgrade_timeouts, integer(0, 1000), "ping/pong drops to one job in "
+                                  "flight on a chip after this many job timeouts (0 = never for timeouts)")
+    downgrade_tpot_p99_ratio: float = key(_SCHED.downgrade_tpot_p99_ratio, number(0.0), "ping/pong drops to one "
+                                          "job in flight when a chip's TPOT P99 passes this ratio x its "
+                                          "one-in-flight window's (0 = off)")
     job_timeout_ms: int = key(round(_SCHED.job_timeout_s * 1000), integer(1), "a job not answered within this is failed and its KV Unknown")
     worker_spin_us: int = key(200, integer(0, 100_000), "how long a chip worker polls for its next job before it "
                                                      "parks in the kernel; 0 = park at once (hosts with no spare "

@@ -41,6 +41,13 @@ constrained (C = B then, else 0, and the job's record is as before):
   rebuild the state from the grammar: deterministic, on any chip.
 * grammar[G] uint8 with grammar_start[C+1]: for a sampling prefill lane, the
   UTF-8 llguidance grammar (decode lanes carry only the id).
+
+A decode lane's token may be FOLLOW_PREVIOUS (-1) instead of an id: "the
+token this lane's previous job samples", so the scheduler can queue step N+1
+while step N runs (issue 23). The worker resolves it from its own last sample
+for the lane, found by (position, the block holding position - 1): that block
+was written by step N, so no other lane holds it then. A follow token it
+cannot resolve (step N failed) makes the job INVALID.
 """
 
 from __future__ import annotations
@@ -70,8 +77,11 @@ class JobStatus(enum.IntEnum):
     INVALID = 2  # the worker rejected the job's inputs before running it
 
 
-_META_LEN = 8
-_JOB_META_LEN = 24  # 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), spare
+FOLLOW_PREVIOUS = -1  # a lane's token: the one the lane's previous job samples (resolved by the worker)
+# job id, generation, kind, status, device_us, worker_us, masks, mask_us, device_start_ns, idle_us
+_META_LEN = 10
+RESULT_META_LEN = _META_LEN
+_JOB_META_LEN = 24  # 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_U64 = np.zeros(0, dtype=np.uint64)
 _EMPTY_U8 = np.zeros(0, dtype=np.uint8)
@@ -105,6 +115,10 @@ class Job:
     # (CLOCK_MONOTONIC is system-wide); 0 = unknown. A backend that models a
     # device queue (sim) starts the job no earlier than this.
     submitted_ns: int = 0
+    # Multi-step decode (issue 23, executor.decode_steps): a decode job the worker runs this many steps before
+    # it answers, each step's input the token the step before sampled; its result's tokens are [B, n]. The
+    # scheduler truncates each lane at its end (EOS, stop, max tokens) and rolls the KV past it back.
+    decode_steps: int = 1
     constraint_id: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
     constraint_key: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
     constraint_done: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
@@ -230,7 +244,7 @@ class Job:
             self.top_k.size, bt.shape[0], bt.shape[1], self.src_blocks.size, self.dst_blocks.size,
             self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
             self.want_logprobs.size, self.seed.size, self.submitted_ns,
-            self.constraint_id.size, self.replay.size, self.grammar.size, 0,
+            self.constraint_id.size, self.replay.size, self.grammar.size, self.decode_steps,
         )
         np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
                         bt.ravel(), self.src_blocks, self.dst_blocks), out=dst["i32"][:n32_plain], casting="unsafe")
@@ -290,7 +304,7 @@ class Job:
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
             top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7],
             dst_blocks=i32[o7:o8], temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv],
-            sample=u8[nlv:nlv + nsm], want_logprobs=u8[nlv + nsm:u], seed=u64[:nseed], submitted_ns=m[19], **extra,
+            sample=u8[nlv:nlv + nsm], want_logprobs=u8[nlv + nsm:u], seed=u64[:nseed], submitted_ns=m[19], decode_steps=max(1, m[23]), **extra,
         )
 
     @classmethod
@@ -326,13 +340,16 @@ class JobResult:
     logits: np.ndarray | None = None  # float32 [B, V] when the job asked for them
     device_us: int = 0  # time spent in the backend call
     worker_us: int = 0  # time from reading the job to writing this result
+    # Seeing whether the chip is kept busy (issue 23), from the worker's own clock:
+    device_start_ns: int = 0  # time.monotonic_ns() when the backend call began (0 = unknown)
+    idle_us: int = -1  # the chip's idle time from the end of its previous backend call to this one's start; -1 = first
     masks: int = 0  # constrained lanes the worker masked (structured output)
     mask_us: int = 0  # time it spent computing their masks
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         meta = np.zeros(_META_LEN, dtype=np.int64)
         meta[:] = (self.job_id, self.generation, int(self.kind), int(self.status), self.device_us, self.worker_us,
-                   self.masks, self.mask_us)
+                   self.masks, self.mask_us, self.device_start_ns, self.idle_us)
         out = {
             "meta": meta,
             "tokens": _i32(self.tokens),
@@ -345,7 +362,9 @@ class JobResult:
     @classmethod
     def from_arrays(cls, a) -> "JobResult":
         """Build a JobResult from a mapping of arrays (ring views are copied out)."""
-        job_id, generation, kind, status, device_us, worker_us, masks, mask_us = a["meta"].tolist()[:8]
+        m = a["meta"].tolist()
+        job_id, generation, kind, status, device_us, worker_us, masks, mask_us = m[:8]
+        device_start_ns, idle_us = m[8:10] if len(m) >= 10 else (0, -1)
         logits = a["logits"] if "logits" in a else None
         return cls(
             job_id=job_id,
@@ -354,6 +373,8 @@ class JobResult:
             status=JobStatus(status),
             device_us=device_us,
             worker_us=worker_us,
+            device_start_ns=device_start_ns,
+            idle_us=idle_us,
             masks=masks,
             mask_us=mask_us,
             tokens=np.array(a["tokens"]),
@@ -395,7 +416,8 @@ class Lane(NamedTuple):
 
 
 def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, generation: int = 0,
-              batch: int | None = None, table_width: int | None = None, return_logits: bool = False) -> Job:
+              batch: int | None = None, table_width: int | None = None, return_logits: bool = False,
+              decode_steps: int = 1) -> Job:
     """Pack per-lane inputs into a Job; `None` lanes (and lanes past len(lanes) up to `batch`) are inactive.
 
     The packed layout (query_start offsets, -1 padded block tables,
@@ -443,6 +465,7 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
         query_start=query_start, lane_valid=lane_valid, context_lens=context_lens,
         block_tables=block_tables, sample=sample, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, want_logprobs=want_logprobs, return_logits=return_logits,
+        decode_steps=decode_steps,
     )
     if any(ln.constraint for ln in active):
         _add_constraints(job, lanes, b)

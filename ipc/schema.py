@@ -27,11 +27,12 @@ import orjson
 PROTOCOL_VERSION = 1
 
 REQUEST_OPS = ("generate", "cancel", "health", "stats", "load", "unload", "replace", "rollback",
-               "models", "drain", "resume")
-ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume")
+               "models", "drain", "resume", "reenable_inflight")
+ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume", "reenable_inflight")
 # One reply event per non-generate op, named like the op; `cancel` has none
 # (the cancelled stream's own terminal event is the acknowledgement).
-REPLY_EVENTS = ("health", "stats", "models", "load", "unload", "replace", "rollback", "drain", "resume")
+REPLY_EVENTS = ("health", "stats", "models", "load", "unload", "replace", "rollback", "drain", "resume",
+                "reenable_inflight")
 STREAM_EVENTS = ("tokens", "done", "error")
 EVENTS = STREAM_EVENTS + REPLY_EVENTS
 FINISH_REASONS = ("length", "eos", "stop", "cancelled")
@@ -230,7 +231,9 @@ def _nullable(check: Checker) -> Checker:
 
 MAX_HANDOFF_BLOCKS = 1 << 16
 MAX_LAYOUT_KEYS = 16
-_HANDOFF_KEYS = ("export", "board", "request", "prompt_len", "blocks", "layout", "first_token")
+_HANDOFF_KEYS = ("export", "board", "request", "prompt_len", "blocks", "layout", "first_token", "endpoint",
+                 "curve_key")
+MAX_HANDOFF_ENDPOINT_CHARS = 256
 _handoff_name = _text(1, MAX_ID_CHARS)
 
 
@@ -257,6 +260,12 @@ def _handoff(name: str, value: Any) -> dict:
         out["blocks"] = _tokens(0, MAX_HANDOFF_BLOCKS)(f"{name}.blocks", value.get("blocks", []))
         if value.get("first_token") is not None:
             out["first_token"] = _int(0, TOKEN_ID_MAX)(f"{name}.first_token", value["first_token"])
+        if value.get("endpoint") is not None:  # the exporter's KV transfer endpoint (a zmq address)
+            out["endpoint"] = _text(1, MAX_HANDOFF_ENDPOINT_CHARS)(f"{name}.endpoint", value["endpoint"])
+            if not out["endpoint"].startswith(("tcp://", "ipc://")):
+                raise _FieldError("out_of_range", f"{name}.endpoint: must be a tcp:// or ipc:// endpoint")
+        if value.get("curve_key") is not None:  # its CURVE public key (z85, 40 characters)
+            out["curve_key"] = _text(40, 40)(f"{name}.curve_key", value["curve_key"])
         layout = value.get("layout")
         if layout is not None:
             if type(layout) is not dict or len(layout) > MAX_LAYOUT_KEYS or not all(
@@ -311,6 +320,8 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
     "rollback": {"alias": (_name, _REQUIRED), **_DEADLINE, **_AUTH},
     "drain": {"timeout_ms": (_nullable(_int(0, MAX_DEADLINE_MS)), None), **_AUTH, **_BACKEND},
     "resume": {**_AUTH, **_BACKEND},
+    # ping/pong back on after its automatic downgrade: every chip, or `chip`, of every serving generation
+    "reenable_inflight": {"chip": (_nullable(_int(0, 1023)), None), **_AUTH},
 }
 assert set(OP_FIELDS) == set(REQUEST_OPS)
 # Fields of which a request must carry exactly one: the prompt as token ids or as text.

@@ -8,6 +8,7 @@
     drain [--timeout S] [--backend E]   stop admitting (503 draining); in-flight requests get S seconds
                                     (default: the board's server.drain_timeout_s), then are ended
     resume [--backend E]            admit again
+    reenable-inflight [--chip N]    ping/pong back on after its automatic downgrade (every chip, or N)
 
 PACKAGE is a folder inside the board's model root (relative to it, or an
 absolute path inside it). A long operation shows the elapsed time on stderr.
@@ -33,7 +34,7 @@ PROG = "npuserve admin"
 LONG_OP_TIMEOUT_S = 600.0  # load/replace run golden cases and warm-up: seconds to minutes
 SHORT_OP_TIMEOUT_S = 10.0
 MAX_DRAIN_TIMEOUT_S = MAX_DEADLINE_MS / 1000.0  # the protocol's timeout_ms bound
-SHORT_OPS = ("models", "drain", "resume")  # answered at once
+SHORT_OPS = ("models", "drain", "resume", "reenable-inflight")  # answered at once
 
 
 def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
@@ -81,6 +82,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.add_argument("--timeout", type=float, default=None, dest="drain_timeout_s", metavar="S",
                            help="seconds in-flight requests get before they are ended (timeout_ms; default: "
                                 "the board's server.drain_timeout_s; a balancer without it lets them finish)")
+    p = sub.add_parser("reenable-inflight", help="ping/pong back on after its automatic downgrade")
+    _common(p, suppress=True)
+    p.add_argument("--chip", type=int, default=None, help="only this chip (default: every chip)")
     a = ap.parse_args(argv)
     if getattr(a, "deadline_s", None) is not None and a.deadline_s < 0:
         ap.error("--deadline must be >= 0")
@@ -91,7 +95,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def request_fields(a: argparse.Namespace) -> dict:
     """The op's wire fields (docs/protocol.md): alias, package, deadline_s, as given."""
-    fields = {k: getattr(a, k) for k in ("alias", "package", "deadline_s", "backend")
+    fields = {k: getattr(a, k) for k in ("alias", "package", "deadline_s", "backend", "chip")
               if getattr(a, k, None) is not None}
     if getattr(a, "drain_timeout_s", None) is not None:
         fields["timeout_ms"] = round(a.drain_timeout_s * 1000)
@@ -124,6 +128,11 @@ def format_models(models: list[dict]) -> str:
 def format_reply(op: str, reply: dict) -> str:
     if op == "models":
         return format_models(reply.get("models") or [])
+    if op == "reenable-inflight":
+        done = {g: chips for g, chips in (reply.get("reenabled") or {}).items() if chips}
+        return ("ping/pong re-enabled: " + "; ".join(f"generation {g} chips {', '.join(map(str, c))}"
+                                                     for g, c in done.items())) if done \
+            else "no chip was downgraded"
     if op in ("drain", "resume"):
         if "backend" in reply:
             return f"backend {reply['backend']}: " + ("drained (no new requests; in-flight ones finish)"
@@ -215,7 +224,7 @@ def main(argv: list[str]) -> int:
     label = f"{a.op} {' '.join(str(v) for v in fields.values())} ...".replace("  ", " ")
     try:
         with Client(endpoint, timeout=timeout) as client:
-            reply = _Progress(label).run(lambda: client.call(a.op, **fields))
+            reply = _Progress(label).run(lambda: client.call(a.op.replace("-", "_"), **fields))
     except ClientError as e:
         status, message = explain(a.op, e, endpoint, timeout)
         print(f"{PROG}: {message}", file=sys.stderr)

@@ -51,9 +51,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-inflight", type=int, default=2, help="each board's executor.max_inflight")
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
                    help="sim latency model options for both boards (e.g. flops_per_token=3e10)")
-    p.add_argument("--transfer", choices=("disk", "none"), default="disk",
+    p.add_argument("--transfer", choices=("disk", "zmq", "none"), default="disk",
                    help="disk: both boards get a disk KV tier and the decode board imports the prefill board's "
-                        "blocks (board.handoff_peer_dirs); none: the decode board recomputes every prompt")
+                        "blocks (board.handoff_peer_dirs); zmq: both get a disk tier of their own and the decode "
+                        "board pulls the blocks from the prefill board's board.handoff_endpoint; none: the decode "
+                        "board recomputes every prompt")
     p.add_argument("--seed", type=int, default=27)
     p.add_argument("--json", action="store_true", help="JSON Lines: a row per side and rate, then the summary")
     p.add_argument("--plot", metavar="FILE.png", help="TPOT P99 and goodput against the rate (needs matplotlib)")
@@ -85,10 +87,12 @@ class _Procs:
     def daemon(self, i: int, a: argparse.Namespace) -> str:
         ep = f"tcp://127.0.0.1:{free_port()}"
         opts = [x for o in a.backend_option for x in ("--backend-option", o)]
-        if a.transfer == "disk":  # board 1 (the decode board of the disaggregated side) imports board 0's blocks
+        if a.transfer in ("disk", "zmq"):  # board 1 (the disaggregated side's decode board) imports board 0's blocks
             opts += ["--set", f"kv.disk_dir={os.path.join(self.tmp, f'kv{i}')}"]
-            if i == 1:
+            if i == 1 and a.transfer == "disk":
                 opts += ["--set", f"board.handoff_peer_dirs=[\"{os.path.join(self.tmp, 'kv0')}\"]"]
+            if i == 0 and a.transfer == "zmq":
+                opts += ["--set", f"board.handoff_endpoint=\"tcp://127.0.0.1:{free_port()}\""]
         self.spawn(f"daemon{i}", [sys.executable, "-m", "engine.daemon.main", "--backend", "sim", "--chips", "1",
                                   "--board", f"bd{i}", "--runtime-dir", os.path.join(self.tmp, f"d{i}"),
                                   "--endpoint", ep, "--set", "admission.max_waiting_requests=100000",
@@ -129,7 +133,8 @@ def _handoffs(endpoint: str) -> dict:
     with Client(endpoint, timeout=10) as c:
         d = c.stats()["daemon"]
     out = {k: d.get(k, 0) for k in ("handoff_exports", "handoff_imported", "handoff_recomputed",
-                                    "handoff_staged_blocks")}
+                                    "handoff_staged_blocks", "handoff_pulled_blocks", "handoff_pull_failed",
+                                    "handoff_released", "handoff_pull_us")}
     with Client(endpoint, timeout=10) as c:
         counters = c.stats()["scheduler"]["counters"]
     out["tier_hit_tokens"] = counters.get("tier_hit_tokens", 0)

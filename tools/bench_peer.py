@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from tools.json_lines import emit
-from tools.load import local_daemon, paired, runner
+from tools.load import chip_runs, local_daemon, paired, runner
 from tools.load.report import summarize, table
 from tools.load.runner import Record
 from tools.load.workload import Request
@@ -40,7 +40,7 @@ TARGETS = {  # (metric, workload, concurrency): npuserve / llama.cpp at least (m
 METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 COLUMNS = [("engine", "engine"), ("concurrency", "conc"), ("workload", "workload"), ("round", "round"),
            ("tokens_per_s", "tok/s"), ("ttft_p50_ms", "ttft p50"), ("ttft_p99_ms", "ttft p99"),
-           ("tpot_p50_ms", "tpot p50"), ("tpot_p99_ms", "tpot p99")]
+           ("tpot_p50_ms", "tpot p50"), ("tpot_p99_ms", "tpot p99"), ("chip_busy", "chip busy")]
 _TEXT = ("The history of the city begins with a small settlement on the river. Over the centuries it grew into a "
          "center of trade, learning and art, attracting merchants, scholars and travelers from distant lands. ")
 
@@ -56,6 +56,8 @@ class Row:
     tpot_p50_ms: float
     tpot_p99_ms: float
     round: int
+    # npuserve: the chip workers' device time over the timed run (stats deltas; issue 23: >= 0.97 at 8, 32 streams)
+    chip_busy: float | None = None
 
 
 def _row(engine: str, c: int, workload: str, rnd: int, records: list[Record]) -> Row:
@@ -91,7 +93,9 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
             for p in warm:
                 cl.generate(p, max_tokens=1, temperature=0.0)
         reqs = [Request(i, p, out_tokens, seed=i, extra={"temperature": 0.0}) for i, p in enumerate(prompts)]
+        before, t0 = local_daemon.stats(endpoint), time.monotonic()
         records = runner.run_here(endpoint, reqs, concurrency=c, timeout=900)
+        ran = chip_runs.daemon_run(before, local_daemon.stats(endpoint), time.monotonic() - t0)
     except BaseException:
         print(f"npuserve daemon log (tail):\n{d.log_tail()}", file=sys.stderr)
         raise
@@ -101,7 +105,9 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
             print(f"daemon log kept in {d.log_path}", file=sys.stderr)
         else:
             d.cleanup()
-    return _row("npuserve", c, workload, rnd, records)
+    row = _row("npuserve", c, workload, rnd, records)
+    row.chip_busy = round(sum(ran["device_busy"]) / max(len(ran["device_busy"]), 1), 4)
+    return row
 
 
 # ---------------------------------------------------------------- llama.cpp's server engine

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-serve": ("tools.bench_serve", "benchmark a daemon end to end through the client library"),
     "install-systemd": ("tools.install_systemd_cmd", "install the npuserve@.service unit and a board config"),
     "bench-observe": ("tools.bench_observe", "what metrics and tracing cost the daemon, side by side"),
+    "bench-busy": ("tools.bench_busy", "keeping every chip busy: queued next steps and ping/pong against one in flight"),
     "bench": ("tools.bench", "load generator: closed/open loop, sweeps, SLO goodput, Pareto frontier"),
     "soak": ("tools.soak.main", "steady mixed load for a duration, checking invariants, leaks and errors"),
     "chaos": ("tools.chaos.main", "named fault scenarios under load, each with its invariant checks"),

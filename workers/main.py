@@ -30,11 +30,13 @@ import zmq
 
 from ipc.doorbell import SemaphoreDoorbell
 from ipc.kv_slots import KvSlotPool, RecordRefused
-from ipc.records import Job, JobKind, JobResult, JobStatus
+from ipc.records import RESULT_META_LEN, Job, JobKind, JobResult, JobStatus
 from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
 from workers.constraints import ConstraintBook, ConstraintError, LaneMask, lltokenizer_for
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
+from workers.follow_tokens import FollowTokens, UnresolvedFollow
+from workers.multi_step import next_step
 from workers.kv_transfer import HostKv
 from workers.sampling import sample, token_logprob
 
@@ -113,6 +115,19 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
             tokens[lanes] = out.tokens[lanes]
         else:
             raise RuntimeError("backend returned neither logits nor tokens")
+        if job.kind == JobKind.DECODE and job.decode_steps > 1:
+            # multi-step decode: the next steps on this worker, each fed the token the step before sampled
+            steps = [tokens]
+            lp_steps = [logprobs]
+            step = job
+            for _ in range(job.decode_steps - 1):
+                step = next_step(step, steps[-1])
+                t, lp = np.full(b, -1, np.int32), np.zeros(b, np.float32)
+                _step_tokens(step, backend.decode(step), lanes, t, lp)
+                steps.append(t)
+                lp_steps.append(lp)
+            tokens, logprobs = np.stack(steps, axis=1), np.stack(lp_steps, axis=1)
+            device_us = (time.perf_counter_ns() - t0) // 1000
     except Exception as exc:  # a device-level fault fails this job, never the worker
         return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                           (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
@@ -122,6 +137,17 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, masks=st.masks - masks0,
                           mask_us=st.mask_us - mask_us0)
     return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us)
+
+
+def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+    """One step's tokens into `tokens`/`logprobs`: sampled from its logits, or as the backend chose them."""
+    if out.logits is not None:
+        if lanes.size:
+            _sample_lanes(job, out.logits, lanes, tokens, logprobs)
+    elif out.tokens is not None:
+        tokens[lanes] = out.tokens[lanes]
+    else:
+        raise RuntimeError("backend returned neither logits nor tokens")
 
 
 def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
@@ -226,6 +252,9 @@ class WorkerProcess:
         self.ctl_seen = 0  # control messages received (jobs carry how many precede them)
         self._releases: list[tuple[int, list[int]]] = []  # (control message index, blocks) not applied yet
         self.slow_s = 0.0
+        self._device_end_ns = 0  # time.monotonic_ns() when the last backend call ended (0: none yet)
+        self._occupancy = (0, -1)  # (device_start_ns, idle_us) of the job being answered
+        self.follow = FollowTokens(backend.describe().kv.block_size)  # queued next steps' input tokens
         self.host_kv: HostKv | None = None  # the board's host KV pool, once the link sent KV_POOL
         self.running = True
         self.poller = zmq.Poller()
@@ -363,10 +392,23 @@ class WorkerProcess:
             if self.slow_s > 0:  # chaos only: say which job is now on the "device", so a test can act mid-job
                 self.send(encode(Msg.HEARTBEAT, at=time.monotonic(), jobs_done=self.jobs_done, busy_job=job.job_id))
             self._set_in_job(True)
+            start_ns = time.monotonic_ns()
             try:
-                outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints)
+                try:
+                    self.follow.resolve(job)
+                except UnresolvedFollow as exc:
+                    b = job.batch
+                    outcome = JobOutcome(JobStatus.INVALID, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
+                                         0, f"invalid job: {exc}")
+                else:
+                    outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints)
+                    if outcome.status == JobStatus.OK:
+                        self.follow.record(job, outcome.tokens)
             finally:
                 self._set_in_job(False)
+            # the chip's idle gap before this job: what keeping it busy (issue 23) is measured by
+            last, self._device_end_ns = self._device_end_ns, time.monotonic_ns()
+            self._occupancy = (start_ns, -1 if last == 0 else max(0, start_ns - last) // 1000)
             self.write_result(job, outcome, t0)
             # Wake the link first: the bookkeeping below overlaps its wake-up.
             self.ring_result_bell(job.job_id)
@@ -382,14 +424,14 @@ class WorkerProcess:
         b = job.batch
         logits = outcome.logits
         status = outcome.status
-        spec = _result_spec(b, None if logits is None else logits.shape)
+        spec = _result_spec(b, None if logits is None else logits.shape, job.decode_steps)
         while True:
             try:
                 writer = self.result_ring.reserve(spec, timeout=self.interval)
                 break
             except RecordTooLarge:
                 _log("worker.result_too_large", job_id=job.job_id, shape=list(logits.shape) if logits is not None else None)
-                spec = _result_spec(b, None)
+                spec = _result_spec(b, None, job.decode_steps)
                 logits, status = None, JobStatus.FAILED
                 outcome.tokens[:] = -1
                 outcome.logprobs[:] = 0
@@ -402,8 +444,9 @@ class WorkerProcess:
         with writer:
             a = writer.arrays
             meta = a["meta"]
-            meta[:] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, outcome.masks,
-                       outcome.mask_us)
+            meta[:8] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, outcome.masks,
+                        outcome.mask_us)
+            meta[8:10] = self._occupancy
             a["tokens"][:] = outcome.tokens
             a["logprobs"][:] = outcome.logprobs
             if logits is not None:
@@ -429,13 +472,14 @@ class WorkerProcess:
 
 
 @functools.lru_cache(maxsize=256)
-def _result_spec(b: int, logits_shape: tuple[int, ...] | None) -> dict:
+def _result_spec(b: int, logits_shape: tuple[int, ...] | None, steps: int = 1) -> dict:
     """The ring spec of a JobResult record (cached: a worker sees few distinct shapes).
 
     Callers must not mutate it. dtype strings, not numpy types: the ring keys
     its layout cache on them.
     """
-    spec: dict = {"meta": ((8,), "<i8"), "tokens": ((b,), "<i4"), "logprobs": ((b,), "<f4")}
+    shape = (b,) if steps <= 1 else (b, steps)  # multi-step decode: a row of tokens per lane
+    spec: dict = {"meta": ((RESULT_META_LEN,), "<i8"), "tokens": (shape, "<i4"), "logprobs": (shape, "<f4")}
     if logits_shape is not None:
         spec["logits"] = (tuple(logits_shape), "<f4")
     return spec

@@ -186,6 +186,9 @@ class HandoffTable:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __contains__(self, hid: str) -> bool:
+        return hid in self._held
+
 
 def take_over(desc: HandoffDescriptor | None, sink: KvHandoffSink | None, tokens: Sequence[int] = (),
               salt: str = "") -> tuple[ImportOutcome, int]:

@@ -28,6 +28,7 @@ class RequestRecord:
     prefill_target: int = 0  # tokens whose KV must exist before decoding
     cached_tokens: int = 0  # prefix-cache hit at first admission
     job_id: int | None = None  # job in flight that carries this request
+    next_job: int | None = None  # its queued next step (executor.queue_next_step), carrying it after job_id
     retries: int = 0
     vft: float = 0.0  # fair-queue finish tag: tie-break among decode candidates
     # decode candidate order (deadline, vft, id), fixed at admission: sorted on every decode job

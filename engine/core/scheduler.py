@@ -21,7 +21,7 @@ import heapq
 import itertools
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from engine.config_schema import ConfigError
@@ -39,6 +39,7 @@ from engine.core.chip_state import ChipState, InflightJob
 from engine.core.constraint_spec import lane_fields
 from engine.core.dispatch import ChipCandidate, choose_chip
 from engine.core.fair_queue import WeightedFairQueue
+from engine.core.inflight_governor import GovernorPolicy, InflightGovernor
 from engine.core.kv import KvManager, OutOfBlocks, PrefixKey, StaleJob
 from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin, WorkClass
 from engine.core.request_record import RequestRecord
@@ -48,13 +49,14 @@ from engine.core.scheduler_stats import JobCounts, queue_stats, scheduler_stats
 from engine.core.stop_conditions import StepVerdict, StopChecker, StopReason
 from engine.core.text_stream import TextStream
 from engine.core.tier_transfers import ImportPlan, KvTiers
-from ipc.records import JobKind, JobResult, JobStatus, Lane, build_job
+from ipc.records import FOLLOW_PREVIOUS, JobKind, JobResult, JobStatus, Lane, build_job
 
 _TRANSFERS = (JobKind.KV_EXPORT, JobKind.KV_IMPORT)
 
 __all__ = ["ChipSpec", "ModelSpec", "Scheduler", "SchedulerConfig"]
 
 S = RequestState
+_FOLLOW = (FOLLOW_PREVIOUS,)  # a queued next step's input token: the one the lane's running job samples
 _NO_CONSTRAINT: dict = {}  # the lane fields of an unconstrained request
 
 
@@ -97,6 +99,8 @@ class Scheduler:
         self.profiles = resolve_profiles(config.profiles, model.profiles)
         self.chunked = bool(config.chunked_prefill and model.chunked_prefill)
         self.planner = BatchPlanner(config, self.profiles, self.chunked, model.mixed_batch_tokens)
+        # Queued next steps (issue 23): decode jobs only; a mixed job's lanes take prompts as they come.
+        self._follow = bool(config.queue_next_step and not self.planner.mixed_budget)
         self._eos = tuple(model.eos_ids)
         self._piece = piece
         weights = {
@@ -106,13 +110,18 @@ class Scheduler:
             WorkClass.LONG: config.long_prefill_weight,
         }
         self.chips: dict[int, ChipState] = {}
+        policy = GovernorPolicy(max_inflight=config.max_inflight, timeouts=config.downgrade_timeouts,
+                                tpot_regression=config.downgrade_tpot_p99_ratio, window=config.downgrade_window)
+        self._tpot_watch = policy.tpot_regression > 0 and policy.max_inflight > 1
+        # (event, chip, reason): what the shell logs (a ping/pong downgrade); drained by take_notices()
+        self.notices: list[tuple[str, int, str]] = []
         for c in chips:
             self.chips[c.chip] = ChipState(
                 chip=c.chip, num_blocks=c.num_blocks, block_size=c.block_size,
                 max_blocks_per_seq=math.ceil(model.max_seq / c.block_size),
                 kv=KvManager(c.chip, c.num_blocks, c.block_size, model.max_seq, prefix_cache=config.prefix_cache),
                 prefill=PrefillQueues(config.short_prefill_max_tokens, config.medium_prefill_max_tokens),
-                wrr=SmoothWeightedRoundRobin(weights),
+                wrr=SmoothWeightedRoundRobin(weights), governor=InflightGovernor(policy),
             )
         self.limits = ModelLimits(
             vocab_size=model.vocab_size, max_seq=model.max_seq,
@@ -225,13 +234,20 @@ class Scheduler:
         out: list[Action] = []
         if job.kind in _TRANSFERS:
             self._transfer_result(ch, job, result, now, out)
-        elif result.generation != self.model.generation or result.kind != job.kind:
+        elif result.generation != self.model.generation or result.kind != job.kind \
+                or result.tokens.shape[0] != job.batch:
             self.counters["stale_results"] += 1
+            if ch.governor.on_crosstalk():  # with two jobs in flight, the answer may be the other job's
+                self._downgraded(ch)
             self._fail_job(ch, job, "stale_result", "the job's result did not match its generation", now, out)
         elif result.status != JobStatus.OK:
             self.counters["failed_jobs"] += 1
+            if ch.governor.on_status_anomaly():
+                self._downgraded(ch)
             reason = "job_invalid" if result.status == JobStatus.INVALID else "job_failed"
             self._fail_job(ch, job, reason, f"the chip reported {result.status.name}", now, out)
+        elif job.steps > 1:
+            self._complete_steps(ch, job, result, now, out)
         else:
             self._complete_job(ch, job, result, now, out)
         return out
@@ -245,13 +261,16 @@ class Scheduler:
         ch.faults += 1
         self.counters["chip_faults"] += 1
         self._dirty = True
-        inflight_lanes = [rid for job in ch.inflight.values() for rid in job.lanes]
+        # a lane in a job and in its queued next step counts once; a dropped lane is not this job's any more
+        inflight_lanes = list(dict.fromkeys(rid for job in ch.inflight.values() for rid in job.lanes
+                                            if rid not in job.dropped))
         if self.tiers is not None:  # its transfers are lost, and blocks noted for export are gone with the chip
             self.tiers.chip_down(chip, [j for j, job in ch.inflight.items() if job.kind in _TRANSFERS], now)
             ch.kv.tier_sink.clear()
             ch.kv.cache.evict_sink.clear()
             ch.transfers = 0
         ch.inflight.clear()
+        ch.followable.clear()
         ch.kv.chip_fault()
         for rid in inflight_lanes:
             r = self._requests.get(rid)
@@ -309,6 +328,28 @@ class Scheduler:
             times.append(self._window_wakeup)
         return min(times) if times else None
 
+    def reenable_inflight(self, chip: int | None = None) -> list[int]:
+        """The operator's re-enable of ping/pong after a downgrade (all chips, or one); the chips it restored."""
+        done = []
+        for ch in self.chips.values():
+            if (chip is None or ch.chip == chip) and ch.governor.reenable():
+                done.append(ch.chip)
+                self.counters["inflight_reenabled"] += 1
+        self._dirty = True
+        return done
+
+    def take_notices(self) -> list[tuple[str, int, str]]:
+        """Events for the shell's log since the last call: ("inflight_downgraded", chip, reason)."""
+        out, self.notices = self.notices, []
+        return out
+
+    def _downgraded(self, ch: ChipState) -> None:
+        reason = ch.governor.downgraded
+        assert reason is not None
+        self.counters["inflight_downgrades"] += 1
+        self.counters[f"inflight_downgrades_{reason.value}"] += 1
+        self.notices.append(("inflight_downgraded", ch.chip, reason.value))
+
     def set_accepting(self, accepting: bool, reason: str = "draining") -> None:
         self._accepting = bool(accepting)
         self._unavailable_reason = reason
@@ -316,7 +357,8 @@ class Scheduler:
     # Settings baked into per-chip state at construction; a reload must leave them alone.
     _FIXED_SETTINGS = ("profiles", "profile_fill_ratio", "chunked_prefill", "max_inflight", "prefix_cache",
                        "decode_weight", "short_prefill_weight", "medium_prefill_weight", "long_prefill_weight",
-                       "short_prefill_max_tokens", "medium_prefill_max_tokens", "static_batching", "max_kv_tokens")
+                       "short_prefill_max_tokens", "medium_prefill_max_tokens", "static_batching", "max_kv_tokens",
+                       "queue_next_step", "decode_steps", "downgrade_timeouts", "downgrade_tpot_p99_ratio", "downgrade_window")
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Take new admission budgets, tenant policies, deadlines and windows (a SIGHUP reload).
@@ -517,6 +559,8 @@ class Scheduler:
             ch.prefill.remove(r.request_id)
             ch.decode_ready.pop(r.request_id, None)
             self._unbind(r, released=True)
+        elif old is S.DECODE_RUNNING and self._follow and r.chip is not None:
+            self.chips[r.chip].followable.pop(r.request_id, None)  # no next step for it now
         if state is S.COMPLETED:
             r.move(S.FINISHING)
         r.move(state)
@@ -545,6 +589,8 @@ class Scheduler:
                     ch.transfers -= 1
                     self.tiers.job_done(job.job_id, False, False, now)
                 self.counters["timed_out_jobs"] += 1
+                if ch.governor.on_timeout():
+                    self._downgraded(ch)
                 self._fail_job(ch, job, "job_timeout", "the chip did not answer within job_timeout", now, out)
 
     # ------------------------------------------------------------ completions
@@ -552,7 +598,10 @@ class Scheduler:
                   out: list[Action]) -> None:
         """Every lane of a failed job: KV Unknown (quarantined until the chip recovers), request retried or 500."""
         self._dirty = True
+        dropped = job.dropped
         for rid, seq_id in zip(job.lanes, job.seq_ids):
+            if rid in dropped:
+                continue  # lost with the job before it, already handled
             r = self._requests.get(rid)
             try:
                 ch.kv.fail(seq_id, job.job_id)
@@ -564,12 +613,27 @@ class Scheduler:
 
     def _lane_lost(self, r: RequestRecord, reason: str, message: str, now: float, out: list[Action]) -> None:
         """A lane of a job that will never complete (job failed, chip down): unbind; retry or fail unless ended."""
+        if r.next_job is not None or self._follow:
+            self._drop_from_other_job(r)
         r.job_id = None
+        r.next_job = None
         self._unbind(r, released=False)
         if r.terminal:
             self._forget_if_done(r)
         else:
             self._retry_or_fail(r, reason, message, now, out)
+
+    def _drop_from_other_job(self, r: RequestRecord) -> None:
+        """r's lane is lost: the other job that carries it (its queued next step, or the step that one follows)
+        no longer answers for it; its KV went with this failure."""
+        ch = self.chips[r.chip] if r.chip is not None else None
+        if ch is None:
+            return
+        ch.followable.pop(r.request_id, None)
+        for j in (r.job_id, r.next_job):
+            other = ch.inflight.get(j) if j is not None else None
+            if other is not None:
+                other.dropped.add(r.request_id)
 
     def _complete_job(self, ch: ChipState, job: InflightJob, result: JobResult, now: float,
                       out: list[Action]) -> None:
@@ -583,18 +647,31 @@ class Scheduler:
         n_lps = len(lps)
         vocab = self.model.vocab_size
         start_lens = job.start_lens
+        dropped, followable = job.dropped, ch.followable if self._follow else None
         for lane, (rid, seq_id, new_len, sampled) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens,
                                                                    job.sampled)):
+            if dropped and rid in dropped:
+                continue  # its step before failed: the lane was handled then
             r = requests[rid]
             assert r.job_id == job_id and r.seq_id == seq_id
-            r.job_id = None
+            nxt = r.next_job  # a queued next step takes the lane over (KV: the hand-off at commit)
+            r.job_id, r.next_job = nxt, None
+            if followable is not None and nxt is None:
+                followable.pop(rid, None)
+            if r.state in TERMINAL_STATES:  # cancelled / expired / shut down while running: drop the output
+                if len(r.tokens) >= new_len:
+                    kv.commit(seq_id, job_id, r.tokens)
+                    r.committed = new_len
+                else:  # a queued step whose input token was never accepted: nothing of it is kept
+                    kv.abandon(seq_id, job_id)
+                    self.counters["queued_steps_discarded"] += 1
+                if nxt is None:  # else its queued step drains first: it still writes this lane's blocks
+                    self._unbind(r, released=True)
+                    self._forget_if_done(r)
+                continue
             kv.commit(seq_id, job_id, r.tokens)  # holds >= new_len tokens; the KV manager reads only those
             r.committed = new_len
             service[r.params.tenant] += new_len - start_lens[lane]
-            if r.state in TERMINAL_STATES:  # cancelled / expired / shut down while running: drop the output
-                self._unbind(r, released=True)
-                self._forget_if_done(r)
-                continue
             if not sampled:
                 r.move(S.PREFILL_READY)
                 ch.prefill.push(rid, r.prefill_target, front=True)
@@ -610,12 +687,79 @@ class Scheduler:
             self._accept_token(r, ch, token, lps[lane] if n_lps > lane else 0.0, now, out)
 
     def _terminate_running(self, r: RequestRecord, ch: ChipState, state: RequestState) -> None:
-        """Terminal state for a request whose job just completed (its KV is committed, not in flight)."""
-        self._unbind(r, released=True)
+        """Terminal state for a request whose job just completed (its KV is committed; a queued next step
+        still in flight keeps it bound until it drains, and its output is dropped)."""
+        if r.job_id is None:
+            self._unbind(r, released=True)
+        else:
+            self.counters["queued_steps_past_end"] += 1
         self._terminate(r, state)
 
+    def _complete_steps(self, ch: ChipState, job: InflightJob, result: JobResult, now: float,
+                        out: list[Action]) -> None:
+        """A multi-step decode job: each lane's row of tokens, kept up to the lane's end (the rest dropped)."""
+        requests, kv, job_id, vocab = self._requests, ch.kv, job.job_id, self.model.vocab_size
+        rows = result.tokens.tolist()
+        lps = result.logprobs.tolist() if result.logprobs is not None and result.logprobs.ndim == 2 else None
+        n = job.steps
+        for lane, (rid, seq_id, new_len, start) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens,
+                                                                 job.start_lens)):
+            if rid in job.dropped:
+                continue
+            r = requests[rid]
+            assert r.job_id == job_id and r.seq_id == seq_id
+            r.job_id = None
+            if r.state in TERMINAL_STATES:
+                kv.abandon(seq_id, job_id)
+                self._unbind(r, released=True)
+                self._forget_if_done(r)
+                continue
+            row = rows[lane]
+            # the KV of steps 2..n was computed from this row's first n-1 tokens: valid for them
+            kv.commit(seq_id, job_id, r.tokens + row[:n - 1])
+            r.committed = new_len
+            self.tenant_service[r.params.tenant] += new_len - start
+            for k, token in enumerate(row):
+                if not 0 <= token < vocab:
+                    self.counters["failed_bad_token"] += 1
+                    out.append(FailRequest(rid, 500, "bad_token", f"the chip returned token {token}", False,
+                                           r.timing(now)))
+                    self._terminate_running(r, ch, S.FAILED)
+                    break
+                self._accept_token(r, ch, token, lps[lane][k] if lps else 0.0, now, out, more=k < n - 1)
+                if r.terminal_emitted:
+                    self.counters["multi_step_tokens_dropped"] += n - 1 - k  # sampled past the lane's end
+                    break
+
+    def _steps_for(self, ch: ChipState, chosen: list[RequestRecord], now: float) -> int:
+        """How many steps the next decode job runs: `decode_steps` while the batch is stable (no prompt waits,
+        no deadline near, no queued step), at most the closest max_tokens, and only with KV room for all."""
+        cfg = self.config
+        n = cfg.decode_steps
+        if n <= 1 or len(ch.prefill) or self._wfq or self._requeue:
+            return 1
+        horizon = now + cfg.decode_steps_deadline_margin_s
+        for r in chosen:
+            if r.job_id is not None or r.params.constraint is not None \
+                    or (r.deadline is not None and r.deadline <= horizon):
+                return 1
+            n = min(n, r.stop.max_tokens - r.stop.produced, self.model.max_seq - r.committed)
+        if n <= 1:
+            return 1
+        bs = ch.block_size
+        for r in chosen:
+            need = r.committed + n
+            if need > r.reserved:
+                target = min(self.model.max_seq, -(-need // bs) * bs)
+                if not ch.kv.grow(r.seq_id, target):
+                    return 1
+                self._kv_reserved += target - r.reserved
+                r.reserved = target
+        return n
+
     def _accept_token(self, r: RequestRecord, ch: ChipState, token: int, logprob: float, now: float,
-                      out: list[Action]) -> None:
+                      out: list[Action], more: bool = False) -> None:
+        """`more`: a multi-step job's token with more of the lane's tokens after it (the lane stays running)."""
         r.tokens.append(token)
         r.generated += 1
         self.generation_tokens += 1
@@ -630,6 +774,8 @@ class Scheduler:
         if emit or text:
             if r.t_first_token is None:
                 r.t_first_token = now
+            elif self._tpot_watch and ch.governor.on_interval(now - r.t_last_token):
+                self._downgraded(ch)
             r.t_last_token = now
             r.emitted += len(emit)
             out.append(EmitTokens(r.request_id, emit,
@@ -639,12 +785,20 @@ class Scheduler:
                 r.t_first_token = r.t_last_token = now
             reason = stop.value
             self.counters[f"finished_{reason}"] += 1
-            self._unbind(r, released=True)
+            if r.job_id is None:
+                self._unbind(r, released=True)
+            else:  # its queued next step is past the end: it drains, then the lane is released
+                self.counters["queued_steps_past_end"] += 1
             r.move(S.FINISHING)
             out.append(FinishRequest(r.request_id, reason, r.usage(), r.timing(now)))
             r.terminal_emitted = True
             r.move(S.COMPLETED)
             self._forget_if_done(r)
+            return
+        if more:
+            return
+        if r.job_id is not None:  # its queued next step already carries it (still DECODE_RUNNING)
+            self._may_follow(ch, r)
             return
         r.move(S.DECODE_READY)
         r.ready_since = now
@@ -681,19 +835,27 @@ class Scheduler:
         """Fill the chip's free job slots, choosing decode vs prefill classes by weighted round robin."""
         budget = self.planner.mixed_budget
         if budget:
-            while ch.in_service and len(ch.inflight) - ch.transfers < self.config.max_inflight \
+            while ch.in_service and len(ch.inflight) - ch.transfers < ch.governor.limit() \
                     and self._submit_mixed(ch, budget, now, out):
                 pass
             return
-        while ch.in_service and len(ch.inflight) - ch.transfers < self.config.max_inflight:
+        limit = ch.governor.limit()
+        decode_failed = False  # no decode job could go this time (no KV room): the slot goes to prompts
+        while ch.in_service:
+            n = len(ch.inflight) - ch.transfers
+            # With queued next steps the chip takes one job past the limit while a running lane may be
+            # followed: its next step, or a prompt's job in its place (the chip then runs that instead).
+            if n >= limit and not (n == limit and self._follow and ch.followable):
+                return
             classes = ch.prefill.nonempty()
-            if ch.decode_ready and self._may_fire(self.planner.decode_hold(ch.decode_ready, self._requests, now)):
+            if not decode_failed and ((self._follow and ch.followable) or (
+                    ch.decode_ready and self._may_fire(self.planner.decode_hold(ch.decode_ready, self._requests, now)))):
                 classes.append(WorkClass.DECODE)
             cls = ch.wrr.pick(classes)
             if cls is None:
                 return
             if cls is WorkClass.DECODE:
-                self._submit_decode(ch, now, out)
+                decode_failed = not self._submit_decode(ch, now, out)
             else:
                 self._submit_prefill(ch, ch.prefill.pop(cls), now, out)
 
@@ -738,20 +900,53 @@ class Scheduler:
         ready = ch.decode_ready
         chosen: list[RequestRecord] = []
         for r in picked:
+            if r.job_id is not None:  # a queued next step: room for the position after its running job's
+                if r.request_id in ch.followable and self._room_for_next(ch, r):
+                    chosen.append(r)
+                continue
             # committed < reserved: the next position already has KV room (_ensure_room's fast case)
             if r.request_id in ready and (r.committed < r.reserved or self._ensure_room(ch, r, chosen)):
                 chosen.append(r)
         return chosen
 
-    def _submit_decode(self, ch: ChipState, now: float, out: list[Action]) -> None:
+    @staticmethod
+    def _may_follow(ch: ChipState, r: RequestRecord) -> None:
+        """r's job is running: its next step may be queued unless that job's token is its last (max_tokens),
+        or its output is constrained (the worker's matcher takes its tokens in order, job by job)."""
+        if r.stop.max_tokens - r.stop.produced > 1 and r.params.constraint is None:
+            ch.followable[r.request_id] = None
+
+    def _room_for_next(self, ch: ChipState, r: RequestRecord) -> bool:
+        """KV for the position after the one r's running job writes. Never preempts: without room the lane
+        waits for its job's result and goes the usual way."""
+        need = r.committed + 2
+        if need <= r.reserved:
+            return True
+        if need > self.model.max_seq:
+            return False
+        target = min(self.model.max_seq, -(-need // ch.block_size) * ch.block_size)
+        if not ch.kv.grow(r.seq_id, target):
+            return False
+        self._kv_reserved += target - r.reserved
+        r.reserved = target
+        return True
+
+    def _submit_decode(self, ch: ChipState, now: float, out: list[Action]) -> bool:
+        """One decode job; False when none could go. With queued next steps, the lanes running now that may
+        be followed are candidates beside the ready ones."""
         plan = self.planner
-        cands = plan.decode_candidates(ch.decode_ready, self._requests)
+        pool: Collection[int] = ch.decode_ready
+        if self._follow and ch.followable:
+            pool = {**ch.decode_ready, **ch.followable}
+        cands = plan.decode_candidates(pool, self._requests)
         chosen = self._with_room(ch, plan.pick_lanes(cands, plan.decode_profile(len(cands))))
         if not chosen:
-            return
+            return False
         batch = plan.fitting_profile(len(chosen))
         self.job_counts.decode_job(batch, len(chosen))
-        self._launch(ch, JobKind.DECODE, chosen, [], batch, now, out)
+        steps = self._steps_for(ch, chosen, now) if self.config.decode_steps > 1 else 1
+        self._launch(ch, JobKind.DECODE, chosen, [], batch, now, out, steps)
+        return True
 
     def _submit_prefill(self, ch: ChipState, rid: int, now: float, out: list[Action]) -> None:
         r = self._requests[rid]
@@ -798,7 +993,7 @@ class Scheduler:
         )
 
     def _launch(self, ch: ChipState, kind: JobKind, decode: list[RequestRecord], prompts: list[PromptChunk],
-                batch: int | None, now: float, out: list[Action]) -> None:
+                batch: int | None, now: float, out: list[Action], steps: int = 1) -> None:
         """The tail every job shares: its lanes (decode lanes first, one token each, then the prompt chunks),
         the record, the requests' moves, the job in flight, then release notices and the job itself.
 
@@ -807,20 +1002,48 @@ class Scheduler:
         job_id = next(self._job_ids)
         kv = ch.kv
         rs = decode + [r for r, _, _ in prompts]
-        starts = [r.committed for r in decode] + [start for _, start, _ in prompts]
-        ends = [r.committed + 1 for r in decode] + [end for _, _, end in prompts]
+        # a decode lane whose job is still running gets its next step queued: one position further on
+        queued = [r.job_id is not None for r in decode] if self._follow else None
+        starts = [r.committed for r in decode] if queued is None else \
+            [r.committed + q for r, q in zip(decode, queued)]
+        ends = [s + steps for s in starts]
+        starts += [start for _, start, _ in prompts]
+        ends += [end for _, _, end in prompts]
         sampled = [True] * len(decode) + [end == r.prefill_target for r, _, end in prompts]
         lane = self._lane
-        job = build_job(kind, [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)],
-                        job_id=job_id, generation=self.model.generation, batch=batch,
-                        table_width=ch.max_blocks_per_seq)
-        for r, end in zip(rs, ends):
-            kv.begin_update(r.seq_id, job_id, end)
-            r.job_id = job_id
+        lanes = [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)]
+        if queued is not None and any(queued):
+            lanes = [ln._replace(tokens=_FOLLOW) if i < len(queued) and queued[i] else ln
+                     for i, ln in enumerate(lanes)]
+        job = build_job(kind, lanes, job_id=job_id, generation=self.model.generation, batch=batch,
+                        table_width=ch.max_blocks_per_seq, decode_steps=steps)
         ready = ch.decode_ready
-        for r in decode:
-            del ready[r.request_id]
-            r.move(S.DECODE_RUNNING)
+        if queued is None:
+            for r, end in zip(rs, ends):
+                kv.begin_update(r.seq_id, job_id, end)
+                r.job_id = job_id
+            for r in decode:
+                del ready[r.request_id]
+                r.move(S.DECODE_RUNNING)
+        else:
+            followable = ch.followable
+            for i, r in enumerate(decode):
+                rid = r.request_id
+                if queued[i]:  # the hand-off: this job takes the lane when the running one commits
+                    kv.queue_next(r.seq_id, job_id, ends[i])
+                    r.next_job = job_id
+                    del followable[rid]
+                    self.counters["queued_steps"] += 1
+                else:
+                    kv.begin_update(r.seq_id, job_id, ends[i])
+                    r.job_id = job_id
+                    del ready[rid]
+                    r.move(S.DECODE_RUNNING)
+                    if steps == 1:
+                        self._may_follow(ch, r)
+            for r, end in zip(rs[len(decode):], ends[len(decode):]):
+                kv.begin_update(r.seq_id, job_id, end)
+                r.job_id = job_id
         for r, _, _ in prompts:
             r.move(S.PREFILL_RUNNING)
             if r.t_first_sched is None:
@@ -829,9 +1052,11 @@ class Scheduler:
         ch.inflight[job_id] = InflightJob(
             job_id=job_id, kind=kind, lanes=lanes, seq_ids=[r.seq_id for r in rs],
             start_lens=starts, new_lens=ends, sampled=sampled, batch=len(rs) if batch is None else batch,
-            submitted_at=now, timeout_at=now + self.config.job_timeout_s,
+            submitted_at=now, timeout_at=now + self.config.job_timeout_s, steps=steps,
         )
         ch.jobs_submitted += 1
+        if steps > 1:
+            self.counters["multi_step_jobs"] += 1
         if self.tiers is not None:
             self._flush_exports(ch, now, out)  # before the job: it may overwrite a block being exported
         self._release_freed(ch, out)  # before the job: it may reuse a freed block

@@ -62,6 +62,17 @@ class SchedulerConfig:
     mixed_token_budget: int = 0
     # executor
     max_inflight: int = 1
+    # Queue a decode lane's next step while its current one runs (issue 23); off until measured faster.
+    queue_next_step: bool = False
+    # Multi-step decode (issue 23): a decode job runs up to this many steps on the worker when the batch is
+    # stable (no prompt waiting, no deadline within decode_steps_deadline_margin_s); 1 = off.
+    decode_steps: int = 1
+    decode_steps_deadline_margin_s: float = 1.0
+    # Ping/pong's automatic downgrade to one job in flight (engine/core/inflight_governor.py): after this
+    # many job timeouts (0 = never), or when TPOT P99 passes this ratio x the one-in-flight window's (0 = off).
+    downgrade_timeouts: int = 2
+    downgrade_tpot_p99_ratio: float = 0.0
+    downgrade_window: int = 256
     job_timeout_s: float = 30.0
     max_retries: int = 2  # requeues of a request whose job failed before any token was emitted
     # kv
@@ -154,6 +165,10 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         mixed_batches=bool(_get(b, "mixed_batches", d.mixed_batches)),
         mixed_token_budget=int(_get(b, "mixed_token_budget", d.mixed_token_budget)),
         max_inflight=int(_get(ex, "max_inflight", d.max_inflight)),
+        queue_next_step=bool(_get(ex, "queue_next_step", d.queue_next_step)),
+        decode_steps=int(_get(ex, "decode_steps", d.decode_steps)),
+        downgrade_timeouts=int(_get(ex, "downgrade_timeouts", d.downgrade_timeouts)),
+        downgrade_tpot_p99_ratio=float(_get(ex, "downgrade_tpot_p99_ratio", d.downgrade_tpot_p99_ratio)),
         job_timeout_s=float(_get(ex, "job_timeout_ms", d.job_timeout_s * 1000)) / 1000.0,
         prefix_cache=bool(_get(kv, "prefix_cache", d.prefix_cache)),
         static_batching=bool(_get(b, "static_batching", d.static_batching)),

@@ -70,6 +70,7 @@ class Stream:
     pending_text: list[str] | None = None  # text deltas not yet sent / all text (None: no tokenizer)
     tokens_prefix: bytes = b""  # the encoded tokens-event envelope up to the token list (hot path)
     generation: int = 0  # the model generation serving it (its `done` says so); 0: not known
+    handoff: dict | None = None  # a prefill leg's hand-off descriptor, sent in its `done`
 
     def __post_init__(self) -> None:
         self.tokens_prefix = encode(_event_envelope("tokens", self.cid))[:-1] + b',"tokens":'
@@ -180,6 +181,11 @@ class Frontend:
         self.counters.requests += 1
         return True
 
+    def set_handoff(self, rid: int, desc: dict) -> None:
+        st = self._by_rid.get(rid)
+        if st is not None:
+            st.handoff = desc
+
     def lookup(self, conn: Conn, cid: str) -> int | None:
         return self._by_key.get((conn, cid))
 
@@ -220,6 +226,8 @@ class Frontend:
             self.counters.tokens_out += len(st.pending)
         if st.generation:
             ev["generation"] = st.generation
+        if st.handoff is not None:  # an export leg's hand-off descriptor, for the decode leg
+            ev["handoff"] = st.handoff
         self._close(st)
         self.send(st.conn, ev)
 
@@ -261,16 +269,33 @@ class Frontend:
         if self._dirty:
             dirty = self._dirty
             self._dirty = {}
+            # One multipart message per client connection: its streams' token events as its frames (a client
+            # reads every frame as one event), so a turn costs a send per connection, not two per stream.
+            by_conn: dict[Conn, list[bytes]] = {}
+            live = self._by_rid
             for st in dirty.values():
-                if st.rid in self._by_rid:
-                    self._flush_one(st)
+                if st.rid in live:
+                    payload = self._tokens_payload(st)
+                    if payload is not None:
+                        by_conn.setdefault(st.conn, []).append(payload)
+            for conn, payloads in by_conn.items():
+                if len(payloads) == 1:
+                    self.send_bytes(conn, payloads[0])
+                else:
+                    self.send_frames(conn, payloads)
         return self.take_dead()
 
     def _flush_one(self, st: Stream, final: bool = False) -> None:
+        payload = self._tokens_payload(st, final)
+        if payload is not None:
+            self.send_bytes(st.conn, payload)
+
+    def _tokens_payload(self, st: Stream, final: bool = False) -> bytes | None:
+        """The tokens event of what `st` holds (taking it), or None when there is nothing to send now."""
         if not st.pending and not st.pending_text:
-            return
+            return None
         if not final and self._blocked and st.conn in self._blocked:
-            return  # keep coalescing until the client drains its queue
+            return None  # keep coalescing until the client drains its queue
         toks = st.pending
         lp = st.pending_lp
         st.pending = []
@@ -281,15 +306,14 @@ class Frontend:
             text = "".join(st.pending_text)
             st.pending_text = []
             if not toks and not text:
-                return
+                return None
         self.counters.tokens_out += len(toks)
         if lp is None:
             # Same bytes as encode(tokens_event(...)) without building the dict: one event per token is
             # the daemon's hottest path.
             tail = b"}" if text is None else b',"text":' + orjson.dumps(text) + b"}"
-            self.send_bytes(st.conn, st.tokens_prefix + orjson.dumps(toks, option=_NUMPY) + tail)
-        else:
-            self.send(st.conn, tokens_event(st.cid, toks, lp, text))
+            return st.tokens_prefix + orjson.dumps(toks, option=_NUMPY) + tail
+        return encode(tokens_event(st.cid, toks, lp, text))
 
     def send(self, conn: Conn, event: dict) -> None:
         self.send_bytes(conn, encode(event))
@@ -308,6 +332,34 @@ class Frontend:
         if self._try_send(conn, payload) is _AGAIN:
             self._blocked[conn] = _Blocked(self.clock(), collections.deque([payload]))
             self.counters.blocked_clients += 1
+
+    def send_frames(self, conn: Conn, payloads: list[bytes]) -> None:
+        """Several events to one client as the frames of one message (atomic: all or, queue full, none)."""
+        if self._dead and conn in self._dead:
+            self.counters.dropped_events += len(payloads)
+            return
+        if self._blocked:
+            b = self._blocked.get(conn)
+            if b is not None:
+                b.queue.extend(payloads)
+                if len(b.queue) > self.max_send_queue:
+                    self._mark_dead(conn)
+                return
+        sock = self.sockets[conn.sock]
+        try:
+            for frame in conn.envelope:
+                sock.send(frame, _MORE)
+            last = len(payloads) - 1
+            for i, p in enumerate(payloads):
+                sock.send(p, zmq.NOBLOCK if i == last else _MORE)
+            self.counters.events_out += len(payloads)
+        except zmq.Again:  # only the first frame can meet a full queue: nothing was sent
+            self._blocked[conn] = _Blocked(self.clock(), collections.deque(payloads))
+            self.counters.blocked_clients += 1
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._mark_dead(conn)
 
     def _try_send(self, conn: Conn, payload: bytes) -> object:
         sock = self.sockets[conn.sock]

@@ -5,7 +5,8 @@ there). Held, they are pinned in the tier index as readers, so the tier's LRU ca
 the decode board has read it; at the deadline they are unpinned (and evictable again). An entry still
 being exported is pinned at the next supervision turn (`Generation.supervise`, every
 `recovery.supervise_interval_ms`), so the deadline holds to within one such turn. The disk-tier
-hand-off has no claim from the decode board (it reads the files itself), so every hold lasts its deadline.
+hand-off has no claim from the decode board (it reads the files itself), so such a hold lasts its deadline;
+a pull over the transfer endpoint (handoff_transfer.py) claims the hold and releases it as soon as it ends.
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ class HandoffHold:
             disk.unpin(self._pins.pop(hid, []))
             self._todo.pop(hid, None)
         return len(expired)
+
+    def claim(self, hid: str, now: float):
+        """A decode board's claim (engine/daemon/handoff_transfer.py): the Held, or None (unknown, expired, taken)."""
+        return self.table.claim(hid, now)
+
+    def release(self, shell, hid: str) -> bool:
+        """The decode board has the blocks, or gave up: unpin them now, not at the deadline."""
+        ended = bool(self.table.release(hid))
+        self._todo.pop(hid, None)
+        pins = self._pins.pop(hid, [])
+        if pins:
+            shell.tiers.disk.unpin(pins)
+        return ended
 
     def pinned_blocks(self) -> int:
         return sum(len(p) for p in self._pins.values())

@@ -24,7 +24,10 @@ from engine.core.kv.chain_hash import chain_of
 from engine.daemon.handoff_hold import HandoffHold
 
 HANDOFF_COUNTER_KEYS = ("handoff_exports", "handoff_imported", "handoff_recomputed", "handoff_staged_blocks",
-                        "handoff_held", "handoff_expired")
+                        "handoff_held", "handoff_expired",
+                        # the transfer endpoint (handoff_transfer.py): prefill side, then decode side
+                        "handoff_claimed", "handoff_claims_refused", "handoff_released", "handoff_served_blocks",
+                        "handoff_pulled_blocks", "handoff_pull_failed", "handoff_pull_us")
 
 
 class PeerDiskSink:
@@ -84,15 +87,23 @@ def note_handoff(counters: dict[str, int], handoff: dict, sink: KvHandoffSink | 
     return outcome
 
 
-def take_handoff(g, cfg, rid: int, handoff: dict, params, now: float) -> None:
-    """A generate's `handoff` on generation `g`: an export leg is held (prefill side), a decode leg staged."""
+def take_handoff(g, cfg, rid: int, handoff: dict, params, now: float,
+                 advertise: dict | None = None) -> dict | None:
+    """A generate's `handoff` on generation `g`: an export leg is held (prefill side), a decode leg staged.
+
+    Returns an export leg's descriptor when its blocks are held (sent in its `done`), with `advertise`
+    (the transfer endpoint's fields, engine/daemon/handoff_transfer.py) in it."""
     note_handoff(g.counters, handoff, sink_for(g, cfg), params.prompt, params.prefix_salt)
     shell = getattr(g, "kv_tiers", None)
     if handoff.get("export") and shell is not None and shell.disk_dir is not None:
         if g.handoff_hold is None:
             g.handoff_hold = HandoffHold(cfg.board.handoff_deadline_s)
-        if g.handoff_hold.hold(shell, f"r{rid}", params.prompt, params.prefix_salt, now):
+        hid = f"r{rid}"
+        if g.handoff_hold.hold(shell, hid, params.prompt, params.prefix_salt, now):
             g.counters["handoff_held"] = g.counters.get("handoff_held", 0) + 1
+            return {"board": cfg.board.id, "request": hid, "prompt_len": len(params.prompt), "blocks": [],
+                    **(advertise or {})}
+    return None
 
 
 def tick_holds(g, now: float) -> None:

@@ -25,6 +25,9 @@ EVENTS: dict[str, str] = {
     "metrics_serving": "info",
     "serving": "info",
     "kv_events_publishing": "info",
+    "handoff_serving": "info",
+    "handoff_pull_skipped": "warning",
+    "handoff_pull_failed": "warning",
     "kv_tiers": "info",
     "kv_tiers_unsupported": "warning",
     "kv_host_pool_too_small": "warning",
@@ -36,6 +39,8 @@ EVENTS: dict[str, str] = {
     # chips
     "chip_up": "info",
     "chip_down": "warning",
+    "inflight_downgraded": "warning",
+    "inflight_reenabled": "info",
     "restart_failed": "error",
     "stop_failed": "warning",
     # requests

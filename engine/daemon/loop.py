@@ -78,6 +78,7 @@ class Daemon:
         self._ops: ops.OpContext | None = None
         self.security = None  # engine.daemon.curve.CurveSetup when security.server_secret_key is set
         self.kv_events = None  # engine.daemon.kv_events.KvEventPublisher when kv_events.endpoint is set
+        self.transfers = None  # engine.daemon.handoff_transfer.Transfers: KV pulls between boards
         self.liveness = LoopLiveness(cfg.server.loop_stall_ms / 1000.0)
         self.started_at = clock()
         self.exit_code = 0
@@ -172,7 +173,15 @@ class Daemon:
         self.views = Views(self.gens, self.frontend, self.liveness, started_at=self.started_at,
                            loop_counters=self.counters,
                            metric_families=lambda now: self.observe.families(self.views, now))
-        self._ops = ops.OpContext(self.frontend, self.gens, self.views, self.apply, self.set_accepting)
+        if cfg.board.handoff_endpoint or cfg.kv.disk_dir:  # KV transfer between boards (handoff_transfer.py)
+            from engine.daemon.handoff_transfer import Transfers
+
+            try:
+                self.transfers = Transfers(self.ctx, self._poller, cfg, self.gens, self._submit_parked, self.security)
+            except (zmq.ZMQError, ValueError) as e:
+                raise StartupError(f"board.handoff_endpoint {cfg.board.handoff_endpoint}: {e}") from None
+        self._ops = ops.OpContext(self.frontend, self.gens, self.views, self.apply, self.set_accepting,
+                                  self.transfers)
         if cfg.metrics.port:
             log("metrics_serving", url=f"http://{cfg.metrics.host}:{self.observe.metrics.port}/metrics")
         log("serving", board=cfg.board.id, endpoints=list(cfg.server.endpoints), backend=cfg.board.backend,
@@ -263,6 +272,11 @@ class Daemon:
         ping = service.wake_by()
         if ping is not None and ping < until:
             until = ping
+        tr = self.transfers
+        if tr is not None:
+            wake = tr.next_wakeup(now)
+            if wake is not None and wake < until:
+                until = wake
         timeout_ms = max(0, math.ceil((until - now) * 1000))
         if max_wait_s is not None:
             timeout_ms = min(timeout_ms, int(max_wait_s * 1000))
@@ -284,6 +298,10 @@ class Daemon:
                     fe.handle_guarded(ops.handle, self._ops, conn, msg, now)
             elif sock == self._signals.read_fd:
                 self._signals.drain()
+            elif tr is not None and tr.owns(sock):
+                tr.on_readable(sock, now)
+        if tr is not None:
+            tr.pump(now)
         if fe is not None:
             service.turn(now)
         for job in list(gens.load_jobs):
@@ -317,6 +335,10 @@ class Daemon:
             n_actions += len(acts)
             self.apply(acts, g, now)
             blocked = blocked or g.scheduler.admission_blocked
+            if g.scheduler.notices:  # a ping/pong downgrade (engine/core/inflight_governor.py)
+                for event, chip, reason in g.scheduler.take_notices():
+                    assert event == "inflight_downgraded", event  # the only notice the core gives
+                    log("inflight_downgraded", chip=chip, reason=reason, model=g.alias, generation=g.id)
         if self.kv_events is not None:
             self.kv_events.follow(gens.default_generation())
             self.kv_events.flush()
@@ -368,10 +390,20 @@ class Daemon:
             else:
                 raise AssertionError(f"unknown action {a!r}")
 
+    def _submit_parked(self, rid: int, g: Generation, params, now: float) -> None:
+        """A decode leg whose KV pull ended (imported or not): to its scheduler now."""
+        if g.scheduler is None or g.id not in self.gens.generations:
+            self.frontend.fail(rid, 503, "model_unavailable", "the model went away during the KV transfer", True)
+            return
+        self.gens.admit(rid, g)
+        self.apply(g.scheduler.submit(rid, params, now), g, now)
+
     def _cancel_dead(self, rids: list[int], now: float) -> None:
         """Requests of clients that vanished or stopped reading: free their lanes."""
         self.counters["cancelled_dead_clients"] += len(rids)
         for rid in rids:
+            if self.transfers is not None:
+                self.transfers.client.cancel(rid, now)
             g = self.gens.generation_of(rid)
             if g is not None and g.scheduler is not None:
                 self.apply(g.scheduler.cancel(rid, now), g, now)  # their events go nowhere
@@ -436,6 +468,9 @@ class Daemon:
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        if self.transfers is not None:
+            self.transfers.close()
+            self.transfers = None
         if self.ctx is not None:
             for ep in self.cfg.server.endpoints:
                 if ep.startswith("ipc://"):

@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
 from engine.daemon.constraint_cache import BOARD_CACHE
 from engine.core.model_state import ModelState
+from engine.daemon.chip_occupancy import ChipOccupancy
 from engine.daemon.kv_tier_metrics import tier_families
 
 if TYPE_CHECKING:
@@ -56,6 +57,10 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 # npuserve's own: one chip job, from the loop handing it over to the loop seeing its result.
 JOB_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                        2.5, 5.0, 10.0, 30.0)
+# The idle gap of a chip between two backend calls (worker clock): tens of microseconds when the next job was
+# already queued, the scheduler's turn when it was not, seconds when there was no work.
+IDLE_GAP_BUCKETS = (0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 1.0, 5.0)
 KV_BLOCK_STATES = ("free", "used", "evictable", "quarantined")  # a partition of every chip's blocks
 ADMISSION_BLOCK_REASONS = ("kv", "max_sequences", "tenant_cap", "static_batching")  # Scheduler.admission_blocked
 
@@ -248,6 +253,13 @@ def _generation_families(b: _Builder, st: dict, chips: list[dict], bounded_tenan
           [((str(c["chip"]),), 1 if c["state"] == "up" else 0) for c in chips])
     b.add("counter", "worker_restarts", "Worker processes restarted after a failure.", ("chip",),
           [((str(c["chip"]),), c["restarts_total"]) for c in chips])
+    b.add("counter", "inflight_downgrades", "Chips dropped from ping/pong to one job in flight, by reason "
+          "(crosstalk, status_anomaly, repeated_timeouts, tpot_regression).", ("reason",),
+          [((k[len("inflight_downgrades_"):],), v) for k, v in sorted(counters.items())
+           if k.startswith("inflight_downgrades_")])
+    b.add("gauge", "inflight_limit", "Jobs a chip may hold in flight now (executor.max_inflight, or 1 after a "
+          "downgrade).", ("chip",), [((chip,), c["inflight_governor"]["limit"]) for chip, c in st["chips"].items()
+                                     if "inflight_governor" in c])
     b.add("counter", "chip_device_seconds", "Time the chip backend calls took.", ("chip",),
           [((str(c["chip"]),), c["device_s"]) for c in chips])
     # fairness, for the tenants the configuration names
@@ -308,6 +320,11 @@ class MetricsRecorder:
         self.constraint_mask_seconds = Counter(PREFIX + "constraint_mask_seconds", "Worker time spent computing "
                                                "those masks.", m, registry=r)
         self._job_children: dict[tuple[str, int, str], object] = {}
+        self.idle_gap = Histogram(PREFIX + "chip_idle_gap_seconds", "Time a chip sat idle between the end of one "
+                                  "backend call and the start of the next (the worker's clock), by chip.",
+                                  ["model_name", "chip"], buckets=IDLE_GAP_BUCKETS, registry=r)
+        self._gap_children: dict[tuple[str, int], object] = {}
+        self.occupancy = ChipOccupancy()
         self._success_children: dict[tuple[str, str], object] = {}
         self._series: dict[str, _ModelSeries] = {}  # model alias -> its histogram children
         self.series(model)  # the default model's histograms exist (empty) from the first scrape
@@ -396,6 +413,13 @@ class MetricsRecorder:
         start = self._job_start.pop((generation, result.job_id), None)
         if start is None or start[1] != chip:
             return
+        gap_key = (start[3], chip)
+        self.occupancy.observe(gap_key, result.device_us)
+        if result.idle_us >= 0:
+            gap = self._gap_children.get(gap_key)
+            if gap is None:
+                gap = self._gap_children[gap_key] = self.idle_gap.labels(start[3], str(chip))
+            gap.observe(result.idle_us / 1e6)
         if result.masks:
             self.constraint_masks.labels(start[3]).inc(result.masks)
             self.constraint_mask_seconds.labels(start[3]).inc(result.mask_us / 1e6)
@@ -425,7 +449,11 @@ class MetricsRecorder:
             return
         self._last_activity = activity
         self._next_idle_publish = now + IDLE_PUBLISH_INTERVAL_S
-        self.collector.snapshot = build_snapshot(v, now, self.bounded_tenants)
+        busy = self.occupancy.window(now)
+        self.collector.snapshot = build_snapshot(v, now, self.bounded_tenants) + (
+            Family("gauge", "chip_busy_fraction", "Device time / wall time of each chip over the last publish "
+                   "window (about 0.5 s while busy): below 1 while work waits, the chip waited on the host.",
+                   ("model_name", "chip"), tuple(((m, str(c)), f) for (m, c), f in sorted(busy.items()))),)
 
     # -- for the stats op ------------------------------------------------------------------
     def families(self) -> list[dict]:

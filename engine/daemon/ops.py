@@ -23,6 +23,7 @@ from engine.daemon.constraint_cache import BOARD_CACHE, ConstraintRejected
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
 from engine.daemon.auth import is_admin, tenant_for, visible_stats
 from engine.daemon.handoff_intake import take_handoff
+from engine.daemon.log import log
 from engine.daemon.models import admin_ops
 from engine.core.model_table import RouteOutcome
 
@@ -64,6 +65,7 @@ class OpContext:
     views: "Views"
     apply: Callable[[list, "Generation", float], None]
     set_accepting: Callable[[bool], None]  # drain/resume (a SIGTERM drain cannot be resumed)
+    transfers: Any = None  # engine.daemon.handoff_transfer.Transfers: KV pulls between boards, or None
 
 
 def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
@@ -96,12 +98,20 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
         if "handoff" in msg:
-            take_handoff(g, gens.cfg, rid, msg["handoff"], params, now)
+            tr = o.transfers
+            if tr is not None and tr.client.park(g, rid, msg["handoff"], params, now):
+                return []  # submitted when the KV pull ends (engine/daemon/handoff_transfer.py)
+            desc = take_handoff(g, gens.cfg, rid, msg["handoff"], params, now,
+                                None if tr is None or tr.server is None else tr.server.descriptor_fields())
+            if desc is not None:
+                fe.set_handoff(rid, desc)
         gens.admit(rid, g)
         o.apply(g.scheduler.submit(rid, params, now), g, now)
         return []
     if op == "cancel":
         rid = fe.lookup(conn, cid)
+        if rid is not None and o.transfers is not None:
+            o.transfers.client.cancel(rid, now)  # a pull in progress ends; the request is submitted to be cancelled
         g = None if rid is None else gens.generation_of(rid)
         if g is not None and g.scheduler is not None:
             o.apply(g.scheduler.cancel(rid, now), g, now)
@@ -132,6 +142,15 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
             timeout_ms = msg.get("timeout_ms")
             gens.drain_board(now, gens.cfg.server.drain_timeout_s if timeout_ms is None else timeout_ms / 1000.0)
         fe.reply(conn, cid, op, {"accepting": gens.accepting})
+        return []
+    if op == "reenable_inflight":
+        if not is_admin(conn):
+            fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc://, or an admin key)")
+            return []
+        done = {str(g.id): g.scheduler.reenable_inflight(msg.get("chip"))
+                for g in gens.serving_generations() if g.scheduler is not None}
+        log("inflight_reenabled", chip=msg.get("chip"), reenabled=done)
+        fe.reply(conn, cid, op, {"reenabled": done})
         return []
     if op in NOT_IMPLEMENTED_OPS:
         fe.error(conn, cid, 501, "not_implemented", f"{op}: model management is not implemented by this daemon")

@@ -10,6 +10,10 @@ board, with:
   per job, named prefill or decode, with its batch, active lanes, request ids,
   device and worker time, from the loop handing it over to the loop seeing its
   result ("lost" when the chip went down first);
+* one "chip N device" thread per chip: the backend calls themselves, on the
+  worker's clock (CLOCK_MONOTONIC, as the loop's), with an "idle" slice for
+  each gap between one call's end and the next one's start: the overlap of
+  host and device work (issue 23) is read off this track, not assumed;
 * one async track per request: a "request" slice with nested "queued",
   "prefill" and "decode" phases, so a request that waited shows which queue it
   waited in while the chip slots show what ran instead.
@@ -37,6 +41,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_EVENTS = 500_000  # about 80 MB of JSON
 LOOP_TID = 1
 _SLOT_TIDS = 16  # tid of (chip, slot) = 100 + chip * 16 + slot
+_DEVICE_TID = 5000  # tid of chip N's device track = 5000 + N
 
 
 class TraceWriter:
@@ -129,9 +134,25 @@ class TraceWriter:
 
     def on_result(self, chip: int, result: "JobResult", now: float) -> None:
         if result.job_id in self._jobs and self._jobs[result.job_id][1] == chip:
+            if result.device_start_ns:
+                self._device_call(chip, result)
             self._job_ended(result.job_id, now, {"status": result.status.name.lower(),
                                                  "device_ms": result.device_us / 1000.0,
                                                  "worker_ms": result.worker_us / 1000.0})
+
+    def _device_call(self, chip: int, result: "JobResult") -> None:
+        tid = _DEVICE_TID + chip
+        if tid not in self._named_slots:
+            self._named_slots.add(tid)
+            self._meta("thread_name", tid, {"name": f"chip {chip} device"})
+            self._meta("thread_sort_index", tid, {"sort_index": tid})
+        ts = max(0, self.us(result.device_start_ns / 1e9))
+        if result.idle_us >= 0:
+            gap_ts = max(0, ts - result.idle_us)
+            self._write({"name": "idle", "ph": "X", "pid": self.pid, "tid": tid, "ts": gap_ts,
+                         "dur": ts - gap_ts, "args": {"chip": chip, "gap_us": result.idle_us}})
+        self._write({"name": "device " + result.kind.name.lower(), "ph": "X", "pid": self.pid, "tid": tid, "ts": ts,
+                     "dur": result.device_us, "args": {"job": result.job_id, "chip": chip}})
 
     def on_chip_down(self, chip: int, now: float) -> None:
         for job_id in [j for j, v in self._jobs.items() if v[1] == chip]:

@@ -75,6 +75,12 @@ def _sane(d: dict) -> dict:
             type(k) is str and len(k) <= 64 and type(x) in (int, str) and len(str(x)) <= 256
             for k, x in layout.items()):
         out["layout"] = layout
+    ep = d.get("endpoint")  # the exporter's KV transfer endpoint (engine/daemon/handoff_transfer.py)
+    if type(ep) is str and ep.startswith(("tcp://", "ipc://")) and len(ep) <= 256:
+        out["endpoint"] = ep
+    key = d.get("curve_key")
+    if type(key) is str and len(key) == 40:
+        out["curve_key"] = key
     t = d.get("first_token")
     if type(t) is int and 0 <= t < 1 << 31:
         out["first_token"] = t

@@ -22,8 +22,8 @@ class VirtualChip:
         self.prefill_tokens = 0
 
     def duration(self, job: Job) -> float:
-        if job.kind is JobKind.DECODE:
-            return self.latency.decode_seconds(int(np.count_nonzero(job.lane_valid)))
+        if job.kind is JobKind.DECODE:  # a multi-step job: its steps back to back
+            return self.latency.decode_seconds(int(np.count_nonzero(job.lane_valid))) * max(1, job.decode_steps)
         return self.latency.prefill_seconds(int(job.tokens.shape[0]))
 
     def _count(self, job: Job) -> None:
@@ -42,14 +42,18 @@ class VirtualChip:
 
     def run(self, job: Job, now: float) -> tuple[float, JobResult]:
         """(completion time, result): jobs queue behind each other on the device."""
-        start = max(now, self.busy_until)
+        start = self.latency.compute_start(now, self.busy_until)
         d = self.duration(job)
         self.busy_until = start + d
         self.busy_time += d
         self._count(job)
         # Tokens never equal EOS 0: generation length is governed by max_tokens.
-        toks = (1 + (job.seed.astype(np.int64) * 7919 + job.context_lens) % (self.vocab - 1)).astype(np.int32)
+        ctx = job.context_lens.astype(np.int64)
+        if job.decode_steps > 1:  # step k samples at position context_lens + k
+            ctx = ctx[:, None] + np.arange(job.decode_steps)
+        seed = job.seed.astype(np.int64) if job.decode_steps <= 1 else job.seed.astype(np.int64)[:, None]
+        toks = (1 + (seed * 7919 + ctx) % (self.vocab - 1)).astype(np.int32)
         toks[job.sample == 0] = -1
         result = JobResult(job_id=job.job_id, generation=job.generation, kind=job.kind, status=JobStatus.OK,
-                           tokens=toks, logprobs=np.zeros(job.batch, np.float32), device_us=int(d * 1e6))
+                           tokens=toks, logprobs=np.zeros(toks.shape, np.float32), device_us=int(d * 1e6))
         return self.busy_until, result

@@ -34,5 +34,6 @@ def test_each_side_gets_the_same_lengths_and_times_with_other_tokens():
 def test_flags():
     a = parse_args(["--rates", "1,2.5", "--transfer", "none", "--slo", "tpot=30ms"])
     assert a.rate_list == [1.0, 2.5] and a.transfer == "none" and a.slo_obj.tpot_ms == 30
+    assert parse_args(["--transfer", "zmq"]).transfer == "zmq"
     with pytest.raises(SystemExit):
         parse_args(["--rates", "0"])

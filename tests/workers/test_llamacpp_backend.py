@@ -133,10 +133,11 @@ def test_describe_says_what_the_runtime_supports(backend, gguf_pkg):
     assert info.name == "llamacpp" and info.vocab_size == 320 and info.chunked_prefill
     assert info.kv.num_blocks == gguf_pkg.kv_num_blocks and info.extra["kv_cells"] >= info.kv.num_blocks * 16
     assert info.extra["supports"] == {"prefix_reuse": True, "truncate": True, "chunked_prefill": True,
-                                      "copy_blocks": False, "swap": False}
+                                      "copy_blocks": False, "swap": True}
+    assert info.kv_transfer is not None and info.kv.block_bytes() >= backend._kv_io.state_bytes
     with pytest.raises(BackendError, match="not supported"):
         backend.copy_blocks(np.array([0]), np.array([1]))
-    with pytest.raises(BackendError, match="not supported"):
+    with pytest.raises(BackendError, match="no whole block"):
         backend.swap_out(np.array([0]))
 
 

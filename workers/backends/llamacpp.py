@@ -37,7 +37,11 @@ one `llama_decode` over its lanes' tokens: one prompt (chunked when the
 scheduler chunks), or, in a mixed batch, several prompts' chunks beside
 decode lanes of one token each, as llama.cpp's own server batches them.
 Sampling stays npuserve's (the worker samples the logits returned here).
-Block copies and host swap are not supported: `describe()` says so.
+Block copies are not supported. KV export / import (the host and disk
+tiers) moves whole blocks as llama.cpp per-sequence state
+(`workers.llamacpp.kv_blocks`); an imported run from position 0 is a
+sequence of its own, one that continues a device prefix joins it when a
+lane names both; a row that is not the next whole block is refused.
 """
 
 from __future__ import annotations
@@ -49,9 +53,17 @@ from types import SimpleNamespace
 import numpy as np
 
 from ipc.records import Job, JobKind
-from workers.backends.base import BackendError, BackendInfo, BatchProfile, KvLayout, OneStepBackend, StepOutput
+from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLayout, KvTransferCost, OneStepBackend,
+                                   StepOutput)
 
-SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": False}
+SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": True}
+
+# The tier policy's cost model (promote a prefix when its import is expected to beat recomputing it), from
+# `npuserve bench-kv-transfer --backend llamacpp` on Gemma 3 270M Q4_K_M, block size 16, 1 thread, a loaded
+# 2-core machine (docs/results/2026-12-01-2330-kv-llamacpp.md): an import job of n blocks took ~0.3 ms +
+# ~1.2 ms a block, a prefill ~14 ms a token. The prefill figure is taken ~3x faster than measured (more
+# threads, an idle machine): promotion still wins from the first whole block.
+TRANSFER_COST = KvTransferCost(base_s=5e-4, per_block_s=1.5e-3, prefill_s_per_token=5e-3)
 
 
 @dataclass
@@ -60,6 +72,20 @@ class _Seq:
     blocks: list[int] = field(default_factory=list)  # block ids covering positions [0, length)
     length: int = 0
     used: int = 0  # job counter at last use (LRU eviction of stale sequences)
+
+
+@dataclass
+class _Run:
+    """Imported blocks that continue a prefix the device holds (blocks [start, start + len) of some table):
+    their cells wait in sequence `sid` until a lane names the device blocks before them (`_join_run`)."""
+
+    sid: int
+    start: int
+    blocks: list[int]
+    used: int = 0
+
+
+MAX_RUNS = 8  # imported runs waiting for their lane; the oldest is dropped beyond this
 
 
 def default_threads(chips: int = 1) -> int:
@@ -94,6 +120,7 @@ class LlamacppBackend(OneStepBackend):
         """Load a GGUF package (a `GgufPackage`, its path, or None for the tiny model as GGUF)."""
         from workers.gguf_package import GgufPackage
         from workers.llamacpp.binding import LlamaModel, LlamaCppUnavailable
+        from workers.llamacpp.kv_blocks import KvBlockIo
         from workers.package_loader import load_package
 
         if package is None:
@@ -130,12 +157,15 @@ class LlamacppBackend(OneStepBackend):
         self._limits = SimpleNamespace(vocab_size=package.vocab_size, max_seq=package.max_seq, block_size=bs,
                                        num_blocks=nb)
         self._reset_maps()
+        self._kv_io = KvBlockIo(model, bs, scratch=self.n_seq_max - 1, bos=max(0, package.bos_id))
         self._out = np.zeros((max(package.profiles), model.n_vocab), np.float32)
 
     def _reset_maps(self) -> None:
         self._seqs: dict[int, _Seq] = {}
-        self._free: list[int] = list(range(self.n_seq_max - 1, -1, -1))
+        # the last sequence id is the scratch of KV export / import (workers.llamacpp.kv_blocks)
+        self._free: list[int] = list(range(self.n_seq_max - 2, -1, -1))
         self._holders: dict[int, set[int]] = {}
+        self._runs: dict[int, _Run] = {}
         self._clock = 0
 
     def unload(self) -> None:
@@ -159,10 +189,12 @@ class LlamacppBackend(OneStepBackend):
             max_seq=pkg.max_seq,
             profiles=tuple(BatchProfile(b) for b in sorted(pkg.profiles)),
             kv=KvLayout(block_size=self.block_size, num_blocks=self.num_blocks, num_layers=info["n_layer"],
-                        num_kv_heads=info["n_head_kv"], head_dim=head_dim, dtype="float16"),
+                        num_kv_heads=info["n_head_kv"], head_dim=head_dim, dtype="float16",
+                        bytes_per_token=self._kv_io.bytes_per_token),  # a host row: llama.cpp's sequence state
             chunked_prefill=True,
             model_sha256=pkg.sha256,
             mixed_batch_tokens=info["n_batch"],  # one llama_decode takes any mix of sequences and lengths
+            kv_transfer=TRANSFER_COST,
             extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
                    "architecture": pkg.architecture, "bos_id": pkg.bos_id, "pad_id": pkg.pad_id,
                    "threads": self.threads, "n_seq_max": self.n_seq_max, "kv_cells": info["n_ctx"],
@@ -252,6 +284,8 @@ class LlamacppBackend(OneStepBackend):
                     s.used = self._clock
                     return s  # the lane's own sequence, continued
                 best = s
+        if best is None and self._join_run(table, p0, busy) is not None:
+            return self._resolve(lane, table, p0, busy)
         if best is None:
             raise BackendError(f"llamacpp backend: lane {lane}: the KV of positions 0..{p0 - 1} is not on this chip "
                                f"(never written, or evicted); the request must be recomputed")
@@ -277,6 +311,7 @@ class LlamacppBackend(OneStepBackend):
                 if seq.blocks[k] != blk:
                     raise BackendError(f"llamacpp backend: block {blk} replaces {seq.blocks[k]} inside a sequence")
                 continue
+            self._drop_runs_with(blk)
             for other in list(self._holders.get(blk, ())):
                 if other != seq.sid:
                     o = self._seqs[other]
@@ -304,6 +339,14 @@ class LlamacppBackend(OneStepBackend):
             raise BackendError(f"llamacpp backend: llama.cpp cannot cut sequence {seq.sid} at {p}")
 
     def _new_seq(self, busy: set[int]) -> _Seq:
+        sid = self._take_sid(busy)
+        seq = _Seq(sid, used=self._clock)
+        self._seqs[sid] = seq
+        return seq
+
+    def _take_sid(self, busy: set[int]) -> int:
+        if not self._free and self._runs:
+            self._drop_run(min(self._runs.values(), key=lambda r: r.used))
         if not self._free:
             # Every id is taken: drop the least recently used sequence outside this job. If the scheduler
             # still meant to use it, that request's next job fails cleanly (its KV is gone).
@@ -311,10 +354,41 @@ class LlamacppBackend(OneStepBackend):
             if not victims:
                 raise BackendError(f"llamacpp backend: more than {self.n_seq_max} sequences in one job")
             self._truncate(min(victims, key=lambda s: s.used), 0)
-        sid = self._free.pop()
-        seq = _Seq(sid, used=self._clock)
-        self._seqs[sid] = seq
-        return seq
+        return self._free.pop()
+
+    # ---- imported runs that continue a device prefix ---------------------------------
+
+    def _join_run(self, table: list[int], p0: int, busy: set[int]) -> _Seq | None:
+        """A new sequence of the device prefix table[:j] and an imported run of table[j:...] covering p0."""
+        bs = self.block_size
+        n = -(-p0 // bs)
+        for r in list(self._runs.values()):
+            j = r.start
+            e = min(j + len(r.blocks), len(table))
+            if not j < n <= e or table[j:e] != r.blocks[:e - j]:
+                continue
+            holder = next((self._seqs[sid] for sid in self._holders.get(table[j - 1], ())
+                           if self._seqs[sid].length >= j * bs and self._seqs[sid].blocks[:j] == table[:j]), None)
+            if holder is None:
+                continue
+            seq = self._new_seq(busy | {holder.sid})
+            self.model.seq_cp(holder.sid, seq.sid, 0, j * bs)  # shared cells, as a prefix hit
+            self.model.seq_cp(r.sid, seq.sid, j * bs, e * bs)
+            self._drop_run(r)  # its cells stay: the new sequence holds them now
+            seq.blocks, seq.length = table[:e], e * bs
+            for blk in seq.blocks:
+                self._holders.setdefault(blk, set()).add(seq.sid)
+            return seq
+        return None
+
+    def _drop_run(self, r: _Run) -> None:
+        self.model.seq_rm(r.sid, -1, -1)
+        del self._runs[r.sid]
+        self._free.append(r.sid)
+
+    def _drop_runs_with(self, blk: int) -> None:
+        for r in [r for r in self._runs.values() if blk in r.blocks]:
+            self._drop_run(r)
 
     def release_blocks(self, blocks) -> None:
         """The scheduler freed these blocks: remove every sequence's cells from them on."""
@@ -322,17 +396,77 @@ class LlamacppBackend(OneStepBackend):
             return
         bs = self.block_size
         for blk in blocks:
+            self._drop_runs_with(int(blk))
             for sid in list(self._holders.get(int(blk), ())):
                 seq = self._seqs[sid]
                 self._truncate(seq, seq.blocks.index(int(blk)) * bs)
 
-    # ---- block ops the runtime does not have ---------------------------------------
+    # ---- block ops -------------------------------------------------------------------
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         raise BackendError("llamacpp backend: copy_blocks is not supported (prefix reuse is done by sequence copy)")
 
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
-        raise BackendError("llamacpp backend: swap to host memory is not supported")
+        """Each block's KV as llama.cpp's per-sequence state of its positions alone (see workers.llamacpp.kv_blocks)."""
+        self._loaded()
+        blocks = np.asarray(blocks, np.int64).reshape(-1).tolist()
+        out = np.zeros((len(blocks), self._kv_io.row_bytes), np.uint8)
+        for i, blk in enumerate(blocks):
+            held = self._full_holder(blk)
+            if held is None:
+                raise BackendError(f"llamacpp backend: block {blk} holds no whole block of KV on this chip")
+            sid, k = held
+            self._kv_io.export_block(sid, k * self.block_size, out[i])
+        return out
 
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
-        raise BackendError("llamacpp backend: swap from host memory is not supported")
+        """Import a run of consecutive whole blocks (from the host or disk tier). A run from position 0 is a
+        sequence of its own; a run that starts later continues a prefix the device holds, and waits (`_Run`)
+        for the lane that names it. A row that is not the next whole block is refused before the device KV
+        changes (RecordRefused: the scheduler recomputes those tokens)."""
+        from ipc.kv_slots import RecordRefused
+
+        _, model = self._loaded()
+        blocks = np.asarray(blocks, np.int64).reshape(-1).tolist()
+        rows = np.ascontiguousarray(data).view(np.uint8).reshape(len(blocks), -1)
+        if not blocks:
+            return
+        if len(set(blocks)) != len(blocks):
+            raise RecordRefused("unsupported", "llamacpp backend: an import names a block twice")
+        self._clock += 1
+        sid = self._take_sid(set())
+        try:
+            start = self._kv_io.import_run(sid, rows)
+        except Exception:  # RecordRefused (nothing kept), or anything else: the id goes back empty
+            model.seq_rm(sid, -1, -1)
+            self._free.append(sid)
+            raise
+        bs = self.block_size
+        if start == 0:
+            seq = _Seq(sid, used=self._clock)
+            self._seqs[sid] = seq
+            # the blocks were just handed to this sequence: any other holder's cells from them on are stale
+            self._claim(seq, blocks, 0, len(blocks) * bs)
+            seq.length = len(blocks) * bs
+            return
+        for blk in blocks:
+            self._drop_runs_with(blk)
+            for other in list(self._holders.get(blk, ())):
+                o = self._seqs[other]
+                self._truncate(o, o.blocks.index(blk) * bs)
+        self._runs[sid] = _Run(sid, start, blocks, used=self._clock)
+        while len(self._runs) > MAX_RUNS:
+            self._drop_run(min(self._runs.values(), key=lambda r: r.used))
+
+    def _full_holder(self, blk: int) -> tuple[int, int] | None:
+        """A sequence id holding all of block `blk`'s positions, and the block's index in the sequence."""
+        bs = self.block_size
+        for sid in self._holders.get(int(blk), ()):
+            s = self._seqs[sid]
+            k = s.blocks.index(int(blk))
+            if s.length >= (k + 1) * bs:
+                return sid, k
+        for r in self._runs.values():
+            if int(blk) in r.blocks:
+                return r.sid, r.start + r.blocks.index(int(blk))
+        return None

@@ -42,6 +42,7 @@ class SimBackend(StubBackend):
         flops_per_token: float = 2 * 7e9,
         throughput_flops: float = 312e12,
         prefill_base_ms: float = 0.0,
+        host_ms: float = 0.0,
         busy_wait: bool = False,
         spin_ms: float = 1.5,
         time_scale: float = 1.0,
@@ -80,6 +81,7 @@ class SimBackend(StubBackend):
             flops_per_token=flops_per_token,
             throughput_flops=throughput_flops,
             prefill_base_ms=prefill_base_ms,
+            host_ms=host_ms,
             tp_degree=int(tp_world),
             layers=int(layers),
             allreduce_us=float(allreduce_us),
@@ -151,7 +153,9 @@ class SimBackend(StubBackend):
     def _device_end(self, job: Job, called: float, seconds: float) -> float:
         """When the modelled device finishes `job`: queued behind the previous job, from its submission."""
         arrived = min(job.submitted_ns / 1e9, called) if job.submitted_ns else called
-        end = max(arrived, self._device_free_at) + seconds * self.time_scale
+        scale = self.time_scale
+        host = self.latency.host_ms / 1000.0 * scale
+        end = max(arrived + host, self._device_free_at) + seconds * scale
         self._device_free_at = end
         return end
 

@@ -25,6 +25,10 @@ class LatencyModel:
     flops_per_token: float = 2 * 7e9  # ~2 FLOPs per parameter per token, 7B model
     throughput_flops: float = 312e12  # sustained FLOP/s (A100-class dense bf16)
     prefill_base_ms: float = 0.0  # fixed launch cost per prefill call; seed 002 has none
+    # Per job, the host side of a step (seed 000's h2d of the inputs, the launch, d2h of the results) before
+    # the compute can start. It runs beside the previous job's compute when the job was handed over early
+    # (ping/pong, a queued next step), and adds to every step when the scheduler keeps one job in flight.
+    host_ms: float = 0.0
     tp_degree: int = 1  # chips per replica the step is split across
     layers: int = 32  # transformer layers (each pays two all-reduces under TP)
     allreduce_us: float = 20.0  # one all-reduce of a step's activations between the replica's chips
@@ -32,7 +36,8 @@ class LatencyModel:
     def __post_init__(self) -> None:
         if int(self.tp_degree) < 1 or int(self.layers) < 1:
             raise ValueError("tp_degree and layers must be >= 1")
-        for name in ("decode_base_ms", "decode_per_lane_ms", "flops_per_token", "prefill_base_ms", "allreduce_us"):
+        for name in ("decode_base_ms", "decode_per_lane_ms", "flops_per_token", "prefill_base_ms", "allreduce_us",
+                     "host_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.throughput_flops <= 0:
@@ -44,6 +49,10 @@ class LatencyModel:
             raise ValueError("active_lanes must be >= 0")
         return (self.decode_base_ms + self.decode_per_lane_ms * active_lanes) / 1000.0 / self.tp_degree \
             + self._collectives()
+
+    def compute_start(self, arrived: float, device_free_at: float) -> float:
+        """When a job handed over at `arrived` starts computing on a device free from `device_free_at`."""
+        return max(arrived + self.host_ms / 1000.0, device_free_at)
 
     def prefill_seconds(self, n_tokens: int) -> float:
         """One prefill call over `n_tokens` new tokens."""

@@ -24,7 +24,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIM_SOURCE = os.path.join(HERE, "npl_shim.c")
 INCLUDE_DIR = os.path.join(HERE, "include")
-ABI_VERSION = 3
+ABI_VERSION = 4
 XLLAMACPP_PIN = "2026.10.11549"
 
 _lock = threading.Lock()
@@ -119,6 +119,9 @@ _SIGS = {
     "npl_seq_rm": (_I, [_P, _I32, _I32, _I32]),
     "npl_seq_cp": (None, [_P, _I32, _I32, _I32, _I32]),
     "npl_seq_pos_max": (_I32, [_P, _I32]),
+    "npl_seq_pos_min": (_I32, [_P, _I32]),
+    "npl_state_seq_get": (ctypes.c_int64, [_P, _I32, _P, ctypes.c_int64, ctypes.c_uint32]),
+    "npl_state_seq_set": (ctypes.c_int64, [_P, _I32, _P, ctypes.c_int64, ctypes.c_uint32]),
     "npl_clear": (None, [_P]),
     "npl_tokenize": (_I, [_P, ctypes.c_char_p, _I, _P, _I, _I, _I]),
     "npl_piece": (_I, [_P, _I32, ctypes.c_char_p, _I, _I]),
@@ -249,6 +252,24 @@ class LlamaModel:
 
     def seq_pos_max(self, seq: int) -> int:
         return int(self._lib.npl_seq_pos_max(self._handle(), seq))
+
+    def seq_pos_min(self, seq: int) -> int:
+        return int(self._lib.npl_seq_pos_min(self._handle(), seq))
+
+    def state_seq_size(self, seq: int, flags: int = 0) -> int:
+        """Bytes of the sequence's state (its KV cells in every cache) as state_seq_get would write them."""
+        return int(self._lib.npl_state_seq_get(self._handle(), seq, None, 0, flags))
+
+    def state_seq_get(self, seq: int, out: np.ndarray, flags: int = 0) -> int:
+        """The sequence's state into `out` (contiguous uint8, large enough); bytes written (0: failed)."""
+        if out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError("state_seq_get: out must be contiguous uint8")
+        return int(self._lib.npl_state_seq_get(self._handle(), seq, out.ctypes.data, out.nbytes, flags))
+
+    def state_seq_set(self, seq: int, data: np.ndarray, flags: int = 0) -> int:
+        """Bytes from state_seq_get into `seq` (its cells are replaced); bytes read (0: llama.cpp refused)."""
+        data = np.ascontiguousarray(data, np.uint8)
+        return int(self._lib.npl_state_seq_set(self._handle(), seq, data.ctypes.data, data.nbytes, flags))
 
     def clear(self) -> None:
         self._lib.npl_clear(self._handle())

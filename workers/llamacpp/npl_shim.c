@@ -13,7 +13,7 @@
 
 #include "llama.h"
 
-#define NPL_ABI_VERSION 3
+#define NPL_ABI_VERSION 4
 /* LLAMA_MAX_SEQ of the pinned llama.cpp (src/llama-cparams.h); the wheel does not export
  * llama_max_parallel_sequences(). */
 #define NPL_MAX_SEQ 256
@@ -210,6 +210,23 @@ void npl_seq_cp(void *p, int32_t src, int32_t dst, int32_t p0, int32_t p1) {
 
 int32_t npl_seq_pos_max(void *p, int32_t seq) {
     return llama_memory_seq_pos_max(llama_get_memory(((npl_handle *)p)->ctx), seq);
+}
+
+int32_t npl_seq_pos_min(void *p, int32_t seq) {
+    return llama_memory_seq_pos_min(llama_get_memory(((npl_handle *)p)->ctx), seq);
+}
+
+/* One sequence's KV as bytes (llama_state_seq_*_ext; flags 0: every cache of the model, both of Gemma 3's
+ * full and sliding-window caches). With dst NULL: the size only. Returns the bytes written (0: failed). */
+int64_t npl_state_seq_get(void *p, int32_t seq, uint8_t *dst, int64_t size, uint32_t flags) {
+    struct llama_context *ctx = ((npl_handle *)p)->ctx;
+    if (!dst) return (int64_t)llama_state_seq_get_size_ext(ctx, seq, flags);
+    return (int64_t)llama_state_seq_get_data_ext(ctx, dst, (size_t)size, seq, flags);
+}
+
+/* Bytes from npl_state_seq_get into sequence `seq` (whose cells are replaced). 0: refused by llama.cpp. */
+int64_t npl_state_seq_set(void *p, int32_t seq, const uint8_t *src, int64_t size, uint32_t flags) {
+    return (int64_t)llama_state_seq_set_data_ext(((npl_handle *)p)->ctx, src, (size_t)size, seq, flags);
 }
 
 void npl_clear(void *p) { llama_memory_clear(llama_get_memory(((npl_handle *)p)->ctx), true); }

@@ -48,6 +48,10 @@ class KvSequence:
     cache_stopped: bool = False  # insert hit a concurrent duplicate; stop feeding the cache
     cache_tail: int | None = None  # the block at position cache_blocks-1 (None when cache_blocks == 0)
     cache_epoch: int = -1  # PrefixCache.epoch when cache_tail was recorded; a mismatch means re-walk
+    # The hand-off of a queued next step (issue 23): a second job, submitted while pending_job runs, that
+    # writes the positions after it. It becomes the pending job when pending_job commits.
+    next_job: int | None = None
+    next_len: int | None = None
     chain: list[bytes] | None = None  # chain hashes of its leading full blocks (KV tiers only, see tier_transfers)
 
 
@@ -214,9 +218,50 @@ class KvManager:
         if self.paranoid:
             self.check_invariants()
 
-    def commit(self, seq_id: int, job_id: int, tokens: Sequence[int]) -> None:
+    def queue_next(self, seq_id: int, job_id: int, new_len: int) -> None:
+        """Hand the lane to a second job queued behind its pending one (the next decode step).
+
+        The sequence stays UPDATING: when the pending job commits, `job_id`
+        becomes the pending job with `new_len`. Lanes are owned by one job at
+        a time except for this hand-off, so at most one job may be queued.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.state is not S.UPDATING or seq.next_job is not None:
+            raise KvStateError(f"queue_next on seq {seq_id} in state {self.state(seq_id).name}"
+                               + ("" if seq is None or seq.next_job is None else f", job {seq.next_job} queued"))
+        assert seq.pending_len is not None
+        if not seq.pending_len < new_len <= seq.reserved_len:
+            raise ValueError(f"seq {seq_id}: need pending_len={seq.pending_len} < new_len={new_len} "
+                             f"<= reserved_len={seq.reserved_len}")
+        seq.next_job = job_id
+        seq.next_len = new_len
+        self._after(seq_id)
+
+    def abandon(self, seq_id: int, job_id: int) -> None:
+        """The pending job finished and nothing it wrote is kept (a queued step past the lane's end).
+
+        committed_len is unchanged: the positions it wrote lie past it, so the
+        next job overwrites them, or `rollback_tail` / `release` gives their
+        blocks back. A job queued behind it becomes the pending one (it may
+        still be writing: the lane stays UPDATING until it drains too);
+        otherwise the lane is ACTIVE.
+        """
+        seq = self._pending(seq_id, job_id)
+        if seq.next_job is not None:
+            seq.pending_job, seq.pending_len = seq.next_job, seq.next_len
+            seq.next_job = seq.next_len = None
+        else:
+            seq.state = S.ACTIVE  # legal from UPDATING (checked at import)
+            seq.pending_job = seq.pending_len = None
+        self._after(seq_id)
+
+    def commit(self, seq_id: int, job_id: int, tokens: Sequence[int], upto: int | None = None) -> None:
         """`tokens`: the sequence's tokens, at least its first pending_len (longer is fine; never copied).
 
+        `upto` (committed_len < upto <= pending_len) commits only that many
+        tokens: the job wrote further (a speculative chunk, a multi-step job
+        that stopped early) but the positions past `upto` are not kept; the
+        next job overwrites them, and they never reach the prefix cache.
         Runs once per sequence per job, so it stays O(1) except when a block
         fills, which costs O(new full blocks) in the prefix cache.
         """
@@ -225,23 +270,61 @@ class KvManager:
             seq = self._pending(seq_id, job_id)  # raises StaleJob with the details
         new_len = seq.pending_len
         assert new_len is not None
+        if upto is not None:
+            if not seq.committed_len < upto <= new_len:
+                raise ValueError(f"seq {seq_id}: commit upto={upto} outside ({seq.committed_len}, {new_len}]")
+            new_len = upto
         if len(tokens) < new_len:
             raise ValueError(f"seq {seq_id}: commit of {new_len} tokens given only {len(tokens)}")
         seq.committed_len = new_len
-        seq.state = S.ACTIVE  # legal from UPDATING (checked at import)
-        seq.pending_job = None
-        seq.pending_len = None
+        if seq.next_job is not None:  # the queued next step now owns the lane (it stays UPDATING)
+            seq.pending_job, seq.pending_len = seq.next_job, seq.next_len
+            seq.next_job = seq.next_len = None
+        else:
+            seq.state = S.ACTIVE  # legal from UPDATING (checked at import)
+            seq.pending_job = None
+            seq.pending_len = None
         if seq.key is not None and new_len // self.block_size > seq.cache_blocks:
             self._feed_cache(seq, tokens)
         assert seq.committed_len <= seq.reserved_len <= self.max_seq, seq
         if self.paranoid:
             self.check_invariants()
 
+    def rollback_tail(self, seq_id: int, new_len: int) -> list[int]:
+        """Roll a lane's KV back to its first `new_len` tokens and give back the blocks past them.
+
+        For a lane between jobs (RESERVED / ACTIVE) whose last job wrote or
+        reserved past where it ends: a discarded queued step, rejected draft
+        tokens. committed_len becomes min(committed_len, new_len),
+        reserved_len min(reserved_len, new_len), and the block table keeps
+        only the blocks that length needs; the rest go back to the pool
+        (announced by take_freed(), so a backend frees them too). Blocks
+        already offered to the prefix cache are shared and immutable, so the
+        tail may not reach into them (ValueError). Returns the blocks dropped.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None or (seq.state is not S.RESERVED and seq.state is not S.ACTIVE):
+            raise KvStateError(f"rollback_tail on seq {seq_id} in state {self.state(seq_id).name}")
+        floor = max(seq.cached_len, seq.cache_blocks * self.block_size)
+        if not floor <= new_len:
+            raise ValueError(f"seq {seq_id}: rollback to {new_len} below its cached prefix ({floor} tokens)")
+        seq.committed_len = min(seq.committed_len, new_len)
+        seq.reserved_len = min(seq.reserved_len, new_len)
+        keep = self.blocks_needed(seq.reserved_len)
+        dropped = seq.blocks[keep:]
+        if dropped:
+            del seq.blocks[keep:]
+            self._drop_refs(dropped)
+        self._after(seq_id)
+        return dropped
+
     def fail(self, seq_id: int, job_id: int) -> None:
         seq = self._seqs.get(seq_id)
-        if seq is not None and seq.state is S.UNKNOWN and seq.pending_job == job_id:
-            return  # already unknown through chip_fault(); the late failure changes nothing
-        seq = self._pending(seq_id, job_id)
+        if seq is not None and seq.state is S.UNKNOWN and job_id in (seq.pending_job, seq.next_job):
+            return  # already unknown through chip_fault() or its other job's failure: nothing changes
+        # the queued step failing makes the lane Unknown as well: the job before it is in doubt too
+        if seq is None or seq.state is not S.UPDATING or seq.next_job != job_id:
+            seq = self._pending(seq_id, job_id)
         self._to_unknown(seq)
         self._after(seq_id)
 
@@ -288,7 +371,7 @@ class KvManager:
             for b in seq.blocks:
                 self.pool.decref(b)
             seq.state = S.UNKNOWN
-            seq.pending_len = None  # pending_job kept: its late fail() is recognised
+            seq.pending_len = seq.next_len = None  # pending_job, next_job kept: their late fail() is recognised
         self.cache.clear()
         self.pool.quarantine(self.pool.held())
         self._after(None)
@@ -374,7 +457,7 @@ class KvManager:
         self.pool.quarantine(tail)
         seq.blocks = tail
         seq.state = S.UNKNOWN
-        seq.pending_len = None
+        seq.pending_len = seq.next_len = None
 
     def _feed_cache(self, seq: KvSequence, tokens: Sequence[int]) -> None:
         if seq.key is None or seq.cache_stopped:
@@ -430,6 +513,9 @@ class KvManager:
             )
             require(seq.cached_len % bs == 0, f"seq {sid} cached_len not block aligned")
             require((seq.state is S.UPDATING) == (seq.pending_len is not None), f"seq {sid} pending_len vs state")
+            if seq.next_len is not None:
+                require(seq.state is S.UPDATING and seq.next_job is not None
+                        and seq.pending_len < seq.next_len <= seq.reserved_len, f"seq {sid} queued step out of range")
             require(len(set(seq.blocks)) == len(seq.blocks), f"seq {sid} block table repeats a block")
             if seq.state is S.UPDATING:
                 require(seq.pending_job is not None, f"seq {sid} updating without a job")

@@ -385,3 +385,104 @@ def test_per_token_kv_calls_skip_the_full_sweep_unless_paranoid(monkeypatch: pyt
             m.begin_update(1, job, n + 1)
             m.commit(1, job, list(range(8)))
         assert (calls["n"] > 0) is expect_sweeps
+
+
+# -- tail rollback (issue 23 queued steps, issue 25 draft tokens) ---------------------------------------------
+
+
+def test_commit_upto_keeps_only_the_accepted_prefix_of_a_job() -> None:
+    m = mgr()
+    prefill(m, 1, list(range(6)), 12, job=1)
+    m.begin_update(1, 2, 10)  # a 4-token chunk: positions 6..9
+    m.commit(1, 2, list(range(10)), upto=8)
+    seq = m.sequence(1)
+    assert (seq.state, seq.committed_len, seq.pending_len) == (S.ACTIVE, 8, None)
+    assert m.stats()["blocks"]["cached"] == 2  # blocks 0-1 full at 8: cached; nothing past upto
+    m.begin_update(1, 3, 9)
+    with pytest.raises(ValueError):
+        m.commit(1, 3, list(range(9)), upto=8)  # must keep at least one new token
+    assert m.state(1) is S.UPDATING
+
+
+def test_rollback_tail_frees_the_blocks_past_the_kept_length() -> None:
+    m = mgr()
+    prefill(m, 1, list(range(6)), 7, job=1)  # blocks: 2 (7 tokens)
+    assert m.grow(1, 16)  # a queued step / draft chunk reserved up to 16: 4 blocks
+    table = m.block_table(1)
+    m.take_freed()
+    dropped = m.rollback_tail(1, 7)
+    seq = m.sequence(1)
+    assert (seq.committed_len, seq.reserved_len) == (6, 7)
+    assert dropped == table[2:] and m.block_table(1) == table[:2]
+    assert m.take_freed() == table[2:]  # announced: a backend with its own KV frees them too
+    assert m.available_blocks() == 16 - 2
+    # rolling back committed tokens too (rejected drafts already committed): committed_len follows
+    m.begin_update(1, 2, 7)
+    m.commit(1, 2, list(range(7)))
+    assert m.rollback_tail(1, 5) == [] and m.sequence(1).committed_len == 5
+    m.release(1)
+    m.check_invariants()
+
+
+def test_rollback_tail_refuses_cached_blocks_and_lanes_in_flight() -> None:
+    m = mgr()
+    prefill(m, 1, list(range(9)), 12, job=1)  # blocks 0-1 full and offered to the cache
+    with pytest.raises(ValueError):
+        m.rollback_tail(1, 7)
+    m.begin_update(1, 2, 10)
+    with pytest.raises(KvStateError):
+        m.rollback_tail(1, 9)  # a job may still write: fail() or its commit first
+    m.commit(1, 2, list(range(10)))
+    table = m.block_table(1)
+    assert m.rollback_tail(1, 8) == table[2:] and m.sequence(1).reserved_len == 8  # down to the cached blocks
+    assert m.grow(1, 16) and len(m.block_table(1)) == 4  # the lane grows again from there
+
+
+# -- the queued next step's hand-off (issue 23) -------------------------------------------------------------
+
+
+def test_queued_next_step_takes_the_lane_when_its_predecessor_commits() -> None:
+    m = mgr()
+    prefill(m, 1, list(range(6)), 8, job=1)
+    m.begin_update(1, 2, 7)  # step N writes position 6
+    m.queue_next(1, 3, 8)  # step N+1, queued while N runs, writes position 7
+    with pytest.raises(KvStateError):
+        m.queue_next(1, 4, 8)  # one hand-off at a time
+    with pytest.raises(StaleJob):
+        m.commit(1, 3, list(range(8)))  # N+1 cannot complete before N
+    m.commit(1, 2, list(range(7)))
+    seq = m.sequence(1)
+    assert (seq.state, seq.committed_len, seq.pending_job, seq.pending_len, seq.next_job) == (S.UPDATING, 7, 3, 8, None)
+    m.commit(1, 3, list(range(8)))
+    assert (m.state(1), m.sequence(1).committed_len) == (S.ACTIVE, 8)
+
+
+def test_a_queued_step_past_the_lane_end_is_abandoned_and_its_block_given_back() -> None:
+    m = mgr()
+    prefill(m, 1, list(range(7)), 8, job=1)  # 2 blocks
+    m.begin_update(1, 2, 8)  # N writes position 7: fills block 1
+    assert m.grow(1, 9)  # N+1 writes position 8: a third block
+    m.queue_next(1, 3, 9)
+    m.commit(1, 2, list(range(8)))  # N sampled EOS: N+1 is past the end
+    m.take_freed()
+    third = m.block_table(1)[2]
+    m.abandon(1, 3)  # N+1's result: nothing kept
+    assert (m.state(1), m.sequence(1).committed_len) == (S.ACTIVE, 8)
+    assert m.rollback_tail(1, 8) == [third] and m.take_freed() == [third]
+    m.release(1)
+    m.check_invariants()
+
+
+def test_a_failed_queued_step_or_predecessor_makes_the_lane_unknown() -> None:
+    for failed in (2, 3):
+        m = mgr()
+        prefill(m, 1, list(range(6)), 8, job=1)
+        m.begin_update(1, 2, 7)
+        m.queue_next(1, 3, 8)
+        m.fail(1, failed)
+        assert m.state(1) is S.UNKNOWN
+        m.fail(1, 5 - failed)  # the other job's late failure changes nothing
+        m.release(1)
+        assert m.stats()["blocks"]["quarantined"] == 1  # the block holding positions 4.. (both jobs' writes)
+        m.recover_chip()
+        assert m.available_blocks() == 16

@@ -176,6 +176,67 @@ class KvMachine(RuleBasedStateMachine):
         elif outcome == "fail":
             self._fail(sid)
 
+    @precondition(lambda self: self.has(S.RESERVED, S.ACTIVE))
+    @rule(idx=st.integers(0, 99), n=st.integers(1, 4), gen=st.integers(0, 2**18),
+          outcome=st.sampled_from(["both", "abandon_next", "abandon_both", "fail_first", "fail_next"]))
+    def queued_step(self, idx: int, n: int, gen: int, outcome: str) -> None:
+        """Step N and its queued step N+1 (issue 23): the hand-off at N's commit, or either discarded/failed."""
+        sid = self.pick(idx, (S.RESERVED, S.ACTIVE))
+        if sid is None:
+            return
+        q = self.ref.seqs[sid]
+        if q.committed + 1 >= q.reserved:
+            return
+        first = min(q.committed + n, q.reserved - 1)
+        second = first + 1
+        j1, j2 = self.next_job + 1, self.next_job + 2
+        self.next_job += 2
+        self.m.begin_update(sid, j1, first)
+        self.m.queue_next(sid, j2, second)
+        with pytest.raises(KvStateError):
+            self.m.queue_next(sid, j2 + 1, second)
+        while len(q.tokens) < second:
+            q.tokens.append((gen >> (len(q.tokens) % 16)) % 3)
+        q.state, q.job, q.pending_len = S.UPDATING, j1, first
+        if outcome in ("fail_first", "fail_next"):
+            q.job = j1 if outcome == "fail_first" else j2
+            self._fail(sid)
+            return
+        if outcome == "abandon_both":
+            self.m.abandon(sid, j1)  # N's writes not kept either: N+1 takes the lane, then is abandoned
+            self.m.abandon(sid, j2)
+            q.state, q.pending_len = S.ACTIVE, None
+            return
+        self._commit(sid, dup=False)  # N: the queued step is now the pending one
+        assert self.m.state(sid) is S.UPDATING and self.m.sequence(sid).pending_job == j2
+        q.state, q.job, q.pending_len = S.UPDATING, j2, second
+        if outcome == "both":
+            self._commit(sid, dup=False)
+        else:
+            self.m.abandon(sid, j2)
+            q.state, q.pending_len = S.ACTIVE, None
+
+    @precondition(lambda self: self.has(S.RESERVED, S.ACTIVE))
+    @rule(idx=st.integers(0, 99), back=st.integers(0, 12))
+    def rollback_tail(self, idx: int, back: int) -> None:
+        sid = self.pick(idx, (S.RESERVED, S.ACTIVE))
+        if sid is None:
+            return
+        q = self.ref.seqs[sid]
+        floor = max(q.cached, self.m.sequence(sid).cache_blocks * BS)
+        n = max(q.reserved - back, floor)
+        if n < floor or n < 1:
+            return
+        dropped = self.m.rollback_tail(sid, n)
+        q.committed, q.reserved = min(q.committed, n), min(q.reserved, n)
+        keep = ceil_blocks(q.reserved)
+        assert dropped == q.table[keep:]
+        for b in q.table[q.committed // BS:]:  # no longer this lane's full committed blocks (never cached ones)
+            if not self.m.cache.is_cached(b):
+                self.ref.content.pop(b, None)
+        q.table = q.table[:keep]
+        del q.tokens[q.committed:]
+
     @precondition(lambda self: self.has(S.UPDATING))
     @rule(idx=st.integers(0, 99), dup=st.booleans())
     def commit(self, idx: int, dup: bool) -> None:

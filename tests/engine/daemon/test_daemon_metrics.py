@@ -152,6 +152,9 @@ def test_metrics_scraped_during_load(daemon):
     assert value(end, "npuserve:requests_rejected_total", reason="token_out_of_range") == 1
     stats = d.client(timeout=10).stats()
     assert value(end, "npuserve:job_latency_seconds_count") == stats["daemon"]["results"]
+    # every result after a chip's first reports the idle gap before it; busy fractions are fractions
+    assert 0 < value(end, "npuserve:chip_idle_gap_seconds_count") < stats["daemon"]["results"]
+    assert all(0.0 <= value(end, "npuserve:chip_busy_fraction", chip=c) <= 1.0 for c in ("0", "1"))
     assert value(end, "npuserve:decode_jobs_total") == stats["scheduler"]["counters"]["decode_jobs"]
     assert value(end, "npuserve:num_requests_running") == 0
     # blocks by state partition each chip's pool

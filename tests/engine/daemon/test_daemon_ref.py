@@ -62,6 +62,23 @@ def test_two_jobs_in_flight_per_chip_still_match_the_ref_backend_alone(daemon, o
     assert max(seen) == 2, f"never two jobs in flight on a chip: {sorted(set(seen))}"
 
 
+def test_queued_next_steps_still_match_the_ref_backend_alone(daemon, oracle):
+    """executor.queue_next_step: the worker resolves each queued step's input token from its own sample."""
+    d = daemon(backend="ref", chips=2, settings={"admission.max_waiting_requests": 512,
+                                                 "executor.queue_next_step": True})
+    _streams_match_the_oracle(d, oracle, _workload(80))
+    counters = d.client(timeout=10).stats()["scheduler"]["counters"]
+    assert counters["queued_steps"] > 100 and counters.get("failed_jobs", 0) == 0, counters
+
+
+def test_multi_step_decode_still_matches_the_ref_backend_alone(daemon, oracle):
+    """executor.decode_steps = 4: the worker runs four steps per decode job; the scheduler cuts each lane at its end."""
+    d = daemon(backend="ref", chips=1, settings={"admission.max_waiting_requests": 512, "executor.decode_steps": 4})
+    _streams_match_the_oracle(d, oracle, _workload(40))
+    counters = d.client(timeout=10).stats()["scheduler"]["counters"]
+    assert counters["multi_step_jobs"] > 5 and counters.get("failed_jobs", 0) == 0, counters
+
+
 def _streams_match_the_oracle(d, oracle, reqs: list[dict]) -> None:
 
     async def one(c: AsyncClient, r: dict):

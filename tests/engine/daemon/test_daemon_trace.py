@@ -67,6 +67,10 @@ def test_trace_has_every_job_and_request_phase(daemon, short_dir):
     names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {names[j["tid"]].rsplit(" slot", 1)[0] for j in jobs} <= {"chip 0", "chip 1"}
     assert names[1] == "scheduler loop"
+    # the workers' own record of the device calls and the gaps between them (issue 23)
+    device = [e for e in events if e["ph"] == "X" and e["name"] in ("device prefill", "device decode")]
+    assert len(device) == len(jobs) and {names[e["tid"]] for e in device} == {"chip 0 device", "chip 1 device"}
+    assert any(e["name"] == "idle" and e["args"]["gap_us"] >= 0 for e in events)
     assert any(e["name"] == "turn" and e["ph"] == "X" for e in events)
 
     by_req: dict[str, list] = defaultdict(list)
@@ -163,3 +167,23 @@ def test_unwritable_trace_file_fails_startup(daemon, short_dir):
     d.expect_exit = 1
     assert d.proc.wait(60) == 1
     assert f"cannot write the trace file {path}" in d.log()
+
+
+def test_trace_device_track_shows_calls_and_idle_gaps(tmp_path):
+    path = str(tmp_path / "t.json")
+    tw = TraceWriter(path, board="b", pid=7, t0=1.0)
+    tw.on_actions([SubmitJob(0, _job(1), [11]), SubmitJob(0, _job(2), [11])], 1.0)
+    r1, r2 = _result(1), _result(2)
+    r1.device_start_ns, r1.idle_us = 1_000_100_000, -1
+    r2.device_start_ns, r2.idle_us = 1_000_250_000, 50  # 50 us after job 1's 100 us call ended
+    tw.on_result(0, r1, 1.01)
+    tw.on_result(0, r2, 1.02)
+    tw.close()
+    with open(path) as fh:
+        events = json.load(fh)
+    check_chrome_trace(events)
+    dev = [e for e in events if e["ph"] == "X" and e.get("tid") == 5000]
+    assert [(e["name"], e["ts"], e["dur"]) for e in dev] == [
+        ("device decode", 100, 100), ("idle", 200, 50), ("device decode", 250, 100)]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names[5000] == "chip 0 device"

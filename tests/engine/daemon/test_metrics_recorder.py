@@ -67,3 +67,19 @@ def test_a_scrape_reads_the_published_snapshot_only():
     m.collector.snapshot = (Family("gauge", "queue_depth", "d", ("model_name", "chip", "queue"),
                                    ((("m", "0", "decode"), 3.0),)),)
     assert samples(m)[("npuserve:queue_depth", (("chip", "0"), ("queue", "decode")))] == 3.0
+
+
+def test_idle_gaps_and_busy_fraction_per_chip():
+    m = MetricsRecorder("m")
+    m.occupancy.window(10.0)  # the window starts
+    m.on_actions([SubmitJob(0, _job(1), [1]), SubmitJob(0, _job(2), [2])], 10.0)
+    for job_id, idle in ((1, -1), (2, 150)):  # the first call after start has no gap
+        m.on_result(0, JobResult(job_id=job_id, generation=1, kind=JobKind.DECODE, status=JobStatus.OK,
+                                 tokens=np.zeros(1, np.int32), logprobs=np.zeros(1, np.float32),
+                                 device_us=200_000, device_start_ns=1, idle_us=idle), 10.4)
+    s = samples(m)
+    assert s[("npuserve:chip_idle_gap_seconds_count", (("chip", "0"),))] == 1
+    assert abs(s[("npuserve:chip_idle_gap_seconds_sum", (("chip", "0"),))] - 150e-6) < 1e-12
+    busy = m.occupancy.window(10.5)
+    assert abs(busy[("m", 0)] - 0.8) < 1e-9  # 0.4 s of device time in a 0.5 s window
+    assert m.occupancy.window(11.0) == {("m", 0): 0.0}  # nothing ran since

@@ -1,0 +1,64 @@
+"""The worker's half of the queued next step (issue 23): resolve FOLLOW_PREVIOUS tokens from its own samples.
+
+The scheduler submits step N+1 of a lane while step N still runs, naming the
+lane's input token as FOLLOW_PREVIOUS. This worker ran step N just before (a
+chip runs its jobs in ring order), so it knows the token: it keeps each
+sampled lane's token under (position of that token, the block holding the
+position before it). Step N wrote that block and no other lane holds an
+unwritten position in it, so the key names one lane. Sampling stays
+deterministic per request seed and position: nothing here samples.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from ipc.records import FOLLOW_PREVIOUS, Job
+
+MAX_KEPT = 8192  # sampled lanes remembered; a queued step follows the job just before it, so few are read
+
+
+class UnresolvedFollow(ValueError):
+    """A FOLLOW_PREVIOUS token whose previous sample this worker does not have (that job failed)."""
+
+
+class FollowTokens:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._last: OrderedDict[tuple[int, int], int] = OrderedDict()
+
+    def _key(self, job: Job, lane: int, pos: int) -> tuple[int, int]:
+        return pos, int(job.block_tables[lane, (pos - 1) // self.block_size])
+
+    def resolve(self, job: Job) -> None:
+        """Replace every FOLLOW_PREVIOUS token of `job` (copying its tokens off the ring first)."""
+        follow = np.flatnonzero(job.tokens == FOLLOW_PREVIOUS)
+        if not follow.size:
+            return
+        tokens = np.array(job.tokens)
+        lane_of = np.searchsorted(job.query_start, follow, side="right") - 1
+        for at, lane in zip(follow.tolist(), lane_of.tolist()):
+            pos = int(job.positions[at])
+            tok = self._last.pop(self._key(job, lane, pos), None) if pos > 0 else None
+            if tok is None:
+                raise UnresolvedFollow(f"lane {lane}: no sample for position {pos} to follow")
+            tokens[at] = tok
+        job.tokens = tokens
+
+    def record(self, job: Job, tokens: np.ndarray) -> None:
+        """Remember the token each sampled lane of a finished job produced."""
+        if tokens.ndim != 1:
+            return  # a multi-step job's lanes are not followed (the scheduler queues no step behind one)
+        last = self._last
+        lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
+        if not lanes.size:
+            return
+        ctx = job.context_lens
+        for lane in lanes.tolist():
+            pos = int(ctx[lane])
+            if pos >= 1 and (pos - 1) // self.block_size < job.block_tables.shape[1]:
+                last[self._key(job, lane, pos)] = int(tokens[lane])
+        while len(last) > MAX_KEPT:
+            last.popitem(last=False)
