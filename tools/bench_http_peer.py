@@ -17,9 +17,9 @@ host prompt cache (`--cache-ram`, its default 8192 MiB) and npuserve with the
 same KV capacity on the chip (`kv.num_blocks` = llama.cpp's context, unless
 `--device-blocks`); per run TTFT P50/P99 and the prompt tokens each computed,
 and the issue-22 targets: TTFT P50 <= 0.7x llama.cpp's and fewer prompt
-tokens computed. npuserve's KV tiers need a backend with KV transfer: the
-`llamacpp` backend has none yet, so npuserve runs on its device prefix
-cache only unless `--set kv.host_pool_mb=...` finds one.
+tokens computed. npuserve runs on its device prefix cache alone unless
+`--set kv.host_pool_mb=N` adds the board's host tier (the `llamacpp`
+backend's KV export/import).
 """
 
 from __future__ import annotations
