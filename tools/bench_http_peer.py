@@ -9,6 +9,17 @@ after round in alternating order, fresh servers for every concurrency. It
 prints the runs, the npuserve / llama.cpp ratios of the medians, and the
 distance from bench-peer's targets (tokens/s >= 1.0x, TTFT P99 <= 1.0x),
 which now include both HTTP layers.
+
+`--conversations N --turns T` runs the multi-turn conversation workload
+instead (`tools.load.conversation_http`: each turn's prompt is the whole
+conversation so far plus a new message) against llama.cpp's server with its
+host prompt cache (`--cache-ram`, its default 8192 MiB) and npuserve with the
+same KV capacity on the chip (`kv.num_blocks` = llama.cpp's context, unless
+`--device-blocks`); per run TTFT P50/P99 and the prompt tokens each computed,
+and the issue-22 targets: TTFT P50 <= 0.7x llama.cpp's and fewer prompt
+tokens computed. npuserve runs on its device prefix cache alone unless
+`--set kv.host_pool_mb=N` adds the board's host tier (the `llamacpp`
+backend's KV export/import).
 """
 
 from __future__ import annotations
@@ -19,6 +30,8 @@ import sys
 from tools.load.paired import Target
 
 TARGETS = [Target("tokens_per_s", "min", 1.0), Target("ttft_p99_ms", "max", 1.0)]
+CONVERSATION_TARGETS = [Target("ttft_p50_ms", "max", 0.7), Target("prompt_tokens_computed", "max", 1.0)]
+CONVERSATION_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "ttft_p50_later_turns_ms", "prompt_tokens_computed")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -35,6 +48,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds; each runs both engines, order flipping")
     p.add_argument("--clients", type=int, default=1, help="client processes per run")
     p.add_argument("--seed", type=int, default=42)
+    g = p.add_argument_group("conversations (--conversations N: the multi-turn workload instead)")
+    g.add_argument("--conversations", type=int, default=0, help="this many conversations ...")
+    g.add_argument("--turns", type=int, default=4, help="... of this many turns each")
+    g.add_argument("--first-len", type=int, default=256, help="tokens of a conversation's first message")
+    g.add_argument("--turn-len", type=int, default=32, help="tokens of each later user message")
+    g.add_argument("--answer-len", type=int, default=16, help="max_tokens of every turn (and the assistant's "
+                                                             "tokens in the history)")
+    g.add_argument("--device-blocks", type=int, default=0, help="npuserve's kv.num_blocks (default: llama.cpp's "
+                                                                "context in 16-token blocks)")
+    g.add_argument("--cache-ram", type=int, default=None, help="llama.cpp's --cache-ram MiB (default: its own)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="npuserve daemon config override")
     p.add_argument("--json", action="store_true", help="JSON Lines: one row per run, then the summary")
     p.add_argument("--no-progress", action="store_true")
@@ -46,6 +69,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(str(e))
     if not a.concurrencies or min(a.concurrencies + [a.threads, a.per_stream, a.rounds, a.clients]) < 1:
         p.error("--concurrency, --threads, --per-stream, --rounds and --clients must be positive")
+    if a.conversations and min(a.turns, a.first_len, a.turn_len, a.answer_len) < 1:
+        p.error("--turns, --first-len, --turn-len and --answer-len must be positive")
     return a
 
 
@@ -88,6 +113,99 @@ def run_concurrency(a: argparse.Namespace, pkg, c: int, progress) -> tuple[list[
     return rows, paired.compare(rows, "npuserve", "llama.cpp", TARGETS, extra={"concurrency": c})
 
 
+def run_conversations(a: argparse.Namespace, pkg, c: int, progress) -> tuple[list[dict], list[dict]]:
+    """The conversation workload on both servers, fresh for this concurrency, rounds in alternating order
+    (each round new conversations, so neither server has seen them)."""
+    from types import SimpleNamespace
+
+    from tools.load import conversation_http as conv
+    from tools.load import llamacpp_server, local_front, paired
+    from tools.load.openai_load import probe
+
+    spec = conv.ConversationSpec(a.conversations, a.turns, a.first_len, a.turn_len, a.answer_len, seed=a.seed)
+    ctx = spec.max_len() + 16
+    blocks = a.device_blocks or -(-c * ctx // 16)  # the KV llama.cpp's slots hold, in 16-token blocks
+    settings = [f"model.package=\"{pkg.path}\"", f"board.threads_per_chip={a.threads}", "executor.max_inflight=1",
+                "admission.deadline_default_ms=3600000", f"kv.num_blocks={blocks}", *a.set]
+    peer = None
+    try:
+        with local_front.daemon_and_front("bench-http-peer", backend="llamacpp", chips=1, settings=settings,
+                                          prefix="npp-") as (_d, front, _model):
+            peer = llamacpp_server.start(pkg.gguf_path, threads=a.threads, parallel=c, ctx_per_slot=ctx,
+                                         cache_ram_mib=a.cache_ram)
+            urls = {"npuserve": front.url, "llama.cpp": peer.url}
+            models = {k: probe(u)["id"] for k, u in urls.items()}
+            warm = conv.build(conv.ConversationSpec(min(c, 2), 1, 8, 1, 2, seed=a.seed + 999))
+            for k in urls:  # untimed: first connections and first requests of each engine
+                conv.run(urls[k], models[k], warm, c, 2)
+            rows: list[dict] = []
+            for rnd in range(a.rounds):
+                convs = conv.build(conv.ConversationSpec(**{**spec.__dict__, "seed": a.seed + 1000 * c + rnd}))
+                for label in (list(urls) if rnd % 2 == 0 else list(urls)[::-1]):
+                    progress.point(f"c={c} round {rnd + 1}/{a.rounds}: {label}")
+                    recs = conv.run(urls[label], models[label], convs, c, a.answer_len,
+                                    on_record=lambda r: progress.record(SimpleNamespace(tokens=a.answer_len,
+                                                                                        error=r["error"])))
+                    rows.append({"label": label, "round": rnd + 1, "concurrency": c, "threads": a.threads,
+                                 "device_blocks": blocks if label == "npuserve" else None,
+                                 "cache_ram_mib": a.cache_ram if label == "llama.cpp" else None,
+                                 **conv.summarize(recs)})
+    finally:
+        if peer is not None:
+            peer.stop()
+    return rows, paired.compare(rows, "npuserve", "llama.cpp", CONVERSATION_TARGETS, extra={"concurrency": c},
+                                metrics=CONVERSATION_METRICS)
+
+
+CONVERSATION_COLUMNS = [("label", "engine"), ("round", "round"), ("concurrency", "c"), ("requests", "requests"),
+                        ("errors", "errors"), ("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
+                        ("ttft_p50_later_turns_ms", "later p50"), ("prompt_tokens_computed", "computed"),
+                        ("prompt_tokens", "of prompt"), ("hit_rate", "hit rate")]
+
+
+def conversations_main(a: argparse.Namespace, pkg) -> int:
+    from tools.bench import Progress
+    from tools.load import paired
+    from tools.load.report import table
+
+    total = sum(2 * a.rounds * a.conversations * a.turns for _ in a.concurrencies)
+    progress = Progress(total, not a.no_progress)
+    rows: list[dict] = []
+    comparison: list[dict] = []
+    try:
+        for c in a.concurrencies:
+            r, cmp = run_conversations(a, pkg, c, progress)
+            rows += r
+            comparison += cmp
+    finally:
+        progress.close()
+    met = [x["met"] for x in comparison if "met" in x]
+    if a.json:
+        from tools.json_lines import emit
+
+        for r in rows:
+            emit("row", r)
+        emit("summary", {"package": pkg.name, "threads": a.threads, "workload": "conversations",
+                         "conversations": a.conversations, "turns": a.turns, "npuserve_kv": "device prefix cache"
+                         if not any(s.startswith("kv.host_pool_mb") for s in a.set) else "with host tier",
+                         "comparison": comparison, "targets_met": all(met) if met else None})
+    else:
+        print(f"bench-http-peer --conversations: {pkg.name}, {a.conversations} conversations x {a.turns} turns "
+              f"(first {a.first_len}, then {a.turn_len} + {a.answer_len}-token answers), {a.threads} thread(s) "
+              f"each, greedy, {a.rounds} rounds; llama.cpp with its host prompt cache (--cache-ram "
+              f"{a.cache_ram if a.cache_ram is not None else 'default'}), npuserve on its device prefix cache"
+              f"{'' if not a.set else ' + ' + ', '.join(a.set)}")
+        print(table(rows, CONVERSATION_COLUMNS))
+        print("(TTFT in ms at the client, over HTTP; npuserve against llama.cpp on the medians over rounds)")
+        for c in a.concurrencies:
+            print(f" concurrency {c}:")
+            print(paired.format_comparison([x for x in comparison if x.get("concurrency") == c]))
+    errors = sum(r["errors"] for r in rows)
+    if errors:
+        print(f"bench-http-peer: {errors} requests failed", file=sys.stderr)
+    return 0 if errors == 0 else 1
+
+
 def main(argv: list[str]) -> int:
     from tools.bench import Progress
     from tools.bench_peer import default_package
@@ -101,6 +219,8 @@ def main(argv: list[str]) -> int:
         print(f"npuserve bench-http-peer: {pkg.path} is not a GGUF package; import one with "
               f"`npuserve import-gguf`", file=sys.stderr)
         return 2
+    if a.conversations:
+        return conversations_main(a, pkg)
     total = sum(2 * a.rounds * c * a.per_stream for c in a.concurrencies)
     progress = Progress(total, not a.no_progress)
     rows: list[dict] = []

@@ -67,9 +67,12 @@ def libdir(tmp_path_factory):
     return tmp_path_factory.mktemp("chiplib")
 
 
-@pytest.fixture(scope="module")
-def library(libdir):
-    return str(build_reference_library(libdir))
+@pytest.fixture(scope="module", params=["device-kv", "host-kv"])
+def library(libdir, request):
+    """The reference library with its device-resident KV group and without it: every test runs on both."""
+    if request.param == "device-kv":
+        return str(build_reference_library(libdir))
+    return str(build_reference_library(libdir, name="libreference_hostkv.so", defines={"REF_DEVICE_KV": 0}))
 
 
 @pytest.fixture
@@ -126,6 +129,7 @@ def test_describe_comes_from_the_library(chip, library):
     assert [p.batch for p in info.profiles] == [1, 4, 8, 16] and info.max_seq == 4096
     assert info.chunked_prefill and info.kv.block_size == BS and info.kv.num_blocks == 32
     assert info.extra["kv_bytes_per_token"] == 16 and info.extra["library"] == library
+    assert chip.device_kv == ("hostkv" not in library) == info.extra["device_kv"]
     assert info.model_sha256 == hashlib.sha256(open(library, "rb").read()).hexdigest()
     assert ABI_VERSION == 1 and "#define SIMPLER_ABI_VERSION 1" in HEADER.read_text()
 

@@ -48,7 +48,9 @@ def _fill(b) -> None:
         c.k[:] = np.random.default_rng(1).standard_normal(c.k.shape)
         c.v[:] = np.random.default_rng(2).standard_normal(c.v.shape)
     elif isinstance(b, CtypesBackend):
-        b._cache[:] = np.random.default_rng(3).integers(0, 255, b._cache.shape, dtype=np.uint8)
+        ids = np.arange(b.num_blocks)
+        shape = b.swap_out(ids).shape  # device-resident KV: the library's pool, reached through the ABI
+        b.swap_in(ids, np.random.default_rng(3).integers(0, 255, shape, dtype=np.uint8))
 
 
 def _job(kind: JobKind, src, dst, where) -> Job:

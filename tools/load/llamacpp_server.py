@@ -36,12 +36,14 @@ class LocalServer:
 
 
 def start(gguf: str, *, threads: int, parallel: int, ctx_per_slot: int, api_key: str | None = None,
-          timeout: float = 300.0) -> LocalServer:
+          cache_ram_mib: int | None = None, timeout: float = 300.0) -> LocalServer:
     """Start the server on `gguf` with `parallel` slots of `ctx_per_slot` tokens; wait for its URL."""
     cmd = [sys.executable, "-m", "tools.load.llamacpp_server", "--gguf", gguf, "--threads", str(threads),
            "--parallel", str(parallel), "--ctx-per-slot", str(ctx_per_slot)]
     if api_key:
         cmd += ["--api-key", api_key]
+    if cache_ram_mib is not None:
+        cmd += ["--cache-ram", str(cache_ram_mib)]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root)
     ready, _, _ = select.select([proc.stdout], [], [], timeout)  # it prints its URL once the model is loaded
@@ -64,6 +66,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ctx-per-slot", type=int, default=1024)
     ap.add_argument("--port", type=int, default=0, help="0: an ephemeral port")
     ap.add_argument("--api-key", help="require `Authorization: Bearer KEY` (llama.cpp's --api-key)")
+    ap.add_argument("--cache-ram", type=int, help="MiB of llama.cpp's host prompt cache (its --cache-ram; "
+                                                  "default: llama.cpp's own, 8192; 0 disables it)")
     a = ap.parse_args(argv)
     p = xlc.CommonParams()
     p.model.path = a.gguf
@@ -73,6 +77,8 @@ def main(argv: list[str]) -> int:
     p.port = a.port
     if a.api_key:
         p.api_keys = [a.api_key]
+    if a.cache_ram is not None:
+        p.cache_ram_mib = a.cache_ram
     p.warmup = False
     p.verbosity = -1
     stop = []

@@ -85,16 +85,17 @@ def round_values(rows: list[dict], subject: str, baseline: str, metric: str, dif
     return out
 
 
-def compare(rows: list[dict], subject: str, baseline: str, targets: list[Target], extra: dict | None = None) -> list[dict]:
+def compare(rows: list[dict], subject: str, baseline: str, targets: list[Target], extra: dict | None = None,
+            metrics: tuple[str, ...] = METRICS) -> list[dict]:
     """Per metric: subject / baseline on the medians (and the TTFT difference), with any target's verdict.
 
     A target row also carries the rounds' own values (`rounds`) and
     `within_spread`: the bound lies between the lowest and highest of them,
     so whether the median meets it is decided by noise, not by the routes.
     """
-    s, b = medians(rows, subject), medians(rows, baseline)
+    s, b = medians(rows, subject, metrics), medians(rows, baseline, metrics)
     out = []
-    for m in METRICS:
+    for m in metrics:
         if s[m] is None or b[m] is None:
             continue
         row = {"subject": subject, "baseline": baseline, **(extra or {}), "metric": m, "subject_median": s[m],

@@ -10,6 +10,15 @@ lane's blocks into `kv_in` before a call and scatters the returned `kv_out`
 the job writes are touched, so blocks shared through the prefix cache stay
 intact.
 
+Device-resident KV: a library that exports the optional group
+(`simpler_kv_block_bytes`, `simpler_kv_init`, `simpler_kv_copy_out`,
+`simpler_kv_copy_in`, `simpler_model_prefill_paged`,
+`simpler_model_decode_paged`; all or none) keeps the paged cache itself, on
+the device. This backend then holds no KV at all: it passes block tables to
+the paged calls, and `swap_out` / `swap_in` (the KV tiers' export and import,
+`workers.kv_transfer`) and `copy_blocks` go through `simpler_kv_copy_out` /
+`simpler_kv_copy_in`, in the library's own block format.
+
 Tensor parallelism: with `tp_world` > 1 the library must export
 `simpler_tp_init`; this backend hands it the chip's rank and world and
 npuserve's collective (an all-reduce over the replica's shared-memory
@@ -54,6 +63,8 @@ _MAX_EOS = 8
 _MAX_PROFILES = 8
 _STATUS = {0: "OK", -1: "SIMPLER_E_INVALID", -2: "SIMPLER_E_KV_CORRUPT", -3: "SIMPLER_E_DEVICE", -4: "SIMPLER_E_TOO_LONG"}
 _REQUIRED = ("simpler_abi_version", "simpler_model_describe", "simpler_model_prefill", "simpler_model_decode")
+DEVICE_KV = ("simpler_kv_block_bytes", "simpler_kv_init", "simpler_kv_copy_out", "simpler_kv_copy_in",
+             "simpler_model_prefill_paged", "simpler_model_decode_paged")  # optional, all or none
 
 
 class NativeLibraryError(BackendError):
@@ -111,6 +122,28 @@ def _bind(lib: ctypes.CDLL, library: str) -> None:
     lib.simpler_model_prefill.restype = c_int
     lib.simpler_model_decode.argtypes = [c_int, c_int, vp, vp, vp, vp, vp, vp, c_int]
     lib.simpler_model_decode.restype = c_int
+    present = [s for s in DEVICE_KV if hasattr(lib, s)]
+    if present and len(present) != len(DEVICE_KV):
+        raise NativeLibraryError(f"chip library {library!r} exports part of the device-resident KV group; it "
+                                 f"lacks: {', '.join(s for s in DEVICE_KV if s not in present)}")
+    if present:
+        i32 = ctypes.c_int32
+        lib.simpler_kv_block_bytes.argtypes = [c_int, c_int]
+        lib.simpler_kv_block_bytes.restype = ctypes.c_int64
+        lib.simpler_kv_init.argtypes = [c_int, c_int, c_int]
+        lib.simpler_kv_init.restype = c_int
+        for fn in (lib.simpler_kv_copy_out, lib.simpler_kv_copy_in):
+            fn.argtypes = [c_int, vp, c_int, vp, c_size]
+            fn.restype = c_int
+        lib.simpler_model_prefill_paged.argtypes = [c_int, vp, c_int, i32, vp, c_int, vp, c_int]
+        lib.simpler_model_prefill_paged.restype = c_int
+        lib.simpler_model_decode_paged.argtypes = [c_int, c_int, vp, vp, vp, vp, c_int, vp, c_int]
+        lib.simpler_model_decode_paged.restype = c_int
+
+
+def device_kv_of(lib: ctypes.CDLL) -> bool:
+    """Whether the library keeps the paged KV cache itself (exports the device-resident KV group)."""
+    return hasattr(lib, DEVICE_KV[0])
 
 
 def _file_sha256(path: str) -> str:
@@ -161,11 +194,23 @@ class CtypesBackend(ChipBackend):
         self.chunked_prefill = bool(info.chunked_prefill)
         self.kv_bytes_per_token = int(info.kv_bytes_per_token)
         self._cache: np.ndarray | None = None
+        self.device_kv = device_kv_of(self._lib)
+        self._device_loaded = False
+        # bytes per token of a block in the transfer format: the library's own (device) or kv_in's (host)
+        self.block_token_bytes = self._device_block_token_bytes() if self.device_kv else self.kv_bytes_per_token
         self.tp_rank, self.tp_world = int(tp_rank), int(tp_world)
         self.collective: AllReduce | None = None
         self._reduce_cb = None  # the C callback object: kept alive as long as the library may call it
         if self.tp_world > 1:
             self._init_tp(tp_group, float(tp_timeout_s))
+
+    def _device_block_token_bytes(self) -> int:
+        n = int(self._lib.simpler_kv_block_bytes(self.chip_id, self.block_size))
+        if n <= 0 or n % self.block_size:
+            raise NativeLibraryError(f"simpler_kv_block_bytes(chip {self.chip_id}, {self.block_size}) in "
+                                     f"{self.library!r} returned {_STATUS.get(n, n)}: npuserve needs a positive "
+                                     f"multiple of the block size")
+        return n // self.block_size
 
     def _init_tp(self, group: str, timeout_s: float) -> None:
         init = getattr(self._lib, "simpler_tp_init", None)
@@ -202,31 +247,44 @@ class CtypesBackend(ChipBackend):
             max_seq=self.max_seq,
             profiles=tuple(BatchProfile(b) for b in self.profiles),
             kv=KvLayout(block_size=self.block_size, num_blocks=self.num_blocks, dtype="uint8",
-                        bytes_per_token=self.kv_bytes_per_token),
+                        bytes_per_token=self.block_token_bytes),
             chunked_prefill=self.chunked_prefill,
-            # the paged cache is this process's memory (the vendor call gets it gathered): a block moves as
-            # one row copy, whatever the library's model costs per token
+            # host KV: the paged cache is this process's memory, a block moves as one row copy; device KV: one
+            # simpler_kv_copy_out/_in call per transfer (the ABI gives no cost model, so the same figures)
             kv_transfer=KvTransferCost(base_s=2e-4, per_block_s=2e-6, prefill_s_per_token=1e-4),
             model_sha256=self.library_sha256,  # the library is the model: rebuilding it is a new generation
             extra={"library": self.library, "chip_id": self.chip_id, "abi_version": ABI_VERSION,
-                   "kv_bytes_per_token": self.kv_bytes_per_token,
+                   "kv_bytes_per_token": self.kv_bytes_per_token, "device_kv": self.device_kv,
                    "tp": {"rank": self.tp_rank, "world": self.tp_world}},
         )
 
     def load(self, package) -> None:
-        """Allocate the KV cache. The model itself is whatever the library was built with."""
+        """Allocate the KV cache (here, or the library's device pool). The model is whatever the library was built with."""
+        if self.device_kv:
+            rc = self._lib.simpler_kv_init(self.chip_id, self.num_blocks, self.block_size)
+            if rc != 0:
+                raise BackendError(f"simpler_kv_init(chip {self.chip_id}, {self.num_blocks} blocks) failed: "
+                                   f"{_STATUS.get(rc, rc)}")
+            self._device_loaded = True
+            return
         self._cache = np.zeros((self.num_blocks, self.block_size, self.kv_bytes_per_token), dtype=np.uint8)
 
     def unload(self) -> None:
         self._cache = None
+        self._device_loaded = False  # the library's pool is dropped by the next simpler_kv_init
+
+    def _loaded(self) -> bool:
+        return self._device_loaded if self.device_kv else self._cache is not None
 
     def health(self) -> dict:
-        return {"ok": True, "loaded": self._cache is not None, "chip_id": self.chip_id, "library": self.library}
+        return {"ok": True, "loaded": self._loaded(), "chip_id": self.chip_id, "library": self.library,
+                "device_kv": self.device_kv}
 
     # -- paged KV <-> contiguous kv_in / kv_out ------------------------------------------
 
-    def _kv_cache(self) -> np.ndarray:
-        if self._cache is None:
+    def _kv_cache(self) -> np.ndarray | None:
+        """The host paged cache (None with device-resident KV); raises before load."""
+        if not self._loaded():
             raise BackendError(f"ctypes backend on chip {self.chip_id}: no model loaded")
         return self._cache
 
@@ -282,6 +340,14 @@ class CtypesBackend(ChipBackend):
             self._lane_slots(table, 0, start)
             plan.append((lane, tokens, start, table, self._lane_slots(table, start, start + tokens.size)))
         logits = np.zeros((job.batch, self.vocab_size), dtype=np.float32)
+        if self.device_kv:
+            for lane, tokens, start, table, _ in plan:
+                t = np.ascontiguousarray(table, dtype=np.int32)
+                rc = self._lib.simpler_model_prefill_paged(self.chip_id, _ptr(tokens), int(tokens.size), start,
+                                                           _ptr(t), int(t.size), _ptr(logits[lane]), self.vocab_size)
+                if rc != 0:
+                    raise self._fail("simpler_model_prefill_paged", rc, job)
+            return StepOutput(logits=logits)
         for lane, tokens, start, table, out_slots in plan:
             kv_in = self._gather(table, start)  # after earlier lanes' writes, in case they share blocks
             kv_out = np.empty((tokens.size, self.kv_bytes_per_token), dtype=np.uint8)
@@ -298,6 +364,8 @@ class CtypesBackend(ChipBackend):
         if job.kind != JobKind.DECODE:
             raise ValueError(f"decode called with a {job.kind.name} job")
         self._kv_cache()
+        if self.device_kv:
+            return self._decode_paged(job)
         b = job.batch
         valid = np.ascontiguousarray(job.lane_valid, dtype=np.uint8)
         tokens = np.zeros(b, dtype=np.int32)
@@ -334,21 +402,68 @@ class CtypesBackend(ChipBackend):
                 cache[out_slots] = kv_out
         return StepOutput(logits=logits)
 
+    def _decode_paged(self, job: Job) -> StepOutput:
+        b = job.batch
+        valid = np.ascontiguousarray(job.lane_valid, dtype=np.uint8)
+        tokens = np.zeros(b, dtype=np.int32)
+        starts = np.zeros(b, dtype=np.int32)
+        tables = np.ascontiguousarray(job.block_tables, dtype=np.int32).reshape(b, -1)
+        for lane in range(b):
+            if not valid[lane]:
+                continue
+            tok = job.lane_tokens(lane)
+            if tok.size != 1:
+                raise ValueError(f"job {job.job_id} decode lane {lane} must carry exactly one token")
+            tokens[lane] = tok[0]
+            starts[lane] = self._lane_start(job, lane, 1)
+            self._lane_slots(tables[lane], 0, int(starts[lane]) + 1)
+        logits = np.zeros((b, self.vocab_size), dtype=np.float32)
+        if valid.any():
+            rc = self._lib.simpler_model_decode_paged(self.chip_id, b, _ptr(tokens), _ptr(valid), _ptr(starts),
+                                                      _ptr(tables), int(tables.shape[1]), _ptr(logits),
+                                                      self.vocab_size)
+            if rc != 0:
+                raise self._fail("simpler_model_decode_paged", rc, job)
+        return StepOutput(logits=logits)
+
+    def _copy_out(self, blocks: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(blocks, dtype=np.int32)
+        out = np.empty((ids.size, self.block_size, self.block_token_bytes), dtype=np.uint8)
+        rc = self._lib.simpler_kv_copy_out(self.chip_id, _ptr(ids), int(ids.size), _ptr(out), out.nbytes)
+        if rc != 0:
+            raise BackendError(f"simpler_kv_copy_out on chip {self.chip_id} failed: {_STATUS.get(rc, rc)} ({rc})")
+        return out
+
+    def _copy_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
+        ids = np.ascontiguousarray(blocks, dtype=np.int32)
+        src = np.ascontiguousarray(data, dtype=np.uint8)
+        rc = self._lib.simpler_kv_copy_in(self.chip_id, _ptr(ids), int(ids.size), _ptr(src), src.nbytes)
+        if rc != 0:
+            raise BackendError(f"simpler_kv_copy_in on chip {self.chip_id} failed: {_STATUS.get(rc, rc)} ({rc})")
+
     # -- KV block ops ------------------------------------------------------------------
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         src, dst = check_copy_pair(src, dst, self.num_blocks)
         cache = self._kv_cache()
+        if self.device_kv:  # through the host: the ABI has no device-side block copy
+            self._copy_in(dst, self._copy_out(src))
+            return
         cache[dst] = cache[src]
 
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
-        """Copy of the blocks' bytes, shaped [n, block_size, kv_bytes_per_token] uint8."""
-        return self._kv_cache()[check_block_ids(blocks, self.num_blocks)].copy()
+        """Copy of the blocks' bytes, shaped [n, block_size, block_token_bytes] uint8."""
+        blocks = check_block_ids(blocks, self.num_blocks)
+        cache = self._kv_cache()
+        return self._copy_out(blocks) if self.device_kv else cache[blocks].copy()
 
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
         blocks = check_block_ids(blocks, self.num_blocks)
         cache = self._kv_cache()
-        want = (blocks.size, self.block_size, self.kv_bytes_per_token)
+        want = (blocks.size, self.block_size, self.block_token_bytes)
         if np.shape(data) != want:
             raise ValueError(f"swap_in data shape {np.shape(data)} != {want}")
+        if self.device_kv:
+            self._copy_in(blocks, data)
+            return
         cache[blocks] = np.asarray(data, dtype=np.uint8)

@@ -3,7 +3,8 @@
  *
  * A chip runtime ("simpler", seed 000 Phase 4) is a shared library exporting
  * the functions below with C linkage. npuserve owns the paged KV cache on the
- * host side: for every call it gathers a sequence's KV blocks into one
+ * host side (unless the library exports the optional device-resident KV group
+ * at the end of this file): for every call it gathers a sequence's KV blocks into one
  * contiguous `kv_in` buffer (the KV of positions [0, P)), and scatters the
  * returned `kv_out` (the KV of the new tokens only) back into the blocks. KV is
  * opaque bytes to npuserve: `kv_bytes_per_token` bytes per token, as declared
@@ -120,6 +121,56 @@ int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
 typedef int (*simpler_allreduce_fn)(void* ctx, float* buf, size_t count);
 
 int simpler_tp_init(int chip_id, int rank, int world, simpler_allreduce_fn reduce, void* ctx);
+
+/*
+ * Device-resident KV (optional: all six symbols or none; the ABI version is
+ * unchanged). A library without them gets the KV history as host buffers
+ * (kv_in / kv_out above) and npuserve keeps the paged cache in the worker's
+ * memory. A library with them keeps the paged cache itself (device memory):
+ * npuserve still allocates the block ids (its KV manager and prefix cache),
+ * the library stores each block's KV wherever it likes, and KV leaves or
+ * enters the device only through kv_copy_out / kv_copy_in (the host and disk
+ * tiers, the prefix hand-off between chips, copy-on-write of a shared block).
+ *
+ * Buffer ownership: every pointer argument is owned by the caller and valid
+ * for the duration of the call only; the library copies what it needs and
+ * keeps no pointer after returning. The pool itself is owned by the library
+ * from simpler_kv_init until the next simpler_kv_init of that chip (which
+ * frees the old pool) or process exit.
+ *
+ * simpler_kv_block_bytes: bytes of ONE block of block_size tokens in the
+ *   transfer format of kv_copy_out / kv_copy_in (opaque to npuserve, which
+ *   stores and checksums it as-is; it must be a multiple of block_size, and
+ *   the same for every chip running this model so blocks can move between
+ *   them). Returns > 0, or a negative SIMPLER_E_* code.
+ * simpler_kv_init: allocate (or reallocate, dropping the old contents) the
+ *   chip's pool of num_blocks blocks of block_size tokens. Called once at
+ *   load, before any other call of this group.
+ * simpler_kv_copy_out: write the blocks block_ids[0..n) into dst, block i at
+ *   dst + i * block_bytes; dst_bytes must equal n * block_bytes.
+ * simpler_kv_copy_in: overwrite the blocks block_ids[0..n) from src (the same
+ *   format); src_bytes must equal n * block_bytes. A block id repeated in one
+ *   call, or outside [0, num_blocks), is SIMPLER_E_INVALID and nothing is
+ *   written. The same block may be read by copy_out while it is shared.
+ * simpler_model_prefill_paged: as simpler_model_prefill, the KV of positions
+ *   [0, start) read from and the new tokens' KV written into the blocks of
+ *   block_table (position p lives in block_table[p / block_size] at offset
+ *   p % block_size; n_table entries, enough for start + n_tokens). Only the
+ *   positions [start, start + n_tokens) are written, so blocks shared through
+ *   the prefix cache stay intact.
+ * simpler_model_decode_paged: as simpler_model_decode; lane i's newest token
+ *   goes to position start[i], its history [0, start[i]) is in the blocks
+ *   block_tables[i * table_stride ..] (table_stride entries per lane).
+ */
+int64_t simpler_kv_block_bytes(int chip_id, int block_size);
+int simpler_kv_init(int chip_id, int num_blocks, int block_size);
+int simpler_kv_copy_out(int chip_id, const int32_t* block_ids, int n, void* dst, size_t dst_bytes);
+int simpler_kv_copy_in(int chip_id, const int32_t* block_ids, int n, const void* src, size_t src_bytes);
+int simpler_model_prefill_paged(int chip_id, const int32_t* tokens, int n_tokens, int32_t start,
+                                const int32_t* block_table, int n_table, float* logits, int vocab);
+int simpler_model_decode_paged(int chip_id, int batch, const int32_t* tokens, const uint8_t* lane_valid,
+                               const int32_t* start, const int32_t* block_tables, int table_stride,
+                               float* logits, int vocab);
 
 #ifdef __cplusplus
 }

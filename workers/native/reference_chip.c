@@ -13,11 +13,16 @@
  * Build: cc -shared -fPIC -O2 -o libreference_chip.so reference_chip.c
  *   -DSIMPLER_ABI_VERSION=N  build a library claiming another ABI version
  *   -DREF_VOCAB=N -DREF_MAX_SEQ=N  other model shapes
+ *   -DREF_DEVICE_KV=0  leave out the optional device-resident KV group (npuserve
+ *                      then keeps the paged cache in the worker's memory)
  *
  * Tensor parallelism (simpler_tp_init): rank r of w computes the logits of its
  * slice of the vocabulary, zeros elsewhere, and npuserve's all-reduce sums the
  * slices -- exactly the logits of one chip (a sum with zeros is exact), so the
  * callback is exercised on every row without changing any result.
+ *
+ * Device-resident KV (simpler_kv_*, simpler_model_*_paged; at the end): the
+ * chip's paged cache lives in this library, npuserve names block ids.
  *
  * Python re-statement (used by the tests):
  *   mix32(x)       = lowbias32 finalizer below
@@ -34,6 +39,9 @@
 #endif
 #ifndef REF_MAX_SEQ
 #define REF_MAX_SEQ 4096
+#endif
+#ifndef REF_DEVICE_KV
+#define REF_DEVICE_KV 1
 #endif
 #define REF_MAX_CHIPS 64
 #define REF_MAGIC 0x4E50554Bu /* "NPUK" */
@@ -179,3 +187,127 @@ int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
     }
     return SIMPLER_OK;
 }
+
+#if REF_DEVICE_KV
+/*
+ * Device-resident KV (the optional group of npuserve_chip.h): the chip's pool
+ * of blocks lives here ("device memory": malloc'd by the library), npuserve
+ * only names block ids. The transfer format of a block is its block_size
+ * entries as stored (16 bytes each), so a block exported by one chip imports
+ * into any other chip of the same build.
+ */
+#include <stdlib.h>
+
+typedef struct ref_pool {
+    ref_kv_entry* entries; /* num_blocks * block_size */
+    int num_blocks, block_size;
+} ref_pool;
+
+static ref_pool pools[REF_MAX_CHIPS];
+
+int64_t simpler_kv_block_bytes(int chip_id, int block_size) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS || block_size <= 0) return SIMPLER_E_INVALID;
+    return (int64_t)block_size * (int64_t)sizeof(ref_kv_entry);
+}
+
+int simpler_kv_init(int chip_id, int num_blocks, int block_size) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS || num_blocks <= 0 || block_size <= 0) return SIMPLER_E_INVALID;
+    ref_pool* p = &pools[chip_id];
+    free(p->entries);
+    p->entries = calloc((size_t)num_blocks * (size_t)block_size, sizeof(ref_kv_entry));
+    if (p->entries == NULL) {
+        p->num_blocks = p->block_size = 0;
+        return SIMPLER_E_DEVICE;
+    }
+    p->num_blocks = num_blocks;
+    p->block_size = block_size;
+    return SIMPLER_OK;
+}
+
+static const ref_pool* pool_of(int chip_id) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS || pools[chip_id].entries == NULL) return NULL;
+    return &pools[chip_id];
+}
+
+/* Block ids in range and (for writes) not repeated: checked before anything moves. */
+static int check_ids(const ref_pool* p, const int32_t* ids, int n, int unique) {
+    if (n < 0 || (n > 0 && ids == NULL)) return SIMPLER_E_INVALID;
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= p->num_blocks) return SIMPLER_E_INVALID;
+        for (int j = 0; unique && j < i; j++)
+            if (ids[j] == ids[i]) return SIMPLER_E_INVALID;
+    }
+    return SIMPLER_OK;
+}
+
+int simpler_kv_copy_out(int chip_id, const int32_t* block_ids, int n, void* dst, size_t dst_bytes) {
+    const ref_pool* p = pool_of(chip_id);
+    if (p == NULL) return SIMPLER_E_INVALID;
+    size_t bb = (size_t)p->block_size * sizeof(ref_kv_entry);
+    if (check_ids(p, block_ids, n, 0) != SIMPLER_OK || dst_bytes != (size_t)n * bb || (n > 0 && dst == NULL))
+        return SIMPLER_E_INVALID;
+    for (int i = 0; i < n; i++)
+        memcpy((unsigned char*)dst + (size_t)i * bb, p->entries + (size_t)block_ids[i] * p->block_size, bb);
+    return SIMPLER_OK;
+}
+
+int simpler_kv_copy_in(int chip_id, const int32_t* block_ids, int n, const void* src, size_t src_bytes) {
+    const ref_pool* p = pool_of(chip_id);
+    if (p == NULL) return SIMPLER_E_INVALID;
+    size_t bb = (size_t)p->block_size * sizeof(ref_kv_entry);
+    if (check_ids(p, block_ids, n, 1) != SIMPLER_OK || src_bytes != (size_t)n * bb || (n > 0 && src == NULL))
+        return SIMPLER_E_INVALID;
+    for (int i = 0; i < n; i++)
+        memcpy(p->entries + (size_t)block_ids[i] * p->block_size, (const unsigned char*)src + (size_t)i * bb, bb);
+    return SIMPLER_OK;
+}
+
+/* The entry of position pos in a block table, or NULL when the table does not reach it. */
+static ref_kv_entry* slot(const ref_pool* p, const int32_t* table, int n_table, int64_t pos) {
+    int64_t b = pos / p->block_size;
+    if (b >= n_table || table[b] < 0 || table[b] >= p->num_blocks) return NULL;
+    return p->entries + (size_t)table[b] * p->block_size + (size_t)(pos % p->block_size);
+}
+
+/* One sequence on paged KV: gather [0, start), verify, extend by n tokens, scatter [start, start + n). */
+static int paged_extend(int chip_id, const int32_t* tokens, int n, int32_t start, const int32_t* table,
+                        int n_table, float* logits, int vocab) {
+    const ref_pool* p = pool_of(chip_id);
+    if (p == NULL || table == NULL || start < 0 || n <= 0) return SIMPLER_E_INVALID;
+    if ((int64_t)start + n > REF_MAX_SEQ) return SIMPLER_E_TOO_LONG;
+    for (int64_t pos = 0; pos < (int64_t)start + n; pos++)
+        if (slot(p, table, n_table, pos) == NULL) return SIMPLER_E_INVALID; /* before anything is written */
+    ref_kv_entry* hist = malloc(((size_t)start + (size_t)n) * sizeof(ref_kv_entry));
+    if (hist == NULL) return SIMPLER_E_DEVICE;
+    for (int32_t pos = 0; pos < start; pos++) hist[pos] = *slot(p, table, n_table, pos);
+    int32_t got;
+    uint32_t h;
+    int rc = check_history(hist, (size_t)start * sizeof(ref_kv_entry), &got, &h);
+    if (rc == SIMPLER_OK) rc = extend(chip_id, start, h, tokens, n, hist + start, logits, vocab);
+    if (rc == SIMPLER_OK)
+        for (int i = 0; i < n; i++) *slot(p, table, n_table, (int64_t)start + i) = hist[start + i];
+    free(hist);
+    return rc;
+}
+
+int simpler_model_prefill_paged(int chip_id, const int32_t* tokens, int n_tokens, int32_t start,
+                                const int32_t* block_table, int n_table, float* logits, int vocab) {
+    if (vocab != REF_VOCAB || tokens == NULL || logits == NULL) return SIMPLER_E_INVALID;
+    return paged_extend(chip_id, tokens, n_tokens, start, block_table, n_table, logits, vocab);
+}
+
+int simpler_model_decode_paged(int chip_id, int batch, const int32_t* tokens, const uint8_t* lane_valid,
+                               const int32_t* start, const int32_t* block_tables, int table_stride,
+                               float* logits, int vocab) {
+    if (vocab != REF_VOCAB || batch <= 0 || tokens == NULL || lane_valid == NULL || start == NULL ||
+        block_tables == NULL || table_stride <= 0 || logits == NULL)
+        return SIMPLER_E_INVALID;
+    for (int b = 0; b < batch; b++) {
+        if (!lane_valid[b]) continue;
+        int rc = paged_extend(chip_id, &tokens[b], 1, start[b], block_tables + (size_t)b * (size_t)table_stride,
+                              table_stride, logits + (size_t)b * (size_t)vocab, vocab);
+        if (rc != SIMPLER_OK) return rc;
+    }
+    return SIMPLER_OK;
+}
+#endif /* REF_DEVICE_KV */
