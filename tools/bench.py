@@ -100,6 +100,14 @@ def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
     g.add_argument("--clients", type=int, default=2, help="client processes")
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--no-predict", action="store_true", help="skip the simulator's prediction (sim backend)")
+    g = p.add_argument_group("scenario (tools/load/scenarios.py; docs/benchmarks.md, \"Scenarios\")")
+    g.add_argument("--scenario", metavar="NAME",
+                   help="run a head-to-head scenario instead of a sweep: long-prompt, tenant-flood, burst, hangups "
+                        "(multi-turn waits for the KV-tiers issue)")
+    g.add_argument("--scenario-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a scenario size (e.g. long_prompt=3000); the output lists them all")
+    g.add_argument("--quick", action="store_true", help="the scenario's short sizes (a plumbing check)")
+    g.add_argument("--rounds", type=int, default=1, help="scenario runs, one after another")
     g = p.add_argument_group("output")
     g.add_argument("--slo", type=_slo, help="e.g. ttft=500ms,tpot=25ms: report goodput of requests meeting it")
     g.add_argument("--json", action="store_true", help="JSON Lines: one row per point, then a summary")
@@ -121,6 +129,22 @@ def parse_args(argv: list[str], prog: str = "npuserve bench") -> argparse.Namesp
         p.error("--endpoint (ZeroMQ) and --openai (HTTP) name two targets; give one")
     if (a.api_key or a.model) and not a.openai:
         p.error("--api-key and --model go with --openai")
+    if a.scenario:
+        from tools.load import scenarios
+
+        if a.variant or a.sweep or a.rate:
+            p.error("--scenario makes its own requests: no --variant, --sweep or --rate with it")
+        if a.rounds < 1:
+            p.error("--rounds must be positive")
+        try:
+            s = scenarios.get(a.scenario)
+            from tools.bench_scenario import options_of
+
+            options_of(a.scenario_option, s, a.quick)
+        except ValueError as e:
+            p.error(str(e))
+    elif a.scenario_option or a.quick:
+        p.error("--scenario-option and --quick go with --scenario")
     from tools.load.workload import LengthDist, parse_tenants
 
     per_slot, prompt, output = DEFAULTS[a.backend]
@@ -374,6 +398,10 @@ def print_text(rows: list[dict], comparison: list[dict]) -> None:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
+    if a.scenario:
+        from tools.bench_scenario import bench_main
+
+        return bench_main(a)
     rows, comparison = run(a)
     if a.json:
         from tools.json_lines import emit

@@ -74,6 +74,7 @@ def main(argv: list[str]) -> int:
     if a.api_key:
         p.api_keys = [a.api_key]
     p.warmup = False
+    p.endpoint_metrics = True  # /metrics: the scenarios read what the server computed (bench --scenario hangups)
     p.verbosity = -1
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
