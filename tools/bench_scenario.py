@@ -109,7 +109,7 @@ def format_verdict(v: dict) -> str:
     if v["value"] is None:
         return f"  {v['target']}: -- {v.get('note', '')}"
     head = f"  {v['subject']}: {v['target']}: " + ("met" if v["met"] else "MISSED")
-    if v["kind"] == "max":
+    if v["target_kind"] == "max":
         return head + f" ({v['metric']} {v['value']:g}, margin {v['margin']:+g})"
     line = (head + f" (ratio {v['value']:.3f}: {v['subject_median']:,.1f} vs {v['baseline']} "
             f"{v['baseline_median']:,.1f}, margin {v['margin']:+.3f}")

@@ -260,7 +260,8 @@ def verdicts(s: Scenario, rows: list[dict], subject: str, baseline: str | None) 
 
     out = []
     for t in s.targets:
-        row: dict = {"scenario": s.name, "target": str(t), "metric": t.metric, "kind": t.kind, "bound": t.bound}
+        row: dict = {"scenario": s.name, "target": str(t), "metric": t.metric, "target_kind": t.kind,
+                     "bound": t.bound}
         if t.kind == "max":
             for label in [subject] + ([baseline] if baseline else []):
                 v = median(label, t.metric)
