@@ -75,7 +75,7 @@ def test_burst_requests_are_open_loop_with_lengths_in_range():
     s = sc.get("burst")
     opts = s.resolve()
     reqs = s.requests(opts)
-    assert all(r.stream is None and 64 <= len(r.prompt) <= 512 and 32 <= r.max_tokens <= 96 for r in reqs)
+    assert all(r.stream is None and 32 <= len(r.prompt) <= 256 and 16 <= r.max_tokens <= 64 for r in reqs)
     assert [r.at for r in reqs] == sorted(r.at for r in reqs)
     assert s.slo_of(opts) == Slo(ttft_ms=3000.0, tpot_ms=200.0)
 

@@ -205,8 +205,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         plot="ttft_cdf"),
     Scenario(
         "burst", "open-loop Poisson arrivals with bursts above capacity: goodput at the SLO",
-        options={"rate": 1.0, "duration_s": 40.0, "burst_every_s": 10.0, "burst_size": 16, "burst_spread_s": 0.5,
-                 "prompt_min": 64, "prompt_max": 512, "output_min": 32, "output_max": 96,
+        options={"rate": 0.5, "duration_s": 40.0, "burst_every_s": 10.0, "burst_size": 12, "burst_spread_s": 0.5,
+                 "prompt_min": 32, "prompt_max": 256, "output_min": 16, "output_max": 64,
                  "ttft_ms": 3000.0, "tpot_ms": 200.0},
         quick={"rate": 10.0, "duration_s": 1.5, "burst_every_s": 1.0, "burst_size": 8, "burst_spread_s": 0.1,
                "prompt_min": 8, "prompt_max": 32, "output_min": 4, "output_max": 16},
