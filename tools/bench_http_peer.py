@@ -117,6 +117,10 @@ def main(argv: list[str]) -> int:
     from workers.package_loader import load_package
 
     a = parse_args(argv)
+    from tools.bench_peer import _interrupt
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: both servers are stopped
     pkg = load_package(a.package or default_package())
     if not isinstance(pkg, GgufPackage):
         print(f"npuserve bench-http-peer: {pkg.path} is not a GGUF package; import one with "

@@ -31,6 +31,7 @@ class Route:
     send: Callable[[list[Request]], list[Record]]
     generated: Callable[[], int | None] = lambda: None
     records: dict[int, list[Record]] = field(default_factory=dict)  # per round, for the plots
+    requests: dict[int, list[Request]] = field(default_factory=dict)  # what each round sent
 
 
 def daemon_generated(endpoint: str) -> Callable[[], int | None]:
@@ -76,11 +77,16 @@ def parse_generated(text: str) -> int | None:
     return None
 
 
-def run_rounds(s: sc.Scenario, opts: dict, routes: list[Route], requests: list[Request], rounds: int,
-               on_start: Callable[[str], None] | None = None) -> list[dict]:
-    """Every round: the same requests over each route, the order flipping every round; one row per run."""
+def run_rounds(s: sc.Scenario, opts: dict, routes: list[Route], make_requests: Callable[[int], list[Request]],
+               rounds: int, on_start: Callable[[str], None] | None = None) -> list[dict]:
+    """Every round: the same requests over each route, the order flipping every round; one row per run.
+
+    Each round draws its own requests (`make_requests(round)`, a seed per round): both servers cache
+    prompts (llama.cpp's server per slot, npuserve's prefix cache), and a prompt seen in the round
+    before would skip its prefill."""
     rows = []
     for rnd in range(rounds):
+        requests = make_requests(rnd)
         for route in routes if rnd % 2 == 0 else routes[::-1]:
             if on_start:
                 on_start(f"{s.name} round {rnd + 1}/{rounds}: {route.label}")
@@ -89,6 +95,7 @@ def run_rounds(s: sc.Scenario, opts: dict, routes: list[Route], requests: list[R
             after = route.generated()
             generated = None if before is None or after is None else after - before
             route.records[rnd + 1] = recs
+            route.requests[rnd + 1] = requests
             rows.append({"label": route.label, "round": rnd + 1, "scenario": s.name,
                          **sc.measure(s, recs, requests, opts, generated)})
     return rows
@@ -152,10 +159,12 @@ def report(s: sc.Scenario, opts: dict, title: str, rows: list[dict], verdicts: l
     return 0 if errors == 0 else 1
 
 
-def plot(s: sc.Scenario, routes: list[Route], requests: list[Request], path: str, title: str) -> None:
+def plot(s: sc.Scenario, routes: list[Route], path: str, title: str) -> None:
+    """The scenario's picture of the first round (the one run on servers with nothing cached)."""
     from tools.load import scenario_plot
 
-    last = {r.label: r.records[max(r.records)] for r in routes if r.records}
+    last = {r.label: r.records[min(r.records)] for r in routes if r.records}
+    requests = next(r.requests[min(r.requests)] for r in routes if r.requests)
     if s.plot == "timeline":
         scenario_plot.timeline_png(last, requests, path, title)
     elif s.plot == "ttft_cdf":
@@ -208,8 +217,10 @@ def bench_main(a) -> int:
             model = local_daemon.wait_healthy(endpoint, d)["model"]
             generated = daemon_generated(endpoint)
             label = "endpoint" if a.endpoint else a.backend
-        requests = s.requests(opts, model["vocab_size"], model["max_seq"], a.seed)
-        progress = Progress(len(requests) * a.rounds, not a.no_progress)
+        def make_requests(rnd: int) -> list[Request]:
+            return s.requests(opts, model["vocab_size"], model["max_seq"], a.seed + 100 * rnd)
+
+        progress = Progress(len(make_requests(0)) * a.rounds, not a.no_progress)
 
         def send(reqs: list[Request]) -> list[Record]:
             return runner.run(endpoint, reqs, concurrency=None, clients=a.clients, on_record=progress.record,
@@ -218,7 +229,7 @@ def bench_main(a) -> int:
 
         route = Route(label, send, generated)
         try:
-            rows = run_rounds(s, opts, [route], requests, a.rounds, progress.point)
+            rows = run_rounds(s, opts, [route], make_requests, a.rounds, progress.point)
         finally:
             progress.close()
     finally:
@@ -231,7 +242,7 @@ def bench_main(a) -> int:
     title = f"scenario {s.name} on {a.openai or a.endpoint or a.backend}: {s.summary}"
     code = report(s, opts, title, rows, verdicts, a.json, {"target_server": a.openai or a.endpoint or a.backend})
     if a.plot:
-        plot(s, [route], requests, a.plot, title)
+        plot(s, [route], a.plot, title)
     return code
 
 
@@ -246,12 +257,15 @@ def peer_main(a, pkg) -> int:
 
     s = sc.get(a.scenario)
     opts = options_of(a.scenario_option, s, False)
-    requests = s.requests(opts, 256, pkg.max_seq, a.seed)
-    ctx = max(len(r.prompt) + r.max_tokens for r in requests) + 16
+    def make_requests(rnd: int) -> list[Request]:
+        return s.requests(opts, 256, pkg.max_seq, a.seed + 100 * rnd)
+
+    rounds_requests = [make_requests(rnd) for rnd in range(a.rounds)]
+    ctx = max(len(r.prompt) + r.max_tokens for reqs in rounds_requests for r in reqs) + 16
     settings = [f"model.package=\"{pkg.path}\"", f"board.threads_per_chip={a.threads}", "executor.max_inflight=1",
                 "admission.deadline_default_ms=3600000", f"admission.max_sequences={a.slots}",
                 "admission.max_waiting_requests=1024", *a.set]
-    progress = Progress(2 * a.rounds * len(requests), not a.no_progress)
+    progress = Progress(2 * sum(len(x) for x in rounds_requests), not a.no_progress)
     peer = None
     try:
         with local_front.daemon_and_front("bench-http-peer", backend="llamacpp", chips=1, settings=settings,
@@ -274,7 +288,7 @@ def peer_main(a, pkg) -> int:
                                       seed=a.seed + 999))
             for r in routes:  # untimed: first connections and first requests of each engine
                 runner.run(None, warm, concurrency=4, clients=1, openai=urls[r.label], model=models[r.label])
-            rows = run_rounds(s, opts, routes, requests, a.rounds, progress.point)
+            rows = run_rounds(s, opts, routes, rounds_requests.__getitem__, a.rounds, progress.point)
     finally:
         progress.close()
         if peer is not None:
@@ -286,6 +300,6 @@ def peer_main(a, pkg) -> int:
     code = report(s, opts, title, rows, verdicts, a.json,
                   {"package": pkg.name, "threads": a.threads, "slots": a.slots, "rounds": a.rounds})
     if a.plot:
-        plot(s, routes, requests, a.plot, f"{s.name}: npuserve vs llama.cpp's server ({pkg.name}, {a.threads} threads, "
+        plot(s, routes, a.plot, f"{s.name}: npuserve vs llama.cpp's server ({pkg.name}, {a.threads} threads, "
                                           f"{a.slots} slots)")
     return code
