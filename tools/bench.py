@@ -108,6 +108,7 @@ def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
                    help="a scenario size (e.g. long_prompt=3000); the output lists them all")
     g.add_argument("--quick", action="store_true", help="the scenario's short sizes (a plumbing check)")
     g.add_argument("--rounds", type=int, default=1, help="scenario runs, one after another")
+    g.add_argument("--records", metavar="FILE.jsonl", help="with --scenario: every request's record, to recompute from")
     g = p.add_argument_group("output")
     g.add_argument("--slo", type=_slo, help="e.g. ttft=500ms,tpot=25ms: report goodput of requests meeting it")
     g.add_argument("--json", action="store_true", help="JSON Lines: one row per point, then a summary")
@@ -143,8 +144,8 @@ def parse_args(argv: list[str], prog: str = "npuserve bench") -> argparse.Namesp
             options_of(a.scenario_option, s, a.quick)
         except ValueError as e:
             p.error(str(e))
-    elif a.scenario_option or a.quick:
-        p.error("--scenario-option and --quick go with --scenario")
+    elif a.scenario_option or a.quick or a.records:
+        p.error("--scenario-option, --quick and --records go with --scenario")
     from tools.load.workload import LengthDist, parse_tenants
 
     per_slot, prompt, output = DEFAULTS[a.backend]

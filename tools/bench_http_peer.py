@@ -43,6 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=8,
                    help="with --scenario: llama.cpp's slots = npuserve's admission.max_sequences (default 8)")
     p.add_argument("--plot", metavar="FILE.png", help="with --scenario: its plot (long-prompt, tenant-flood)")
+    p.add_argument("--records", metavar="FILE.jsonl", help="with --scenario: every request's record")
     p.add_argument("--json", action="store_true", help="JSON Lines: one row per run, then the summary")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -65,8 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             from tools.load.plot import require_matplotlib
 
             require_matplotlib()
-    elif a.scenario_option or a.plot:
-        p.error("--scenario-option and --plot go with --scenario")
+    elif a.scenario_option or a.plot or a.records:
+        p.error("--scenario-option, --plot and --records go with --scenario")
     return a
 
 

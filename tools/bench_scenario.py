@@ -103,7 +103,7 @@ def run_rounds(s: sc.Scenario, opts: dict, routes: list[Route], make_requests: C
 
 # ------------------------------------------------------------------ output
 
-_SKIP = ("label", "round", "scenario", "b_ttft_ms", "a_ttft_ms")
+_SKIP = ("kind", "label", "round", "scenario", "b_ttft_ms", "a_ttft_ms")
 
 
 def columns(rows: list[dict]) -> list[tuple[str, str]]:
@@ -177,6 +177,25 @@ def plot(s: sc.Scenario, routes: list[Route], path: str, title: str) -> None:
     print(f"{s.name}: plot written to {path}", file=sys.stderr)
 
 
+def write_records(routes: list[Route], path: str) -> None:
+    """Every request of every run as JSON Lines (label, round, role, stream, and the record's fields), so
+    that a metric can be computed again from the trace."""
+    import dataclasses
+
+    import orjson
+
+    with open(path, "wb") as f:
+        for route in routes:
+            for rnd, recs in sorted(route.records.items()):
+                req = {r.index: r for r in route.requests[rnd]}
+                for rec in recs:
+                    q = req.get(rec.index)
+                    f.write(orjson.dumps({"kind": "record", "label": route.label, "round": rnd,
+                                          "role": q.role if q else None, "stream": q.stream if q else None,
+                                          **dataclasses.asdict(rec)}) + b"\n")
+    print(f"records written to {path}", file=sys.stderr)
+
+
 def options_of(pairs: list[str], s: sc.Scenario, quick: bool) -> dict:
     out = {}
     for kv in pairs:
@@ -243,6 +262,8 @@ def bench_main(a) -> int:
     code = report(s, opts, title, rows, verdicts, a.json, {"target_server": a.openai or a.endpoint or a.backend})
     if a.plot:
         plot(s, [route], a.plot, title)
+    if a.records:
+        write_records([route], a.records)
     return code
 
 
@@ -299,6 +320,8 @@ def peer_main(a, pkg) -> int:
              f"both over HTTP. {s.summary}")
     code = report(s, opts, title, rows, verdicts, a.json,
                   {"package": pkg.name, "threads": a.threads, "slots": a.slots, "rounds": a.rounds})
+    if a.records:
+        write_records(routes, a.records)
     if a.plot:
         plot(s, routes, a.plot, f"{s.name}: npuserve vs llama.cpp's server ({pkg.name}, {a.threads} threads, "
                                           f"{a.slots} slots)")

@@ -29,12 +29,14 @@ def _scenario(name: str, *args: str) -> tuple[list[dict], list[dict], dict]:
 
 def test_long_prompt(tmp_path):
     png = tmp_path / "timeline.png"
-    (row,), targets, _ = _scenario("long-prompt", "--plot", str(png))
+    (row,), targets, _ = _scenario("long-prompt", "--plot", str(png), "--records", str(tmp_path / "r.jsonl"))
     assert row["errors"] == 0 and row["streams_cover_window"]
     assert row["worst_gap_ms"] >= row["gap_p50_outside_ms"] > 0 and row["long_ttft_max_ms"] > 0
     assert [t["metric"] for t in targets] == ["worst_gap_ms", "long_ttft_max_ms"]
     assert all(t["met"] is None and "bench-http-peer" in t["note"] for t in targets)  # a ratio needs the peer
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    recs = [orjson.loads(x) for x in (tmp_path / "r.jsonl").read_bytes().splitlines()]
+    assert len(recs) == row["requests"] and {r["role"] for r in recs} == {"stream", "long"}
 
 
 def test_tenant_flood(tmp_path):

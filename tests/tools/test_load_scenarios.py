@@ -108,7 +108,7 @@ def test_options_quick_overrides_and_unknown_names():
 
 
 def test_long_prompt_metrics_take_the_streams_gaps_during_the_long_prefill():
-    reqs = [Request(0, [1], 8, 0, role="stream"), Request(1, [1], 8, 1, role="stream"),
+    reqs = [Request(0, [1], 8, 0, stream=0, role="stream"), Request(1, [1], 8, 1, stream=1, role="stream"),
             Request(2, [1] * 100, 2, 2, role="long")]
     recs = [
         rec(0, 0.0, 0.1, [100, 100, 900, 100, 100]),  # tokens at 0.1 .. 0.3, then 1.2, 1.3, 1.4
@@ -121,11 +121,25 @@ def test_long_prompt_metrics_take_the_streams_gaps_during_the_long_prefill():
     assert out["gap_p50_outside_ms"] == 100.0
     assert out["long_ttft_max_ms"] == pytest.approx(600.0) and out["long_ttft_p50_ms"] == pytest.approx(600.0)
     # overlapping [0.5, 1.1]: 0.3 -> 1.2 (stream 0), 0.35 -> 1.05 and 1.05 -> 1.25 (stream 1)
-    assert sorted(m.gaps_overlapping(recs[:2], 0.5, 1.1)[0]) == [200.0, 700.0, 900.0]
+    inside, _ = m.stream_gaps(m.stream_times(recs, reqs), 0.5, 1.1)
+    assert sorted(inside) == [200.0, 700.0, 900.0]
+
+
+def test_a_streams_gaps_run_across_its_back_to_back_requests():
+    """A stream whose next request waits behind the long prefill stalls as much as one whose decode
+    steps wait: the wait from its last token to the next request's first one is a gap."""
+    reqs = [Request(0, [1], 3, 0, stream=0, role="stream"), Request(1, [1], 3, 1, stream=0, role="stream"),
+            Request(2, [1] * 100, 2, 2, role="long")]
+    recs = [rec(0, 0.0, 0.1, [100, 100]),  # 0.1, 0.2, 0.3
+            rec(1, 0.3, 2.3, [100, 100]),  # sent at 0.3, first token at 2.3
+            rec(2, 0.5, 2.0, [10])]
+    assert m.stream_times(recs, reqs) == [pytest.approx([0.1, 0.2, 0.3, 2.3, 2.4, 2.5])]
+    out = m.long_prompt(recs, reqs)
+    assert out["worst_gap_ms"] == pytest.approx(2000.0) and out["streams_cover_window"]
 
 
 def test_long_prompt_metrics_say_when_the_streams_stopped_before_the_window_ended():
-    reqs = [Request(0, [1], 4, 0, role="stream"), Request(1, [1] * 9, 2, 1, role="long")]
+    reqs = [Request(0, [1], 4, 0, stream=0, role="stream"), Request(1, [1] * 9, 2, 1, role="long")]
     out = m.long_prompt([rec(0, 0.0, 0.1, [100, 100]), rec(1, 0.2, 2.0, [10])], reqs)
     assert not out["streams_cover_window"]
 

@@ -30,20 +30,37 @@ def _tokens_per_s(records: Sequence[Record]) -> float:
     return round(sum(r.tokens for r in ok) / _window(records), 1) if records else 0.0
 
 
-def gaps_overlapping(records: Sequence[Record], t0: float, t1: float) -> tuple[list[float], list[float]]:
-    """Inter-token gaps (ms) of `records`: those overlapping [t0, t1], and those wholly outside it."""
+def stream_gaps(times: Sequence[Sequence[float]], t0: float, t1: float) -> tuple[list[float], list[float]]:
+    """Gaps (ms) between consecutive token events of each stream (`times[k]`: one stream's instants, in
+    order): those overlapping [t0, t1], and those wholly outside it."""
     inside: list[float] = []
     outside: list[float] = []
-    for r in records:
-        times = r.token_times()
-        for a, b in zip(times, times[1:]):
+    for ts in times:
+        for a, b in zip(ts, ts[1:]):
             (inside if b > t0 and a < t1 else outside).append(round((b - a) * 1000.0, 3))
     return inside, outside
 
 
+def stream_times(records: Sequence[Record], requests: Sequence[Request], role: str = "stream") -> list[list[float]]:
+    """Per stream (`Request.stream`) of `role`, the token instants of its requests one after another: a
+    stream's back-to-back requests are one client's output, and the wait for a new request's first token
+    stalls it like any other gap."""
+    by_index = {r.index: r for r in requests}
+    streams: dict[int, list[Record]] = {}
+    for r in records:
+        req = by_index.get(r.index)
+        if req is not None and req.role == role and r.error is None:
+            streams.setdefault(req.stream if req.stream is not None else -1 - r.index, []).append(r)
+    return [[t for r in sorted(rs, key=lambda x: x.sent) for t in r.token_times()] for _, rs in sorted(streams.items())]
+
+
 def long_prompt(records: Sequence[Record], requests: Sequence[Request]) -> dict:
     """Streams decoding while long prompts arrive: the streams' gaps during the long prefills (from the
-    first long prompt sent to the last one's first token), outside them, and the long prompts' TTFT."""
+    first long prompt sent to the last one's first token), outside them, and the long prompts' TTFT.
+
+    A stream's gaps run across its back-to-back requests (`stream_times`): a server that keeps a stream's
+    next request waiting behind a long prefill stalls that stream as surely as one that skips its decode
+    steps."""
     role = roles(requests)
     streams = [r for r in records if role.get(r.index) == "stream" and r.error is None]
     longs = [r for r in records if role.get(r.index) == "long"]
@@ -53,10 +70,11 @@ def long_prompt(records: Sequence[Record], requests: Sequence[Request]) -> dict:
     t0 = min(r.sent for r in longs)
     firsts = [r.first for r in longs if r.first is not None]
     t1 = max(firsts) if len(firsts) == len(longs) else max((r.last or r.sent) for r in records)
-    inside, outside = gaps_overlapping(streams, t0, t1)
+    times = [ts for ts in stream_times(records, requests) if ts]
+    inside, outside = stream_gaps(times, t0, t1)
     ttft = [r.ttft_ms for r in longs if r.ttft_ms is not None]
-    # the streams' decoding must span the window, or its worst gap says nothing
-    covered = bool(streams) and min(r.first or t1 for r in streams) <= t0 and max(r.last or 0 for r in streams) >= t1
+    # every stream's output must span the window, or its worst gap says nothing
+    covered = bool(times) and all(ts[0] <= t0 and ts[-1] >= t1 for ts in times)
     out.update(window_ms=round((t1 - t0) * 1000.0, 1), streams_cover_window=covered,
                worst_gap_ms=max(inside) if inside else None, gap_p99_in_window_ms=pct(inside, 0.99),
                gap_p50_in_window_ms=pct(inside, 0.5), gap_p50_outside_ms=pct(outside, 0.5),
