@@ -23,6 +23,9 @@ from tools.load.runner import Record
 from tools.load.workload import Request
 
 
+HTTP_THREADS = 128  # llama.cpp's server threads for HTTP connections in the scenarios (see peer_main)
+
+
 @dataclass
 class Route:
     """One server of a run: how to send the requests, and its count of tokens generated (or None)."""
@@ -291,7 +294,11 @@ def peer_main(a, pkg) -> int:
     try:
         with local_front.daemon_and_front("bench-http-peer", backend="llamacpp", chips=1, settings=settings,
                                           prefix="nps-") as (d, front, _model):
-            peer = llamacpp_server.start(pkg.gguf_path, threads=a.threads, parallel=a.slots, ctx_per_slot=ctx)
+            # HTTP threads for every connection a scenario opens (a flood's 24 and more): with llama.cpp's
+            # default (slots + 2), each bound to one kept-alive connection, the rest would wait for a
+            # thread rather than for a slot, which is the client's doing, not the server's scheduling.
+            peer = llamacpp_server.start(pkg.gguf_path, threads=a.threads, parallel=a.slots, ctx_per_slot=ctx,
+                                         threads_http=HTTP_THREADS)
             urls = {"npuserve": front.url, "llama.cpp": peer.url}
             models = {k: probe(u)["id"] for k, u in urls.items()}
 

@@ -36,10 +36,16 @@ class LocalServer:
 
 
 def start(gguf: str, *, threads: int, parallel: int, ctx_per_slot: int, api_key: str | None = None,
-          timeout: float = 300.0) -> LocalServer:
-    """Start the server on `gguf` with `parallel` slots of `ctx_per_slot` tokens; wait for its URL."""
+          threads_http: int | None = None, timeout: float = 300.0) -> LocalServer:
+    """Start the server on `gguf` with `parallel` slots of `ctx_per_slot` tokens; wait for its URL.
+
+    `threads_http`: llama.cpp's HTTP threads (its default: `parallel` + 2). Each serves one connection
+    while it is kept alive, so a load with more connections open than threads leaves the rest waiting
+    for a thread, not for a slot."""
     cmd = [sys.executable, "-m", "tools.load.llamacpp_server", "--gguf", gguf, "--threads", str(threads),
            "--parallel", str(parallel), "--ctx-per-slot", str(ctx_per_slot)]
+    if threads_http:
+        cmd += ["--threads-http", str(threads_http)]
     if api_key:
         cmd += ["--api-key", api_key]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,6 +70,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ctx-per-slot", type=int, default=1024)
     ap.add_argument("--port", type=int, default=0, help="0: an ephemeral port")
     ap.add_argument("--api-key", help="require `Authorization: Bearer KEY` (llama.cpp's --api-key)")
+    ap.add_argument("--threads-http", type=int, default=0, help="HTTP threads (0: llama.cpp's default)")
     a = ap.parse_args(argv)
     p = xlc.CommonParams()
     p.model.path = a.gguf
@@ -73,6 +80,8 @@ def main(argv: list[str]) -> int:
     p.port = a.port
     if a.api_key:
         p.api_keys = [a.api_key]
+    if a.threads_http > 0:
+        p.n_threads_http = a.threads_http
     p.warmup = False
     p.endpoint_metrics = True  # /metrics: the scenarios read what the server computed (bench --scenario hangups)
     p.verbosity = -1

@@ -153,10 +153,14 @@ async def _drive(spec: dict, write: Callable[[list], None] | None = None) -> Non
         Driver = _ZmqDriver
     reqs = spec["requests"]
     async with Driver(spec) as d:
-        await d.ready(min(len(reqs), spec["concurrency"] or 64))  # open loop: a guess at what is outstanding
+        scheduled = any(r.get("stream") is not None for r in reqs)
+        # Connections opened before the clock: one per stream closed loop; an open loop's guess at what is
+        # outstanding; a scenario's (seconds-long events) just one, the rest opened when first needed,
+        # since an idle kept-alive connection holds one of llama.cpp's HTTP threads.
+        await d.ready(1 if scheduled else min(len(reqs), spec["concurrency"] or 64))
         start = spec["start_at"] or time.time()  # None: as soon as this one client is connected
         await asyncio.sleep(max(0.0, start - time.time()))
-        if any(r.get("stream") is not None for r in reqs):  # a scenario: per-stream closed loops, scheduled
+        if scheduled:  # a scenario: per-stream closed loops, scheduled
             await _scheduled(d, reqs, start, write)
         elif spec["concurrency"]:  # closed loop
             it = iter(reqs)
