@@ -80,6 +80,22 @@ def parse_generated(text: str) -> int | None:
     return None
 
 
+def settled(read: Callable[[], int | None], pause: float = 0.5, limit: float = 10.0) -> int | None:
+    """A server's counter once it stops moving: a server may count a request after its last event went out
+    (llama.cpp's `/metrics` at the slot's release) and keeps generating for a client that hung up."""
+    import time
+
+    value, waited = read(), 0.0
+    while value is not None and waited < limit:
+        time.sleep(pause)
+        waited += pause
+        again = read()
+        if again == value:
+            break
+        value = again
+    return value
+
+
 def run_rounds(s: sc.Scenario, opts: dict, routes: list[Route], make_requests: Callable[[int], list[Request]],
                rounds: int, on_start: Callable[[str], None] | None = None) -> list[dict]:
     """Every round: the same requests over each route, the order flipping every round; one row per run.
@@ -95,7 +111,7 @@ def run_rounds(s: sc.Scenario, opts: dict, routes: list[Route], make_requests: C
                 on_start(f"{s.name} round {rnd + 1}/{rounds}: {route.label}")
             before = route.generated()
             recs = route.send(requests)
-            after = route.generated()
+            after = settled(route.generated)
             generated = None if before is None or after is None else after - before
             route.records[rnd + 1] = recs
             route.requests[rnd + 1] = requests

@@ -69,3 +69,23 @@ def test_scenario_arguments_are_checked():
     p = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "--scenario", "burst", "--sweep", "2,4"], cwd=ROOT,
                        capture_output=True, timeout=60)
     assert p.returncode == 2 and b"no --variant, --sweep or --rate" in p.stderr
+
+
+@pytest.mark.integration
+def test_bench_http_peer_scenario_runs_both_servers_and_counts_their_tokens(gemma_package):
+    """The peer path of a scenario: npuserve (daemon + front) and llama.cpp's server, the same requests, each
+    server's own count of the tokens it generated (daemon stats, llama.cpp's /metrics), a ratio per target."""
+    opts = ["streams=2", "per_stream=2", "prompt=8", "output=12", "hangup_min=2", "hangup_max=4"]
+    p = subprocess.run([sys.executable, "-m", "tools.cli", "bench-http-peer", "--scenario", "hangups", "--package",
+                        gemma_package, "--threads", "1", "--slots", "2", "--rounds", "1", "--json", "--no-progress",
+                        *[x for o in opts for x in ("--scenario-option", o)]], cwd=ROOT, capture_output=True,
+                       timeout=400)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    lines = [orjson.loads(line) for line in p.stdout.splitlines()]
+    rows = [x for x in lines if x["kind"] == "row"]
+    assert sorted(r["label"] for r in rows) == ["llama.cpp", "npuserve"]
+    for r in rows:
+        assert r["errors"] == 0 and r["disconnects"] == 2
+        assert r["server_generated_tokens"] is not None and r["server_generated_tokens"] >= r["delivered_tokens"]
+    targets = [x for x in lines if x["kind"] == "target"]
+    assert sorted(t["subject"] for t in targets) == ["llama.cpp", "npuserve"]  # an absolute bound: each side
