@@ -408,7 +408,8 @@ class Scheduler:
         and another tenant more, by preempting that tenant's youngest idle sequence (recomputed when it
         is admitted again). False when nothing was preempted (no candidate, none below its share, no
         tenant over, or every lane of the over-share tenant is in a job: the next tick tries again)."""
-        if self.config.max_tenant_lane_share >= 1.0 or self.config.static_batching:
+        if self.config.max_tenant_lane_share >= 1.0 or self.config.static_batching \
+                or self._n_bound > self.config.max_sequences:  # a lowered limit (a reload) drains first
             return False
         rid, _ = self._next_candidate()
         if rid is None:

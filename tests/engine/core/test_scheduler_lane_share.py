@@ -89,3 +89,11 @@ def test_a_heavier_tenant_keeps_its_weighted_share():
         ex.step(now)
         now += 0.01
     assert (s._tenant_active["a"], s._tenant_active["b"]) == (3, 1)  # weight 3 of 4: a keeps 3
+
+
+def test_a_lowered_max_sequences_drains_before_any_lane_changes_hands():
+    s, ex, now = flooded(SchedulerConfig(max_sequences=8), n_flood=8)
+    s.reconfigure(SchedulerConfig(max_sequences=6))
+    ex.submit(100, params(n_prompt=16, max_tokens=4, seed=100, tenant="b"), now)
+    ex.step(now)
+    assert 100 not in s.chips[0].bound and s.counters["preemptions_lane_share"] == 0
