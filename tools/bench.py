@@ -7,7 +7,8 @@ OpenAI-compatible server, over HTTP) or a daemon it starts itself
 `--variant NAME:KEY=VALUE,...` it starts one daemon per variant (e.g. static
 against continuous batching) and runs the same sweep on each, side by side.
 For the `sim` backend every closed-loop point also gets the in-process
-simulator's prediction for the same requests.
+simulator's prediction for the same requests. With `--scenario NAME` it runs
+one of the head-to-head scenarios instead (`tools/bench_scenario.py`).
 """
 
 from __future__ import annotations
