@@ -44,7 +44,8 @@ run: $(RUN_STAMP)
 # command its figure was measured with. `make bench-peer` runs one; `make -k bench` goes on past a failure.
 BENCHES := bench-ipc bench-backend simulate bench-serve-stub bench-serve-sim bench-observe \
 	bench-sim-frontier bench-sim-static bench-balancer bench-mixed-load bench-http-stub bench-http-llamacpp \
-	bench-http-peer bench-peer bench-kv-layout bench-http-client bench-tp bench-spec
+	bench-http-peer bench-peer bench-kv-layout bench-http-client bench-tp bench-spec \
+	bench-scenario-long-prompt bench-scenario-tenant-flood bench-scenario-burst bench-scenario-hangups
 
 .PHONY: test run bench venv clean $(BENCHES)
 
@@ -97,6 +98,19 @@ bench-tp:  # tensor parallelism on a model where compute dominates (built once i
 		--kv-blocks 256 --golden-cases 1 --golden-max-tokens 2
 	$(NPU) bench-backend --tp 1,2 --package $(BENCH_OUT)/tp-model --batches 1,16 --decode-steps 8 --prompt-len 32 \
 		--tp-repeats 4
+
+# The head-to-head scenarios against llama.cpp's server (docs/benchmarks.md, "Scenarios"); one thread each,
+# which a shared 2-core machine disturbs least.
+bench-scenario-long-prompt:
+	mkdir -p $(BENCH_OUT)
+	$(NPU) bench-http-peer --scenario long-prompt --threads 1 --rounds 3 --plot $(BENCH_OUT)/long-prompt.png
+bench-scenario-tenant-flood:
+	mkdir -p $(BENCH_OUT)
+	$(NPU) bench-http-peer --scenario tenant-flood --threads 1 --rounds 3 --plot $(BENCH_OUT)/tenant-flood.png
+bench-scenario-burst:
+	$(NPU) bench-http-peer --scenario burst --threads 1 --rounds 2
+bench-scenario-hangups:
+	$(NPU) bench-http-peer --scenario hangups --threads 1 --rounds 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

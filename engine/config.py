@@ -144,6 +144,10 @@ class QueuesConfig:
     medium_prefill_max_tokens: int = key(_SCHED.medium_prefill_max_tokens, integer(1), "longest prompt that counts as medium")
     decode_cost_weight: float = key(_SCHED.decode_cost_weight, number(0.0), "fair-queue cost of one requested output token, "
                                                       "relative to one prompt token")
+    max_tenant_lane_share: float = key(_SCHED.max_tenant_lane_share, number(0.0, 1.0, lo_open=True),
+                                       "one tenant's share of a decode batch's lanes and of the admitted "
+                                       "sequences while another tenant waits (its youngest lane over the share "
+                                       "is preempted for it); 1 = no cap")
     tenants: dict = key({}, lambda v: v, "per-tenant [queues.tenants.NAME] tables; unlisted tenants get "
                                          "the TenantConfig defaults", table=_check_tenants)
 
@@ -166,7 +170,9 @@ class BatchConfig:
     mixed_batches: bool = key(_SCHED.mixed_batches, boolean, "one job carries the ready decode lanes and prompt chunks together, "
                                            "only if the backend declares mixed batches (llamacpp)")
     mixed_token_budget: int = key(_SCHED.mixed_token_budget, integer(0), "tokens per mixed job (decode lanes + prompt chunks), at most "
-                                              "the backend's limit; 0 = the backend's limit")
+                                              "the backend's limit; 0 = the backend's limit. 512 (llama.cpp's "
+                                              "n_ubatch): a long prompt never stalls the running streams for "
+                                              "longer than one such step")
     static_batching: bool = key(_SCHED.static_batching, boolean, "baseline for benchmarks: admit a new batch only once every "
                                               "admitted sequence has finished (off = continuous batching)")
 

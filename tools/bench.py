@@ -7,7 +7,8 @@ OpenAI-compatible server, over HTTP) or a daemon it starts itself
 `--variant NAME:KEY=VALUE,...` it starts one daemon per variant (e.g. static
 against continuous batching) and runs the same sweep on each, side by side.
 For the `sim` backend every closed-loop point also gets the in-process
-simulator's prediction for the same requests.
+simulator's prediction for the same requests. With `--scenario NAME` it runs
+one of the head-to-head scenarios instead (`tools/bench_scenario.py`).
 """
 
 from __future__ import annotations
@@ -100,6 +101,15 @@ def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
     g.add_argument("--clients", type=int, default=2, help="client processes")
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--no-predict", action="store_true", help="skip the simulator's prediction (sim backend)")
+    g = p.add_argument_group("scenario (tools/load/scenarios.py; docs/benchmarks.md, \"Scenarios\")")
+    g.add_argument("--scenario", metavar="NAME",
+                   help="run a head-to-head scenario instead of a sweep: long-prompt, tenant-flood, burst, hangups "
+                        "(multi-turn waits for the KV-tiers issue)")
+    g.add_argument("--scenario-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a scenario size (e.g. long_prompt=3000); the output lists them all")
+    g.add_argument("--quick", action="store_true", help="the scenario's short sizes (a plumbing check)")
+    g.add_argument("--rounds", type=int, default=1, help="scenario runs, one after another")
+    g.add_argument("--records", metavar="FILE.jsonl", help="with --scenario: every request's record, to recompute from")
     g = p.add_argument_group("output")
     g.add_argument("--slo", type=_slo, help="e.g. ttft=500ms,tpot=25ms: report goodput of requests meeting it")
     g.add_argument("--json", action="store_true", help="JSON Lines: one row per point, then a summary")
@@ -124,6 +134,22 @@ def parse_args(argv: list[str], prog: str = "npuserve bench") -> argparse.Namesp
         p.error("--endpoint (ZeroMQ) and --openai (HTTP) name two targets; give one")
     if (a.api_key or a.model) and not a.openai:
         p.error("--api-key and --model go with --openai")
+    if a.scenario:
+        from tools.load import scenarios
+
+        if a.variant or a.sweep or a.rate:
+            p.error("--scenario makes its own requests: no --variant, --sweep or --rate with it")
+        if a.rounds < 1:
+            p.error("--rounds must be positive")
+        try:
+            s = scenarios.get(a.scenario)
+            from tools.bench_scenario import options_of
+
+            options_of(a.scenario_option, s, a.quick)
+        except ValueError as e:
+            p.error(str(e))
+    elif a.scenario_option or a.quick or a.records:
+        p.error("--scenario-option, --quick and --records go with --scenario")
     from tools.load.workload import LengthDist, parse_tenants
 
     per_slot, prompt, output = DEFAULTS[a.backend]
@@ -381,6 +407,10 @@ def main(argv: list[str]) -> int:
         from tools.bench_conversations import run as run_conversations
 
         return run_conversations(a)
+    if a.scenario:
+        from tools.bench_scenario import bench_main
+
+        return bench_main(a)
     rows, comparison = run(a)
     if a.json:
         from tools.json_lines import emit

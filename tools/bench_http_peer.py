@@ -59,6 +59,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                                 "context in 16-token blocks)")
     g.add_argument("--cache-ram", type=int, default=None, help="llama.cpp's --cache-ram MiB (default: its own)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="npuserve daemon config override")
+    p.add_argument("--scenario", metavar="NAME",
+                   help="a head-to-head scenario instead of uniform load: long-prompt, tenant-flood, burst, hangups "
+                        "(tools/load/scenarios.py; docs/benchmarks.md)")
+    p.add_argument("--scenario-option", action="append", default=[], metavar="KEY=VALUE", help="a scenario size")
+    p.add_argument("--slots", type=int, default=8,
+                   help="with --scenario: llama.cpp's slots = npuserve's admission.max_sequences (default 8)")
+    p.add_argument("--plot", metavar="FILE.png", help="with --scenario: its plot (long-prompt, tenant-flood)")
+    p.add_argument("--records", metavar="FILE.jsonl", help="with --scenario: every request's record")
     p.add_argument("--json", action="store_true", help="JSON Lines: one row per run, then the summary")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -67,10 +75,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.prompt_dist, a.output_dist = LengthDist.parse(a.prompt), LengthDist.parse(a.output)
     except ValueError as e:
         p.error(str(e))
-    if not a.concurrencies or min(a.concurrencies + [a.threads, a.per_stream, a.rounds, a.clients]) < 1:
-        p.error("--concurrency, --threads, --per-stream, --rounds and --clients must be positive")
+    if not a.concurrencies or min(a.concurrencies + [a.threads, a.per_stream, a.rounds, a.clients, a.slots]) < 1:
+        p.error("--concurrency, --threads, --per-stream, --rounds, --clients and --slots must be positive")
     if a.conversations and min(a.turns, a.first_len, a.turn_len, a.answer_len) < 1:
         p.error("--turns, --first-len, --turn-len and --answer-len must be positive")
+    if a.scenario:
+        from tools.bench_scenario import options_of
+        from tools.load import scenarios
+
+        try:
+            options_of(a.scenario_option, scenarios.get(a.scenario), False)
+        except ValueError as e:
+            p.error(str(e))
+        if a.plot:
+            from tools.load.plot import require_matplotlib
+
+            require_matplotlib()
+    elif a.scenario_option or a.plot or a.records:
+        p.error("--scenario-option, --plot and --records go with --scenario")
     return a
 
 
@@ -214,6 +236,10 @@ def main(argv: list[str]) -> int:
     from workers.package_loader import load_package
 
     a = parse_args(argv)
+    from tools.bench_peer import _interrupt
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: both servers are stopped
     pkg = load_package(a.package or default_package())
     if not isinstance(pkg, GgufPackage):
         print(f"npuserve bench-http-peer: {pkg.path} is not a GGUF package; import one with "
@@ -221,6 +247,10 @@ def main(argv: list[str]) -> int:
         return 2
     if a.conversations:
         return conversations_main(a, pkg)
+    if a.scenario:
+        from tools.bench_scenario import peer_main
+
+        return peer_main(a, pkg)
     total = sum(2 * a.rounds * c * a.per_stream for c in a.concurrencies)
     progress = Progress(total, not a.no_progress)
     rows: list[dict] = []

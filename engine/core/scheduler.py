@@ -420,7 +420,7 @@ class Scheduler:
             return None
         if self.config.static_batching and self._n_bound:
             return "static_batching"  # the running batch must drain completely first
-        while self._n_bound < self.config.max_sequences:
+        while self._n_bound < self.config.max_sequences or self._preempt_for_share():
             rid, from_requeue = self._next_candidate()
             if rid is None:
                 return "tenant_cap" if self._wfq else None
@@ -444,15 +444,69 @@ class Scheduler:
         return "max_sequences" if self._requeue or self._wfq else None
 
     def _next_candidate(self) -> tuple[int | None, bool]:
-        if self._requeue:
-            return self._requeue[0], True
+        """The request admitted next, and whether it comes from the requeue (preempted or faulted).
+
+        The requeue goes first, except that a requeued request of a tenant at its lane share yields to
+        the fair queue's pick from a tenant below it (else a lane preempted for that tenant would go
+        straight back to the tenant it was taken from).
+        """
 
         def eligible(tenant: str, rid: int) -> bool:
             cap = self.config.tenant(tenant).max_active_sequences
             return cap is None or cap <= 0 or self._tenant_active[tenant] < cap
 
+        if self._requeue:
+            head = self._requests[self._requeue[0]]
+            if not self._wfq or self.config.max_tenant_lane_share >= 1.0:
+                return head.request_id, True
+            picked = self._wfq.peek(eligible)
+            if picked is None:
+                return head.request_id, True
+            cap, active = self._lane_caps(picked[1]), self._tenant_active
+            if active[picked[1]] < cap(picked[1]) and active[head.tenant] >= cap(head.tenant):
+                return picked[0], False
+            return head.request_id, True
         picked = self._wfq.peek(eligible)
         return (None, False) if picked is None else (picked[0], False)
+
+    def _lane_caps(self, waiting: str) -> Callable[[str], int]:
+        """Per tenant, the sequences it may hold while `waiting` waits (seed 001 §7.2): the lane share of
+        max_sequences, or the tenant's weighted share among those holding lanes and `waiting` where that
+        is more (a tenant of weight 3 beside one of weight 1 keeps its 3 of 4)."""
+        cfg, active = self.config, self._tenant_active
+        present = {t for t, n in active.items() if n > 0} | {waiting}
+        total = sum(cfg.tenant(t).weight for t in present)
+        share, seqs = cfg.max_tenant_lane_share, cfg.max_sequences
+        return lambda t: max(1, math.floor(max(share, cfg.tenant(t).weight / total) * seqs))
+
+    def _preempt_for_share(self) -> bool:
+        """Sequences full: make room for the next candidate when its tenant holds less than its lane share
+        and another tenant more, by preempting that tenant's youngest idle sequence (recomputed when it
+        is admitted again). False when nothing was preempted (no candidate, none below its share, no
+        tenant over, or every lane of the over-share tenant is in a job: the next tick tries again)."""
+        if self.config.max_tenant_lane_share >= 1.0 or self.config.static_batching \
+                or self._n_bound > self.config.max_sequences:  # a lowered limit (a reload) drains first
+            return False
+        rid, _ = self._next_candidate()
+        if rid is None:
+            return False
+        tenant = self._requests[rid].tenant
+        cap, active = self._lane_caps(tenant), self._tenant_active
+        if active[tenant] >= cap(tenant):
+            return False
+        over = [t for t, n in active.items() if n > cap(t) and t != tenant]
+        if not over:
+            return False
+        hog = max(over, key=lambda t: active[t] - cap(t))
+        idle = [r for ch in self.chips.values() if ch.in_service for i in ch.bound
+                if (r := self._requests[i]).tenant == hog and r.job_id is None
+                and r.state in (S.DECODE_READY, S.PREFILL_READY)]
+        if not idle:
+            return False
+        victim = max(idle, key=lambda x: x.admit_order)
+        self.counters["preemptions_lane_share"] += 1
+        self._preempt(self.chips[victim.chip], victim)
+        return True
 
     def _prefix_key(self, r: RequestRecord) -> PrefixKey | None:
         if not self.config.prefix_cache:
@@ -968,9 +1022,10 @@ class Scheduler:
         return True
 
     def _preempt(self, ch: ChipState, r: RequestRecord) -> None:
-        assert r.state is S.DECODE_READY and r.job_id is None
+        assert r.state in (S.DECODE_READY, S.PREFILL_READY) and r.job_id is None
         self.counters["preemptions"] += 1
         ch.decode_ready.pop(r.request_id, None)
+        ch.prefill.remove(r.request_id)
         self._unbind(r, released=True)
         self._requeue_request(r)
 

@@ -44,7 +44,11 @@ class SchedulerConfig:
     decode_cost_weight: float = 1.0  # WFQ cost = prompt + decode_cost_weight * max_tokens
     tenants: Mapping[str, TenantPolicy] = field(default_factory=dict)
     default_tenant: TenantPolicy = TenantPolicy()
-    max_tenant_lane_share: float = 1.0  # of a decode batch's lanes, unless nobody else is ready
+    # One tenant's share of the lanes: of a decode batch's lanes, and of the admitted sequences
+    # (max_sequences) while another tenant waits under its share -- then the over-share tenant's youngest
+    # idle lane is preempted (recompute) to make room (seed 001 §7.2). Below 1 so that a tenant flooding
+    # a full board cannot make another's request wait for one of its own to finish.
+    max_tenant_lane_share: float = 0.5
     # batches
     profiles: tuple[int, ...] | None = None  # None: every profile the model declares
     profile_fill_ratio: float = 0.75  # seed 001 §8: B16 at >=12 ready, B8 at >=6, B4 at >=3
@@ -56,10 +60,12 @@ class SchedulerConfig:
     prefill_chunk_tokens: int = 512
     # Mixed batches (when the model declares them): each job carries the ready decode lanes and, beside
     # them, prompt chunks up to `mixed_token_budget` tokens in all (0: the backend's limit), as
-    # llama.cpp's server and vLLM do; one pass over the weights serves both. A lower budget shortens
-    # the step a prompt burst imposes on the running streams, at some cost to the burst's TTFT.
+    # llama.cpp's server and vLLM do; one pass over the weights serves both. The budget bounds the step
+    # a prompt burst imposes on the running streams: 512, llama.cpp's physical batch (n_ubatch), so a
+    # long prompt rides in ubatch-sized pieces with the decode lanes stepping between them instead of
+    # the whole prompt (the backend's limit is max_seq) in one job that every stream waits for.
     mixed_batches: bool = True
-    mixed_token_budget: int = 0
+    mixed_token_budget: int = 512
     # speculative decoding (engine.core.spec): "off" | "ngram" by default for requests that do not say
     spec_method: str = "off"
     spec_max_draft_tokens: int = 4
@@ -174,6 +180,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         spec_method=str(_get(sp, "method", d.spec_method)),
         spec_max_draft_tokens=int(_get(sp, "max_draft_tokens", d.spec_max_draft_tokens)),
         spec_max_batch_lanes=int(_get(sp, "max_batch_lanes", d.spec_max_batch_lanes)),
+        max_tenant_lane_share=float(_get(q, "max_tenant_lane_share", d.max_tenant_lane_share)),
         max_inflight=int(_get(ex, "max_inflight", d.max_inflight)),
         queue_next_step=bool(_get(ex, "queue_next_step", d.queue_next_step)),
         decode_steps=int(_get(ex, "decode_steps", d.decode_steps)),

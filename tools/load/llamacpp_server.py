@@ -36,10 +36,17 @@ class LocalServer:
 
 
 def start(gguf: str, *, threads: int, parallel: int, ctx_per_slot: int, api_key: str | None = None,
-          cache_ram_mib: int | None = None, timeout: float = 300.0) -> LocalServer:
-    """Start the server on `gguf` with `parallel` slots of `ctx_per_slot` tokens; wait for its URL."""
+          cache_ram_mib: int | None = None, threads_http: int | None = None,
+          timeout: float = 300.0) -> LocalServer:
+    """Start the server on `gguf` with `parallel` slots of `ctx_per_slot` tokens; wait for its URL.
+
+    `threads_http`: llama.cpp's HTTP threads (its default: `parallel` + 2). Each serves one connection
+    while it is kept alive, so a load with more connections open than threads leaves the rest waiting
+    for a thread, not for a slot."""
     cmd = [sys.executable, "-m", "tools.load.llamacpp_server", "--gguf", gguf, "--threads", str(threads),
            "--parallel", str(parallel), "--ctx-per-slot", str(ctx_per_slot)]
+    if threads_http:
+        cmd += ["--threads-http", str(threads_http)]
     if api_key:
         cmd += ["--api-key", api_key]
     if cache_ram_mib is not None:
@@ -68,6 +75,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--api-key", help="require `Authorization: Bearer KEY` (llama.cpp's --api-key)")
     ap.add_argument("--cache-ram", type=int, help="MiB of llama.cpp's host prompt cache (its --cache-ram; "
                                                   "default: llama.cpp's own, 8192; 0 disables it)")
+    ap.add_argument("--threads-http", type=int, default=0, help="HTTP threads (0: llama.cpp's default)")
     a = ap.parse_args(argv)
     p = xlc.CommonParams()
     p.model.path = a.gguf
@@ -79,7 +87,10 @@ def main(argv: list[str]) -> int:
         p.api_keys = [a.api_key]
     if a.cache_ram is not None:
         p.cache_ram_mib = a.cache_ram
+    if a.threads_http > 0:
+        p.n_threads_http = a.threads_http
     p.warmup = False
+    p.endpoint_metrics = True  # /metrics: the scenarios read what the server computed (bench --scenario hangups)
     p.verbosity = -1
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))

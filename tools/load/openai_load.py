@@ -79,6 +79,8 @@ class StreamTally:
     error: int | None = None
     gaps_ms: list[float] = field(default_factory=list)
     status: int | None = None  # the HTTP status, once the response began
+    hang_up: int | None = None  # hang up once this many tokens arrived (a scenario's `disconnect_after`)
+    disconnected: bool = False
 
     def on_event(self, ev: SseEvent, now: float) -> None:
         if ev.data == b"[DONE]":
@@ -131,9 +133,16 @@ class StreamTally:
     def tokens(self) -> int:
         return self.usage_tokens if self.usage_tokens is not None else self.events
 
+    @property
+    def hanging_up(self) -> bool:
+        """The client has what it wanted before hanging up (counted in content events: usage comes last)."""
+        return self.hang_up is not None and self.events >= self.hang_up
+
     def row(self, index: int, tenant: str) -> list:
-        """The runner's record line: index, tenant, sent, first, last, tokens, error, ITL gaps (ms)."""
-        return [index, tenant, self.sent, self.first, self.last, self.tokens, self.error, self.gaps_ms]
+        """The runner's record line: index, tenant, sent, first, last, tokens, error, ITL gaps (ms), whether
+        the client hung up on purpose."""
+        return [index, tenant, self.sent, self.first, self.last, self.tokens, self.error, self.gaps_ms,
+                self.disconnected]
 
 
 class OpenAIDriver:
@@ -176,7 +185,7 @@ class OpenAIDriver:
     async def one(self, r: dict, write) -> None:
         import aiohttp
 
-        tally = StreamTally(time.time())
+        tally = StreamTally(time.time(), hang_up=r.get("disconnect_after"))
         body = orjson.dumps(completion_body(r, self.model))
         for session in (self.session, None):
             try:
@@ -221,6 +230,12 @@ class OpenAIDriver:
                 now = time.time()
                 for ev in dec.feed(chunk):
                     tally.on_event(ev, now)
+                    if tally.hanging_up:
+                        break
+                if tally.hanging_up:
+                    resp.close()  # drop the connection mid-stream, as a client that went away does
+                    tally.disconnected = True
+                    return
             tally.finish()
 
 

@@ -52,6 +52,16 @@ class Record(Timed):
     tokens: int
     error: int | None  # the error code, None when it finished
     itl_ms: list[float] | None = None  # gaps between the stream's token events (one event may carry several)
+    disconnected: bool = False  # the client hung up on purpose (`Request.disconnect_after`), not an error
+
+    def token_times(self) -> list[float]:
+        """The instants (s) of the stream's token events: the first, then each gap after it."""
+        if self.first is None:
+            return []
+        out = [self.first]
+        for g in self.itl_ms or ():
+            out.append(out[-1] + g / 1000.0)
+        return out
 
     @property
     def token_count(self) -> int:
@@ -98,6 +108,8 @@ class _ZmqDriver:
         n = 0
         err = None
         gaps: list[float] = []
+        hang_up = r.get("disconnect_after")
+        chunks = None
         try:
             if r.get("text") is not None:
                 rid = c.new_id()
@@ -115,9 +127,15 @@ class _ZmqDriver:
                     gaps.append(round((now - last) * 1000.0, 3))
                 last = now
                 n += len(chunk)
+                if hang_up is not None and n >= hang_up:
+                    break
         except ClientError as e:
             err = e.code or 0
-        write([r["index"], r["tenant"], t0, first, last, n, err, gaps])
+        finally:
+            if chunks is not None:
+                await chunks.aclose()  # leaving early: the client library cancels the request
+        write([r["index"], r["tenant"], t0, first, last, n, err, gaps, hang_up is not None and err is None
+               and n >= hang_up])
 
 
 async def _drive(spec: dict, write: Callable[[list], None] | None = None) -> None:
@@ -135,10 +153,16 @@ async def _drive(spec: dict, write: Callable[[list], None] | None = None) -> Non
         Driver = _ZmqDriver
     reqs = spec["requests"]
     async with Driver(spec) as d:
-        await d.ready(min(len(reqs), spec["concurrency"] or 64))  # open loop: a guess at what is outstanding
+        scheduled = any(r.get("stream") is not None for r in reqs)
+        # Connections opened before the clock: one per stream closed loop; an open loop's guess at what is
+        # outstanding; a scenario's (seconds-long events) just one, the rest opened when first needed,
+        # since an idle kept-alive connection holds one of llama.cpp's HTTP threads.
+        await d.ready(1 if scheduled else min(len(reqs), spec["concurrency"] or 64))
         start = spec["start_at"] or time.time()  # None: as soon as this one client is connected
         await asyncio.sleep(max(0.0, start - time.time()))
-        if spec["concurrency"]:  # closed loop
+        if scheduled:  # a scenario: per-stream closed loops, scheduled
+            await _scheduled(d, reqs, start, write)
+        elif spec["concurrency"]:  # closed loop
             it = iter(reqs)
 
             async def slot() -> None:
@@ -152,6 +176,32 @@ async def _drive(spec: dict, write: Callable[[list], None] | None = None) -> Non
                 await asyncio.sleep(max(0.0, start + r["at"] - time.time()))
                 tasks.append(asyncio.create_task(d.one(r, write)))
             await asyncio.gather(*tasks)
+
+
+async def _scheduled(d, reqs: list[dict], start: float, write) -> None:
+    """A scenario's requests: those of one `stream` one after another, each no sooner than `start + at`;
+    those without a stream at their `at`. A `background` stream starts no new request once every
+    foreground request has finished (a flood that lasts exactly as long as what it is measured against)."""
+    streams: dict[int, list[dict]] = {}
+    loose = []
+    for r in reqs:
+        (streams.setdefault(r["stream"], []) if r.get("stream") is not None else loose).append(r)
+    foreground = [r for r in reqs if not r.get("background")]
+    left = [len(foreground)]
+
+    async def one(r: dict) -> None:
+        await asyncio.sleep(max(0.0, start + r.get("at", 0.0) - time.time()))
+        await d.one(r, write)
+        if not r.get("background"):
+            left[0] -= 1
+
+    async def stream(rs: list[dict]) -> None:
+        for r in rs:
+            if r.get("background") and foreground and left[0] <= 0:
+                return
+            await one(r)
+
+    await asyncio.gather(*(stream(rs) for rs in streams.values()), *(one(r) for r in loose))
 
 
 def run_loop(coro):
@@ -178,8 +228,27 @@ def client_main() -> int:
 
 
 def _wire(r: Request) -> dict:
-    return {"index": r.index, "tenant": r.tenant, "prompt": r.prompt, "text": r.text, "fields": r.wire(),
-            "at": r.at}
+    d = {"index": r.index, "tenant": r.tenant, "prompt": r.prompt, "text": r.text, "fields": r.wire(),
+         "at": r.at}
+    if r.stream is not None:
+        d.update(stream=r.stream, background=r.background)
+    if r.disconnect_after is not None:
+        d["disconnect_after"] = r.disconnect_after
+    return d
+
+
+def _shares(requests: list[Request], k: int) -> list[list[Request]]:
+    """Each client process's requests: every k-th one, or whole streams (a scenario) so that a stream's
+    requests stay in order in one process -- and a background stream with the foreground requests it
+    waits for, which then all go to one process."""
+    if not any(r.stream is not None for r in requests):
+        return [requests[i::k] for i in range(k)]
+    if any(r.background for r in requests):
+        return [requests] + [[] for _ in range(k - 1)]
+    out: list[list[Request]] = [[] for _ in range(k)]
+    for r in requests:
+        out[(r.stream if r.stream is not None else r.index) % k].append(r)
+    return out
 
 
 def run_here(endpoint: str, requests: list[Request], *, concurrency: int | None,
@@ -204,13 +273,16 @@ def run(endpoint: str | list[str] | None, requests: list[Request], *, concurrenc
     k = max(1, min(clients, concurrency or clients, len(requests)))
     start_at = time.time() + 1.0 + 0.2 * k
     procs = []
+    shares = _shares(requests, k)
     for i in range(k):
+        if not shares[i]:
+            continue
         share = None
         if concurrency:
             share = concurrency // k + (1 if i < concurrency % k else 0)
         spec = {"endpoints": [endpoint] if isinstance(endpoint, str) else endpoint, "concurrency": share, "start_at": start_at, "timeout": timeout,
                 "openai": openai, "api_key": api_key, "model": model,
-                "requests": [_wire(r) for r in requests[i::k]]}
+                "requests": [_wire(r) for r in shares[i]]}
         p = subprocess.Popen([sys.executable, "-m", "tools.load.runner"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE)
         p.stdin.write(orjson.dumps(spec))

@@ -120,6 +120,13 @@ class Request:
     at: float = 0.0  # open loop: send this many seconds after the start
     text: str | None = None  # text mode: the prompt as a string (the ids stay for the simulator)
     extra: dict = field(default_factory=dict)  # further generate fields (deadline_ms, ...)
+    # Scenarios (tools/load/scenarios.py): the requests of one `stream` go one after another, each no
+    # sooner than its `at`; `disconnect_after`: the client hangs up once it has this many tokens;
+    # `background`: a stream of these stops starting new ones once every other request has finished.
+    stream: int | None = None
+    disconnect_after: int | None = None
+    background: bool = False
+    role: str = ""  # what a scenario's metrics take the request for ("stream", "long", ...); never sent
 
     def wire(self) -> dict:
         """The fields a client sends (what `runner` hands to `AsyncClient.stream`)."""

@@ -89,13 +89,41 @@ def test_the_budget_is_the_smaller_of_the_configured_one_and_the_backends():
     assert lanes_of(job) == [(10, 16, 0)]
 
 
-def test_the_default_budget_is_the_backends_limit():
-    s = make_scheduler(SchedulerConfig(prefill_chunk_tokens=4096), mixed=3000, max_seq=4096)
+def test_a_zero_budget_is_the_backends_limit():
+    s = make_scheduler(SchedulerConfig(prefill_chunk_tokens=4096, mixed_token_budget=0), mixed=3000, max_seq=4096)
     ex = FakeExecutor(s)
     ex.submit(10, params(n_prompt=4000, max_tokens=1, seed=10))
     ex.handle(s.tick(0.0))
     (_, job), = ex.pending
     assert lanes_of(job) == [(10, 3000, 0)]
+
+
+def test_by_default_long_prompts_arriving_ride_in_512_token_jobs_and_every_stream_steps_in_each():
+    """Scenario long-prompt (docs/benchmarks.md): the default budget is llama.cpp's n_ubatch, not the
+    backend's limit (max_seq), so two long prompts never hold the running streams for more than one
+    512-token job; with the backend's limit they rode 1,024 prompt tokens a job."""
+    s = make_scheduler(SchedulerConfig(), mixed=4096, max_seq=4096)
+    assert s.planner.mixed_budget == 512
+    ex = FakeExecutor(s)
+    for i in range(6):
+        ex.submit(i, params(n_prompt=8, max_tokens=200, seed=i))
+    for step in range(10):
+        ex.step(step * 0.001)
+    assert len(s.chips[0].decode_ready) == 6
+    ex.submit(10, params(n_prompt=1500, max_tokens=2, seed=10))
+    ex.submit(11, params(n_prompt=1500, max_tokens=2, seed=11))
+    now, jobs = 0.01, []
+    while 10 not in ex.terminal or 11 not in ex.terminal:
+        ex.handle(s.tick(now))
+        jobs += [lanes_of(job) for _, job in ex.pending]
+        ex.complete_all(now)
+        now += 0.01
+        assert len(jobs) < 100
+    prefilling = [j for j in jobs if any(n > 1 for _, n, _ in j)]
+    assert len(prefilling) >= 6  # 3,000 prompt tokens at < 512 a job
+    for j in prefilling:
+        assert sum(n for _, n, _ in j) <= 512
+        assert [seed for seed, n, _ in j if n == 1][:6] == [0, 1, 2, 3, 4, 5]  # every stream stepped
 
 
 def test_a_short_prompt_is_not_split_to_fill_the_budget_a_long_one_is():
