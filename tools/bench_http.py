@@ -73,7 +73,7 @@ def daemon_settings(a: argparse.Namespace) -> list[str]:
 
 
 def run(a: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    from tools.bench import Progress
+    from tools.load.progress import Progress
     from tools.load import local_front, paired, runner
     from tools.load.openai_load import probe
     from tools.load.workload import LengthDist, WorkloadSpec, build

@@ -186,7 +186,7 @@ CONVERSATION_COLUMNS = [("label", "engine"), ("round", "round"), ("concurrency",
 
 
 def conversations_main(a: argparse.Namespace, pkg) -> int:
-    from tools.bench import Progress
+    from tools.load.progress import Progress
     from tools.load import paired
     from tools.load.report import table
 
@@ -229,7 +229,7 @@ def conversations_main(a: argparse.Namespace, pkg) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from tools.bench import Progress
+    from tools.load.progress import Progress
     from tools.bench_peer import default_package
     from tools.load import paired
     from workers.gguf_package import GgufPackage

@@ -230,7 +230,7 @@ def options_of(pairs: list[str], s: sc.Scenario, quick: bool) -> dict:
 
 def bench_main(a) -> int:
     """`npuserve bench --scenario NAME` against one target (parsed by tools.bench)."""
-    from tools.bench import Progress
+    from tools.load.progress import Progress
     from tools.load import local_daemon, runner
 
     s = sc.get(a.scenario)
@@ -291,7 +291,7 @@ def bench_main(a) -> int:
 
 def peer_main(a, pkg) -> int:
     """`bench-http-peer --scenario NAME`: npuserve (daemon + front) against llama.cpp's server."""
-    from tools.bench import Progress
+    from tools.load.progress import Progress
     from tools.load import llamacpp_server, local_front, runner
     from tools.load.openai_load import probe
 

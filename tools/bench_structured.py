@@ -157,7 +157,7 @@ def run(a: argparse.Namespace, pkg, progress) -> tuple[list[dict], dict]:
 
 
 def main(argv: list[str]) -> int:
-    from tools.bench import Progress
+    from tools.load.progress import Progress
     from tools.bench_peer import default_package
     from tools.load.report import table
     from workers.gguf_package import GgufPackage
