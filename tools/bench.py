@@ -105,7 +105,7 @@ def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
     g = p.add_argument_group("scenario (tools/load/scenarios.py; docs/benchmarks.md, \"Scenarios\")")
     g.add_argument("--scenario", metavar="NAME",
                    help="run a head-to-head scenario instead of a sweep: long-prompt, tenant-flood, burst, hangups "
-                        "(multi-turn waits for the KV-tiers issue)")
+                        "(multi-turn chat: --conversations)")
     g.add_argument("--scenario-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a scenario size (e.g. long_prompt=3000); the output lists them all")
     g.add_argument("--quick", action="store_true", help="the scenario's short sizes (a plumbing check)")

@@ -65,7 +65,7 @@ def test_hangups_count_the_servers_tokens_against_the_clients():
 def test_scenario_arguments_are_checked():
     p = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "--scenario", "multi-turn"], cwd=ROOT,
                        capture_output=True, timeout=60)
-    assert p.returncode == 2 and b"KV-tiers" in p.stderr
+    assert p.returncode == 2 and b"--conversations" in p.stderr
     p = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "--scenario", "burst", "--sweep", "2,4"], cwd=ROOT,
                        capture_output=True, timeout=60)
     assert p.returncode == 2 and b"no --variant, --sweep or --rate" in p.stderr

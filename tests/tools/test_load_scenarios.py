@@ -98,7 +98,7 @@ def test_options_quick_overrides_and_unknown_names():
         s.resolve({"floods": "3"})
     with pytest.raises(ValueError, match="not a number"):
         s.resolve({"b_at": "soon"})
-    with pytest.raises(ValueError, match="KV-tiers"):
+    with pytest.raises(ValueError, match="--conversations"):
         sc.get("multi-turn")
     with pytest.raises(ValueError, match="long-prompt, tenant-flood, burst, hangups"):
         sc.get("nope")

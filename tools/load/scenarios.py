@@ -18,8 +18,7 @@ on two cores. Pure: no I/O, no clock.
 * `hangups`: clients hang up mid-stream at a steady rate: the tokens the
   server generated that nobody received, per disconnect; the others' TPOT.
 * multi-turn chat (conversations whose working set exceeds the device pool)
-  waits for the KV-tiers issue: without a host tier there is nothing to
-  measure but recompute.
+  is the conversation workload (`--conversations`), not a scenario here.
 """
 
 from __future__ import annotations
@@ -31,8 +30,9 @@ from dataclasses import dataclass, field
 from tools.load.report import Slo
 from tools.load.workload import Request
 
-DEFERRED = {"multi-turn": "multi-turn chat waits for the KV-tiers issue (a host tier to spill conversations to); "
-                          "until then a working set beyond the device pool is only recomputed"}
+DEFERRED = {"multi-turn": "multi-turn chat is the conversation workload: `npuserve bench --conversations N --turns T` "
+                          "(tiers side by side) or `npuserve bench-http-peer --conversations N --turns T` "
+                          "(against llama.cpp's server and its host prompt cache)"}
 
 
 @dataclass(frozen=True)
