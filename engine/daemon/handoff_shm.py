@@ -28,8 +28,7 @@ import socket
 import posix_ipc
 import zmq
 
-from engine.core.kv.chain_hash import chain_of
-from engine.daemon.handoff_transfer import stage_records
+from engine.daemon.handoff_transfer import handoff_chains, stage_records
 from engine.daemon.log import log
 from ipc.kv_slots import HEADER_BYTES, KvSlotPool, RecordRefused, read_record
 
@@ -67,16 +66,7 @@ def take_from_host_pool(g, handoff: dict, params, ctx: zmq.Context | None = None
         return False
     if hp.get("host") != host_id() or hp.get("layout") != shell.layout_hex or hp.get("slot_bytes") != shell.slot_bytes:
         return False  # another host, model or KV layout: the pull (or a recompute) it is
-    tiers = shell.tiers
-    bs = tiers.block_size
-    tokens = params.prompt
-    n_prompt = min(len(tokens), int(handoff.get("prompt_len") or 0)) or len(tokens)
-    chains = chain_of(tiers.root(params.prefix_salt), tokens[:((n_prompt - 1) // bs) * bs], bs)
-    have = 0
-    for c in chains:  # this board's own prefix (or an earlier hand-off) needs no copy
-        if c not in tiers.disk and (tiers.host is None or c not in tiers.host):
-            break
-        have += 1
+    chains, have = handoff_chains(shell.tiers, params, handoff)
     if not chains or have == len(chains):
         return False
     records, reason = _copy(hp, shell.layout, chains[have:])

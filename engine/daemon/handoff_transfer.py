@@ -178,6 +178,21 @@ def _read(shell, chain: bytes) -> bytes | None:
     return None
 
 
+def handoff_chains(tiers, params, handoff: dict) -> tuple[list, int]:
+    """The chain hashes of a handed-off prompt's full blocks, and how many of the first this board has already
+    (its own prefix, or an earlier hand-off): those need no copy."""
+    bs = tiers.block_size
+    tokens = params.prompt
+    n_prompt = min(len(tokens), int(handoff.get("prompt_len") or 0)) or len(tokens)
+    chains = chain_of(tiers.root(params.prefix_salt), tokens[:((n_prompt - 1) // bs) * bs], bs)
+    have = 0
+    for c in chains:
+        if c not in tiers.disk and (tiers.host is None or c not in tiers.host):
+            break
+        have += 1
+    return chains, have
+
+
 def stage_records(shell, chains, records) -> int:
     """Write checked records into this board's disk tier (whole file or nothing under the name) and index
     them, in prompt order; the count staged (a full disk tier stops it: the rest is recomputed)."""
@@ -237,16 +252,7 @@ class TransferClient:
         if handoff.get("curve_key") and self.client_keys is None:
             log("handoff_pull_skipped", endpoint=endpoint, reason="CURVE peer, no board.handoff_client_key")
             return False
-        tiers = shell.tiers
-        bs = tiers.block_size
-        tokens = params.prompt
-        n_prompt = min(len(tokens), int(handoff.get("prompt_len") or 0)) or len(tokens)
-        chains = chain_of(tiers.root(params.prefix_salt), tokens[:((n_prompt - 1) // bs) * bs], bs)
-        have = 0
-        for c in chains:  # this board's own prefix (or an earlier hand-off) needs no transfer
-            if c not in tiers.disk and (tiers.host is None or c not in tiers.host):
-                break
-            have += 1
+        chains, have = handoff_chains(shell.tiers, params, handoff)
         if have == len(chains):
             return False  # nothing to pull (the scheduler finds it all here)
         first = chains[have].hex() + ".kv"
