@@ -1096,6 +1096,8 @@ class Scheduler:
         lanes ride along with every job, so a prompt burst no longer stalls
         the streams already generating, and several prompts share one pass
         over the weights. Which lanes and chunks: `BatchPlanner.take_prompts`.
+        With `decode_steps` > 1 and no prompt waiting, the lanes go as a
+        multi-step decode job instead (`_submit_steps`).
         """
         plan, requests = self.planner, self._requests
         decode: list[RequestRecord] = []
@@ -1106,6 +1108,8 @@ class Scheduler:
         if ch.decode_ready and (waiting or self._may_fire(plan.decode_hold(ch.decode_ready, requests, now))):
             cands = plan.decode_candidates(ch.decode_ready, requests)
             decode = self._with_room(ch, plan.mixed_decode_lanes(cands, budget, bool(waiting)))
+            if decode and not waiting and self.config.decode_steps > 1 and self._submit_steps(ch, decode, now, out):
+                return True
         prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, budget - len(decode))
         prompt_tokens = budget - len(decode) - left
         decode = plan.trim_decode(decode, prompt_tokens, left)
@@ -1113,6 +1117,18 @@ class Scheduler:
             return False
         self.job_counts.mixed_job(len(decode), len(prompts), prompt_tokens)
         self._launch(ch, JobKind.PREFILL, decode, prompts, None, now, out)
+        return True
+
+    def _submit_steps(self, ch: ChipState, decode: list[RequestRecord], now: float, out: list[Action]) -> bool:
+        """The decode lanes of a mixed job with no prompt beside them as one multi-step decode job, in the
+        compiled profile that fits them, while the batch is stable (`_steps_for`); False: no multi-step job
+        (the lanes go in a one-step mixed job, and the next prompt to arrive rides in one again)."""
+        steps = self._steps_for(ch, decode, now)
+        if steps <= 1:
+            return False
+        batch = self.planner.fitting_profile(len(decode))
+        self.job_counts.decode_job(batch, len(decode))
+        self._launch(ch, JobKind.DECODE, decode, [], batch, now, out, steps)
         return True
 
     def _lane(self, r: RequestRecord, ch: ChipState, start: int, end: int, sample: bool,

@@ -12,6 +12,7 @@ from engine.core.scheduler_config import SchedulerConfig
 from ipc.records import Job, JobKind, JobResult, JobStatus
 from test_scheduler_queued_step import BS, FollowingExecutor, chained_token, outcome, pipelined, workload
 from test_scheduler_fakes import kv_fully_free, make_scheduler, params
+from test_scheduler_mixed import lanes_of
 from test_scheduler_text import piece
 from workers.multi_step import next_step
 
@@ -42,9 +43,12 @@ class StepsExecutor(FollowingExecutor):
                          logprobs=np.full(t.shape, -0.5, np.float32))
 
 
-def run(steps: int, ps, events_for=None) -> StepsExecutor:
+def run(steps: int, ps, events_for=None, mixed: int = 0) -> StepsExecutor:
+    """`mixed` > 0: the backend takes mixed batches of up to that many tokens (llamacpp); the scheduler's
+    default batch.mixed_batches is on, so every job goes through its mixed path."""
     cfg = SchedulerConfig(decode_steps=steps)
-    ex = StepsExecutor(make_scheduler(cfg, block_size=BS, num_blocks=256, piece=piece), token_fn=lambda s, p: 0)
+    ex = StepsExecutor(make_scheduler(cfg, block_size=BS, num_blocks=256, piece=piece, mixed=mixed),
+                       token_fn=lambda s, p: 0)
     for rid, p in enumerate(ps, start=1):
         ex.submit(rid, p)
     pipelined(ex, events=None if events_for is None else events_for(ex))
@@ -92,3 +96,85 @@ def test_cancels_mid_job_drop_the_rest_of_the_lane() -> None:
         assert res[0] == ref[rid][0][:len(res[0])]
         if res[3] != "cancelled":
             assert res == ref[rid]
+
+
+# ------------------------------------------------------------------ mixed batches (the llamacpp backend)
+@pytest.mark.parametrize("steps", [4, 8])
+def test_with_mixed_batches_outputs_equal_the_one_step_run(steps: int) -> None:
+    ps = workload(random.Random(17), 30)
+    one = run(1, ps, mixed=4096)
+    many = run(steps, ps, mixed=4096)
+    assert outcome(many) == outcome(one)
+    c = many.sched.counters
+    assert c["multi_step_jobs"] > 3 and c["multi_step_tokens_dropped"] > 0
+    assert c["mixed_jobs"] > 0  # the prompts still rode in mixed jobs
+    assert c["mixed_jobs"] + c["decode_jobs"] < one.sched.counters["mixed_jobs"]
+    assert "decode_jobs" not in one.sched.counters  # the one-step run is all mixed jobs
+    for _, job in many.jobs:  # a multi-step job is a decode job of a compiled profile, never with a prompt
+        assert (job.kind == JobKind.DECODE) == (job.decode_steps > 1)
+        if job.kind == JobKind.DECODE:
+            assert job.batch in (1, 4, 8, 16) and all(n == 1 for _, n, _ in lanes_of(job))
+
+
+def _mixed(steps: int = 4, **cfg) -> tuple[StepsExecutor, float]:
+    s = make_scheduler(SchedulerConfig(decode_steps=steps, **cfg), block_size=BS, num_blocks=256, mixed=4096)
+    return StepsExecutor(s, token_fn=lambda a, b: 0), 0.0
+
+
+def _tick(ex: StepsExecutor, now: float) -> list[Job]:
+    """One tick; the jobs it submitted (left pending)."""
+    before = len(ex.jobs)
+    ex.handle(ex.sched.tick(now))
+    return [job for _, job in ex.jobs[before:]]
+
+
+def test_with_mixed_batches_a_stable_batch_multi_steps_and_a_prompt_goes_back_to_mixed_one_step_jobs() -> None:
+    ex, now = _mixed()
+    seeds = {1: 1, 2: 4, 3: 5, 4: 8}  # none samples EOS within 40 tokens
+    for rid in (1, 2, 3):
+        ex.submit(rid, params(n_prompt=5, max_tokens=40, seed=seeds[rid]))
+    (first,) = _tick(ex, now)  # the three prompts in one mixed job
+    assert first.kind == JobKind.PREFILL and [n for _, n, _ in lanes_of(first)] == [5, 5, 5]
+    ex.complete_one(now)
+    (job,) = _tick(ex, now)  # nothing waits: the three decode lanes as one 4-step decode job of profile 4
+    assert (job.kind, job.decode_steps, job.batch) == (JobKind.DECODE, 4, 4)
+    assert lanes_of(job) == [(1, 1, 1), (4, 1, 1), (5, 1, 1)]
+    ex.submit(4, params(n_prompt=6, max_tokens=40, seed=seeds[4]), now)  # arrives while that job runs
+    ex.complete_one(now)
+    (job,) = _tick(ex, now)  # a prompt waits: one mixed one-step job of the three lanes and the prompt
+    assert (job.kind, job.decode_steps) == (JobKind.PREFILL, 1)
+    assert lanes_of(job) == [(1, 1, 1), (4, 1, 1), (5, 1, 1), (8, 6, 1)]
+    ex.complete_one(now)
+    (job,) = _tick(ex, now)  # stable again: four lanes, four steps
+    assert (job.kind, job.decode_steps, job.batch) == (JobKind.DECODE, 4, 4) and len(lanes_of(job)) == 4
+    ex.complete_one(now)
+    assert [len(ex.tokens[rid]) for rid in (1, 2, 3, 4)] == [10, 10, 10, 5]
+    pipelined(ex, now)
+    assert kv_fully_free(ex.sched) and [len(ex.tokens[rid]) for rid in (1, 2, 3, 4)] == [40] * 4
+
+
+def test_with_mixed_batches_steps_stop_at_the_closest_max_tokens_and_near_deadlines_keep_one_step() -> None:
+    ex, now = _mixed(steps=8)
+    ex.submit(1, params(n_prompt=5, max_tokens=40, seed=1))
+    ex.submit(2, params(n_prompt=5, max_tokens=4, seed=2))
+    _tick(ex, now)  # both prompts in one mixed job: each samples its first token
+    ex.complete_one(now)
+    (job,) = _tick(ex, now)
+    assert (job.kind, job.decode_steps) == (JobKind.DECODE, 3)  # request 2 has 3 tokens left
+    ex.complete_one(now)
+    assert len(ex.tokens[2]) == 4 and 2 in ex.terminal and len(ex.tokens[1]) == 4
+    (job,) = _tick(ex, now)
+    assert (job.kind, job.decode_steps) == (JobKind.DECODE, 8)
+    ex.complete_one(now)
+    ex.submit(3, params(n_prompt=5, max_tokens=40, seed=5, deadline_ms=500), now)
+    (job,) = _tick(ex, now)  # the prompt waits: mixed
+    assert (job.kind, job.decode_steps) == (JobKind.PREFILL, 1)
+    ex.complete_one(now)
+    for _ in range(5):  # request 3's deadline is within the 1 s margin: mixed one-step jobs only
+        (job,) = _tick(ex, now)
+        assert (job.kind, job.decode_steps) == (JobKind.PREFILL, 1) and len(lanes_of(job)) == 2
+        ex.complete_one(now)
+        now += 0.001
+    ex.handle(ex.sched.cancel(3, now))
+    (job,) = _tick(ex, now)
+    assert (job.kind, job.decode_steps) == (JobKind.DECODE, 8) and len(lanes_of(job)) == 1
