@@ -116,9 +116,11 @@ def backend_raises(res: ScenarioResult) -> None:
         res.recovery_s = 0.0
 
 
-# Ping/pong plus queued next steps (issue 23), and no prefix cache: an idle chip's KV pool is then all free,
-# so "back to its value before the load" is exact (a cache would keep blocks of finished prompts).
-INFLIGHT = ("executor.max_inflight=2", "executor.queue_next_step=true", "kv.prefix_cache=false")
+# Ping/pong plus queued next steps (issue 23). No prefix cache: an idle chip's KV pool is then all free, so
+# "back to its value before the load" is exact (a cache would keep blocks of finished prompts). Heartbeats
+# every 200 ms: a worker let run for a moment between two freezes is heard from.
+INFLIGHT = ("executor.max_inflight=2", "executor.queue_next_step=true", "kv.prefix_cache=false",
+            "recovery.heartbeat_interval_ms=200")
 
 
 def _chip_stats(d: DaemonUnderTest, chip: int) -> tuple[dict, dict]:
@@ -132,35 +134,53 @@ def _kv_idle(res: ScenarioResult, d: DaemonUnderTest, before: dict, when: str) -
     kv = c["kv"]
     res.expect(kv["blocks"] == before, f"{when}: KV blocks {kv['blocks']}, before the load {before}")
     res.expect(not any(kv["sequences"].values()), f"{when}: KV sequences still held: {kv['sequences']}")
-    res.expect(c["inflight"] == 0 and c["queued_steps"] == 0 and c["bound"] == 0,
-               f"{when}: chip 0 still holds jobs {c['inflight']}, queued steps {c['queued_steps']}, "
+    res.expect(c["inflight"] == 0 and c["queued_steps_inflight"] == 0 and c["bound"] == 0,
+               f"{when}: chip 0 still holds jobs {c['inflight']}, queued steps {c['queued_steps_inflight']}, "
                f"bound requests {c['bound']}")
     res.expect(s["active_sequences"] == 0, f"{when}: {s['active_sequences']} sequences still admitted")
     return kv["blocks"]
 
 
-def _freeze_in_flight(d: DaemonUnderTest, pid: int, tries: int = 30) -> tuple[dict | None, int]:
+def _settled(d: DaemonUnderTest) -> dict:
+    """Chip 0's stats once two reads in a row agree (the daemon has read all a stopped worker wrote)."""
+    prev = None
+    for _ in range(40):
+        time.sleep(0.03)
+        _, c = _chip_stats(d, 0)
+        now = (c["inflight"], c["queued_steps_inflight"], c["bound"], c["jobs_submitted"])
+        if now == prev:
+            break
+        prev = now
+    return c
+
+
+async def _freeze_in_flight(d: DaemonUnderTest, pid: int, load: WireLoad, nudges: list,
+                            max_stopped_s: float = 3.0) -> tuple[dict | None, list]:
     """SIGSTOP the worker until the daemon's settled view of chip 0 holds two jobs and a queued next step.
 
-    A stopped worker answers nothing more: once the daemon has read what it wrote before the stop (two
-    equal reads in a row), what the stats show is what the chip holds when the kill lands. Otherwise the
-    worker runs on for a moment and is caught again. Returns (the chip's stats, attempts).
+    A stopped worker answers nothing more: once the daemon has read what it wrote before the stop, what
+    the stats show is what the chip holds when the kill lands. Otherwise one more stream is sent (into
+    `nudges`) and the worker runs on for a moment before it is caught again: lanes that all share one job
+    get a queued step behind it and nothing beside it (one job and its follower), and the newcomer's
+    prompt job and lane split them (once the lanes are enough for the next profile: with fewer, the
+    followed lanes keep the job to themselves and the newcomer waits). Stopped for at most `max_stopped_s` in all, well within the heartbeat
+    timeout. Returns (the chip's stats or None, the settled (jobs, queued steps) of every attempt).
     """
-    for attempt in range(1, tries + 1):
+    seen: list = []
+    stopped = 0.0
+    while stopped < max_stopped_s:
+        t0 = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
-        prev = None
-        for _ in range(40):
-            time.sleep(0.03)
-            _, c = _chip_stats(d, 0)
-            now = (c["inflight"], c["queued_steps"], c["bound"], c["jobs_submitted"])
-            if now == prev:
-                break
-            prev = now
-        if c["inflight"] >= 3 and c["queued_steps"] >= 1:
-            return c, attempt
+        c = await asyncio.to_thread(_settled, d)
+        seen.append((c["inflight"], c["queued_steps_inflight"]))
+        if c["inflight"] >= 3 and c["queued_steps_inflight"] >= 1:
+            return c, seen
+        k = len(nudges)
+        nudges.append(await load.start([50 + k, 51, 52], max_tokens=300, seed=50 + k, ignore_eos=True))
         os.kill(pid, signal.SIGCONT)
-        time.sleep(0.003 * attempt)
-    return None, tries
+        stopped += time.monotonic() - t0
+        await asyncio.sleep(0.3)  # heartbeats get out, the newcomer's prompt runs
+    return None, seen
 
 
 def worker_kill_inflight(res: ScenarioResult) -> None:
@@ -174,39 +194,43 @@ def worker_kill_inflight(res: ScenarioResult) -> None:
         async def run():
             load = WireLoad(d.endpoint)
             try:
-                # 8 streams long enough to be mid-stream at the kill; once all have a token, the worker is frozen
-                early = [await load.start([1 + (i + k) % 200 for k in range(3)], max_tokens=200, seed=i,
-                                          ignore_eos=True) for i in range(8)]
+                # 12 streams long enough to be mid-stream at the kill (12: one more fills a 16-lane profile)
+                early = [await load.start([1 + (i + k) % 200 for k in range(3)], max_tokens=1500, seed=i,
+                                          ignore_eos=True) for i in range(12)]
                 deadline = time.monotonic() + 60
                 while any(t.first is None for t in early) and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
-                held, attempts = await asyncio.to_thread(_freeze_in_flight, d, victim)
+                held, views = await _freeze_in_flight(d, victim, load, early)
                 # lanes with no token yet: admitted to the frozen chip (prefill waiting), requeued by the kill
                 late = [await load.start([7 + (i + k) % 200 for k in range(3)], max_tokens=8, seed=100 + i,
                                          ignore_eos=True) for i in range(4)] if held else []
                 if held:
-                    await asyncio.to_thread(
-                        wait_until, lambda: _chip_stats(d, 0)[1]["bound"] == len(early) + len(late), 10)
+                    await asyncio.to_thread(  # briefly: the worker stays frozen meanwhile
+                        wait_until, lambda: _chip_stats(d, 0)[1]["bound"] >= held["bound"] + len(late), 2)
                     _, held = await asyncio.to_thread(_chip_stats, d, 0)  # the state the kill meets
                 tokens_at_kill = {t.rid: len(t.tokens) for t in early + late}
-                os.kill(victim, signal.SIGKILL)
+                try:
+                    os.kill(victim, signal.SIGKILL)
+                except ProcessLookupError:  # the daemon replaced it first (heartbeat silence): nothing was killed
+                    res.fail("chip 0's worker was gone before the kill")
                 back = await asyncio.to_thread(wait_until, lambda: _chip_back(d, 0, victim), 15)
                 await asyncio.gather(*(load.finished(t, 60) for t in early + late))
                 await asyncio.sleep(0.3)  # anything sent after a terminal event shows now
-                return early + late, held, attempts, tokens_at_kill, back
+                return early + late, held, views, tokens_at_kill, back
             finally:
                 await load.close()
 
-        traces, held, attempts, tokens_at_kill, (back, waited) = asyncio.run(run())
+        traces, held, views, tokens_at_kill, (back, waited) = asyncio.run(run())
         res.faults, res.requests = 1, len(traces)
         res.recovery_s = waited if back else None
-        res.details.update(killed_pid=victim, freeze_attempts=attempts)
+        res.details.update(killed_pid=victim, frozen_views=views)
         if held is None:
-            res.fail(f"chip 0 never held two jobs and a queued next step in {attempts} freezes (SIGSTOP)")
+            res.fail(f"chip 0 never held two jobs and a queued next step when frozen (SIGSTOP); "
+                     f"(jobs, queued steps) seen: {views}")
         else:
-            res.details["at_kill"] = {k: held[k] for k in ("inflight", "queued_steps", "bound")}
-            res.expect(held["inflight"] >= 3 and held["queued_steps"] >= 1,
-                       f"at the kill chip 0 held {held['inflight']} jobs, {held['queued_steps']} queued steps")
+            res.details["at_kill"] = {k: held[k] for k in ("inflight", "queued_steps_inflight", "bound")}
+            res.expect(held["inflight"] >= 3 and held["queued_steps_inflight"] >= 1,
+                       f"at the kill chip 0 held {held['inflight']} jobs, {held['queued_steps_inflight']} queued steps")
         res.expect(back is not None, "chip 0 did not come back within 15 s")
         check_traces(res, traces, allowed_errors={500})
         for t in traces:  # 500 only for a lane that had streamed; one that had not is requeued and finishes
