@@ -87,7 +87,8 @@ def queue_stats(now: float, requests: Mapping[int, RequestRecord], admission: li
 
 def chip_stats(ch: ChipState) -> dict:
     return {
-        "in_service": ch.in_service, "inflight": len(ch.inflight), "bound": len(ch.bound),
+        "in_service": ch.in_service, "inflight": len(ch.inflight), "queued_steps_inflight": ch.kv.queued_steps(),
+        "bound": len(ch.bound),
         **({} if ch.governor is None else {"inflight_governor": ch.governor.stats()}),
         "jobs_submitted": ch.jobs_submitted, "faults": ch.faults, "kv": ch.kv.stats(),
         "wrr_picks": {c.value: n for c, n in ch.wrr.picks.items()},

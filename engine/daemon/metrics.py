@@ -229,6 +229,9 @@ def _generation_families(b: _Builder, st: dict, chips: list[dict], bounded_tenan
     b.add("gauge", "kv_sequences", "KV sequences by state.", ("chip", "state"), kv_seqs)
     b.add("gauge", "jobs_inflight", "Jobs handed to the chip and not answered yet.", ("chip",),
           [((chip, ), c["inflight"]) for chip, c in st["chips"].items()])
+    b.add("gauge", "queued_steps_inflight", "Decode lanes whose next step is queued behind their running job "
+          "(executor.queue_next_step); those steps are jobs among jobs_inflight.", ("chip",),
+          [((chip, ), c["queued_steps_inflight"]) for chip, c in st["chips"].items()])
     b.one("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
           counters.get("prefix_query_tokens", 0))
     b.one("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache.",

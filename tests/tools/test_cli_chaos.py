@@ -21,8 +21,12 @@ def test_scenario_passes(name):
                         res.details.get("daemon_log_tail", ""))
     assert res.requests > 0 and res.faults > 0
     assert res.recovery_s is not None  # it recovered within the scenario's own (generous) limit
-    if name in ("worker-kill", "worker-stop", "backend-raises"):
+    if name in ("worker-kill", "worker-kill-inflight", "worker-stop", "backend-raises"):
         assert set(res.details["terminal"]) <= {"done:length", "error:500"}
+    if name == "worker-kill-inflight":  # the kill met two jobs and a queued step; lanes without a token requeued
+        assert res.details["at_kill"]["inflight"] >= 3 and res.details["at_kill"]["queued_steps_inflight"] >= 1
+        assert res.details["requeued"] > 0 and res.details["kv_blocks_after"]["free"] == \
+            res.details["kv_blocks_after"]["total"]
     if name == "daemon-kill":  # broken streams migrated (done) or one retryable 503; dead backend out, then back
         assert set(res.details["terminal"]) <= {"done:length", "error:503"}
         assert res.details["inflight_on_killed"] > 0 and res.details["out_reason"]

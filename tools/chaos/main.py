@@ -19,6 +19,7 @@ from tools.chaos.harness import ScenarioResult
 
 SCENARIOS = {
     "worker-kill": worker_faults.worker_kill,
+    "worker-kill-inflight": worker_faults.worker_kill_inflight,
     "worker-stop": worker_faults.worker_stop,
     "backend-raises": worker_faults.backend_raises,
     "malformed-flood": client_faults.malformed_flood,
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.list:
         for name, fn in SCENARIOS.items():
-            print(f"{name:<16} {(fn.__doc__ or '').strip().splitlines()[0]}")
+            print(f"{name:<20} {(fn.__doc__ or '').strip().splitlines()[0]}")
         return 0
     names = []
     for s in a.scenario or ["all"]:
@@ -72,7 +73,7 @@ def main(argv: list[str]) -> int:
             emit("scenario", res.row())
         else:
             rec = "-" if res.recovery_s is None else f"{res.recovery_s:.2f} s"
-            print(f"{'PASS' if res.passed else 'FAIL'}  {name:<16} requests {res.requests:>4}  faults {res.faults:>4}  "
+            print(f"{'PASS' if res.passed else 'FAIL'}  {name:<20} requests {res.requests:>4}  faults {res.faults:>4}  "
                   f"recovery {rec:>8}  terminal {res.details.get('terminal', {})}  ({res.details['seconds']} s)")
             for prob in res.problems[:8]:
                 print(f"      {prob}")

@@ -549,6 +549,14 @@ class KvManager:
             "block conservation: free + quarantined + evictable + referenced != num_blocks",
         )
 
+    def queued_steps(self) -> int:
+        """Lanes with a second job queued behind their running one (`queue_next`): the hand-offs in flight.
+
+        O(sequences): for stats snapshots. A sequence made UNKNOWN keeps its job ids for late failures, so
+        only UPDATING ones count.
+        """
+        return sum(1 for seq in self._seqs.values() if seq.next_job is not None and seq.state is S.UPDATING)
+
     def stats(self) -> dict:
         by_state = Counter(seq.state.value for seq in self._seqs.values())
         # Conservation (checked by check_invariants): held blocks are either referenced or evictable-cached.

@@ -169,17 +169,23 @@ def test_worker_killed_with_two_jobs_and_a_queued_step_in_flight() -> None:
     for rid, p in enumerate(ps, start=1):
         ex.submit(rid, p)
     now = 0.0
-    for _ in range(40):  # until the chip holds two jobs and a queued step
+    def queued() -> int:
+        return sum(1 for r in ex.sched._requests.values() if r.next_job is not None)
+
+    for _ in range(200):  # until the chip holds two jobs and a queued step (not a prompt's job in its place)
         ex.handle(ex.sched.tick(now))
         ch = ex.sched.chips[0]
-        if len(ch.inflight) == 3:
+        if len(ch.inflight) == 3 and queued():
             break
         ex.complete_one(now, 0)
         now += 0.001
-    assert len(ex.sched.chips[0].inflight) == 3
+    assert len(ex.sched.chips[0].inflight) == 3 and queued() > 0
+    # the stats gauge an operator (and the chaos scenario worker-kill-inflight) reads: lanes with a queued step
+    assert ex.sched.stats()["chips"]["0"]["queued_steps_inflight"] == queued()
     ex.pending.clear()
     ex.follow = FollowTokens(BS)  # the new worker remembers nothing
     ex.handle(ex.sched.on_chip_down(0, now))
+    assert ex.sched.stats()["chips"]["0"]["queued_steps_inflight"] == 0  # the lanes went with the chip
     ex.handle(ex.sched.on_chip_up(0, now))
     pipelined(ex, now)
     assert kv_fully_free(ex.sched) and not ex.sched._requests
