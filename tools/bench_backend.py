@@ -8,25 +8,25 @@ doorbell (polled beside the link's socket, as the daemon does), with one job
 in flight. The ratio worker/in-process is the worker overhead.
 Both modes run with the worker's BLAS thread count (see
 `workers.control.worker_environ`), so the ratio compares like with like.
+
+`--tp` (tools/bench_tp.py) and `--loop-steps` (tools/bench_decode_loop.py:
+the device-side multi-step decode against the worker's host loop) run their
+own comparisons instead; the job stream is tools/bench_jobs.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 
-import numpy as np
-
-from ipc.records import Job, JobKind, JobStatus
+from ipc.records import Job, JobStatus
+from tools.bench_jobs import JobFactory, WorkerRunner, Workload, round_seconds
 from tools.json_lines import emit
-from workers.backends.base import BackendInfo
 
 BATCHES = (1, 4, 8, 16)
 TARGET_RATIO = 0.80
@@ -43,54 +43,6 @@ class Row:
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "phase": self.phase, "batch": self.batch, "tokens_per_s": self.tokens_per_s}
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompt_len: int
-    decode_steps: int
-    min_seconds: float
-    temperature: float = 0.8
-    top_p: float = 0.95
-    top_k: int = 40
-
-
-class JobFactory:
-    """Builds prefill/decode jobs for B lanes over disjoint, pre-assigned KV blocks."""
-
-    def __init__(self, info: BackendInfo, batch: int, workload: Workload):
-        self.batch = batch
-        self.w = workload
-        bs = info.kv.block_size
-        self.max_ctx = min(info.max_seq, workload.prompt_len + workload.decode_steps)
-        per_lane = math.ceil(self.max_ctx / bs)
-        if per_lane * batch > info.kv.num_blocks:
-            raise SystemExit(f"bench-backend: {batch} lanes x {self.max_ctx} tokens exceed the backend's KV blocks")
-        self.block_tables = np.arange(per_lane * batch, dtype=np.int32).reshape(batch, per_lane)
-        self.vocab = info.vocab_size
-        self.rng = np.random.default_rng(0)
-        self.next_id = 0
-
-    def _job(self, kind: JobKind, tokens_per_lane: int, start: int) -> Job:
-        b, n = self.batch, tokens_per_lane
-        self.next_id += 1
-        positions = np.tile(np.arange(start, start + n, dtype=np.int32), b)
-        return Job(
-            job_id=self.next_id, generation=0, kind=kind,
-            tokens=self.rng.integers(0, self.vocab, b * n).astype(np.int32), positions=positions,
-            query_start=(np.arange(b + 1) * n).astype(np.int32), lane_valid=np.ones(b, np.uint8),
-            context_lens=np.full(b, start + n, np.int32), block_tables=self.block_tables,
-            sample=np.ones(b, np.uint8), temperature=np.full(b, self.w.temperature, np.float32),
-            top_p=np.full(b, self.w.top_p, np.float32), top_k=np.full(b, self.w.top_k, np.int32),
-            seed=np.arange(b, dtype=np.uint64), want_logprobs=np.ones(b, np.uint8),
-        )
-
-    def prefill(self) -> Job:
-        return self._job(JobKind.PREFILL, self.w.prompt_len, 0)
-
-    def decodes(self) -> list[Job]:
-        p = self.w.prompt_len
-        return [self._job(JobKind.DECODE, 1, p + i) for i in range(self.max_ctx - p)]
 
 
 def openblas_threads(env) -> int | None:
@@ -131,13 +83,6 @@ def set_openblas_threads(n: int) -> int | None:
     return None
 
 
-def _round_seconds(run_one, jobs: list[Job]) -> float:
-    t0 = time.perf_counter()
-    for job in jobs:
-        run_one(job)
-    return time.perf_counter() - t0
-
-
 def run_rows(modes: dict[str, object], factories: dict[str, JobFactory], batch: int, workload: Workload) -> list[Row]:
     """Rows of every mode for one batch size.
 
@@ -161,7 +106,7 @@ def run_rows(modes: dict[str, object], factories: dict[str, JobFactory], batch: 
         spent = 0.0
         while spent < workload.min_seconds * len(modes) or len(times[next(iter(modes))]) < 3:
             for mode, run_one in modes.items():
-                t = _round_seconds(run_one, rounds[mode])
+                t = round_seconds(run_one, rounds[mode])
                 times[mode].append(t)
                 spent += t
         for mode in modes:
@@ -177,54 +122,6 @@ def in_process_runner(backend):
         assert out.status == JobStatus.OK, out.error
 
     return run_one
-
-
-class WorkerRunner:
-    """A worker process behind a ChipLink, one job in flight."""
-
-    def __init__(self, backend_name: str, options: dict, package: str | None):
-        import zmq
-
-        from engine.daemon.chip_link import ChipLink, Result
-
-        self._zmq = zmq
-        self._result = Result
-        self.ctx = zmq.Context()
-        self.runtime_dir = tempfile.mkdtemp(prefix="npuserve-bench-")
-        self.link = ChipLink(ctx=self.ctx, board="bench", chip=0, backend=backend_name, backend_options=options,
-                             package_path=package, runtime_dir=self.runtime_dir)
-        self.poller = zmq.Poller()
-
-    def start(self) -> None:
-        from engine.daemon.chip_link import Ready, WorkerFailed
-
-        self.link.start()
-        self.poller.register(self.link.socket, self._zmq.POLLIN)  # READY, FAILED, heartbeats
-        self.poller.register(self.link.result_fd, self._zmq.POLLIN)  # results, as the daemon waits for them
-        while True:
-            if not self.poller.poll(30_000):
-                raise SystemExit("bench-backend: the worker did not start within 30 s")
-            for ev in self.link.handle_events():
-                if isinstance(ev, WorkerFailed):
-                    raise SystemExit(f"bench-backend: worker failed: {ev.message}")
-                if isinstance(ev, Ready):
-                    return
-
-    def __call__(self, job: Job) -> None:
-        self.link.submit(job)
-        while True:
-            self.poller.poll(1000)
-            for ev in self.link.handle_events():
-                if isinstance(ev, self._result):
-                    assert ev.result.job_id == job.job_id and ev.result.status == JobStatus.OK, ev.result.status
-                    return
-            if not self.link.is_alive():
-                raise SystemExit("bench-backend: the worker died")
-
-    def close(self) -> None:
-        self.link.stop()
-        self.ctx.term()
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
 def ratios(rows: list[Row]) -> dict[tuple[str, int], float]:
@@ -262,6 +159,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         "one process per rank, and the all-reduce vs a memcpy (tools/bench_tp.py)")
     p.add_argument("--tp-rounds", type=int, default=3, help="--tp: decode rounds per run")
     p.add_argument("--tp-repeats", type=int, default=3, help="--tp: runs per degree, alternating")
+    p.add_argument("--loop-steps", type=int, default=0,
+                   help="ctypes only: decode in jobs of this many steps, the library's device loop against the "
+                        "worker's host loop and one-step jobs (tools/bench_decode_loop.py)")
     return p.parse_args(argv)
 
 
@@ -291,6 +191,9 @@ def main(argv: list[str]) -> int:
         return run_tp(args, package, list(batches))
     options: dict = {}
     scratch = None
+    if args.loop_steps and (args.backend != "ctypes" or args.loop_steps < 2):
+        print("bench-backend: --loop-steps needs --backend ctypes and at least 2 steps", file=sys.stderr)
+        return 2
     if args.backend == "ctypes":
         library = args.library
         if library is None:
@@ -300,6 +203,10 @@ def main(argv: list[str]) -> int:
             library = str(build_reference_library(scratch))
         options["library"] = library
     try:
+        if args.loop_steps:
+            from tools.bench_decode_loop import run as run_loop
+
+            return run_loop(args, options, batches)
         return _run(args, make_backend(args.backend, **options), options, package, batches, worker_blas)
     finally:
         if scratch is not None:

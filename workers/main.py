@@ -111,6 +111,10 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         if job.draft_lens.size and job.constrained and job.constraint_id[job.draft_lens != 0].any():
             # spec_verify's row_mask hook would need the matcher advanced through each draft: not done
             raise ConstraintError("a constrained lane cannot carry draft tokens")
+        if draft is None and device_loop_job(job):
+            looped = backend.decode_steps(job)  # None: no device loop, the host loop below
+            if looped is not None:
+                return JobOutcome(JobStatus.OK, *looped, None, (time.perf_counter_ns() - t0) // 1000)
         if draft is not None and job.draft_src.size:
             job = draft.propose(job)
         lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
@@ -137,7 +141,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         if draft is not None:
             draft.mirror(job)
         if job.kind == JobKind.DECODE and job.decode_steps > 1:
-            # multi-step decode: the next steps on this worker, each fed the token the step before sampled
+            # multi-step decode, the host loop (no device loop for this job or backend): the next steps on
+            # this worker, each fed the token the step before sampled
             steps = [tokens]
             lp_steps = [logprobs]
             step = job
@@ -161,6 +166,15 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, masks=st.masks - masks0,
                           mask_us=st.mask_us - mask_us0, **spec)
     return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, **spec)
+
+
+def device_loop_job(job: Job) -> bool:
+    """Whether a job's steps may all run on the device (`ChipBackend.decode_steps`): a multi-step decode
+    whose every valid lane samples with the plain sampler, with nothing the host must do between steps:
+    no constrained lane (its mask is the host's), no draft tokens, and no logits to return. The worker
+    also keeps the host loop when it has a draft model (it mirrors every step's KV)."""
+    return (job.kind == JobKind.DECODE and job.decode_steps > 1 and not job.constrained and not job.draft_lens.size
+            and not job.return_logits and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
 
 
 def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:

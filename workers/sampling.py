@@ -14,6 +14,16 @@ candidates hold at least top_p of the mass (the nucleus is a prefix of the
 descending order, so it then lies inside them); plain temperature sampling
 is a cumulative sum in token-id order.
 
+The same tokens off the host: a device that samples (the C ABI's device-side
+multi-step decode; workers/native/reference_chip.c ports this file) must draw
+what this code draws. So every choice here is a function of values a C port
+computes bit for bit: the scaled logits in float32, every weight exp(s) in
+float64 (numpy's float32 exp is SIMD code that differs from libm's in the
+last bit of many values, enough to move a draw about once in 10^6 rows; a
+last-bit difference of a float64 moves one about once in 10^14), a top-k
+set that breaks ties at the k-th value to the lower ids (argpartition alone
+picks any of them), and one candidate order (value descending, then id).
+
 Logprobs are the log-softmax of the *raw* logits (temperature 1, before any
 top-k/top-p filtering) at the chosen token: the model's own probability,
 comparable across requests whatever their sampling parameters, and finite
@@ -61,15 +71,23 @@ def _desc_order(values: np.ndarray) -> np.ndarray:
 
 
 def _top_k_ids(scaled: np.ndarray, k: int) -> np.ndarray:
-    """Ids (ascending) of the k largest of `scaled` (max 0): argpartition over a margin-filtered subset."""
+    """Ids (ascending) of the k largest of `scaled` (max 0), ties at the k-th value to the lower ids.
+
+    argpartition over a margin-filtered subset finds the k-th value; which of the tokens tied at it get in
+    is then decided by id, not by argpartition's internals (a device sampler must pick the same ones).
+    """
     margin = _INITIAL_MARGIN
     while margin <= _MAX_MARGIN:
         cand = np.flatnonzero(scaled >= -margin)  # every token above the threshold, so a superset of the top k
         if len(cand) >= k:
-            return np.sort(cand[np.argpartition(scaled[cand], len(cand) - k)[len(cand) - k:]])
+            break
         margin *= 2.0
-    v = len(scaled)
-    return np.sort(np.argpartition(scaled, v - k)[v - k:])
+    else:
+        cand = np.arange(len(scaled))
+    vals = scaled[cand]
+    kth = vals[np.argpartition(vals, len(cand) - k)[len(cand) - k]]
+    above = cand[vals > kth]
+    return np.sort(np.concatenate([above, cand[vals == kth][: k - len(above)]]))
 
 
 def _sample_row(z: np.ndarray, temperature: float, top_p: float, top_k: int, u: float) -> int:
@@ -90,7 +108,7 @@ def _sample_row(z: np.ndarray, temperature: float, top_p: float, top_k: int, u: 
             w = w[: min(int(np.searchsorted(cum, top_p, side="left")) + 1, k)]
         return int(ids[_draw(w, u)])
     if top_p < 1.0:
-        total = float(np.exp(scaled - np.float32(m)).sum(dtype=np.float64))
+        total = float(np.exp(scaled, dtype=np.float64).sum())  # m = 0
         margin = _INITIAL_MARGIN
         while True:
             # Past _MAX_MARGIN the excluded tokens carry < V * e^-128 of the mass: take everything.
@@ -105,7 +123,7 @@ def _sample_row(z: np.ndarray, temperature: float, top_p: float, top_k: int, u: 
         cum = np.cumsum(w) / total
         w = w[: min(int(np.searchsorted(cum, top_p, side="left")) + 1, len(w))]
         return int(ids[_draw(w, u)])
-    return _draw(np.exp(scaled - m), u)
+    return _draw(np.exp(scaled, dtype=np.float64), u)  # m = 0
 
 
 def token_logprob(z: np.ndarray, token: int) -> float:

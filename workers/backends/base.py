@@ -171,6 +171,18 @@ class ChipBackend(abc.ABC):
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
         """Write host KV content (from swap_out) into `blocks`."""
 
+    def decode_steps(self, job: Job) -> tuple[np.ndarray, np.ndarray] | None:
+        """A multi-step decode job's `job.decode_steps` steps on the device, each step fed the token the step
+        before sampled there, with `workers.sampling`'s sampler.
+
+        Returns (tokens int32 [B, n], logprobs float32 [B, n]): what the worker's host loop (`decode` per
+        step, sampling on the host) returns for the job, without a host round trip per step. None: this
+        backend has no device loop (the default), so the worker runs the host loop. The worker asks only for
+        jobs the device can sample alone (`workers.main.device_loop_job`). A backend with one says so in
+        `describe().extra["device_decode_loop"]`.
+        """
+        return None
+
     def release_blocks(self, blocks: list[int]) -> None:
         """The scheduler freed these blocks: nothing will read their KV again (a control message, not a job).
 

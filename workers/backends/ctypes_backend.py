@@ -19,6 +19,14 @@ the paged calls, and `swap_out` / `swap_in` (the KV tiers' export and import,
 `workers.kv_transfer`) and `copy_blocks` go through `simpler_kv_copy_out` /
 `simpler_kv_copy_in`, in the library's own block format.
 
+Device-side multi-step decode: a library with device-resident KV that also
+exports `simpler_model_decode_steps_paged` runs a multi-step decode job
+(`executor.decode_steps = n`) as one call, n steps sampled on the device with
+the host's sampler (`decode_steps`); the worker loops `decode` and samples
+on the host otherwise (and for the jobs the device loop cannot take: see
+`workers.main.device_loop_job`). The backend option `device_loop=False`
+ignores the symbol (a comparison, or a vendor loop not to be trusted).
+
 Tensor parallelism: with `tp_world` > 1 the library must export
 `simpler_tp_init`; this backend hands it the chip's rank and world and
 npuserve's collective (an all-reduce over the replica's shared-memory
@@ -65,6 +73,7 @@ _STATUS = {0: "OK", -1: "SIMPLER_E_INVALID", -2: "SIMPLER_E_KV_CORRUPT", -3: "SI
 _REQUIRED = ("simpler_abi_version", "simpler_model_describe", "simpler_model_prefill", "simpler_model_decode")
 DEVICE_KV = ("simpler_kv_block_bytes", "simpler_kv_init", "simpler_kv_copy_out", "simpler_kv_copy_in",
              "simpler_model_prefill_paged", "simpler_model_decode_paged")  # optional, all or none
+DEVICE_LOOP = "simpler_model_decode_steps_paged"  # optional; needs the device-resident KV group
 
 
 class NativeLibraryError(BackendError):
@@ -91,7 +100,7 @@ def build_reference_library(out_dir: str | os.PathLike, *, name: str = "librefer
     """Compile workers/native/reference_chip.c into out_dir (tests, demos, benchmarks)."""
     out = Path(out_dir) / name
     flags = [f"-D{k}={v}" for k, v in (defines or {}).items()]
-    cmd = [cc, "-shared", "-fPIC", "-O2", *flags, "-o", str(out), str(REFERENCE_SOURCE)]
+    cmd = [cc, "-shared", "-fPIC", "-O2", *flags, "-o", str(out), str(REFERENCE_SOURCE), "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr}")
@@ -139,6 +148,13 @@ def _bind(lib: ctypes.CDLL, library: str) -> None:
         lib.simpler_model_prefill_paged.restype = c_int
         lib.simpler_model_decode_paged.argtypes = [c_int, c_int, vp, vp, vp, vp, c_int, vp, c_int]
         lib.simpler_model_decode_paged.restype = c_int
+    if hasattr(lib, DEVICE_LOOP):
+        if not present:
+            raise NativeLibraryError(f"chip library {library!r} exports {DEVICE_LOOP} without the device-resident "
+                                     f"KV group it needs ({', '.join(DEVICE_KV)})")
+        fn = getattr(lib, DEVICE_LOOP)
+        fn.argtypes = [c_int, c_int, c_int, vp, vp, vp, vp, c_int, vp, vp, vp, vp, vp, vp]
+        fn.restype = c_int
 
 
 def device_kv_of(lib: ctypes.CDLL) -> bool:
@@ -162,7 +178,8 @@ class CtypesBackend(ChipBackend):
     name = "ctypes"
 
     def __init__(self, *, library: str, chip_id: int = 0, block_size: int = 16, num_blocks: int = 4096,
-                 tp_rank: int = 0, tp_world: int = 1, tp_group: str = "", tp_timeout_s: float = 30.0) -> None:
+                 tp_rank: int = 0, tp_world: int = 1, tp_group: str = "", tp_timeout_s: float = 30.0,
+                 device_loop: bool = True) -> None:
         if block_size < 1 or num_blocks < 1:
             raise ValueError("block_size and num_blocks must be positive")
         self.library = os.fspath(library)
@@ -195,6 +212,8 @@ class CtypesBackend(ChipBackend):
         self.kv_bytes_per_token = int(info.kv_bytes_per_token)
         self._cache: np.ndarray | None = None
         self.device_kv = device_kv_of(self._lib)
+        # multi-step decode jobs run on the device (_bind made sure the library has device KV then)
+        self.device_loop = bool(device_loop) and hasattr(self._lib, DEVICE_LOOP)
         self._device_loaded = False
         # bytes per token of a block in the transfer format: the library's own (device) or kv_in's (host)
         self.block_token_bytes = self._device_block_token_bytes() if self.device_kv else self.kv_bytes_per_token
@@ -255,6 +274,7 @@ class CtypesBackend(ChipBackend):
             model_sha256=self.library_sha256,  # the library is the model: rebuilding it is a new generation
             extra={"library": self.library, "chip_id": self.chip_id, "abi_version": ABI_VERSION,
                    "kv_bytes_per_token": self.kv_bytes_per_token, "device_kv": self.device_kv,
+                   "device_decode_loop": self.device_loop,
                    "tp": {"rank": self.tp_rank, "world": self.tp_world}},
         )
 
@@ -278,7 +298,7 @@ class CtypesBackend(ChipBackend):
 
     def health(self) -> dict:
         return {"ok": True, "loaded": self._loaded(), "chip_id": self.chip_id, "library": self.library,
-                "device_kv": self.device_kv}
+                "device_kv": self.device_kv, "device_decode_loop": self.device_loop}
 
     # -- paged KV <-> contiguous kv_in / kv_out ------------------------------------------
 
@@ -425,6 +445,51 @@ class CtypesBackend(ChipBackend):
             if rc != 0:
                 raise self._fail("simpler_model_decode_paged", rc, job)
         return StepOutput(logits=logits)
+
+    def decode_steps(self, job: Job) -> tuple[np.ndarray, np.ndarray] | None:
+        """All `job.decode_steps` steps in one `simpler_model_decode_steps_paged` call, sampled on the device.
+
+        Tokens int32 [B, n] (-1 on inactive lanes) and logprobs float32 [B, n] (0 where a lane does not want
+        them), as the worker's host loop returns them; None without the symbol. Every lane's table is
+        checked to reach its last step's position before the call, so a rejected job writes no KV.
+        """
+        if not self.device_loop:
+            return None
+        if job.kind != JobKind.DECODE:
+            raise ValueError(f"decode_steps called with a {job.kind.name} job")
+        self._kv_cache()
+        b, n = job.batch, max(1, int(job.decode_steps))
+        valid = np.ascontiguousarray(job.lane_valid, dtype=np.uint8)
+        tokens = np.zeros(b, dtype=np.int32)
+        starts = np.zeros(b, dtype=np.int32)
+        tables = np.ascontiguousarray(job.block_tables, dtype=np.int32).reshape(b, -1)
+        for lane in np.flatnonzero(valid).tolist():
+            tok = job.lane_tokens(lane)
+            if tok.size != 1:
+                raise ValueError(f"job {job.job_id} decode lane {lane} must carry exactly one token")
+            tokens[lane] = tok[0]
+            starts[lane] = start = self._lane_start(job, lane, 1)
+            if start + n > self.max_seq:
+                raise ValueError(f"job {job.job_id} lane {lane}: {start + n} tokens exceed max_seq={self.max_seq}")
+            self._lane_slots(tables[lane], 0, start + n)
+        out_tokens = np.full((b, n), -1, dtype=np.int32)
+        out_logprobs = np.zeros((b, n), dtype=np.float32)
+        if not valid.any():
+            return out_tokens, out_logprobs
+        want = (np.asarray(job.want_logprobs) != 0) & (valid != 0)
+        temperature = np.ascontiguousarray(job.temperature, dtype=np.float32)
+        top_p = np.ascontiguousarray(job.top_p, dtype=np.float32)
+        top_k = np.ascontiguousarray(job.top_k, dtype=np.int32)
+        seed = np.ascontiguousarray(job.seed, dtype=np.uint64)
+        rc = getattr(self._lib, DEVICE_LOOP)(
+            self.chip_id, b, n, _ptr(tokens), _ptr(valid), _ptr(starts), _ptr(tables), int(tables.shape[1]),
+            _ptr(temperature), _ptr(top_p), _ptr(top_k), _ptr(seed), _ptr(out_tokens),
+            _ptr(out_logprobs) if want.any() else None,
+        )
+        if rc != 0:
+            raise self._fail(DEVICE_LOOP, rc, job)
+        out_logprobs[~want] = 0.0
+        return out_tokens, out_logprobs
 
     def _copy_out(self, blocks: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(blocks, dtype=np.int32)

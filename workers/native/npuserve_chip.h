@@ -172,6 +172,58 @@ int simpler_model_decode_paged(int chip_id, int batch, const int32_t* tokens, co
                                const int32_t* start, const int32_t* block_tables, int table_stride,
                                float* logits, int vocab);
 
+/*
+ * Device-side multi-step decode (optional: a library without this symbol gets
+ * a multi-step decode job, executor.decode_steps = n, as n calls of
+ * simpler_model_decode[_paged] with npuserve sampling each step on the host;
+ * the ABI version is unchanged). It requires the device-resident KV group
+ * above (step k + 1 reads the KV step k wrote, on the device): npuserve
+ * refuses a library exporting it without the group.
+ *
+ * simpler_model_decode_steps_paged: n_steps decode steps of a compiled batch
+ *   (batch is one of info.profiles) on the paged device KV, each step fed the
+ *   token the step before sampled, sampled ON THE DEVICE.
+ *   tokens[batch]     : the input token of step 0 per lane
+ *   lane_valid[batch] : 0 = inactive lane: the library must not read any of
+ *                       its inputs, write KV for it, nor write its rows of
+ *                       out_tokens / out_logprobs
+ *   start[batch]      : step k of lane i writes the KV of position start[i] + k
+ *   block_tables, table_stride : as simpler_model_decode_paged; lane i's table
+ *                       must reach position start[i] + n_steps - 1
+ *   temperature, top_p, top_k, seed [batch] : lane i's sampling parameters
+ *   out_tokens[batch * n_steps]   : row i = lane i's n_steps sampled tokens
+ *   out_logprobs[batch * n_steps] : the same layout, or NULL (none wanted)
+ * Sampling is exactly npuserve's host sampler (workers/sampling.py): step k
+ * of lane i samples the token at position p = start[i] + k + 1 from the
+ * logits after step k's input, with the lane's one uniform in [0, 1) of
+ * (seed[i], p): u = (splitmix64(seed ^ splitmix64(p * 0xD6E8FEB86659FD93)) >> 11)
+ * * 2^-53. temperature <= 0 or top_k == 1: argmax, lowest id on ties.
+ * Otherwise s = (z - max z) / max(temperature, 1e-30) in float32; top_k
+ * (0 < top_k < vocab) keeps the top_k largest s (ties to the lower id);
+ * top_p < 1 keeps the shortest prefix, in the order (s descending, id
+ * ascending), whose float64 cumulative weight exp(s) reaches top_p of the
+ * mass (of the top-k set, or of the whole row); then an inverse-CDF draw over
+ * the kept weights in that order (over the whole row in id order with
+ * neither filter): the first index whose float64 cumulative weight exceeds
+ * u * their total. A logprob is the log-softmax of the RAW logits (temperature
+ * 1, no filter) at the chosen token. Every rank of a tensor-parallel replica
+ * returns the same tokens (it samples the same all-reduced logits).
+ * The library stops no lane early: every valid lane gets n_steps tokens, and
+ * npuserve (which knows EOS, stop strings and max_tokens) keeps each lane's
+ * tokens up to its end and treats the KV past it as garbage.
+ * A row of logits holding NaN or +inf fails the call with SIMPLER_E_DEVICE;
+ * a non-finite temperature or top_p, or a table too short, fails it with
+ * SIMPLER_E_INVALID before anything is written. On any failure out_tokens and
+ * out_logprobs are undefined and the KV of positions [start[i], start[i] +
+ * n_steps) of every valid lane is unknown (the KV before start[i] stays).
+ * Buffers as for the group above: npuserve's, valid for the call only.
+ */
+int simpler_model_decode_steps_paged(int chip_id, int batch, int n_steps, const int32_t* tokens,
+                                     const uint8_t* lane_valid, const int32_t* start,
+                                     const int32_t* block_tables, int table_stride,
+                                     const float* temperature, const float* top_p, const int32_t* top_k,
+                                     const uint64_t* seed, int32_t* out_tokens, float* out_logprobs);
+
 #ifdef __cplusplus
 }
 #endif

@@ -10,11 +10,15 @@
  * the call fail with SIMPLER_E_KV_CORRUPT instead of producing plausible
  * logits, and a decode after a prefill depends on every prompt token.
  *
- * Build: cc -shared -fPIC -O2 -o libreference_chip.so reference_chip.c
+ * Build: cc -shared -fPIC -O2 -o libreference_chip.so reference_chip.c -lm
  *   -DSIMPLER_ABI_VERSION=N  build a library claiming another ABI version
  *   -DREF_VOCAB=N -DREF_MAX_SEQ=N  other model shapes
  *   -DREF_DEVICE_KV=0  leave out the optional device-resident KV group (npuserve
  *                      then keeps the paged cache in the worker's memory)
+ *   -DREF_DEVICE_LOOP=0  leave out the optional device-side multi-step decode
+ *                      (simpler_model_decode_steps_paged; npuserve then loops
+ *                      one-step decodes and samples on the host). REF_DEVICE_KV=0
+ *                      leaves it out too: it needs the group.
  *
  * Tensor parallelism (simpler_tp_init): rank r of w computes the logits of its
  * slice of the vocabulary, zeros elsewhere, and npuserve's all-reduce sums the
@@ -24,12 +28,23 @@
  * Device-resident KV (simpler_kv_*, simpler_model_*_paged; at the end): the
  * chip's paged cache lives in this library, npuserve names block ids.
  *
+ * Device-side multi-step decode (simpler_model_decode_steps_paged; at the very
+ * end): n decode steps on the paged pool, each sampled here by a C port of
+ * workers/sampling.py (the sampler section below). `ref_sample_rows` exposes
+ * that sampler alone for the tests; it is not part of the ABI.
+ * REF_LOOP_TRACE=PATH in the environment: each call of the loop appends a line
+ * "chip batch n_steps" to PATH (a test's evidence that the loop ran, from
+ * inside a worker process).
+ *
  * Python re-statement (used by the tests):
  *   mix32(x)       = lowbias32 finalizer below
  *   h0             = 0x811C9DC5
  *   h' = step(h,t) = mix32(h * 0x01000193 + t + 1)            (mod 2^32)
  *   logit(h, v)    = ((mix32(h ^ (v * 0x9E3779B9)) >> 16) & 0xFFF) / 256 - 8
  */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "npuserve_chip.h"
@@ -42,6 +57,9 @@
 #endif
 #ifndef REF_DEVICE_KV
 #define REF_DEVICE_KV 1
+#endif
+#ifndef REF_DEVICE_LOOP
+#define REF_DEVICE_LOOP 1
 #endif
 #define REF_MAX_CHIPS 64
 #define REF_MAGIC 0x4E50554Bu /* "NPUK" */
@@ -188,6 +206,212 @@ int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
     return SIMPLER_OK;
 }
 
+/*
+ * The sampler: a C port of workers/sampling.py, so a token sampled here equals
+ * the one the worker would sample on the host from the same logits.
+ *
+ * Step by step as the host: float32 scaled logits s = (z - max z) / t; float64
+ * weights exp(s) (libm's exp); float64 cumulative sums in the host's order
+ * (numpy's pairwise summation where the host calls .sum(), a running sum where
+ * it calls cumsum); the candidate order s descending, ties to the lower id; the
+ * same margin loop for top-p. The only difference left is the last bit of a
+ * float64 exp (numpy's SIMD exp against libm's), which moves a draw only when
+ * it lands within ~1e-16 of a CDF boundary. No product feeds a sum, so FMA
+ * contraction cannot change a result.
+ */
+#define SAMPLE_INITIAL_MARGIN 8.0
+#define SAMPLE_MAX_MARGIN 128.0
+
+static uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* The lane's one uniform in [0, 1) for the token at `position` (sampling.lane_uniforms). */
+static double lane_uniform(uint64_t seed, int64_t position) {
+    uint64_t h = splitmix64(seed ^ splitmix64((uint64_t)position * 0xD6E8FEB86659FD93ull));
+    return (double)(h >> 11) * (1.0 / 9007199254740992.0);
+}
+
+/* numpy's pairwise summation of a contiguous float64 array (what ndarray.sum() computes). */
+static double pairwise_sum(const double* a, size_t n) {
+    if (n < 8) {
+        double res = -0.0;
+        for (size_t i = 0; i < n; i++) res += a[i];
+        return res;
+    }
+    if (n <= 128) {
+        double r[8];
+        size_t i;
+        for (int j = 0; j < 8; j++) r[j] = a[j];
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) r[j] += a[i + j];
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i];
+        return res;
+    }
+    size_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
+}
+
+typedef struct sample_cand {
+    float s;    /* scaled logit */
+    int32_t id; /* token id */
+    double w;   /* exp(s) */
+} sample_cand;
+
+/* s descending, ties to the lower id: a total order, so any sort gives the host's stable argsort. */
+static int cand_cmp(const void* pa, const void* pb) {
+    const sample_cand *a = pa, *b = pb;
+    if (a->s != b->s) return a->s > b->s ? -1 : 1;
+    return (a->id > b->id) - (a->id < b->id);
+}
+
+typedef struct sample_scratch {
+    float* s;
+    sample_cand* cand;
+    double* w;
+} sample_scratch;
+
+static int scratch_init(sample_scratch* sc, int vocab) {
+    sc->s = malloc((size_t)vocab * sizeof(float));
+    sc->cand = malloc((size_t)vocab * sizeof(sample_cand));
+    sc->w = malloc((size_t)vocab * sizeof(double));
+    return sc->s != NULL && sc->cand != NULL && sc->w != NULL;
+}
+
+static void scratch_free(sample_scratch* sc) {
+    free(sc->s);
+    free(sc->cand);
+    free(sc->w);
+}
+
+/* Candidates with s >= threshold (every token when all), ascending id, their weights in w as well. */
+static int collect(const float* s, int v, double threshold, int all, sample_cand* cand, double* w) {
+    int n = 0;
+    for (int i = 0; i < v; i++) {
+        if (!all && !((double)s[i] >= threshold)) continue;
+        cand[n] = (sample_cand){s[i], i, exp((double)s[i])};
+        w[n] = cand[n].w;
+        n++;
+    }
+    return n;
+}
+
+/* sampling._draw: the first index whose running sum exceeds u * total (zero weights never chosen). */
+static int draw(const double* w, int n, double u) {
+    double total = 0.0;
+    for (int i = 0; i < n; i++) total += w[i];
+    double x = u * total, c = 0.0;
+    for (int i = 0; i < n; i++) {
+        c += w[i];
+        if (c > x) return i;
+    }
+    return n - 1;
+}
+
+/* How many of the ordered weights the nucleus keeps: the first j with cumsum / total >= top_p, plus one. */
+static int nucleus(const double* w, int n, double total, double top_p) {
+    double c = 0.0;
+    for (int j = 0; j < n; j++) {
+        c += w[j];
+        if (c / total >= top_p) return j + 1;
+    }
+    return n;
+}
+
+/* One row: the token into *out and the row's maximum into *zmax (sampling._sample_row). */
+static int sample_row(const float* z, int v, float temperature, float top_p, int32_t top_k, double u,
+                      sample_scratch* sc, int32_t* out, float* zmax_out) {
+    float zmax = z[0];
+    int arg = 0;
+    for (int i = 0; i < v; i++) {
+        if (isnan(z[i])) return SIMPLER_E_DEVICE;
+        if (z[i] > zmax) {
+            zmax = z[i];
+            arg = i;
+        }
+    }
+    if (!isfinite(zmax)) return SIMPLER_E_DEVICE; /* +inf, or every logit -inf */
+    *zmax_out = zmax;
+    if (!(temperature > 0.0f) || top_k == 1) {
+        *out = arg; /* greedy: the first maximum */
+        return SIMPLER_OK;
+    }
+    float t = (double)temperature >= 1e-30 ? temperature : (float)1e-30;
+    float* s = sc->s;
+    for (int i = 0; i < v; i++) s[i] = (z[i] - zmax) / t; /* float32, as numpy */
+    int k = (top_k > 0 && top_k < v) ? top_k : v;
+    double p = (double)top_p;
+    sample_cand* cand = sc->cand;
+    double* w = sc->w;
+    if (k < v) { /* top-k, then top-p over the renormalised top k */
+        int nc = 0;
+        for (double margin = SAMPLE_INITIAL_MARGIN;; margin *= 2.0) {
+            int all = margin > SAMPLE_MAX_MARGIN;
+            nc = collect(s, v, -margin, all, cand, w);
+            if (nc >= k || all) break;
+        }
+        qsort(cand, (size_t)nc, sizeof *cand, cand_cmp);
+        for (int j = 0; j < k; j++) w[j] = cand[j].w;
+        int n = p < 1.0 ? nucleus(w, k, pairwise_sum(w, (size_t)k), p) : k;
+        *out = cand[draw(w, n, u)].id;
+        return SIMPLER_OK;
+    }
+    if (p < 1.0) { /* top-p over the candidates within a margin of the max, widened until they hold top_p */
+        for (int i = 0; i < v; i++) w[i] = exp((double)s[i]);
+        double total = pairwise_sum(w, (size_t)v);
+        int nc = 0;
+        for (double margin = SAMPLE_INITIAL_MARGIN;; margin *= 2.0) {
+            nc = collect(s, v, -margin, margin > SAMPLE_MAX_MARGIN, cand, w);
+            if (pairwise_sum(w, (size_t)nc) >= p * total || nc == v) break;
+        }
+        qsort(cand, (size_t)nc, sizeof *cand, cand_cmp);
+        for (int j = 0; j < nc; j++) w[j] = cand[j].w;
+        *out = cand[draw(w, nucleus(w, nc, total, p), u)].id;
+        return SIMPLER_OK;
+    }
+    for (int i = 0; i < v; i++) w[i] = exp((double)s[i]); /* temperature alone: the whole row in id order */
+    *out = draw(w, v, u);
+    return SIMPLER_OK;
+}
+
+/* log-softmax of the raw logits at tok (sampling._logprob: float32 exp, float64 sum). */
+static float logprob_of(const float* z, int v, float zmax, int32_t tok) {
+    double sum = 0.0;
+    for (int i = 0; i < v; i++) sum += (double)expf(z[i] - zmax);
+    return (float)((double)z[tok] - ((double)zmax + log(sum)));
+}
+
+/*
+ * Test entry (not part of the ABI): sample `rows` rows of `vocab` logits as
+ * workers.sampling.sample does, positions[r] being the position of row r's
+ * token; out_logprobs may be NULL.
+ */
+int ref_sample_rows(int rows, int vocab, const float* logits, const float* temperature, const float* top_p,
+                    const int32_t* top_k, const uint64_t* seed, const int64_t* positions, int32_t* out_tokens,
+                    float* out_logprobs) {
+    if (rows <= 0 || vocab <= 0 || logits == NULL || temperature == NULL || top_p == NULL || top_k == NULL ||
+        seed == NULL || positions == NULL || out_tokens == NULL)
+        return SIMPLER_E_INVALID;
+    for (int r = 0; r < rows; r++)
+        if (!isfinite(temperature[r]) || !isfinite(top_p[r])) return SIMPLER_E_INVALID;
+    sample_scratch sc;
+    int rc = scratch_init(&sc, vocab) ? SIMPLER_OK : SIMPLER_E_DEVICE;
+    for (int r = 0; r < rows && rc == SIMPLER_OK; r++) {
+        const float* z = logits + (size_t)r * (size_t)vocab;
+        float zmax;
+        rc = sample_row(z, vocab, temperature[r], top_p[r], top_k[r], lane_uniform(seed[r], positions[r]), &sc,
+                        &out_tokens[r], &zmax);
+        if (rc == SIMPLER_OK && out_logprobs != NULL) out_logprobs[r] = logprob_of(z, vocab, zmax, out_tokens[r]);
+    }
+    scratch_free(&sc);
+    return rc;
+}
+
 #if REF_DEVICE_KV
 /*
  * Device-resident KV (the optional group of npuserve_chip.h): the chip's pool
@@ -196,8 +420,6 @@ int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
  * entries as stored (16 bytes each), so a block exported by one chip imports
  * into any other chip of the same build.
  */
-#include <stdlib.h>
-
 typedef struct ref_pool {
     ref_kv_entry* entries; /* num_blocks * block_size */
     int num_blocks, block_size;
@@ -310,4 +532,68 @@ int simpler_model_decode_paged(int chip_id, int batch, const int32_t* tokens, co
     }
     return SIMPLER_OK;
 }
+#if REF_DEVICE_LOOP
+static void trace_loop(int chip_id, int batch, int n_steps) {
+    const char* path = getenv("REF_LOOP_TRACE");
+    if (path == NULL || *path == '\0') return;
+    FILE* f = fopen(path, "a");
+    if (f == NULL) return;
+    fprintf(f, "%d %d %d\n", chip_id, batch, n_steps);
+    fclose(f);
+}
+
+/*
+ * Multi-step decode on the device: step-major (every valid lane's step k
+ * before any step k + 1, as a compiled batch runs), each step a paged_extend
+ * (verify the lane's history, write its new KV entry) and a sample.
+ */
+int simpler_model_decode_steps_paged(int chip_id, int batch, int n_steps, const int32_t* tokens,
+                                     const uint8_t* lane_valid, const int32_t* start,
+                                     const int32_t* block_tables, int table_stride,
+                                     const float* temperature, const float* top_p, const int32_t* top_k,
+                                     const uint64_t* seed, int32_t* out_tokens, float* out_logprobs) {
+    const ref_pool* p = pool_of(chip_id);
+    if (p == NULL || batch <= 0 || n_steps <= 0 || tokens == NULL || lane_valid == NULL || start == NULL ||
+        block_tables == NULL || table_stride <= 0 || temperature == NULL || top_p == NULL || top_k == NULL ||
+        seed == NULL || out_tokens == NULL)
+        return SIMPLER_E_INVALID;
+    for (int b = 0; b < batch; b++) { /* everything checked before the first step writes anything */
+        if (!lane_valid[b]) continue;
+        const int32_t* table = block_tables + (size_t)b * (size_t)table_stride;
+        if (!isfinite(temperature[b]) || !isfinite(top_p[b]) || start[b] < 0 || tokens[b] < 0 ||
+            tokens[b] >= REF_VOCAB)
+            return SIMPLER_E_INVALID;
+        if ((int64_t)start[b] + n_steps > REF_MAX_SEQ) return SIMPLER_E_TOO_LONG;
+        for (int64_t pos = 0; pos < (int64_t)start[b] + n_steps; pos++)
+            if (slot(p, table, table_stride, pos) == NULL) return SIMPLER_E_INVALID;
+    }
+    trace_loop(chip_id, batch, n_steps);
+    float* logits = malloc((size_t)REF_VOCAB * sizeof(float));
+    int32_t* cur = malloc((size_t)batch * sizeof(int32_t));
+    sample_scratch sc;
+    int rc = scratch_init(&sc, REF_VOCAB) && logits != NULL && cur != NULL ? SIMPLER_OK : SIMPLER_E_DEVICE;
+    if (cur != NULL) memcpy(cur, tokens, (size_t)batch * sizeof(int32_t));
+    for (int k = 0; k < n_steps && rc == SIMPLER_OK; k++) {
+        for (int b = 0; b < batch && rc == SIMPLER_OK; b++) {
+            if (!lane_valid[b]) continue;
+            const int32_t* table = block_tables + (size_t)b * (size_t)table_stride;
+            rc = paged_extend(chip_id, &cur[b], 1, start[b] + k, table, table_stride, logits, REF_VOCAB);
+            if (rc != SIMPLER_OK) break;
+            int32_t tok;
+            float zmax;
+            rc = sample_row(logits, REF_VOCAB, temperature[b], top_p[b], top_k[b],
+                            lane_uniform(seed[b], (int64_t)start[b] + k + 1), &sc, &tok, &zmax);
+            if (rc != SIMPLER_OK) break;
+            size_t at = (size_t)b * (size_t)n_steps + (size_t)k;
+            out_tokens[at] = tok;
+            if (out_logprobs != NULL) out_logprobs[at] = logprob_of(logits, REF_VOCAB, zmax, tok);
+            cur[b] = tok;
+        }
+    }
+    scratch_free(&sc);
+    free(logits);
+    free(cur);
+    return rc;
+}
+#endif /* REF_DEVICE_LOOP */
 #endif /* REF_DEVICE_KV */
