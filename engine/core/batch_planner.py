@@ -61,7 +61,22 @@ class BatchPlanner:
 
     # ------------------------------------------------------------ decode lanes
     def decode_candidates(self, ready: Collection[int], requests: Mapping[int, RequestRecord]) -> list[RequestRecord]:
-        """Ready sequences by earliest deadline, then fair-queue tag, then arrival (seed 001 §7.2)."""
+        """Ready sequences by earliest deadline, then round robin: the lane whose last step is oldest first.
+
+        The turn in `RequestRecord.decode_key` is drawn at admission (so
+        newcomers queue in the fair queue's order; a requeued lane keeps its
+        own) and again, in lane order, each time the lane gets a step. A lane
+        passed over thus goes ahead of every lane served since: with n
+        candidates for b lanes none waits more than about n / b jobs. A fixed
+        order (deadline, fair-queue tag) starved the lanes at its end whenever
+        more were ready than the job takes -- 9 for a B8, 20 for a B16, or
+        lanes followed step after step (executor.queue_next_step) ahead of a
+        ready one -- until the lanes ahead finished. Lanes that all fit keep
+        their order job after job (a followed batch stays as it is). Deadlines
+        still go first (seed 001 §7.2): a lane without one waits while lanes
+        with deadlines fill the job; the tenant lane share applies on top
+        (`pick_lanes`).
+        """
         cands = [requests[rid] for rid in ready]
         cands.sort(key=_DECODE_KEY)
         return cands

@@ -30,9 +30,9 @@ class RequestRecord:
     job_id: int | None = None  # job in flight that carries this request
     next_job: int | None = None  # its queued next step (executor.queue_next_step), carrying it after job_id
     retries: int = 0
-    vft: float = 0.0  # fair-queue finish tag: tie-break among decode candidates
-    # decode candidate order (deadline, vft, id), fixed at admission: sorted on every decode job
-    decode_key: tuple[float, float, int] = (0.0, 0.0, 0)
+    # decode candidate order (deadline, turn), sorted on every decode job: the turn is drawn at admission and
+    # again each time the lane gets a step (BatchPlanner.decode_candidates)
+    decode_key: tuple[float, int] = (0.0, 0)
     admit_order: int = 0  # larger = admitted later: the preemption victim order
     ready_since: float = 0.0
     t_first_sched: float | None = None

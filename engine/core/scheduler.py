@@ -148,6 +148,8 @@ class Scheduler:
         self._job_ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
         self._admit_order = itertools.count(1)
+        # decode turns (RequestRecord.decode_key): one at admission, then one each time a lane gets a step
+        self._turns = itertools.count(1)
         self._waiting_tokens = 0
         self._tenant_waiting_tokens: Counter[str] = Counter()
         self._tenant_active: Counter[str] = Counter()
@@ -430,9 +432,9 @@ class Scheduler:
             if from_requeue:
                 self._requeue.popleft()
             else:
-                r.vft = self._wfq.pop(rid)
+                self._wfq.pop(rid)
                 self._add_waiting(r, -1)
-                r.decode_key = (math.inf if r.deadline is None else r.deadline, r.vft, r.request_id)
+                r.decode_key = (math.inf if r.deadline is None else r.deadline, next(self._turns))
             r.move(S.PREFILL_READY)
             r.admit_order = next(self._admit_order)
             if self._imports and self._imports[-1][1] == rid:
@@ -1209,6 +1211,9 @@ class Scheduler:
                         for i, (r, s, e, smp, ds) in enumerate(zip(rs, starts, ends, sampled, drafts))]
         job = build_job(kind, lanes_in, job_id=job_id, generation=self.model.generation, batch=batch,
                         table_width=ch.max_blocks_per_seq, decode_steps=steps)
+        turns = self._turns
+        for r in decode:  # to the back of the round robin, in the job's lane order (decode_candidates)
+            r.decode_key = (r.decode_key[0], next(turns))
         ready = ch.decode_ready
         if queued is None:
             for r, end in zip(rs, ends):

@@ -162,8 +162,8 @@ async def _freeze_in_flight(d: DaemonUnderTest, pid: int, load: WireLoad, nudges
     the stats show is what the chip holds when the kill lands. Otherwise one more stream is sent (into
     `nudges`) and the worker runs on for a moment before it is caught again: lanes that all share one job
     get a queued step behind it and nothing beside it (one job and its follower), and the newcomer's
-    prompt job and lane split them (once the lanes are enough for the next profile: with fewer, the
-    followed lanes keep the job to themselves and the newcomer waits). Stopped for at most `max_stopped_s` in all, well within the heartbeat
+    prompt job and lane split them (its lane takes its turn among theirs, `BatchPlanner.decode_candidates`,
+    even when they fill the profile). Stopped for at most `max_stopped_s` in all, well within the heartbeat
     timeout. Returns (the chip's stats or None, the settled (jobs, queued steps) of every attempt).
     """
     seen: list = []

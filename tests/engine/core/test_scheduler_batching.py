@@ -7,7 +7,7 @@ import pytest
 from engine.core.batch_profiles import lanes_for
 from engine.core.scheduler_config import SchedulerConfig
 from ipc.records import JobKind
-from test_scheduler_fakes import FakeExecutor, kv_fully_free, make_scheduler, params
+from test_scheduler_fakes import FakeExecutor, decode_turn_gaps, kv_fully_free, make_scheduler, params
 
 # (ready, expected B, expected active lanes) for profiles B1/B4/B8/B16, seed 001 §8 thresholds 3/6/12
 LANE_TABLE = [(0, 0, 0), (1, 1, 1), (2, 1, 1), (3, 4, 3), (4, 4, 4), (5, 4, 4), (6, 8, 6), (7, 8, 7), (8, 8, 8),
@@ -66,6 +66,22 @@ def test_decode_prefers_earliest_deadline():
     ex.complete_all(0.0)
     ex.handle(s.tick(0.01))
     assert [int(j.seed[0]) for _, j in ex.pending] == [2, 1, 3]
+
+
+def test_more_ready_lanes_than_the_largest_profile_take_turns():
+    """20 ready for a B16, one job at a time: the strict order (deadline, fair-queue tag) kept the last four
+    at their first token until the first sixteen finished; round robin serves each ready lane in turn."""
+    s = make_scheduler(SchedulerConfig(max_inflight=1))
+    ex = FakeExecutor(s)
+    for i in range(20):
+        ex.submit(i, params(max_tokens=100, seed=i))
+    now = 0.0
+    while not ex.terminal:
+        ex.step(now)
+        now += 0.01
+    got = [len(ex.tokens.get(i, [])) for i in range(20)]
+    assert min(got) >= max(got) // 2, got
+    assert max(decode_turn_gaps(ex.jobs).values()) <= 3
 
 
 def test_tenant_lane_share_is_capped_unless_nobody_else_is_ready():

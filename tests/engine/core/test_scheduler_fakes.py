@@ -136,3 +136,15 @@ def kv_fully_free(sched: Scheduler) -> bool:
         if ch.kv.available_blocks() != ch.num_blocks or ch.kv.seq_ids():
             return False
     return True
+
+
+def decode_turn_gaps(jobs: list[tuple[int, Job]]) -> dict[int, int]:
+    """Per lane seed: the most decode jobs submitted between two of its steps (1: it was in every one)
+    -- how long a ready lane waited for its turn, counted in jobs."""
+    seen: dict[int, list[int]] = {}
+    decodes = [job for _, job in jobs if job.kind == JobKind.DECODE]
+    for i, job in enumerate(decodes):
+        for lane in range(job.batch):
+            if job.lane_valid[lane]:
+                seen.setdefault(int(job.seed[lane]), []).append(i)
+    return {seed: max((b - a for a, b in zip(at, at[1:])), default=len(decodes)) for seed, at in seen.items()}

@@ -58,7 +58,7 @@ def run(steps: int, ps, events_for=None, mixed: int = 0) -> StepsExecutor:
 
 @pytest.mark.parametrize("steps", [4, 8])
 def test_outputs_equal_the_one_step_run(steps: int) -> None:
-    ps = workload(random.Random(11), 30)
+    ps = workload(random.Random(15), 30)  # a seed whose lanes end (EOS, stops) inside multi-step jobs
     one = run(1, ps)
     many = run(steps, ps)
     assert outcome(many) == outcome(one)

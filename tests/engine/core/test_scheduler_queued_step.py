@@ -17,7 +17,7 @@ import pytest
 from engine.core.actions import FailRequest, FinishRequest
 from engine.core.scheduler_config import SchedulerConfig
 from ipc.records import FOLLOW_PREVIOUS, Job, JobKind, JobResult, JobStatus
-from test_scheduler_fakes import EOS, VOCAB, FakeExecutor, kv_fully_free, make_scheduler, params
+from test_scheduler_fakes import EOS, VOCAB, FakeExecutor, decode_turn_gaps, kv_fully_free, make_scheduler, params
 from test_scheduler_text import piece
 from workers.follow_tokens import FollowTokens, UnresolvedFollow
 
@@ -117,6 +117,27 @@ def test_outputs_equal_the_synchronous_run(max_inflight: int) -> None:
     assert "queued_steps" not in sync.sched.counters
     # the chip never waited for the scheduler's turn: every tick after the first found a job queued
     assert max(len(ch.inflight) for ch in queued.sched.chips.values()) <= max_inflight + 1
+
+
+@pytest.mark.parametrize("max_inflight", [1, 2])
+def test_a_ready_lane_takes_its_turn_beside_the_followed_ones(max_inflight: int) -> None:
+    """9 lanes for a B8: the lanes followed step after step once sorted first and kept the ninth at its
+    first token until they finished (it had 1 token, the others 86-100); now it takes turns with them."""
+    cfg = SchedulerConfig(queue_next_step=True, max_inflight=max_inflight)
+    ex = FollowingExecutor(make_scheduler(cfg, block_size=BS, num_blocks=256), token_fn=lambda s, p: 0)
+    for rid in range(1, 10):
+        ex.submit(rid, params(n_prompt=8, max_tokens=100, seed=rid, ignore_eos=True))
+    now = 0.0
+    while not ex.terminal:  # tick, then answer the oldest job (as in `pipelined`), up to the first finish
+        ex.handle(ex.sched.tick(now))
+        if ex.pending:
+            ex.complete_one(now, 0)
+        now += 0.001
+    got = [len(ex.tokens.get(rid, [])) for rid in range(1, 10)]
+    assert min(got) >= max(got) // 2, got
+    assert max(decode_turn_gaps(ex.jobs).values()) <= 3  # no lane sat out more than two decode jobs running
+    decode_lanes = sum(int(j.lane_valid.sum()) for _, j in ex.jobs if j.kind == JobKind.DECODE)
+    assert ex.sched.counters["queued_steps"] >= 0.75 * decode_lanes  # and the chip still follows its lanes
 
 
 def test_cancels_and_deadlines_mid_step_end_cleanly() -> None:
