@@ -110,6 +110,9 @@ class AdmissionConfig:
     max_waiting_requests: int = key(_SCHED.max_waiting_requests, integer(0), "requests waiting for admission; beyond it 429")
     max_waiting_prompt_tokens: int = key(_SCHED.max_waiting_prompt_tokens, integer(0), "prompt tokens of waiting requests; beyond it 429")
     deadline_default_ms: int = key(round(_SCHED.default_deadline_s * 1000), integer(1), "deadline of a request that sets no deadline_ms")
+    max_queue_wait_ms: int = key(round(_SCHED.max_queue_wait_s * 1000), integer(0), "longest wait for admission: "
+                                 "a request waiting longer gets 429 queue_wait_exceeded (retryable), and so does a "
+                                 "new one while its queue's oldest has waited that long; 0 = no bound")
     max_prompt_tokens: int = key(0, integer(0), "longest prompt (+ continuation) accepted; "
                                              "0 = the model's max_seq - 1; longer is 400")
 
@@ -319,7 +322,7 @@ SECTIONS: dict[str, type] = {
 # A change to any other key is logged as needing a restart and not applied.
 RELOADABLE: tuple[str, ...] = (
     "admission.max_sequences", "admission.max_waiting_requests", "admission.max_waiting_prompt_tokens",
-    "admission.deadline_default_ms", "queues.decode_cost_weight", "queues.tenants.*",
+    "admission.deadline_default_ms", "admission.max_queue_wait_ms", "queues.decode_cost_weight", "queues.tenants.*",
     "batch.batching_window_us", "batch.prefill_window_us", "executor.job_timeout_ms", "server.drain_timeout_s",
     "server.loop_stall_ms",
     "log.level", "log.format",

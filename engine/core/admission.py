@@ -4,6 +4,14 @@
 served are rejected at once (400), overload is pushed back to the client
 (429) instead of growing an unbounded queue, and a draining scheduler says
 so (503).  Everything else is queued; KV is reserved later, at a tick.
+
+The waiting room is bounded in time as well as in size: with
+admission.max_queue_wait_ms a request that has waited that long is failed
+with 429 `queue_wait_exceeded` (the scheduler's tick, in arrival order), and
+a new request is turned away at once while the oldest one of the lane it
+would join has waited that long already (it would wait at least as long).
+Seed 001 §5.2: queue only while there is hope of being served in time; a
+burst is pushed back fast, retryable, for a balancer to place elsewhere.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ class CapacityBudget:
     max_waiting_requests: int
     max_waiting_prompt_tokens: int
     max_inflight_jobs: int
+    # admission.max_queue_wait_ms in seconds: how long a request may wait for admission; 0 = unbounded
+    max_queue_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,17 @@ class WaitingLoad:
     requests: int
     prompt_tokens: int
     tenant_tokens: int
+    # how long the oldest request of the lane the new one joins (its tenant's queue) has waited; 0: none waits
+    oldest_wait_s: float = 0.0
+
+
+def queue_wait_exceeded(max_queue_wait_s: float, head: bool) -> AdmissionDecision:
+    """The 429 of admission.max_queue_wait_ms: the request's own wait ran out (at a tick), or (`head`, at submit)
+    the oldest request of its lane has already waited that long."""
+    ms = round(max_queue_wait_s * 1000)
+    message = (f"the queue's oldest request has already waited admission.max_queue_wait_ms ({ms} ms)" if head
+               else f"waited admission.max_queue_wait_ms ({ms} ms) without being admitted")
+    return AdmissionDecision(AdmissionOutcome.REJECT_CAPACITY, "queue_wait_exceeded", message)
 
 
 def decide_submit(p: GenerateParams, limits: ModelLimits, budget: CapacityBudget, accepting: bool,
@@ -122,4 +143,6 @@ def decide_submit(p: GenerateParams, limits: ModelLimits, budget: CapacityBudget
         return AdmissionDecision(AdmissionOutcome.REJECT_CAPACITY, "queue_tokens_full", "too many waiting prompt tokens")
     if tenant_cap_tokens is not None and waiting.tenant_tokens + n > tenant_cap_tokens:
         return AdmissionDecision(AdmissionOutcome.REJECT_CAPACITY, "tenant_quota", "tenant's waiting-token quota is full")
+    if 0 < budget.max_queue_wait_s <= waiting.oldest_wait_s:
+        return queue_wait_exceeded(budget.max_queue_wait_s, head=True)
     return AdmissionDecision(AdmissionOutcome.QUEUE)

@@ -11,12 +11,18 @@ and the smallest finish tag is served next (start-time fair queueing: the
 global virtual time is the start tag of the item last served).  A tenant that
 was idle does not bank credit, and a tenant at its cap is skipped without
 losing its place.
+
+The queue also keeps its items in push order, board-wide and per tenant
+(`oldest`): the scheduler pushes a request when it arrives, so the oldest
+item is the one that has waited longest, whatever the fair order serves next
+(admission.max_queue_wait_ms expires waits in that order).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +32,34 @@ class _Entry:
     sort_key: tuple[int, int]
     item_id: int = field(compare=False)
     cost: float = field(compare=False)
+
+
+class _PushOrder:
+    """Item ids oldest first, removed lazily: an entry is live while `tickets` still maps its item to its ticket
+    (an id pushed again later gets a new ticket, so its old entry stays dead). Compacted when dead entries
+    outnumber the live ones, so memory follows the queue even when nobody asks for the oldest."""
+
+    __slots__ = ("_q", "live")
+
+    def __init__(self) -> None:
+        self._q: deque[tuple[int, int]] = deque()  # (ticket, item id)
+        self.live = 0
+
+    def append(self, ticket: int, item_id: int) -> None:
+        self._q.append((ticket, item_id))
+        self.live += 1
+
+    def removed(self, tickets: dict[int, int]) -> None:
+        """One of its items left the queue (its ticket is already gone from `tickets`)."""
+        self.live -= 1
+        if len(self._q) > 2 * self.live + 32:
+            self._q = deque(e for e in self._q if tickets.get(e[1]) == e[0])
+
+    def oldest(self, tickets: dict[int, int]) -> int | None:
+        q = self._q
+        while q and tickets.get(q[0][1]) != q[0][0]:
+            q.popleft()
+        return q[0][1] if q else None
 
 
 class WeightedFairQueue:
@@ -38,6 +72,10 @@ class WeightedFairQueue:
         self._start: dict[str, float] = {}  # start tag of each backlogged tenant's head
         self._vtime = 0.0
         self._counter = itertools.count()
+        self._tickets: dict[int, int] = {}  # item id -> its push ticket (the _PushOrder entries' key)
+        self._pushes = itertools.count()
+        self._age = _PushOrder()
+        self._tenant_age: dict[str, _PushOrder] = {}
 
     def __len__(self) -> int:
         return len(self._where)
@@ -64,12 +102,37 @@ class WeightedFairQueue:
         heapq.heappush(self._queues.setdefault(tenant, []), _Entry((rank, order), item_id, float(cost)))
         self._where[item_id] = tenant
         self._removed.discard(item_id)
+        ticket = self._tickets[item_id] = next(self._pushes)
+        self._age.append(ticket, item_id)
+        ages = self._tenant_age.get(tenant)
+        if ages is None:
+            ages = self._tenant_age[tenant] = _PushOrder()
+        ages.append(ticket, item_id)
+
+    def _forget_age(self, item_id: int, tenant: str) -> None:
+        tickets = self._tickets
+        del tickets[item_id]
+        self._age.removed(tickets)
+        ages = self._tenant_age[tenant]
+        ages.removed(tickets)
+        if not ages.live:
+            del self._tenant_age[tenant]
+
+    def oldest(self, tenant: str | None = None) -> int | None:
+        """The queued item pushed first, board-wide or among `tenant`'s (None: nothing queued there).
+
+        Amortised O(1): dead entries at the front are dropped as they are met."""
+        if tenant is None:
+            return self._age.oldest(self._tickets)
+        ages = self._tenant_age.get(tenant)
+        return None if ages is None else ages.oldest(self._tickets)
 
     def remove(self, item_id: int) -> bool:
         if item_id not in self._where:
             return False
         tenant = self._where.pop(item_id)
         self._removed.add(item_id)  # lazily dropped from its heap
+        self._forget_age(item_id, tenant)
         if self._head(tenant) is None:
             self._start.pop(tenant, None)
         return True
@@ -110,6 +173,7 @@ class WeightedFairQueue:
         assert head is not None and head.item_id == item_id, "only a tenant's head can be served"
         heapq.heappop(self._queues[tenant])
         del self._where[item_id]
+        self._forget_age(item_id, tenant)
         start, finish = self.tag(tenant, head.cost)
         self._last_finish[tenant] = finish
         self._vtime = max(self._vtime, start)

@@ -32,6 +32,7 @@ from engine.core.admission import (
     ModelLimits,
     WaitingLoad,
     decide_submit,
+    queue_wait_exceeded,
 )
 from engine.core.batch_planner import BatchPlanner, PromptChunk
 from engine.core.batch_profiles import resolve_profiles
@@ -140,6 +141,7 @@ class Scheduler:
             max_waiting_requests=config.max_waiting_requests,
             max_waiting_prompt_tokens=config.max_waiting_prompt_tokens,
             max_inflight_jobs=config.max_inflight * len(chips),
+            max_queue_wait_s=config.max_queue_wait_s,
         )
         self._requests: dict[int, RequestRecord] = {}
         self._wfq = WeightedFairQueue(lambda t: self.config.tenant(t).weight)
@@ -179,10 +181,15 @@ class Scheduler:
         assert request_id not in self._requests, f"request id {request_id} is already live"
         n_ctx = len(params.prompt) + len(params.continuation)
         policy = self.config.tenant(params.tenant)
+        oldest_wait = 0.0
+        if self.budget.max_queue_wait_s > 0:
+            head = self._wfq.oldest(params.tenant)  # the lane it would join: its tenant's queue
+            if head is not None:
+                oldest_wait = now - self._requests[head].arrival
         decision = decide_submit(
             params, self.limits, self.budget, self._accepting, self._unavailable_reason,
             WaitingLoad(len(self._wfq) + len(self._requeue), self._waiting_tokens,
-                        self._tenant_waiting_tokens[params.tenant]),
+                        self._tenant_waiting_tokens[params.tenant], oldest_wait),
             policy.max_waiting_tokens,
         )
         if decision.outcome is not AdmissionOutcome.QUEUE:
@@ -307,6 +314,7 @@ class Scheduler:
     def tick(self, now: float) -> list[Action]:
         out: list[Action] = []
         self._expire_deadlines(now, out)
+        self._expire_queue_waits(now, out)
         self._expire_jobs(now, out)
         self._admit(now)
         if self.tiers is not None:
@@ -329,6 +337,11 @@ class Scheduler:
                 continue
             times.append(t)
             break
+        bound = self.budget.max_queue_wait_s
+        if bound > 0:
+            head = self._wfq.oldest()
+            if head is not None:
+                times.append(self._requests[head].arrival + bound)
         for ch in self.chips.values():
             times.extend(j.timeout_at for j in ch.inflight.values())
         if self._window_wakeup is not None:
@@ -379,7 +392,7 @@ class Scheduler:
         self.config = config
         self.budget = dataclasses.replace(
             self.budget, max_sequences=config.max_sequences, max_waiting_requests=config.max_waiting_requests,
-            max_waiting_prompt_tokens=config.max_waiting_prompt_tokens)
+            max_waiting_prompt_tokens=config.max_waiting_prompt_tokens, max_queue_wait_s=config.max_queue_wait_s)
         self.planner = BatchPlanner(config, self.profiles, self.chunked, self.model.mixed_batch_tokens)
         self._dirty = True
 
@@ -640,6 +653,24 @@ class Scheduler:
                 continue
             self.counters["failed_deadline_exceeded"] += 1
             out.append(FailRequest(rid, 504, "deadline_exceeded", "the request's deadline passed", False, r.timing(now)))
+            self._terminate(r, S.FAILED)
+
+    def _expire_queue_waits(self, now: float, out: list[Action]) -> None:
+        """admission.max_queue_wait_ms: a request still in the fair queue that long gets 429 queue_wait_exceeded
+        (retryable: another board may serve it in time). Waits run out in arrival order, so only the oldest
+        is looked at; a request requeued after a preemption or a fault was admitted once and is not bound."""
+        bound = self.budget.max_queue_wait_s
+        if bound <= 0:
+            return
+        wfq, requests = self._wfq, self._requests
+        d = None
+        while (rid := wfq.oldest()) is not None:
+            r = requests[rid]
+            if r.arrival + bound > now:  # the same sum as next_wakeup's, so the wake-up at it expires it
+                return
+            d = d or queue_wait_exceeded(bound, head=False)
+            self.counters[f"failed_{d.reason}"] += 1
+            out.append(FailRequest(rid, d.code, d.reason, d.message, d.retryable, r.timing(now)))
             self._terminate(r, S.FAILED)
 
     def _expire_jobs(self, now: float, out: list[Action]) -> None:

@@ -33,6 +33,8 @@ class SchedulerConfig:
     max_waiting_requests: int = 128
     max_waiting_prompt_tokens: int = 262_144
     default_deadline_s: float | None = 120.0
+    # longest wait for admission (a burst beyond capacity gets 429 queue_wait_exceeded, not a late answer); 0 = off
+    max_queue_wait_s: float = 0.0
     kv_watermark: float = 0.01  # fraction of a chip's blocks kept free at admission for decode growth
     # queues: weighted round robin of job opportunities (seed 001 §6)
     decode_weight: int = 8
@@ -96,6 +98,8 @@ class SchedulerConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_queue_wait_s < 0:
+            raise ValueError("max_queue_wait_s must be >= 0 (0: off)")
         if self.max_kv_tokens < 0:
             raise ValueError("max_kv_tokens must be >= 0 (0: the KV pool)")
         if self.medium_prefill_max_tokens < self.short_prefill_max_tokens:
@@ -159,6 +163,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         max_kv_tokens=int(_get(adm, "max_kv_tokens", d.max_kv_tokens)),
         max_waiting_requests=int(_get(adm, "max_waiting_requests", d.max_waiting_requests)),
         max_waiting_prompt_tokens=int(_get(adm, "max_waiting_prompt_tokens", d.max_waiting_prompt_tokens)),
+        max_queue_wait_s=int(_get(adm, "max_queue_wait_ms", round(d.max_queue_wait_s * 1000))) / 1000.0,
         default_deadline_s=(d.default_deadline_s if deadline_ms is None
                             else (None if int(deadline_ms) <= 0 else int(deadline_ms) / 1000.0)),
         decode_weight=int(_get(q, "decode_weight", d.decode_weight)),

@@ -189,10 +189,12 @@ class Generation:
             raise GenerationError("configure", f"cannot load the model's tokenizer: {e}") from None
         piece = None if self.tokenizer is None else piece_function(self.tokenizer)
         # Golden cases and warm-up are the load's own requests: they must not meet the clients' admission
-        # limits (max_waiting_requests may be 0). The configured limits apply from publication (`serve`).
+        # limits (max_waiting_requests may be 0, max_queue_wait_ms shorter than a warm-up's queue). The
+        # configured limits apply from publication (`serve`).
         sc = scheduler_config_from(cfg)
         checking = dataclasses.replace(sc, max_waiting_requests=max(sc.max_waiting_requests, 1024),
-                                       max_waiting_prompt_tokens=max(sc.max_waiting_prompt_tokens, 1 << 22))
+                                       max_waiting_prompt_tokens=max(sc.max_waiting_prompt_tokens, 1 << 22),
+                                       max_queue_wait_s=0.0)
         if KvTierShell.wanted(cfg, info) and not self._tp_without_tiers():
             try:
                 self.kv_tiers = KvTierShell(cfg, info, SHM_PREFIX)
