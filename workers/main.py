@@ -610,7 +610,7 @@ def run(config: WorkerConfig) -> int:
             rings.append(Ring.attach(config.job_ring))
             rings.append(Ring.attach(config.result_ring))
             if config.job_bell is not None:
-                bell = SemaphoreDoorbell.attach(config.job_bell, spin_s=config.job_spin_s)
+                bell = SemaphoreDoorbell.attach(config.job_bell, spin_s=config.job_spin_s, adaptive=True)
             backend, package = _load_backend(config)
             draft = load_draft(config, backend)
             info = backend.describe()
