@@ -429,7 +429,7 @@ class WorkerProcess:
                                          0, f"invalid job: {exc}")
                 else:
                     outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints, self.draft)
-                    if outcome.status == JobStatus.OK:
+                    if job.follow and outcome.status == JobStatus.OK:  # a step may be queued behind its lanes
                         self.follow.record(job, outcome.tokens)
             finally:
                 self._set_in_job(False)

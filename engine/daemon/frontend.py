@@ -23,7 +23,7 @@ import collections
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import orjson
 import zmq
@@ -47,9 +47,10 @@ CLIENT_STALL_S = 10.0
 _HARD_FRAME_FACTOR = 16
 
 
-@dataclass(frozen=True)
-class Conn:
-    """Where replies go: the ROUTER socket index and the routing envelope."""
+class Conn(NamedTuple):
+    """Where replies go: the ROUTER socket index and the routing envelope.
+
+    A NamedTuple (hashed in C): each turn's token events are grouped by connection, one lookup per event."""
 
     sock: int
     envelope: tuple[bytes, ...]
