@@ -63,6 +63,7 @@ next steps), not one dict entry per generated token for nothing.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,16 @@ class JobStatus(enum.IntEnum):
     OK = 0
     FAILED = 1  # device-level failure: every lane of the job failed, KV unknown
     INVALID = 2  # the worker rejected the job's inputs before running it
+
+
+# value -> member, for the per-record decodes (an IntEnum's call costs ~1 us of Python)
+_KIND_OF = {k.value: k for k in JobKind}
+_STATUS_OF = {k.value: k for k in JobStatus}
+
+
+def _member(table: dict, enum_cls: type, value: int):
+    m = table.get(value)
+    return enum_cls(value) if m is None else m  # an unknown value raises ValueError, as the enum call did
 
 
 FOLLOW_PREVIOUS = -1  # a lane's token: the one the lane's previous job samples (resolved by the worker)
@@ -341,7 +352,7 @@ class Job:
         if nds:
             extra["draft_src"] = u8[u8.shape[0] - nds:]
         return cls(
-            job_id=m[0], generation=m[1], kind=JobKind(m[2]), return_logits=bool(m[3]),
+            job_id=m[0], generation=m[1], kind=_member(_KIND_OF, JobKind, m[2]), return_logits=bool(m[3]),
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
             top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7],
             dst_blocks=i32[o7:o8], temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv],
@@ -422,8 +433,8 @@ class JobResult:
         return cls(
             job_id=job_id,
             generation=generation,
-            kind=JobKind(kind),
-            status=JobStatus(status),
+            kind=_member(_KIND_OF, JobKind, kind),
+            status=_member(_STATUS_OF, JobStatus, status),
             device_us=device_us,
             worker_us=worker_us,
             device_start_ns=device_start_ns,
@@ -575,6 +586,61 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
     if n and any(cols[_CONSTRAINT]):
         _add_constraints(job, lanes, b)
     return job
+
+
+def decode_job(tokens: Sequence[int], starts: Sequence[int], tables: Sequence[Sequence[int]],
+               sampling: Sequence[tuple], *, job_id: int = 0, generation: int = 0, batch: int | None = None,
+               table_width: int | None = None, decode_steps: int = 1, follow: bool = False) -> Job:
+    """A decode job of n sampling, unconstrained lanes in slots 0..n-1 (the rest of `batch` inactive), from
+    columns: lane i's input token tokens[i] at position starts[i], its block table tables[i] and its
+    sampling[i] = (temperature, top_p, top_k, seed, want_logprobs).
+
+    The Job build_job makes of the same lanes, without a Lane per lane: the scheduler builds one decode
+    job per step, and packing columns it already has costs a fraction of building and transposing lanes.
+    """
+    n = len(tokens)
+    b = n if batch is None else batch
+    assert 0 < n <= b, "more lanes than the compiled batch"
+    assert len(starts) == n and len(tables) == n and len(sampling) == n
+    table_lens = [len(t) for t in tables]
+    width = table_width if table_width is not None else max(table_lens)
+    assert max(table_lens) <= width, "block table wider than table_width"
+    width = max(width, 1)
+    temps, top_ps, top_ks, seeds, wants = zip(*sampling)
+    query_start, lane_valid = _decode_slots(b, n)
+    context_lens = np.zeros(b, np.int32)
+    context_lens[:n] = starts
+    context_lens[:n] += 1
+    block_tables = np.full((b, width), -1, np.int32)
+    filled = np.arange(width) < np.array(table_lens)[:, None]
+    block_tables[:n][filled] = np.fromiter(itertools.chain.from_iterable(tables), np.int32, sum(table_lens))
+    temperature = np.zeros(b, np.float32)
+    temperature[:n] = temps
+    top_p = np.ones(b, np.float32)
+    top_p[:n] = top_ps
+    top_k = np.zeros(b, np.int32)
+    top_k[:n] = top_ks
+    seed = np.zeros(b, np.uint64)
+    seed[:n] = [x & 0xFFFFFFFFFFFFFFFF for x in seeds]
+    want_logprobs = np.zeros(b, np.uint8)
+    want_logprobs[:n] = wants
+    return Job(
+        job_id=job_id, generation=generation, kind=JobKind.DECODE, tokens=np.array(tokens, np.int32),
+        positions=np.array(starts, np.int32), query_start=query_start, lane_valid=lane_valid,
+        context_lens=context_lens, block_tables=block_tables, sample=lane_valid, temperature=temperature,
+        top_p=top_p, top_k=top_k, seed=seed, want_logprobs=want_logprobs, decode_steps=decode_steps,
+        follow=follow,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_slots(b: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """query_start and lane_valid (= sample) of a decode job with lanes 0..n-1 of b active: shared, read-only."""
+    qs = np.minimum(np.arange(b + 1, dtype=np.int32), n)
+    valid = np.zeros(b, np.uint8)
+    valid[:n] = 1
+    qs.flags.writeable = valid.flags.writeable = False
+    return qs, valid
 
 
 def _add_constraints(job: Job, lanes: Sequence[Lane | None], b: int) -> None:

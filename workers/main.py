@@ -46,6 +46,7 @@ _PR_SET_PDEATHSIG = 1
 _PARENT_DEATH_SIGNAL = signal.SIGUSR1
 _BELL_ONE = (1).to_bytes(8, "little")  # an eventfd takes one native u64 per write (a pipe takes any bytes)
 _FAILED_SEND_LINGER_MS = 2000
+_POLLIN = int(zmq.POLLIN)  # a plain int: `&` with the IntFlag member runs enum Python code every loop turn
 
 
 def _log(event: str, **fields) -> None:
@@ -337,7 +338,7 @@ class WorkerProcess:
     def drain_control(self) -> None:
         sock = self.sock
         # Asking EVENTS first: it runs on every loop turn, and a failed recv costs an exception.
-        while self.running and sock.get(zmq.EVENTS) & zmq.POLLIN:
+        while self.running and sock.get(zmq.EVENTS) & _POLLIN:
             try:
                 data = sock.recv(zmq.NOBLOCK)
             except zmq.Again:

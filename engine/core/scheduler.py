@@ -50,7 +50,7 @@ from engine.core.spec.planner import SpecPlanner, draft_room
 from engine.core.stop_conditions import StopChecker, StopReason
 from engine.core.text_stream import TextStream
 from engine.core.tier_transfers import ImportPlan, KvTiers
-from ipc.records import FOLLOW_PREVIOUS, JobKind, JobResult, JobStatus, Lane, build_job
+from ipc.records import FOLLOW_PREVIOUS, JobKind, JobResult, JobStatus, Lane, build_job, decode_job
 
 _TRANSFERS = (JobKind.KV_EXPORT, JobKind.KV_IMPORT)
 
@@ -199,6 +199,7 @@ class Scheduler:
             request_id=request_id, params=params, arrival=now,
             deadline=None if deadline_s is None else now + deadline_s,
             stop=stop, tokens=[int(t) for t in params.prompt] + [int(t) for t in params.continuation],
+            sampling=(params.temperature, params.top_p, params.top_k, params.seed, params.logprobs),
         )
         self.counters["accepted"] += 1
         if self._piece is not None:
@@ -1182,20 +1183,29 @@ class Scheduler:
         planned = self._plan_drafts(ch, decode, sum(e - s for _, s, e in prompts)) \
             if self.spec.verify and steps == 1 and not queuing else None
         drafts = model_drafts = None
-        if planned is None:
-            lanes_in = [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)]
-            if queuing:
-                lanes_in = [ln._replace(tokens=_FOLLOW) if i < len(queued) and queued[i] else ln
-                            for i, ln in enumerate(lanes_in)]
-        else:  # a verification job: a prefill-like chunk per speculating lane, one lane per request
-            kind, batch = JobKind.PREFILL, None
-            drafts = planned[0] + [[]] * len(prompts)
-            model_drafts = planned[1] + [False] * len(prompts) if any(planned[1]) else None
-            ends = [e + len(ds) for e, ds in zip(ends, drafts)]
-            lanes_in = [lane(r, ch, s, e, smp, ds, bool(model_drafts and model_drafts[i]))
-                        for i, (r, s, e, smp, ds) in enumerate(zip(rs, starts, ends, sampled, drafts))]
-        job = build_job(kind, lanes_in, job_id=job_id, generation=self.model.generation, batch=batch,
-                        table_width=ch.max_blocks_per_seq, decode_steps=steps, follow=self._follow)
+        if planned is None and kind is JobKind.DECODE and all(r.params.constraint is None for r in decode):
+            # the common job, one per decode step: packed from columns, no Lane per lane
+            toks = [r.tokens[st] for r, st in zip(decode, starts)] if not queuing else \
+                [FOLLOW_PREVIOUS if q else r.tokens[st] for r, st, q in zip(decode, starts, queued)]
+            view = kv.block_table_view  # not copied: decode_job copies the tables before the KV changes again
+            job = decode_job(toks, starts, [view(r.seq_id) for r in decode], [r.sampling for r in decode],
+                             job_id=job_id, generation=self.model.generation, batch=batch,
+                             table_width=ch.max_blocks_per_seq, decode_steps=steps, follow=self._follow)
+        else:
+            if planned is None:
+                lanes_in = [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)]
+                if queuing:
+                    lanes_in = [ln._replace(tokens=_FOLLOW) if i < len(queued) and queued[i] else ln
+                                for i, ln in enumerate(lanes_in)]
+            else:  # a verification job: a prefill-like chunk per speculating lane, one lane per request
+                kind, batch = JobKind.PREFILL, None
+                drafts = planned[0] + [[]] * len(prompts)
+                model_drafts = planned[1] + [False] * len(prompts) if any(planned[1]) else None
+                ends = [e + len(ds) for e, ds in zip(ends, drafts)]
+                lanes_in = [lane(r, ch, s, e, smp, ds, bool(model_drafts and model_drafts[i]))
+                            for i, (r, s, e, smp, ds) in enumerate(zip(rs, starts, ends, sampled, drafts))]
+            job = build_job(kind, lanes_in, job_id=job_id, generation=self.model.generation, batch=batch,
+                            table_width=ch.max_blocks_per_seq, decode_steps=steps, follow=self._follow)
         ready = ch.decode_ready
         if queued is None:
             for r, end in zip(rs, ends):

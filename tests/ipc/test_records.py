@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipc.records import Job, JobKind, JobResult, JobStatus, Lane, build_job
+from ipc.records import Job, JobKind, JobResult, JobStatus, Lane, build_job, decode_job
 from ipc.ring import Ring
 
 FIELDS = ("tokens", "positions", "query_start", "lane_valid", "context_lens", "block_tables", "sample",
@@ -342,3 +342,26 @@ def test_validate_does_not_overflow_at_the_int32_limit():
     job.context_lens = np.array([-(2**31)], np.int32)  # what an int32 "last position + 1" would wrap to
     with pytest.raises(ValueError, match="context_lens"):
         job.validate()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_decode_job_is_build_job_of_the_same_lanes(data):
+    n = data.draw(st.integers(1, 16))
+    batch = data.draw(st.sampled_from([None, 16]))
+    width = data.draw(st.sampled_from([None, 8]))
+    lanes = [Lane(tokens=[data.draw(st.integers(-1, 1000))], start=data.draw(st.integers(0, 3000)),
+                  block_table=data.draw(st.lists(st.integers(0, 4095), max_size=8)),
+                  temperature=data.draw(st.sampled_from([0.0, 0.7])), top_p=data.draw(st.sampled_from([0.5, 1.0])),
+                  top_k=data.draw(st.integers(0, 50)), seed=data.draw(st.integers(-2**63, 2**64 - 1)),
+                  want_logprobs=data.draw(st.booleans())) for _ in range(n)]
+    kw = dict(job_id=data.draw(st.integers(0, 2**40)), generation=3, batch=batch, table_width=width,
+              decode_steps=data.draw(st.sampled_from([1, 4])), follow=data.draw(st.booleans()))
+    want = build_job(JobKind.DECODE, lanes, **kw)
+    got = decode_job([ln.tokens[0] for ln in lanes], [ln.start for ln in lanes], [ln.block_table for ln in lanes],
+                     [(ln.temperature, ln.top_p, ln.top_k, ln.seed, ln.want_logprobs) for ln in lanes], **kw)
+    assert_same_job(got, want)
+    assert (got.decode_steps, got.follow) == (want.decode_steps, want.follow)
+    for name in FIELDS:
+        assert getattr(got, name).dtype == getattr(want, name).dtype, name
+
