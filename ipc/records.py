@@ -551,15 +551,12 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
         query_start[n_in + 1:] = query_start[n_in]
         lane_valid[at] = 1
         context_lens[at] = [st + c for st, c in zip(starts, counts)]
-        # every table at once: the flat entries fill each row's first len(table) slots, in row-major order
-        filled = np.arange(width) < np.array(table_lens)[:, None]
-        flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, sum(table_lens))
         if gaps:
             rows = np.full((n, width), -1, np.int32)
-            rows[filled] = flat
+            _fill_tables(rows, tables, table_lens)
             block_tables[at] = rows
         else:
-            block_tables[:n][filled] = flat
+            _fill_tables(block_tables[:n], tables, table_lens)
         sample[at] = cols[_SAMPLE]
         temperature[at] = cols[_TEMPERATURE]
         top_p[at] = cols[_TOP_P]
@@ -612,8 +609,7 @@ def decode_job(tokens: Sequence[int], starts: Sequence[int], tables: Sequence[Se
     context_lens[:n] = starts
     context_lens[:n] += 1
     block_tables = np.full((b, width), -1, np.int32)
-    filled = np.arange(width) < np.array(table_lens)[:, None]
-    block_tables[:n][filled] = np.fromiter(itertools.chain.from_iterable(tables), np.int32, sum(table_lens))
+    _fill_tables(block_tables[:n], tables, table_lens)
     temperature = np.zeros(b, np.float32)
     temperature[:n] = temps
     top_p = np.ones(b, np.float32)
@@ -621,7 +617,10 @@ def decode_job(tokens: Sequence[int], starts: Sequence[int], tables: Sequence[Se
     top_k = np.zeros(b, np.int32)
     top_k[:n] = top_ks
     seed = np.zeros(b, np.uint64)
-    seed[:n] = [x & 0xFFFFFFFFFFFFFFFF for x in seeds]
+    try:
+        seed[:n] = seeds  # the scheduler's seeds are already in [0, 2**64)
+    except OverflowError:
+        seed[:n] = [x & 0xFFFFFFFFFFFFFFFF for x in seeds]
     want_logprobs = np.zeros(b, np.uint8)
     want_logprobs[:n] = wants
     return Job(
@@ -631,6 +630,16 @@ def decode_job(tokens: Sequence[int], starts: Sequence[int], tables: Sequence[Se
         top_p=top_p, top_k=top_k, seed=seed, want_logprobs=want_logprobs, decode_steps=decode_steps,
         follow=follow,
     )
+
+
+def _fill_tables(rows: np.ndarray, tables: Sequence[Sequence[int]], lens: list[int]) -> None:
+    """rows[i, :lens[i]] = tables[i] for every i at once (rows is -1 filled): the flat entries fill each row's
+    first len(table) slots in row-major order, within the columns the longest table reaches."""
+    m = max(lens) if lens else 0
+    if m:
+        used = rows[:, :m]
+        used[np.arange(m) < np.array(lens)[:, None]] = np.fromiter(itertools.chain.from_iterable(tables),
+                                                                    np.int32, sum(lens))
 
 
 @functools.lru_cache(maxsize=1024)

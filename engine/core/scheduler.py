@@ -199,7 +199,7 @@ class Scheduler:
             request_id=request_id, params=params, arrival=now,
             deadline=None if deadline_s is None else now + deadline_s,
             stop=stop, tokens=[int(t) for t in params.prompt] + [int(t) for t in params.continuation],
-            sampling=(params.temperature, params.top_p, params.top_k, params.seed, params.logprobs),
+            sampling=(params.temperature, params.top_p, params.top_k, params.seed & 0xFFFFFFFFFFFFFFFF, params.logprobs),
         )
         self.counters["accepted"] += 1
         if self._piece is not None:
