@@ -127,29 +127,31 @@ def measure(streams: int = 64, requests: int = 512, chips: int = 2, seed: int = 
         nxt += 1
         apply(acts, now)
 
-    start = clock()
-    now = 0.0
-    for _ in range(min(streams, len(work))):
-        submit(now)
-    while done < len(work):
-        now += 1e-4
-        t0 = clock()
-        acts = sched.tick(now)
-        phases["tick"] += clock() - t0
-        apply(acts, now)
-        # a loop turn reads what the chips finished: up to one result per chip
-        for _ in range(min(len(pending), chips)):
-            chip, res = pending.popleft()
+    try:
+        start = clock()
+        now = 0.0
+        for _ in range(min(streams, len(work))):
+            submit(now)
+        while done < len(work):
+            now += 1e-4
             t0 = clock()
-            metrics.on_result(chip, res, now, 1)
-            acts = sched.on_result(chip, res, now)
-            phases["result"] += clock() - t0
+            acts = sched.tick(now)
+            phases["tick"] += clock() - t0
             apply(acts, now)
-    total = clock() - start - worker[0]
-    for jr, rr in rings.values():
-        for r in (jr, rr):
-            r.close()
-            r.unlink()
+            # a loop turn reads what the chips finished: up to one result per chip
+            for _ in range(min(len(pending), chips)):
+                chip, res = pending.popleft()
+                t0 = clock()
+                metrics.on_result(chip, res, now, 1)
+                acts = sched.on_result(chip, res, now)
+                phases["result"] += clock() - t0
+                apply(acts, now)
+        total = clock() - start - worker[0]
+    finally:
+        for jr, rr in rings.values():
+            for r in (jr, rr):
+                r.close()
+                r.unlink()
     return {"tokens": tokens, "requests": done, "cpu_s": total, "jobs": jobs[0],
             "lanes_per_job": round(jobs[1] / max(jobs[0], 1), 2), "us_per_token": total / max(tokens, 1) * 1e6,
             "phases_us_per_token": {k: round(v / max(tokens, 1) * 1e6, 2) for k, v in phases.items()}}
