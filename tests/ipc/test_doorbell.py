@@ -192,9 +192,10 @@ for i in range(n):
     while flag[0] < i:  # lockstep: record i only once the reader looks for it, so a lost ring is never rescued
         time.sleep(0)
     # phases of quick and late rings (the reader's spin turns off and on), with pauses spread around the
-    # spin threshold so rings land inside the spin, just after it, and while the reader parks
-    phase = (i // 150) % 3
-    pause = rng.random() * spin_s * (0.8 if phase == 0 else 3.0 if phase == 1 else 1.6)
+    # spin threshold so rings land inside the spin, just after it, and while the reader parks; and a phase
+    # of rings within tens of microseconds, which land between the reader's empty peek and its park
+    phase = (i // 150) % 4
+    pause = rng.random() * (30e-6 if phase == 2 else spin_s * (0.5 if phase == 0 else 3.0 if phase == 1 else 1.6))
     end = time.perf_counter() + pause
     while time.perf_counter() < end:
         pass
@@ -205,7 +206,8 @@ bell.close()
 """
 
 
-def test_adaptive_spin_loses_no_wake_up_under_a_racing_writer_process(tmp_path):
+@pytest.mark.parametrize("spin_s", [30e-6, 1e-3])
+def test_adaptive_spin_loses_no_wake_up_under_a_racing_writer_process(tmp_path, spin_s):
     """Stress: a writer process commits and rings thousands of records, each once the reader looks for
     it (lockstep, so a lost ring is never rescued by the next one), after pauses around the reader's
     spin threshold, in phases that switch the adaptive spin off and on; the reader (spin, then park)
@@ -213,7 +215,9 @@ def test_adaptive_spin_loses_no_wake_up_under_a_racing_writer_process(tmp_path):
     times out with a record present fails the test instead of hanging it)."""
     import mmap
 
-    n, spin_s = 2400, 100e-6
+    # 30 us: most waits outlast the window (the spin is mostly off, rings race the park); 1 ms: far above a
+    # loaded host's wake-up latency, so the quick and the late phases switch the spin on and off
+    n = 2400
     flag_path = tmp_path / "flag"
     flag_path.write_bytes(np.full(1, -1, np.int64).tobytes())
     with open(flag_path, "r+b") as fh:
@@ -241,7 +245,9 @@ def test_adaptive_spin_loses_no_wake_up_under_a_racing_writer_process(tmp_path):
                 del rec
                 ring.release()
             assert proc.wait(30) == 0
-            assert spun > 50 and parked > 50, f"spinning {spun}, parked {parked}: the policy hardly switched"
+            assert parked > 20, f"parked {parked} times: the park was hardly exercised"
+            if spin_s >= 1e-3:
+                assert spun > 20, f"spinning {spun}, parked {parked}: the policy hardly switched"
         finally:
             if proc.poll() is None:
                 proc.kill()
