@@ -130,11 +130,15 @@ class ResultBuilder:
         The event's text delta (possibly "") is left in `delta`."""
         kind = ev.get("ev")
         self.delta = ""
-        if kind == "tokens":
+        if kind == "tokens":  # once per streamed event: the helpers only when there is something for them
             toks = ev.get("tokens") or []
             self.tokens.extend(toks)
-            self._add_logprobs(ev.get("logprobs"))
-            self._add_text(ev.get("text"))
+            lp = ev.get("logprobs")
+            if lp:
+                self._add_logprobs(lp)
+            text = ev.get("text")
+            if text is not None:
+                self._add_text(text)
             return toks
         if kind == "done":
             if ev.get("tokens"):

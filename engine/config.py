@@ -196,8 +196,8 @@ class ExecutorConfig:
                                           "one-in-flight window's (0 = off)")
     job_timeout_ms: int = key(round(_SCHED.job_timeout_s * 1000), integer(1), "an unanswered job is failed, its KV Unknown, its (hung) chip's worker restarted")
     worker_spin_us: int = key(200, integer(0, 100_000), "how long a chip worker polls for its next job before it "
-                                                     "parks in the kernel; 0 = park at once (hosts with no spare "
-                                                     "core, where the spin takes CPU the daemon needs)")
+                                                     "parks in the kernel, while spinning pays (most recent waits "
+                                                     "ended within it); 0 = never spin")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,27 @@ of N records costs the reader one wake-up, not N.
 Two implementations behind one Protocol:
 
 * SemaphoreDoorbell: a POSIX named semaphore; ring = sem_post (a userspace
-  atomic unless the reader is parked), the cheapest hot-path wake-up.
+  atomic unless the reader is parked), the cheapest hot-path wake-up. With
+  `adaptive=True` the reader spins only while spinning pays (see below).
+
+Adaptive spin: a spin is CPU spent on the bet that a ring comes within
+`spin_s`. When the writer's turnaround is longer than that, or the cores are
+all busy (the writer waits for a core, so its ring comes late), nearly every
+spin is lost and the spinning reader holds a core its writer needed. So an
+adaptive doorbell times each wait that found no ring pending, spun or parked
+alike, and keeps a moving share of the waits that a ring ended within
+`spin_s` (a parked wait counts its wake-up latency too: on a busy host that
+makes a spin look as bad as it is). It spins while that share is at least
+SPIN_PAYS, and parks at once otherwise; since parked waits are timed as well,
+spinning comes back when rings come back quickly. Measured on 2 cores, 64
+stub streams (docs/results/2026-12-02-host-cost.md): 98.5 % of the fixed 200
+us spins ran out.
+
+Why not skip the ring when the reader is awake (an "eventcount" flag in
+shared memory)? sem_post already is that: glibc's post is one atomic add
+and enters the kernel only when a waiter is registered (a ring with the
+reader spinning costs ~0.3 us in Python, most of it the call); a parked
+reader has to be woken either way.
 * ZmqDoorbell: a ZeroMQ PAIR socket over ipc://; slower, but its socket can
   sit in a zmq.Poller next to the control sockets of an event loop. Caveat:
   a bound socket cannot queue a ring before its peer's (asynchronous) connect
@@ -51,6 +71,10 @@ DEFAULT_ZMQ_SPIN_S = 0.0
 SEM_MODE = 0o600
 # Keep the semaphore far from SEM_VALUE_MAX if nobody ever waits on it.
 _MAX_PENDING = 1 << 20
+# Adaptive spin: spin while at least this share of recent waits ended within spin_s ...
+SPIN_PAYS = 0.5
+# ... the share being a moving average over about this many waits.
+_SPIN_WINDOW = 16
 # Rings queue up to this many messages; a full queue means a wake-up is pending anyway.
 _ZMQ_HWM = 1024
 DEFAULT_CONNECT_GRACE_S = 0.1
@@ -83,25 +107,36 @@ class SemaphoreDoorbell:
     owner_pid: int
     created: bool
 
-    def __init__(self, sem: posix_ipc.Semaphore, created: bool, spin_s: float) -> None:
+    def __init__(self, sem: posix_ipc.Semaphore, created: bool, spin_s: float, adaptive: bool = False) -> None:
         self._sem: posix_ipc.Semaphore | None = sem
         self.name = sem.name
         pid = parse_owner_pid(sem.name)
         self.owner_pid = -1 if pid is None else pid
         self.created = created
         self.spin_s = spin_s
+        self.adaptive = adaptive
+        self.quick_share = 1.0  # adaptive: moving share of waits a ring ended within spin_s (start by spinning)
         self._unlinked = False
 
     @classmethod
-    def create(cls, prefix: str, board: str | int, tag: str = "", *, spin_s: float = DEFAULT_SPIN_S) -> "SemaphoreDoorbell":
+    def create(cls, prefix: str, board: str | int, tag: str = "", *, spin_s: float = DEFAULT_SPIN_S,
+               adaptive: bool = False) -> "SemaphoreDoorbell":
         name = make_name(prefix, board, tag)
         # The umask can only remove bits from 0600, never add any.
         sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=SEM_MODE, initial_value=0)
-        return cls(sem, created=True, spin_s=spin_s)
+        return cls(sem, created=True, spin_s=spin_s, adaptive=adaptive)
 
     @classmethod
-    def attach(cls, name: str, *, spin_s: float = DEFAULT_SPIN_S) -> "SemaphoreDoorbell":
-        return cls(posix_ipc.Semaphore(name), created=False, spin_s=spin_s)
+    def attach(cls, name: str, *, spin_s: float = DEFAULT_SPIN_S, adaptive: bool = False) -> "SemaphoreDoorbell":
+        return cls(posix_ipc.Semaphore(name), created=False, spin_s=spin_s, adaptive=adaptive)
+
+    @property
+    def spinning(self) -> bool:
+        """Whether the next wait that finds no ring pending spins first."""
+        return self.spin_s > 0 and (not self.adaptive or self.quick_share >= SPIN_PAYS)
+
+    def _learn(self, quick: bool) -> None:
+        self.quick_share += ((1.0 if quick else 0.0) - self.quick_share) / _SPIN_WINDOW
 
     @property
     def _s(self) -> posix_ipc.Semaphore:
@@ -126,23 +161,38 @@ class SemaphoreDoorbell:
             pass
 
     def wait(self, timeout: float | None) -> bool:
-        """Spin for `spin_s`, then park until rung or `timeout` seconds pass (None: for ever)."""
-        if self._try() or _spin_until(self._try, self.spin_s):
+        """Spin for `spin_s` (adaptive: only while spinning pays), then park until rung or `timeout`
+        seconds pass (None: for ever)."""
+        if self._try():
+            self._drain()
+            return True
+        adaptive = self.adaptive
+        spin = self.spin_s if self.spinning else 0.0
+        t0 = time.perf_counter() if adaptive else 0.0
+        if spin and _spin_until(self._try, spin):
+            if adaptive:
+                self._learn(True)
             self._drain()
             return True
         if timeout is not None:
-            timeout -= self.spin_s
+            timeout -= spin
             if timeout <= 0:
+                if adaptive:
+                    self._learn(False)
                 return False
         try:
             self._s.acquire(timeout)
         except posix_ipc.BusyError:
+            if adaptive:
+                self._learn(False)
             return False
         except posix_ipc.SignalError:
             # EINTR: report "not rung" (callers re-check) so that the Python
             # signal handler runs on return, in the caller, not lost under a
             # SignalError (a worker's SIGTERM on its parent's death was).
             return False
+        if adaptive:
+            self._learn(time.perf_counter() - t0 <= self.spin_s)
         self._drain()
         return True
 

@@ -55,12 +55,16 @@ token this lane's previous job samples", so the scheduler can queue step N+1
 while step N runs (issue 23). The worker resolves it from its own last sample
 for the lane, found by (position, the block holding position - 1): that block
 was written by step N, so no other lane holds it then. A follow token it
-cannot resolve (step N failed) makes the job INVALID.
+cannot resolve (step N failed) makes the job INVALID. The worker keeps the
+samples only of jobs that have `follow` set (meta[26]: the scheduler queues
+next steps), not one dict entry per generated token for nothing.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -85,11 +89,21 @@ class JobStatus(enum.IntEnum):
     INVALID = 2  # the worker rejected the job's inputs before running it
 
 
+# value -> member, for the per-record decodes (an IntEnum's call costs ~1 us of Python)
+_KIND_OF = {k.value: k for k in JobKind}
+_STATUS_OF = {k.value: k for k in JobStatus}
+
+
+def _member(table: dict, enum_cls: type, value: int):
+    m = table.get(value)
+    return enum_cls(value) if m is None else m  # an unknown value raises ValueError, as the enum call did
+
+
 FOLLOW_PREVIOUS = -1  # a lane's token: the one the lane's previous job samples (resolved by the worker)
 # job id, generation, kind, status, device_us, worker_us, masks, mask_us, device_start_ns, idle_us
 _META_LEN = 10
 RESULT_META_LEN = _META_LEN
-# 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps, 2 draft sizes, spare
+# 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps, 2 draft sizes, follow
 _JOB_META_LEN = 27
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_U64 = np.zeros(0, dtype=np.uint64)
@@ -128,6 +142,9 @@ class Job:
     # it answers, each step's input the token the step before sampled; its result's tokens are [B, n]. The
     # scheduler truncates each lane at its end (EOS, stop, max tokens) and rolls the KV past it back.
     decode_steps: int = 1
+    # Queued next steps (executor.queue_next_step): the scheduler may queue a step behind this job's lanes
+    # naming FOLLOW_PREVIOUS, so the worker keeps their samples (otherwise it keeps none: work per token).
+    follow: bool = False
     constraint_id: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
     constraint_key: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
     constraint_done: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
@@ -267,7 +284,7 @@ class Job:
             self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
             self.want_logprobs.size, self.seed.size, self.submitted_ns,
             self.constraint_id.size, self.replay.size, self.grammar.size, self.decode_steps,
-            self.draft_lens.size, self.draft_src.size, 0,
+            self.draft_lens.size, self.draft_src.size, int(self.follow),
         )
         np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
                         bt.ravel(), self.src_blocks, self.dst_blocks), out=dst["i32"][:n32_plain], casting="unsafe")
@@ -335,11 +352,11 @@ class Job:
         if nds:
             extra["draft_src"] = u8[u8.shape[0] - nds:]
         return cls(
-            job_id=m[0], generation=m[1], kind=JobKind(m[2]), return_logits=bool(m[3]),
+            job_id=m[0], generation=m[1], kind=_member(_KIND_OF, JobKind, m[2]), return_logits=bool(m[3]),
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
             top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7],
             dst_blocks=i32[o7:o8], temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv],
-            sample=u8[nlv:nlv + nsm], want_logprobs=u8[nlv + nsm:u], seed=u64[:nseed], submitted_ns=m[19], decode_steps=max(1, m[23]), **extra,
+            sample=u8[nlv:nlv + nsm], want_logprobs=u8[nlv + nsm:u], seed=u64[:nseed], submitted_ns=m[19], decode_steps=max(1, m[23]), follow=bool(m[26]), **extra,
         )
 
     @classmethod
@@ -416,8 +433,8 @@ class JobResult:
         return cls(
             job_id=job_id,
             generation=generation,
-            kind=JobKind(kind),
-            status=JobStatus(status),
+            kind=_member(_KIND_OF, JobKind, kind),
+            status=_member(_STATUS_OF, JobStatus, status),
             device_us=device_us,
             worker_us=worker_us,
             device_start_ns=device_start_ns,
@@ -467,9 +484,17 @@ class Lane(NamedTuple):
     draft_model: bool = False  # the worker's draft model proposes them (the tokens sent are placeholders)
 
 
+# Lane field positions, for build_job's columns (zip(*lanes))
+_TOKENS, _START, _BLOCK_TABLE, _SAMPLE, _TEMPERATURE, _TOP_P, _TOP_K, _SEED, _WANT_LOGPROBS, _CONSTRAINT = range(10)
+_DRAFTS, _DRAFT_MODEL = Lane._fields.index("drafts"), Lane._fields.index("draft_model")
+assert Lane._fields[:10] == ("tokens", "start", "block_table", "sample", "temperature", "top_p", "top_k", "seed",
+                             "want_logprobs", "constraint")
+_NO_COLUMNS: tuple = ((),) * len(Lane._fields)
+
+
 def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, generation: int = 0,
               batch: int | None = None, table_width: int | None = None, return_logits: bool = False,
-              decode_steps: int = 1) -> Job:
+              decode_steps: int = 1, follow: bool = False) -> Job:
     """Pack per-lane inputs into a Job; `None` lanes (and lanes past len(lanes) up to `batch`) are inactive.
 
     The packed layout (query_start offsets, -1 padded block tables,
@@ -479,56 +504,152 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
     """
     assert kind in (JobKind.PREFILL, JobKind.DECODE)
     b = len(lanes) if batch is None else batch
-    assert 0 < len(lanes) <= b, "more lanes than the compiled batch"
-    active = [ln for ln in lanes if ln is not None]
-    width = table_width if table_width is not None else max([len(ln.block_table) for ln in active] or [1])
-    tokens = np.empty(sum(len(ln.tokens) for ln in active), np.int32)
-    positions = np.empty_like(tokens)
+    n_in = len(lanes)
+    assert 0 < n_in <= b, "more lanes than the compiled batch"
+    # Column by column, one numpy conversion per field: the scheduler builds a job per decode step, so a
+    # numpy store per lane and field would be a dozen per generated token.
+    gaps = None in lanes
+    active = [ln for ln in lanes if ln is not None] if gaps else lanes
+    n = len(active)
+    cols = tuple(zip(*active)) if n else _NO_COLUMNS  # the Lane fields, each as a tuple over the active lanes
+    tables = cols[_BLOCK_TABLE]
+    table_lens = [len(t) for t in tables]
+    width = table_width if table_width is not None else max(table_lens or [1])
+    counts = [len(t) for t in cols[_TOKENS]]
+    starts = cols[_START]
+    if n:
+        assert min(counts) >= 1 and (kind is JobKind.PREFILL or max(counts) == 1)
+        assert max(table_lens) <= width, "block table wider than table_width"
+    if kind is JobKind.DECODE:
+        tokens = np.array([t[0] for t in cols[_TOKENS]], np.int32).reshape(-1)
+        positions = np.array(starts, np.int32).reshape(-1)
+    else:
+        tokens = np.fromiter(itertools.chain.from_iterable(cols[_TOKENS]), np.int32, sum(counts))
+        positions = np.concatenate([np.arange(st, st + c, dtype=np.int32) for st, c in zip(starts, counts)]) \
+            if n else np.zeros(0, np.int32)
+    width = max(width, 1)
     query_start = np.zeros(b + 1, np.int32)
     lane_valid = np.zeros(b, np.uint8)
     context_lens = np.zeros(b, np.int32)
-    block_tables = np.full((b, max(width, 1)), -1, np.int32)
+    block_tables = np.full((b, width), -1, np.int32)
     sample = np.zeros(b, np.uint8)
     temperature = np.zeros(b, np.float32)
     top_p = np.ones(b, np.float32)
     top_k = np.zeros(b, np.int32)
     seed = np.zeros(b, np.uint64)
     want_logprobs = np.zeros(b, np.uint8)
-    draft_lens = np.zeros(b, np.int32) if any(ln.drafts for ln in active) else _EMPTY_I32
-    draft_src = np.zeros(b, np.uint8) if any(ln.draft_model for ln in active) else _EMPTY_U8
-    at = 0
-    for i, ln in enumerate(lanes):
-        if ln is not None:
-            n = len(ln.tokens)
-            assert n >= 1 and (kind is JobKind.PREFILL or n == 1)
-            assert len(ln.block_table) <= width, "block table wider than table_width"
-            tokens[at:at + n] = ln.tokens
-            positions[at:at + n] = np.arange(ln.start, ln.start + n, dtype=np.int32)
-            at += n
-            lane_valid[i] = 1
-            context_lens[i] = ln.start + n
-            block_tables[i, :len(ln.block_table)] = ln.block_table
-            sample[i] = ln.sample
-            temperature[i], top_p[i], top_k[i] = ln.temperature, ln.top_p, ln.top_k
-            seed[i] = ln.seed & 0xFFFFFFFFFFFFFFFF
-            want_logprobs[i] = ln.want_logprobs
+    # where the active lanes sit: the first n slots, or (inactive lanes in between) their indices
+    at = [i for i, ln in enumerate(lanes) if ln is not None] if gaps else slice(0, n)
+    if n:
+        if gaps:
+            per_lane = [0] * n_in
+            for i, c in zip(at, counts):
+                per_lane[i] = c
+            query_start[1:n_in + 1] = list(itertools.accumulate(per_lane))
+        else:
+            query_start[1:n + 1] = list(itertools.accumulate(counts))
+        query_start[n_in + 1:] = query_start[n_in]
+        lane_valid[at] = 1
+        context_lens[at] = [st + c for st, c in zip(starts, counts)]
+        if gaps:
+            rows = np.full((n, width), -1, np.int32)
+            _fill_tables(rows, tables, table_lens)
+            block_tables[at] = rows
+        else:
+            _fill_tables(block_tables[:n], tables, table_lens)
+        sample[at] = cols[_SAMPLE]
+        temperature[at] = cols[_TEMPERATURE]
+        top_p[at] = cols[_TOP_P]
+        top_k[at] = cols[_TOP_K]
+        seed[at] = [x & 0xFFFFFFFFFFFFFFFF for x in cols[_SEED]]
+        want_logprobs[at] = cols[_WANT_LOGPROBS]
+    draft_lens, draft_src = _EMPTY_I32, _EMPTY_U8
+    if n and any(cols[_DRAFTS]):
+        draft_lens = np.zeros(b, np.int32)
+        draft_src = np.zeros(b, np.uint8) if any(cols[_DRAFT_MODEL]) else _EMPTY_U8
+        for i, ln, c in zip(range(n) if not gaps else at, active, counts):
             if ln.drafts:
-                assert kind is JobKind.PREFILL and ln.sample and ln.drafts < n
+                assert kind is JobKind.PREFILL and ln.sample and ln.drafts < c
                 draft_lens[i] = ln.drafts
                 if ln.draft_model:
                     draft_src[i] = 1
-        query_start[i + 1] = at
-    query_start[len(lanes) + 1:] = at
     job = Job(
         job_id=job_id, generation=generation, kind=kind, tokens=tokens, positions=positions,
         query_start=query_start, lane_valid=lane_valid, context_lens=context_lens,
         block_tables=block_tables, sample=sample, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, want_logprobs=want_logprobs, return_logits=return_logits,
-        decode_steps=decode_steps, draft_lens=draft_lens, draft_src=draft_src,
+        decode_steps=decode_steps, draft_lens=draft_lens, draft_src=draft_src, follow=follow,
     )
-    if any(ln.constraint for ln in active):
+    if n and any(cols[_CONSTRAINT]):
         _add_constraints(job, lanes, b)
     return job
+
+
+def decode_job(tokens: Sequence[int], starts: Sequence[int], tables: Sequence[Sequence[int]],
+               sampling: Sequence[tuple], *, job_id: int = 0, generation: int = 0, batch: int | None = None,
+               table_width: int | None = None, decode_steps: int = 1, follow: bool = False) -> Job:
+    """A decode job of n sampling, unconstrained lanes in slots 0..n-1 (the rest of `batch` inactive), from
+    columns: lane i's input token tokens[i] at position starts[i], its block table tables[i] and its
+    sampling[i] = (temperature, top_p, top_k, seed, want_logprobs).
+
+    The Job build_job makes of the same lanes, without a Lane per lane: the scheduler builds one decode
+    job per step, and packing columns it already has costs a fraction of building and transposing lanes.
+    """
+    n = len(tokens)
+    b = n if batch is None else batch
+    assert 0 < n <= b, "more lanes than the compiled batch"
+    assert len(starts) == n and len(tables) == n and len(sampling) == n
+    table_lens = [len(t) for t in tables]
+    width = table_width if table_width is not None else max(table_lens)
+    assert max(table_lens) <= width, "block table wider than table_width"
+    width = max(width, 1)
+    temps, top_ps, top_ks, seeds, wants = zip(*sampling)
+    query_start, lane_valid = _decode_slots(b, n)
+    context_lens = np.zeros(b, np.int32)
+    context_lens[:n] = starts
+    context_lens[:n] += 1
+    block_tables = np.full((b, width), -1, np.int32)
+    _fill_tables(block_tables[:n], tables, table_lens)
+    temperature = np.zeros(b, np.float32)
+    temperature[:n] = temps
+    top_p = np.ones(b, np.float32)
+    top_p[:n] = top_ps
+    top_k = np.zeros(b, np.int32)
+    top_k[:n] = top_ks
+    seed = np.zeros(b, np.uint64)
+    try:
+        seed[:n] = seeds  # the scheduler's seeds are already in [0, 2**64)
+    except OverflowError:
+        seed[:n] = [x & 0xFFFFFFFFFFFFFFFF for x in seeds]
+    want_logprobs = np.zeros(b, np.uint8)
+    want_logprobs[:n] = wants
+    return Job(
+        job_id=job_id, generation=generation, kind=JobKind.DECODE, tokens=np.array(tokens, np.int32),
+        positions=np.array(starts, np.int32), query_start=query_start, lane_valid=lane_valid,
+        context_lens=context_lens, block_tables=block_tables, sample=lane_valid, temperature=temperature,
+        top_p=top_p, top_k=top_k, seed=seed, want_logprobs=want_logprobs, decode_steps=decode_steps,
+        follow=follow,
+    )
+
+
+def _fill_tables(rows: np.ndarray, tables: Sequence[Sequence[int]], lens: list[int]) -> None:
+    """rows[i, :lens[i]] = tables[i] for every i at once (rows is -1 filled): the flat entries fill each row's
+    first len(table) slots in row-major order, within the columns the longest table reaches."""
+    m = max(lens) if lens else 0
+    if m:
+        used = rows[:, :m]
+        used[np.arange(m) < np.array(lens)[:, None]] = np.fromiter(itertools.chain.from_iterable(tables),
+                                                                    np.int32, sum(lens))
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_slots(b: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """query_start and lane_valid (= sample) of a decode job with lanes 0..n-1 of b active: shared, read-only."""
+    qs = np.minimum(np.arange(b + 1, dtype=np.int32), n)
+    valid = np.zeros(b, np.uint8)
+    valid[:n] = 1
+    qs.flags.writeable = valid.flags.writeable = False
+    return qs, valid
 
 
 def _add_constraints(job: Job, lanes: Sequence[Lane | None], b: int) -> None:

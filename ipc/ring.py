@@ -204,10 +204,11 @@ class Record(Mapping[str, np.ndarray]):
     access, but views already taken point at memory the writer may reuse.
     """
 
-    def __init__(self, ro: memoryview, base: int, fields: list[tuple[str, np.dtype[Any], tuple[int, ...], int]], seq: int, nbytes: int):
+    def __init__(self, ro: memoryview, base: int, fields: dict[str, tuple[str, np.dtype[Any], tuple[int, ...], int]],
+                 seq: int, nbytes: int):
         self._ro: memoryview | None = ro
         self._base = base
-        self._fields = {f[0]: f for f in fields}
+        self._fields = fields  # name -> field, shared by every record of one layout (never modified)
         self._views: dict[str, np.ndarray] = {}
         self.seq = seq
         self.nbytes = nbytes
@@ -270,7 +271,7 @@ class Ring:
         self._data: memoryview | None = seg.buf[HEADER_SIZE : HEADER_SIZE + self.capacity]
         self._ro: memoryview | None = self._data.toreadonly()
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
-        self._descriptors: dict[bytes, list[tuple[str, np.dtype[Any], tuple[int, ...], int]]] = {}
+        self._descriptors: dict[bytes, dict[str, tuple[str, np.dtype[Any], tuple[int, ...], int]]] = {}
         self._pending: RecordWriter | None = None
         self._peeked: Record | None = None
         self._peeked_end = 0
@@ -407,9 +408,15 @@ class Ring:
     # ---- writer side -----------------------------------------------------
 
     def _layout(self, spec: Spec) -> _Layout:
-        # np.dtype and str both hash cheaply; the key is only a cache key
-        key = tuple((k, s if type(s) is tuple else tuple(s), d) for k, (s, d) in spec.items())
-        lay = self._layouts.get(key)
+        # np.dtype and str both hash cheaply; the key is only a cache key. Shapes are usually tuples already
+        # (the spec is then its own key, made once per record without a generator); a list shape is not
+        # hashable and takes the long way.
+        key: tuple = tuple(spec.items())
+        try:
+            lay = self._layouts.get(key)
+        except TypeError:
+            key = tuple((k, s if type(s) is tuple else tuple(s), d) for k, (s, d) in spec.items())
+            lay = self._layouts.get(key)
         if lay is None:
             lay = _build_layout(spec)
             if len(self._layouts) >= _MAX_LAYOUT_CACHE:
@@ -555,7 +562,7 @@ class Ring:
         desc = bytes(ro[d0 : d0 + dlen])
         fields = self._descriptors.get(desc)
         if fields is None:
-            fields = _parse_descriptor(desc)
+            fields = {f[0]: f for f in _parse_descriptor(desc)}
             if len(self._descriptors) >= _MAX_LAYOUT_CACHE:
                 self._descriptors.clear()
             self._descriptors[desc] = fields

@@ -160,7 +160,13 @@ def _text(min_chars: int, max_chars: int) -> Checker:
 
 
 def _tokens(min_len: int, max_len: int) -> Checker:
+    one_ok = min_len <= 1 <= max_len
+
     def check(name: str, value: Any) -> list[int]:
+        if one_ok and type(value) is list and len(value) == 1:  # a streamed event's usual one token
+            t = value[0]
+            if type(t) is int and 0 <= t <= TOKEN_ID_MAX:
+                return value
         if type(value) is not list:
             raise _FieldError("bad_type", f"{name}: must be a list of token ids, got {_type_name(value)}")
         if not min_len <= len(value) <= max_len:
@@ -487,6 +493,9 @@ def reply_event(id: str, ev: str, body: Mapping) -> dict:
     return {**_event(ev, id), **body}
 
 
+_event_tokens = _tokens(0, MAX_NEW_TOKENS)  # built once: validate_event runs once per streamed event
+
+
 def _check_number_or_null(where: str, value: Any) -> None:
     if value is not None and (type(value) not in (int, float) or not math.isfinite(value) or value < 0):
         raise ProtocolError("out_of_range", f"{where}: must be a non-negative number or null, got {value!r}"[:200])
@@ -508,7 +517,7 @@ def validate_event(obj: Any) -> dict:
         raise ProtocolError("missing_field", f"id: required in a {ev!r} event")
     try:
         if ev == "tokens":
-            _tokens(0, MAX_NEW_TOKENS)("tokens", obj.get("tokens"))
+            _event_tokens("tokens", obj.get("tokens"))
             _event_text(obj)
             if not obj["tokens"] and not obj.get("text"):
                 raise _FieldError("out_of_range", "tokens: a tokens event carries at least one token or some text")
@@ -526,7 +535,7 @@ def validate_event(obj: Any) -> dict:
                     raise _FieldError("missing_field", f"timing.{k}: required")
                 _check_number_or_null(f"timing.{k}", timing[k])
             if "tokens" in obj:
-                _tokens(0, MAX_NEW_TOKENS)("tokens", obj["tokens"])
+                _event_tokens("tokens", obj["tokens"])
                 _event_logprobs(obj)
             _event_text(obj)
         elif ev == "error":

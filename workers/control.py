@@ -137,8 +137,8 @@ class WorkerConfig:
     # 2-core host: +3 points of worker/in-process decode throughput on average
     # (bench-backend, 7 paired runs, 5 better), about equal total CPU when quiet;
     # on saturated cores it costs instead (64 stub streams on 2 cores: 0.83-0.95x
-    # the tokens/s of no spin, docs/architecture.md). Lower it on hosts with no
-    # spare core (`executor.worker_spin_us`).
+    # the tokens/s of no spin, docs/architecture.md), so the worker's doorbell is
+    # adaptive: it spins only while most recent waits ended within this window.
     job_spin_s: float = 200e-6
     # An eventfd inherited from the link (same number in the worker): the worker
     # adds 1 to it after each result record. None: send a RESULT message instead.

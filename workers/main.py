@@ -46,6 +46,7 @@ _PR_SET_PDEATHSIG = 1
 _PARENT_DEATH_SIGNAL = signal.SIGUSR1
 _BELL_ONE = (1).to_bytes(8, "little")  # an eventfd takes one native u64 per write (a pipe takes any bytes)
 _FAILED_SEND_LINGER_MS = 2000
+_POLLIN = int(zmq.POLLIN)  # a plain int: `&` with the IntFlag member runs enum Python code every loop turn
 
 
 def _log(event: str, **fields) -> None:
@@ -351,7 +352,7 @@ class WorkerProcess:
     def drain_control(self) -> None:
         sock = self.sock
         # Asking EVENTS first: it runs on every loop turn, and a failed recv costs an exception.
-        while self.running and sock.get(zmq.EVENTS) & zmq.POLLIN:
+        while self.running and sock.get(zmq.EVENTS) & _POLLIN:
             try:
                 data = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -443,7 +444,7 @@ class WorkerProcess:
                                          0, f"invalid job: {exc}")
                 else:
                     outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints, self.draft)
-                    if outcome.status == JobStatus.OK:
+                    if job.follow and outcome.status == JobStatus.OK:  # a step may be queued behind its lanes
                         self.follow.record(job, outcome.tokens)
             finally:
                 self._set_in_job(False)
@@ -624,7 +625,7 @@ def run(config: WorkerConfig) -> int:
             rings.append(Ring.attach(config.job_ring))
             rings.append(Ring.attach(config.result_ring))
             if config.job_bell is not None:
-                bell = SemaphoreDoorbell.attach(config.job_bell, spin_s=config.job_spin_s)
+                bell = SemaphoreDoorbell.attach(config.job_bell, spin_s=config.job_spin_s, adaptive=True)
             backend, package = _load_backend(config)
             draft = load_draft(config, backend)
             info = backend.describe()

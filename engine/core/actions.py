@@ -7,6 +7,7 @@ the shell must carry them out (tokens of a request before its terminal event).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ipc.records import Job
 
@@ -18,8 +19,9 @@ class SubmitJob:
     request_ids: list[int] = field(default_factory=list)  # lane order; for traces, never for metric labels
 
 
-@dataclass
-class EmitTokens:
+class EmitTokens(NamedTuple):
+    """A NamedTuple, not a dataclass: one is made per generated token (half the cost)."""
+
     request_id: int
     tokens: list[int]  # may be empty when `text` releases held text at the end
     logprobs: list[float] | None = None

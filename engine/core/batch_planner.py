@@ -95,6 +95,8 @@ class BatchPlanner:
         share = self.lane_share
         if share >= 1.0:
             return cands[:batch]
+        if len({r.params.tenant for r in cands}) <= 1:
+            return cands[:batch]  # one tenant: the cap, then the skipped ones in order, is exactly this
         cap = max(1, math.floor(share * batch))
         chosen: list[RequestRecord] = []
         skipped: list[RequestRecord] = []
@@ -102,8 +104,9 @@ class BatchPlanner:
         for r in cands:
             if len(chosen) == batch:
                 break
-            if per_tenant[r.tenant] < cap:
-                per_tenant[r.tenant] += 1
+            t = r.params.tenant
+            if per_tenant[t] < cap:
+                per_tenant[t] += 1
                 chosen.append(r)
             else:
                 skipped.append(r)

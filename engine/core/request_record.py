@@ -41,6 +41,8 @@ class RequestRecord:
     terminal_emitted: bool = False
     text: TextStream | None = None  # output text and stop strings (None: no tokenizer)
     spec: object | None = None  # engine.core.spec.planner.SpecLane once the request speculates
+    # (temperature, top_p, top_k, seed, logprobs) of params: a decode lane's sampling (ipc.records.decode_job)
+    sampling: tuple = (0.0, 1.0, 0, 0, False)
 
     @property
     def tenant(self) -> str:

@@ -48,10 +48,10 @@ from engine.core.requests import TERMINAL_STATES, GenerateParams, RequestState
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_stats import JobCounts, queue_stats, scheduler_stats
 from engine.core.spec.planner import SpecPlanner, draft_room
-from engine.core.stop_conditions import StepVerdict, StopChecker, StopReason
+from engine.core.stop_conditions import StopChecker, StopReason
 from engine.core.text_stream import TextStream
 from engine.core.tier_transfers import ImportPlan, KvTiers
-from ipc.records import FOLLOW_PREVIOUS, JobKind, JobResult, JobStatus, Lane, build_job
+from ipc.records import FOLLOW_PREVIOUS, JobKind, JobResult, JobStatus, Lane, build_job, decode_job
 
 _TRANSFERS = (JobKind.KV_EXPORT, JobKind.KV_IMPORT)
 
@@ -208,6 +208,7 @@ class Scheduler:
             request_id=request_id, params=params, arrival=now,
             deadline=None if deadline_s is None else now + deadline_s,
             stop=stop, tokens=[int(t) for t in params.prompt] + [int(t) for t in params.continuation],
+            sampling=(params.temperature, params.top_p, params.top_k, params.seed & 0xFFFFFFFFFFFFFFFF, params.logprobs),
         )
         self.counters["accepted"] += 1
         if self._piece is not None:
@@ -930,12 +931,14 @@ class Scheduler:
         self.generation_tokens += 1
         if r.generated == 1:  # the prompt counts once, when its first token is sampled (as vLLM counts it)
             self.prompt_tokens += len(r.params.prompt)
-        verdict = r.stop.feed(token, logprob)
-        emit = verdict.emit
-        stop = verdict.stop
+        emit, emit_lps, stop = r.stop.feed(token, logprob)
         text = None
-        if r.text is not None:
-            emit, text, stop = self._detokenize(r.text, verdict, stop)
+        ts = r.text
+        if ts is not None:
+            if ts.plain and stop is None and len(emit) == 1:  # the common case, without a TextStep
+                text = ts.decode(self._piece(emit[0]))
+            else:
+                emit, text, stop = self._detokenize(ts, emit, stop)
         if emit or text:
             if r.t_first_token is None:
                 r.t_first_token = now
@@ -943,8 +946,7 @@ class Scheduler:
                 self._downgraded(ch)
             r.t_last_token = now
             r.emitted += len(emit)
-            out.append(EmitTokens(r.request_id, emit,
-                                  verdict.emit_logprobs[:len(emit)] if r.params.logprobs else None, text))
+            out.append(EmitTokens(r.request_id, emit, emit_lps[:len(emit)] if r.params.logprobs else None, text))
         if stop is not None:
             if r.t_first_token is None:
                 r.t_first_token = r.t_last_token = now
@@ -970,7 +972,7 @@ class Scheduler:
         ch.decode_ready[r.request_id] = None
         return False
 
-    def _detokenize(self, ts: TextStream, verdict: StepVerdict, stop: StopReason | None
+    def _detokenize(self, ts: TextStream, emit: list[int], stop: StopReason | None
                     ) -> tuple[list[int], str, StopReason | None]:
         """Feed the released tokens' bytes to the text stream: (tokens to emit, text delta, stop reason).
 
@@ -980,7 +982,6 @@ class Scheduler:
         reason the held text is flushed.
         """
         piece = self._piece
-        emit = verdict.emit
         parts: list[str] = []
         for i, tok in enumerate(emit):
             step = ts.feed(piece(tok))
@@ -1168,6 +1169,9 @@ class Scheduler:
               drafts: list[int] | None = None, draft_model: bool = False) -> Lane:
         """The one place a request becomes a job lane (per-lane inputs the chip needs go here)."""
         p = r.params
+        if p.constraint is None and not drafts:  # the common lane, positionally (one per generated token)
+            return Lane(r.tokens[start:end], start, ch.kv.block_table_view(r.seq_id), sample, p.temperature,
+                        p.top_p, p.top_k, p.seed, p.logprobs)
         # block_table_view: not copied, build_job copies it into the record before the KV changes again
         return Lane(
             tokens=r.tokens[start:end] if not drafts else r.tokens[start:start + 1] + drafts, start=start,
@@ -1228,20 +1232,29 @@ class Scheduler:
         planned = self._plan_drafts(ch, decode, sum(e - s for _, s, e in prompts)) \
             if self.spec.verify and steps == 1 and not queuing else None
         drafts = model_drafts = None
-        if planned is None:
-            lanes_in = [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)]
-            if queuing:
-                lanes_in = [ln._replace(tokens=_FOLLOW) if i < len(queued) and queued[i] else ln
-                            for i, ln in enumerate(lanes_in)]
-        else:  # a verification job: a prefill-like chunk per speculating lane, one lane per request
-            kind, batch = JobKind.PREFILL, None
-            drafts = planned[0] + [[]] * len(prompts)
-            model_drafts = planned[1] + [False] * len(prompts) if any(planned[1]) else None
-            ends = [e + len(ds) for e, ds in zip(ends, drafts)]
-            lanes_in = [lane(r, ch, s, e, smp, ds, bool(model_drafts and model_drafts[i]))
-                        for i, (r, s, e, smp, ds) in enumerate(zip(rs, starts, ends, sampled, drafts))]
-        job = build_job(kind, lanes_in, job_id=job_id, generation=self.model.generation, batch=batch,
-                        table_width=ch.max_blocks_per_seq, decode_steps=steps)
+        if planned is None and kind is JobKind.DECODE and all(r.params.constraint is None for r in decode):
+            # the common job, one per decode step: packed from columns, no Lane per lane
+            toks = [r.tokens[st] for r, st in zip(decode, starts)] if not queuing else \
+                [FOLLOW_PREVIOUS if q else r.tokens[st] for r, st, q in zip(decode, starts, queued)]
+            view = kv.block_table_view  # not copied: decode_job copies the tables before the KV changes again
+            job = decode_job(toks, starts, [view(r.seq_id) for r in decode], [r.sampling for r in decode],
+                             job_id=job_id, generation=self.model.generation, batch=batch,
+                             table_width=ch.max_blocks_per_seq, decode_steps=steps, follow=self._follow)
+        else:
+            if planned is None:
+                lanes_in = [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)]
+                if queuing:
+                    lanes_in = [ln._replace(tokens=_FOLLOW) if i < len(queued) and queued[i] else ln
+                                for i, ln in enumerate(lanes_in)]
+            else:  # a verification job: a prefill-like chunk per speculating lane, one lane per request
+                kind, batch = JobKind.PREFILL, None
+                drafts = planned[0] + [[]] * len(prompts)
+                model_drafts = planned[1] + [False] * len(prompts) if any(planned[1]) else None
+                ends = [e + len(ds) for e, ds in zip(ends, drafts)]
+                lanes_in = [lane(r, ch, s, e, smp, ds, bool(model_drafts and model_drafts[i]))
+                            for i, (r, s, e, smp, ds) in enumerate(zip(rs, starts, ends, sampled, drafts))]
+            job = build_job(kind, lanes_in, job_id=job_id, generation=self.model.generation, batch=batch,
+                            table_width=ch.max_blocks_per_seq, decode_steps=steps, follow=self._follow)
         turns = self._turns
         for r in decode:  # to the back of the round robin, in the job's lane order (decode_candidates)
             r.decode_key = (r.decode_key[0], next(turns))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class StopReason(enum.Enum):
@@ -21,9 +22,10 @@ class StopReason(enum.Enum):
     STOP = "stop"
 
 
-@dataclass
-class StepVerdict:
-    """Result of feeding one sampled token: what may be emitted now, and whether to stop."""
+class StepVerdict(NamedTuple):
+    """Result of feeding one sampled token: what may be emitted now, and whether to stop.
+
+    A NamedTuple: one is made per generated token (half the cost of a dataclass), and callers unpack it."""
 
     emit: list[int]
     emit_logprobs: list[float]
@@ -85,15 +87,15 @@ class StopChecker:
                     del self._held[len(self._held) - n_hidden:]
                     del self._held_lp[len(self._held_lp) - n_hidden:]
                     return self._stop(StopReason.STOP, flush=True)
-            verdict = self._release_safe()
+            emit, emit_lp, _ = self._release_safe()
         else:
-            verdict = StepVerdict([token], [logprob], None)
+            emit, emit_lp = [token], [logprob]
         if self.produced >= self.max_tokens:
-            verdict.emit += self._held
-            verdict.emit_logprobs += self._held_lp
+            emit += self._held
+            emit_lp += self._held_lp
             self._held, self._held_lp = [], []
-            verdict.stop = StopReason.LENGTH
-        return verdict
+            return StepVerdict(emit, emit_lp, StopReason.LENGTH)
+        return StepVerdict(emit, emit_lp, None)
 
     def _release_safe(self) -> StepVerdict:
         """Emit the held tokens that no stop sequence can still complete."""

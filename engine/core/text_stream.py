@@ -41,7 +41,7 @@ _NOTHING = TextStep("", False)
 class TextStream:
     """One request's output text: `feed(piece)` per token, `finish()` when generation ends for another reason."""
 
-    __slots__ = ("stops", "stopped", "finished", "_decoder", "_held", "_max_hold", "_firsts")
+    __slots__ = ("stops", "stopped", "finished", "_decoder", "_held", "_max_hold", "_firsts", "plain", "decode")
 
     def __init__(self, stops: Sequence[str] = ()) -> None:
         assert all(isinstance(s, str) and s for s in stops), "stop strings are non-empty str"
@@ -49,6 +49,10 @@ class TextStream:
         self.stopped = False  # a stop string matched: nothing more will be shown
         self.finished = False
         self._decoder = _Utf8Decoder("replace")
+        # No stop strings: feed(piece).text is just the decoder's output, and `decode(piece)` gives it
+        # without a TextStep per token (the scheduler's hot path; same state as feed).
+        self.plain = not self.stops
+        self.decode = self._decoder.decode
         self._held = ""  # decoded text that may be the start of a stop string
         self._max_hold = max((len(s) for s in self.stops), default=1) - 1
         self._firsts = frozenset(s[0] for s in self.stops)

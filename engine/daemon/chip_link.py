@@ -66,6 +66,7 @@ class WorkerFailed:
 
 LinkEvent = Ready | Result | Heartbeat | WorkerFailed
 
+_POLLIN = int(zmq.POLLIN)  # a plain int: `&` with the IntFlag member runs enum Python code on every call
 _CTL_SPEC = ((1,), "<i8")  # a job record's "ctl": control messages sent before it (see workers.control)
 _SHUTDOWN = encode(Msg.SHUTDOWN)
 # The worker's RESULT message is a doorbell only (results are read from the ring), so the link
@@ -290,7 +291,7 @@ class ChipLink:
         heartbeat: Heartbeat | None = None
         sock = self.socket
         # Asking EVENTS first: a failed recv costs an exception, on every call.
-        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+        while sock.get(zmq.EVENTS) & _POLLIN:
             try:
                 data = sock.recv(zmq.NOBLOCK)
             except zmq.Again:

@@ -23,7 +23,7 @@ import collections
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import orjson
 import zmq
@@ -47,9 +47,10 @@ CLIENT_STALL_S = 10.0
 _HARD_FRAME_FACTOR = 16
 
 
-@dataclass(frozen=True)
-class Conn:
-    """Where replies go: the ROUTER socket index and the routing envelope."""
+class Conn(NamedTuple):
+    """Where replies go: the ROUTER socket index and the routing envelope.
+
+    A NamedTuple (hashed in C): each turn's token events are grouped by connection, one lookup per event."""
 
     sock: int
     envelope: tuple[bytes, ...]
@@ -103,6 +104,7 @@ class Frontend:
         self.clock = clock
         self._blocked: dict[Conn, _Blocked] = {}
         self.sockets: list[zmq.Socket] = []
+        self._raw_send: list[Callable] = []  # per socket: its send without the sugar wrapper
         self.local: list[bool] = []
         self.secured: list[bool] = []  # CURVE sockets: messages carry the client key's User-Id
         self._security = secure  # engine.daemon.curve.CurveSetup or None
@@ -124,6 +126,9 @@ class Frontend:
                 self.secured.append(bool(secure is not None and secure.server_socket_options(s, ep)))
                 s.bind(ep)
                 self.local.append(ep.startswith("ipc://"))
+                # pyzmq's own send, under the Python-level wrapper (routing ids and groups, which a ROUTER
+                # never uses): a frame per streamed event, and the wrapper was half of each send's cost
+                self._raw_send.append(super(zmq.Socket, s).send)
         except BaseException:
             self.close(0)
             raise
@@ -132,6 +137,7 @@ class Frontend:
         for s in self.sockets:
             s.close(linger_ms)
         self.sockets = []
+        self._raw_send = []
 
     # -- inbound ---------------------------------------------------------------
     def receive(self, idx: int, limit: int = 256) -> list[tuple[Conn, dict]]:
@@ -345,13 +351,13 @@ class Frontend:
                 if len(b.queue) > self.max_send_queue:
                     self._mark_dead(conn)
                 return
-        sock = self.sockets[conn.sock]
+        send = self._raw_send[conn.sock]
         try:
             for frame in conn.envelope:
-                sock.send(frame, _MORE)
+                send(frame, _MORE)
             last = len(payloads) - 1
             for i, p in enumerate(payloads):
-                sock.send(p, zmq.NOBLOCK if i == last else _MORE)
+                send(p, zmq.NOBLOCK if i == last else _MORE)
             self.counters.events_out += len(payloads)
         except zmq.Again:  # only the first frame can meet a full queue: nothing was sent
             self._blocked[conn] = _Blocked(self.clock(), collections.deque(payloads))
@@ -362,12 +368,12 @@ class Frontend:
             self._mark_dead(conn)
 
     def _try_send(self, conn: Conn, payload: bytes) -> object:
-        sock = self.sockets[conn.sock]
+        send = self._raw_send[conn.sock]
         try:
             # A multipart message is atomic: only the first frame can meet a full queue or a gone peer.
             for frame in conn.envelope:
-                sock.send(frame, _MORE)
-            sock.send(payload, zmq.NOBLOCK)
+                send(frame, _MORE)
+            send(payload, zmq.NOBLOCK)
             self.counters.events_out += 1
             return None
         except zmq.Again:

@@ -36,6 +36,7 @@ from engine.daemon.constraint_cache import BOARD_CACHE
 from engine.core.model_state import ModelState
 from engine.daemon.chip_occupancy import ChipOccupancy
 from engine.daemon.kv_tier_metrics import tier_families
+from engine.daemon.loop_histogram import LoopHistogram
 
 if TYPE_CHECKING:
     from engine.daemon.generations import Generations
@@ -326,7 +327,9 @@ class MetricsRecorder:
 
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                          TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        # observed per generated token: a lock-free loop-thread histogram (engine/daemon/loop_histogram.py)
+        self.itl = LoopHistogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in "
+                                 "seconds.", m, ITL_BUCKETS, r)
         self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                         REQUEST_LATENCY_BUCKETS)
         self.queue = hist("request_queue_time_seconds", "Histogram of time spent waiting for the first job "
@@ -397,13 +400,14 @@ class MetricsRecorder:
         alias = alias or self.model
         ser = None
         last_emit = self._last_emit
+        intervals: list[float] = []  # this call's inter-token latencies (one `now` for all of them)
         for a in actions:
             t = type(a)
             if t is EmitTokens:
                 rid = a.request_id
                 prev = last_emit.get(rid)
                 if prev is not None:
-                    (ser or (ser := self.series(alias))).itl.observe(now - prev)
+                    intervals.append(now - prev)
                 last_emit[rid] = now
             elif t is SubmitJob:
                 jobs = self._job_start
@@ -417,6 +421,8 @@ class MetricsRecorder:
                 last_emit.pop(a.request_id, None)
                 if a.timing is not None:  # accepted, then failed (a rejection is counted by the core)
                     self.failure.labels(alias, a.reason).inc()
+        if intervals:
+            (ser or self.series(alias)).itl.observe_many(intervals)
 
     def _finished(self, ser: "_ModelSeries", alias: str, reason: str, timing: dict) -> None:
         child = self._success_children.get((alias, reason))

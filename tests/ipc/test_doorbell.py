@@ -143,6 +143,120 @@ def test_ring_between_empty_peek_and_wait_is_not_lost(kind, tmp_path):
                 ringer.unlink()
 
 
+def test_adaptive_spin_stops_when_rings_come_late_and_resumes_when_they_come_quickly():
+    """The adaptive policy, with a spin window (50 ms) far longer than a loaded host's wake-up latency:
+    waits that no ring ends within spin_s turn the spin off; parked waits that a ring ends quickly (a
+    thread rings 1 ms in) turn it back on. A fixed spin never stops (the control)."""
+    import threading
+
+    with SemaphoreDoorbell.create(PREFIX, 0, "adapt") as ringer:
+        fixed = SemaphoreDoorbell.attach(ringer.name, spin_s=0.05)
+        waiter = SemaphoreDoorbell.attach(ringer.name, spin_s=0.05, adaptive=True)
+        try:
+            assert waiter.spinning
+            late = 0
+            while waiter.spinning:
+                assert waiter.wait(0.06) is False  # spins 50 ms, parks 10 ms: nothing came
+                late += 1
+                assert late <= 16, "the spin never stopped although no ring came within spin_s"
+            assert late >= 8, f"one slow spell of {late} waits turned the spin off: the share is not averaged"
+            t0 = time.perf_counter()
+            assert waiter.wait(0.002) is False  # not spinning: parks at once, no 50 ms spin first
+            assert time.perf_counter() - t0 < 0.045
+            for _ in range(4):
+                assert fixed.wait(0.06) is False
+            assert fixed.spinning, "a non-adaptive doorbell must keep its fixed spin"
+            quick = 0
+            while not waiter.spinning:
+                threading.Timer(0.001, ringer.ring).start()
+                assert waiter.wait(5.0) is True  # parked, rung ~1 ms in: a spin would have caught it
+                quick += 1
+                assert quick <= 40, "quick rings never turned the spin back on"
+        finally:
+            fixed.close()
+            waiter.close()
+
+
+_ADAPTIVE_WRITER = """
+import mmap, random, sys, time
+import numpy as np
+from ipc.doorbell import SemaphoreDoorbell
+from ipc.ring import Ring
+bell_name, ring_name, flag_path, n, spin_s = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+bell = SemaphoreDoorbell.attach(bell_name)
+ring = Ring.attach(ring_name)
+with open(flag_path, "r+b") as fh:
+    flag = np.frombuffer(mmap.mmap(fh.fileno(), 8), np.int64)
+rng = random.Random(11)
+for i in range(n):
+    while flag[0] < i:  # lockstep: record i only once the reader looks for it, so a lost ring is never rescued
+        time.sleep(0)
+    # phases of quick and late rings (the reader's spin turns off and on), with pauses spread around the
+    # spin threshold so rings land inside the spin, just after it, and while the reader parks; and a phase
+    # of rings within tens of microseconds, which land between the reader's empty peek and its park
+    phase = (i // 150) % 4
+    pause = rng.random() * (30e-6 if phase == 2 else spin_s * (0.5 if phase == 0 else 3.0 if phase == 1 else 1.6))
+    end = time.perf_counter() + pause
+    while time.perf_counter() < end:
+        pass
+    ring.write({"x": np.array([i])})
+    bell.ring()
+ring.close()
+bell.close()
+"""
+
+
+@pytest.mark.parametrize("spin_s", [30e-6, 1e-3])
+def test_adaptive_spin_loses_no_wake_up_under_a_racing_writer_process(tmp_path, spin_s):
+    """Stress: a writer process commits and rings thousands of records, each once the reader looks for
+    it (lockstep, so a lost ring is never rescued by the next one), after pauses around the reader's
+    spin threshold, in phases that switch the adaptive spin off and on; the reader (spin, then park)
+    must see every record, in order, and no wait may sleep through a committed record (a wait that
+    times out with a record present fails the test instead of hanging it)."""
+    import mmap
+
+    # 30 us: most waits outlast the window (the spin is mostly off, rings race the park); 1 ms: far above a
+    # loaded host's wake-up latency, so the quick and the late phases switch the spin on and off
+    n = 2400
+    flag_path = tmp_path / "flag"
+    flag_path.write_bytes(np.full(1, -1, np.int64).tobytes())
+    with open(flag_path, "r+b") as fh:
+        flag = np.frombuffer(mmap.mmap(fh.fileno(), 8), np.int64)
+    with Ring.create(PREFIX, 0, 1 << 16, "astress") as ring:
+        ringer = SemaphoreDoorbell.create(PREFIX, 0, "astress")
+        waiter = SemaphoreDoorbell.attach(ringer.name, spin_s=spin_s, adaptive=True)
+        proc = subprocess.Popen([sys.executable, "-c", _ADAPTIVE_WRITER, ringer.name, ring.name, str(flag_path),
+                                 str(n), str(spin_s)])
+        try:
+            spun = parked = 0
+            deadline = time.monotonic() + 120
+            for i in range(n):
+                flag[0] = i
+                while (rec := ring.peek()) is None:
+                    if waiter.spinning:
+                        spun += 1
+                    else:
+                        parked += 1
+                    if not waiter.wait(5.0):
+                        assert ring.peek() is None, f"record {i} was committed and rung, but the wait slept through it"
+                        assert proc.poll() is None, f"the writer exited with record {i} unread"
+                    assert time.monotonic() < deadline, "the stress run took far too long"
+                assert int(rec["x"][0]) == i
+                del rec
+                ring.release()
+            assert proc.wait(30) == 0
+            assert parked > 20, f"parked {parked} times: the park was hardly exercised"
+            if spin_s >= 1e-3:
+                assert spun > 20, f"spinning {spun}, parked {parked}: the policy hardly switched"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            waiter.close()
+            ringer.close()
+            ringer.unlink()
+
+
 def test_semaphore_doorbell_name_and_mode():
     with SemaphoreDoorbell.create(PREFIX, "b1", "jobs") as bell:
         assert bell.name.startswith(f"/{PREFIX}-b1-{os.getpid()}-jobs")

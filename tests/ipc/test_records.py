@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipc.records import Job, JobKind, JobResult, JobStatus, Lane, build_job
+from ipc.records import Job, JobKind, JobResult, JobStatus, Lane, build_job, decode_job
 from ipc.ring import Ring
 
 FIELDS = ("tokens", "positions", "query_start", "lane_valid", "context_lens", "block_tables", "sample",
@@ -25,8 +25,8 @@ DTYPES = {"tokens": np.int32, "positions": np.int32, "query_start": np.int32, "l
 
 
 def assert_same_job(a: Job, b: Job) -> None:
-    assert (a.job_id, a.generation, a.kind, a.return_logits, a.submitted_ns) == \
-        (b.job_id, b.generation, b.kind, b.return_logits, b.submitted_ns)
+    assert (a.job_id, a.generation, a.kind, a.return_logits, a.submitted_ns, a.follow) == \
+        (b.job_id, b.generation, b.kind, b.return_logits, b.submitted_ns, b.follow)
     for name in FIELDS:
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype, name
@@ -96,7 +96,65 @@ def coherent_jobs(draw) -> Job:
     if all(ln is None for ln in lanes):
         lanes[0] = Lane([1], 0, [0])
     return build_job(kind, lanes, job_id=draw(st.integers(0, 2**62)), generation=draw(st.integers(0, 2**31)),
-                     table_width=draw(st.sampled_from([None, 8])), return_logits=draw(st.booleans()))
+                     table_width=draw(st.sampled_from([None, 8])), return_logits=draw(st.booleans()),
+                     follow=draw(st.booleans()))
+
+
+def lane_by_lane_job(kind: JobKind, lanes: list, batch: int | None, table_width: int | None) -> dict:
+    """The packing build_job must produce, written out one lane at a time (the oracle of its columns)."""
+    b = len(lanes) if batch is None else batch
+    active = [ln for ln in lanes if ln is not None]
+    width = max(1, table_width if table_width is not None else max([len(ln.block_table) for ln in active] or [1]))
+    out = {"tokens": [], "positions": [], "query_start": [0] * (b + 1), "lane_valid": [0] * b,
+           "context_lens": [0] * b, "block_tables": [[-1] * width for _ in range(b)], "sample": [0] * b,
+           "temperature": [0.0] * b, "top_p": [1.0] * b, "top_k": [0] * b, "seed": [0] * b,
+           "want_logprobs": [0] * b}
+    at = 0
+    for i in range(b):
+        ln = lanes[i] if i < len(lanes) else None
+        if ln is not None:
+            n = len(ln.tokens)
+            out["tokens"] += list(ln.tokens)
+            out["positions"] += list(range(ln.start, ln.start + n))
+            at += n
+            out["lane_valid"][i] = 1
+            out["context_lens"][i] = ln.start + n
+            out["block_tables"][i][:len(ln.block_table)] = ln.block_table
+            for f in ("sample", "temperature", "top_p", "top_k", "want_logprobs"):
+                out[f][i] = getattr(ln, f)
+            out["seed"][i] = ln.seed & 0xFFFFFFFFFFFFFFFF
+        out["query_start"][i + 1] = at
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_build_job_packs_every_column_as_the_lane_by_lane_oracle(data):
+    kind = data.draw(st.sampled_from([JobKind.PREFILL, JobKind.DECODE]))
+    n_lanes = data.draw(st.integers(1, 16))
+    batch = data.draw(st.sampled_from([None, 16]))
+    lanes: list = []
+    for _ in range(n_lanes):
+        if data.draw(st.integers(0, 3)) == 0:
+            lanes.append(None)
+            continue
+        n = 1 if kind == JobKind.DECODE else data.draw(st.integers(1, 30))
+        lanes.append(Lane(tokens=data.draw(st.lists(st.integers(-1, 1000), min_size=n, max_size=n)),
+                          start=data.draw(st.integers(0, 3000)),
+                          block_table=data.draw(st.lists(st.integers(0, 4095), max_size=7)),
+                          sample=data.draw(st.booleans()), temperature=data.draw(st.sampled_from([0.0, 0.7, 1.5])),
+                          top_p=data.draw(st.sampled_from([0.1, 0.5, 1.0])), top_k=data.draw(st.integers(0, 100)),
+                          seed=data.draw(st.integers(-2**63, 2**64 - 1)), want_logprobs=data.draw(st.booleans())))
+    width = data.draw(st.sampled_from([None, 7, 9]))
+    job = build_job(kind, lanes, batch=batch, table_width=width)
+    want = lane_by_lane_job(kind, lanes, batch, width)
+    for name, values in want.items():
+        got = getattr(job, name)
+        exp = np.array(values, DTYPES[name])
+        if name in ("tokens", "positions"):
+            exp = exp.reshape(-1)  # an empty list is shape (0,) too
+        assert got.dtype == exp.dtype and got.shape == exp.shape, (name, got.shape, exp.shape)
+        np.testing.assert_array_equal(got, exp, err_msg=name)
 
 
 MUTATIONS = ("ctx", "flip_valid", "qs_entry", "position", "drop_token", "as_decode", "lane_shape", "table_rows",
@@ -284,3 +342,26 @@ def test_validate_does_not_overflow_at_the_int32_limit():
     job.context_lens = np.array([-(2**31)], np.int32)  # what an int32 "last position + 1" would wrap to
     with pytest.raises(ValueError, match="context_lens"):
         job.validate()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_decode_job_is_build_job_of_the_same_lanes(data):
+    n = data.draw(st.integers(1, 16))
+    batch = data.draw(st.sampled_from([None, 16]))
+    width = data.draw(st.sampled_from([None, 8]))
+    lanes = [Lane(tokens=[data.draw(st.integers(-1, 1000))], start=data.draw(st.integers(0, 3000)),
+                  block_table=data.draw(st.lists(st.integers(0, 4095), max_size=8)),
+                  temperature=data.draw(st.sampled_from([0.0, 0.7])), top_p=data.draw(st.sampled_from([0.5, 1.0])),
+                  top_k=data.draw(st.integers(0, 50)), seed=data.draw(st.integers(-2**63, 2**64 - 1)),
+                  want_logprobs=data.draw(st.booleans())) for _ in range(n)]
+    kw = dict(job_id=data.draw(st.integers(0, 2**40)), generation=3, batch=batch, table_width=width,
+              decode_steps=data.draw(st.sampled_from([1, 4])), follow=data.draw(st.booleans()))
+    want = build_job(JobKind.DECODE, lanes, **kw)
+    got = decode_job([ln.tokens[0] for ln in lanes], [ln.start for ln in lanes], [ln.block_table for ln in lanes],
+                     [(ln.temperature, ln.top_p, ln.top_k, ln.seed, ln.want_logprobs) for ln in lanes], **kw)
+    assert_same_job(got, want)
+    assert (got.decode_steps, got.follow) == (want.decode_steps, want.follow)
+    for name in FIELDS:
+        assert getattr(got, name).dtype == getattr(want, name).dtype, name
+

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from engine import errors
-from engine.async_client import AsyncClient, dispatch
+from engine.async_client import AsyncClient, Inbox, _Expired, dispatch
 from conftest import CODES, done_ev, echo_server as _echo, error_ev, tokens_ev
 
 
@@ -124,11 +124,11 @@ def test_dispatch_puts_first_events_first_and_keeps_each_requests_order():
 
 def test_a_new_streams_first_tokens_wake_its_task_before_the_running_streams():
     """One burst carries the running streams' next tokens and, last, a new stream's first: its reader runs first
-    (asyncio wakes a queue's getters in the order of the puts)."""
+    (each inbox's waiter is woken in the order of the puts)."""
 
     async def go():
         order = []
-        queues = {rid: asyncio.Queue() for rid in ("run0", "run1", "run2", "new")}
+        queues = {rid: Inbox() for rid in ("run0", "run1", "run2", "new")}
 
         async def reader(rid):
             await queues[rid].get()
@@ -155,3 +155,55 @@ def test_finished_and_timed_out_requests_leave_no_bookkeeping(fake_server):
             return dict(c._queues), set(c._unanswered)
 
     assert run(go()) == ({}, set())
+
+
+def test_inbox_hands_out_what_arrived_before_failing_an_empty_wait_past_its_deadline():
+    async def go():
+        loop = asyncio.get_running_loop()
+        q = Inbox()
+        q.expire_at(loop.time() + 0.05)
+        waiter = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        q.put_nowait({"n": 1})  # wakes the waiting reader
+        assert (await waiter) == {"n": 1}
+        q.put_nowait({"n": 2})
+        q.put_nowait({"n": 3})
+        await asyncio.sleep(0.1)  # past the deadline: what arrived is still handed out, in order
+        got = [await q.get(), await q.get()]
+        t0 = loop.time()
+        with pytest.raises(_Expired):
+            await q.get()  # empty and expired: fails at once
+        assert loop.time() - t0 < 1.0
+        late = Inbox()
+        late.expire_at(loop.time() + 0.05)
+        with pytest.raises(_Expired):
+            await asyncio.wait_for(late.get(), 10)  # a wait in progress is woken by the deadline
+        kept = Inbox()
+        kept.expire_at(loop.time() + 0.05)
+        kept.close()  # the request ended: its timer is gone
+        waiting = asyncio.ensure_future(kept.get())
+        await asyncio.sleep(0.15)
+        assert not waiting.done()
+        waiting.cancel()
+        return got
+
+    assert run(go()) == [{"n": 2}, {"n": 3}]
+
+
+def test_events_that_arrived_before_the_deadline_are_streamed_after_it(fake_server):
+    srv = fake_server(lambda m: [tokens_ev(m["id"], [4]), tokens_ev(m["id"], [5])] if m["op"] == "generate" else [])
+
+    async def go():
+        async with AsyncClient(srv.endpoint) as c:
+            agen = c.stream([1], id="slow", timeout=0.3)
+            got = [await agen.__anext__()]
+            await asyncio.sleep(0.6)  # the consumer is slow; the second event is already in the inbox
+            got.append(await agen.__anext__())
+            with pytest.raises(errors.ClientTimeout):
+                await agen.__anext__()  # nothing more came: the deadline applies to the wait
+            await agen.aclose()
+            await until_cancelled(srv)
+            return got
+
+    assert run(go()) == [[4], [5]]
+
