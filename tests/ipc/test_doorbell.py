@@ -75,16 +75,25 @@ import mmap, random, sys, time
 import numpy as np
 from ipc.doorbell import SemaphoreDoorbell, ZmqDoorbell
 from ipc.ring import Ring
-kind, bell_name, ring_name, flag_path, n = sys.argv[1:6]
+kind, bell_name, ring_name, flag_path = sys.argv[1:5]
+n, seed, spin_s = int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7])
 bell = SemaphoreDoorbell.attach(bell_name) if kind == "semaphore" else ZmqDoorbell.attach(bell_name)
 ring = Ring.attach(ring_name)
 with open(flag_path, "r+b") as fh:
     flag = np.frombuffer(mmap.mmap(fh.fileno(), 8), np.int64)
-rng = random.Random(7)
-for i in range(int(n)):
-    while flag[0] < i:  # the reader is about to look for record i
+rng = random.Random(seed)
+for i in range(n):
+    while flag[0] < i:  # lockstep: record i only once the reader looks for it, so a lost ring is never rescued
         time.sleep(0)
-    end = time.perf_counter() + rng.random() * 120e-6  # commit (and deliver) before, during or after its empty peek
+    if spin_s <= 0:  # commit (and deliver) before, during or after the reader's empty peek
+        pause = rng.random() * 120e-6
+    else:
+        # phases of quick and late rings (the reader's spin turns off and on), with pauses spread around the
+        # spin threshold so rings land inside the spin, just after it, and while the reader parks; and a phase
+        # of rings within tens of microseconds, which land between the reader's empty peek and its park
+        phase = (i // 150) % 4
+        pause = rng.random() * (30e-6 if phase == 2 else spin_s * (0.5 if phase == 0 else 3.0 if phase == 1 else 1.6))
+    end = time.perf_counter() + pause
     while time.perf_counter() < end:
         pass
     ring.write({"x": np.array([i])})
@@ -92,6 +101,16 @@ for i in range(int(n)):
 ring.close()
 bell.close()
 """
+
+
+def _shared_flag(tmp_path):
+    """The reader's "about to look for record i" flag, shared with the writer process through a mapped file."""
+    import mmap
+
+    path = tmp_path / "flag"
+    path.write_bytes(np.full(1, -1, np.int64).tobytes())
+    with open(path, "r+b") as fh:
+        return path, np.frombuffer(mmap.mmap(fh.fileno(), 8), np.int64)
 
 
 @pytest.mark.parametrize("kind", ["semaphore", "zmq"])
@@ -102,13 +121,8 @@ def test_ring_between_empty_peek_and_wait_is_not_lost(kind, tmp_path):
     the ring. The writer starts each record when the reader announces it is
     about to look (a shared flag), after a random 0-120 us (a ZeroMQ ring takes tens of us to arrive), so the ring falls
     before, inside and after the peek-to-park window across the repetitions."""
-    import mmap
-
     n = 1500
-    flag_path = tmp_path / "flag"
-    flag_path.write_bytes(np.full(1, -1, np.int64).tobytes())
-    with open(flag_path, "r+b") as fh:
-        flag = np.frombuffer(mmap.mmap(fh.fileno(), 8), np.int64)
+    flag_path, flag = _shared_flag(tmp_path)
     with Ring.create(PREFIX, 0, 4096, "race") as ring:
         if kind == "semaphore":
             ringer = SemaphoreDoorbell.create(PREFIX, 0, "race")
@@ -118,7 +132,7 @@ def test_ring_between_empty_peek_and_wait_is_not_lost(kind, tmp_path):
             bell_name = f"ipc://{tmp_path}/race"
             ringer, waiter = None, ZmqDoorbell.create(bell_name)  # the writer process connects and rings
         proc = subprocess.Popen([sys.executable, "-c", _RACE_WRITER, kind, bell_name, ring.name, str(flag_path),
-                                 str(n)])
+                                 str(n), "7", "0"])
         try:
             parks = 0
             for i in range(n):
@@ -177,35 +191,6 @@ def test_adaptive_spin_stops_when_rings_come_late_and_resumes_when_they_come_qui
             waiter.close()
 
 
-_ADAPTIVE_WRITER = """
-import mmap, random, sys, time
-import numpy as np
-from ipc.doorbell import SemaphoreDoorbell
-from ipc.ring import Ring
-bell_name, ring_name, flag_path, n, spin_s = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
-bell = SemaphoreDoorbell.attach(bell_name)
-ring = Ring.attach(ring_name)
-with open(flag_path, "r+b") as fh:
-    flag = np.frombuffer(mmap.mmap(fh.fileno(), 8), np.int64)
-rng = random.Random(11)
-for i in range(n):
-    while flag[0] < i:  # lockstep: record i only once the reader looks for it, so a lost ring is never rescued
-        time.sleep(0)
-    # phases of quick and late rings (the reader's spin turns off and on), with pauses spread around the
-    # spin threshold so rings land inside the spin, just after it, and while the reader parks; and a phase
-    # of rings within tens of microseconds, which land between the reader's empty peek and its park
-    phase = (i // 150) % 4
-    pause = rng.random() * (30e-6 if phase == 2 else spin_s * (0.5 if phase == 0 else 3.0 if phase == 1 else 1.6))
-    end = time.perf_counter() + pause
-    while time.perf_counter() < end:
-        pass
-    ring.write({"x": np.array([i])})
-    bell.ring()
-ring.close()
-bell.close()
-"""
-
-
 @pytest.mark.parametrize("spin_s", [30e-6, 1e-3])
 def test_adaptive_spin_loses_no_wake_up_under_a_racing_writer_process(tmp_path, spin_s):
     """Stress: a writer process commits and rings thousands of records, each once the reader looks for
@@ -213,20 +198,15 @@ def test_adaptive_spin_loses_no_wake_up_under_a_racing_writer_process(tmp_path, 
     spin threshold, in phases that switch the adaptive spin off and on; the reader (spin, then park)
     must see every record, in order, and no wait may sleep through a committed record (a wait that
     times out with a record present fails the test instead of hanging it)."""
-    import mmap
-
     # 30 us: most waits outlast the window (the spin is mostly off, rings race the park); 1 ms: far above a
     # loaded host's wake-up latency, so the quick and the late phases switch the spin on and off
     n = 2400
-    flag_path = tmp_path / "flag"
-    flag_path.write_bytes(np.full(1, -1, np.int64).tobytes())
-    with open(flag_path, "r+b") as fh:
-        flag = np.frombuffer(mmap.mmap(fh.fileno(), 8), np.int64)
+    flag_path, flag = _shared_flag(tmp_path)
     with Ring.create(PREFIX, 0, 1 << 16, "astress") as ring:
         ringer = SemaphoreDoorbell.create(PREFIX, 0, "astress")
         waiter = SemaphoreDoorbell.attach(ringer.name, spin_s=spin_s, adaptive=True)
-        proc = subprocess.Popen([sys.executable, "-c", _ADAPTIVE_WRITER, ringer.name, ring.name, str(flag_path),
-                                 str(n), str(spin_s)])
+        proc = subprocess.Popen([sys.executable, "-c", _RACE_WRITER, "semaphore", ringer.name, ring.name,
+                                 str(flag_path), str(n), "11", str(spin_s)])
         try:
             spun = parked = 0
             deadline = time.monotonic() + 120
