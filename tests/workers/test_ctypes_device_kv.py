@@ -11,7 +11,6 @@ refused at load, naming what it lacks.
 
 from __future__ import annotations
 
-import subprocess
 
 import numpy as np
 import pytest
@@ -19,8 +18,7 @@ import pytest
 from engine.core.tier_transfers import HOST, chain_words
 from ipc.kv_slots import KvSlotPool, record_bytes
 from ipc.records import Job, JobKind
-from workers.backends.ctypes_backend import HEADER, REFERENCE_SOURCE, CtypesBackend, NativeLibraryError, \
-    build_reference_library
+from workers.backends.ctypes_backend import CtypesBackend, NativeLibraryError, build_reference_library
 from workers.kv_transfer import HostKv
 
 from tests.workers.test_ctypes_backend import BS, _job, decode1, expected_logits, prefill
@@ -92,14 +90,10 @@ def test_a_block_the_abi_refuses_writes_nothing(library):
 
 
 def test_a_library_with_part_of_the_group_is_refused(tmp_path):
-    lib = tmp_path / "libhalf.so"
     # the host-KV reference library plus two of the group's six calls: not device-resident KV
-    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-DREF_DEVICE_KV=0", "-o", str(lib), str(REFERENCE_SOURCE),
-                    "-x", "c", "-"],
-                   input=(f'#include "{HEADER}"\n'
-                          "int64_t simpler_kv_block_bytes(int c, int b) { return 16 * b; }\n"
-                          "int simpler_kv_init(int c, int n, int b) { return 0; }\n"),
-                   text=True, check=True)
+    lib = build_reference_library(tmp_path, name="libhalf.so", defines={"REF_DEVICE_KV": 0}, extra_source=(
+        "int64_t simpler_kv_block_bytes(int c, int b) { return 16 * b; }\n"
+        "int simpler_kv_init(int c, int n, int b) { return 0; }\n"))
     with pytest.raises(NativeLibraryError, match="libhalf.so.*part of the device-resident KV.*"
                                                  "simpler_kv_copy_out.*simpler_model_decode_paged"):
         CtypesBackend(library=str(lib))

@@ -6,14 +6,12 @@ symbol still multi-steps through the host loop, and one with the symbol but no d
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import numpy as np
 import pytest
 
 from ipc.records import JobKind, JobStatus, Lane, build_job
-from workers.backends.ctypes_backend import (HEADER, REFERENCE_SOURCE, CtypesBackend, NativeLibraryError,
-                                             build_reference_library)
+from workers.backends.ctypes_backend import CtypesBackend, NativeLibraryError, build_reference_library
 from workers.main import device_loop_job, execute_job
 
 BS = 16
@@ -190,15 +188,10 @@ def test_the_library_leaves_inactive_rows_and_checks_tables_itself(library):
 
 
 def test_the_symbol_without_device_kv_is_refused(tmp_path):
-    lib = tmp_path / "libloop_hostkv.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-DREF_DEVICE_KV=0", "-o", str(lib), str(REFERENCE_SOURCE),
-                    "-x", "c", "-", "-lm"],
-                   input=(f'#include "{HEADER}"\n'
-                          "int simpler_model_decode_steps_paged(int c, int b, int n, const int32_t* t, "
-                          "const uint8_t* v, const int32_t* s, const int32_t* bt, int ts, const float* te, "
-                          "const float* tp, const int32_t* tk, const uint64_t* se, int32_t* ot, float* ol) "
-                          "{ return 0; }\n"),
-                   text=True, check=True)
+    lib = build_reference_library(tmp_path, name="libloop_hostkv.so", defines={"REF_DEVICE_KV": 0}, extra_source=(
+        "int simpler_model_decode_steps_paged(int c, int b, int n, const int32_t* t, "
+        "const uint8_t* v, const int32_t* s, const int32_t* bt, int ts, const float* te, "
+        "const float* tp, const int32_t* tk, const uint64_t* se, int32_t* ot, float* ol) { return 0; }\n"))
     with pytest.raises(NativeLibraryError, match="libloop_hostkv.so.*simpler_model_decode_steps_paged without the "
                                                  "device-resident KV group"):
         CtypesBackend(library=str(lib))

@@ -96,12 +96,17 @@ class SimplerModelInfo(ctypes.Structure):
 
 
 def build_reference_library(out_dir: str | os.PathLike, *, name: str = "libreference_chip.so",
-                            defines: dict[str, object] | None = None, cc: str = "cc") -> Path:
-    """Compile workers/native/reference_chip.c into out_dir (tests, demos, benchmarks)."""
+                            defines: dict[str, object] | None = None, cc: str = "cc",
+                            extra_source: str | None = None) -> Path:
+    """Compile workers/native/reference_chip.c into out_dir (tests, demos, benchmarks).
+
+    `extra_source`: C compiled into the same library after npuserve_chip.h (a test's extra or stub symbols)."""
     out = Path(out_dir) / name
     flags = [f"-D{k}={v}" for k, v in (defines or {}).items()]
-    cmd = [cc, "-shared", "-fPIC", "-O2", *flags, "-o", str(out), str(REFERENCE_SOURCE), "-lm"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    extra = [] if extra_source is None else ["-x", "c", "-"]
+    cmd = [cc, "-shared", "-fPIC", "-O2", *flags, "-o", str(out), str(REFERENCE_SOURCE), *extra, "-lm"]
+    source = None if extra_source is None else f'#include "{HEADER}"\n{extra_source}'
+    proc = subprocess.run(cmd, input=source, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr}")
     return out
