@@ -82,7 +82,8 @@ def check_stop_token_ids(env: Env) -> str:
     expect(r["done"]["finish_reason"] == "stop" and r["tokens"] == base[:k],
            f"stop_token_ids [{base[k]}] should end with stop after {base[:k]}, got {r['tokens']} "
            f"({r['done']['finish_reason']})")
-    return f"stopped after {k} tokens"
+    counted = r["done"]["usage"]["completion_tokens"]
+    return f"stopped after {k} tokens; completion_tokens {counted} ({'with' if counted > k else 'without'} the stop id)"
 
 
 def check_every_field(env: Env) -> str:
