@@ -66,6 +66,10 @@ class Procs:
         b.wait_backends_up(len(backends), timeout=START_TIMEOUT_S)
         return b
 
+    def log_tails(self, n: int = 2000) -> str:
+        """The end of every process's log, for a failure message."""
+        return "\n".join(f"--- {p.log_path}\n{p.log()[-n:]}" for p in [*self.daemons, *self.balancers])
+
     def close(self) -> list[str]:
         problems = []
         for b in self.balancers:
@@ -101,10 +105,10 @@ def run_conformance(capsys, endpoint: str, *flags: str) -> tuple[int, dict[str, 
     return code, rows, summary
 
 
-def assert_conforms(code: int, rows: dict[str, dict], skipped: set[str]) -> None:
+def assert_conforms(code: int, rows: dict[str, dict], skipped: set[str], procs: Procs | None = None) -> None:
     """Every check ran and passed, except exactly the `skipped` ones (their set-up is not offered)."""
     failed = {n: r["detail"] for n, r in rows.items() if r["status"] == "fail"}
-    assert not failed, failed
+    assert not failed, f"{failed}\n{procs.log_tails() if procs else ''}"
     assert {n for n, r in rows.items() if r["status"] == "skip"} == skipped, \
         {n: r["detail"] for n, r in rows.items() if r["status"] == "skip"}
     assert code == 0

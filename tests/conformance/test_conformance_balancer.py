@@ -14,13 +14,14 @@ def balanced():
     procs = Procs()
     try:
         eps = [procs.daemon(backend="ref", tcp=True)[1] for _ in range(2)]
-        yield procs.balancer(eps)
+        yield procs, procs.balancer(eps)
     finally:
         problems = procs.close()
         assert not problems, "\n".join(problems)
 
 
 def test_a_balancer_before_two_boards_conforms(balanced, capsys):
-    code, rows, summary = run_conformance(capsys, balanced.endpoint, "--admin-denied")
+    procs, bal = balanced
+    code, rows, summary = run_conformance(capsys, bal.endpoint, "--admin-denied")
     assert summary["endpoint_kind"] == "balancer"
-    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "drain_resume"})
+    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "drain_resume"}, procs)

@@ -17,12 +17,13 @@ def busy_daemon():
     try:
         d, _ = procs.daemon(backend="ref", settings={"executor.max_inflight": 2, "executor.queue_next_step": True,
                                                      "executor.decode_steps": 4})
-        yield d
+        yield procs, d
     finally:
         problems = procs.close()
         assert not problems, "\n".join(problems)
 
 
 def test_a_daemon_with_two_jobs_in_flight_queued_steps_and_multi_step_decode_conforms(busy_daemon, capsys):
-    code, rows, _ = run_conformance(capsys, busy_daemon.endpoint, "--admin")
-    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "error_403_forbidden"})
+    procs, d = busy_daemon
+    code, rows, _ = run_conformance(capsys, d.endpoint, "--admin")
+    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "error_403_forbidden"}, procs)

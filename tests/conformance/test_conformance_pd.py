@@ -15,7 +15,7 @@ def pd_pair():
     try:
         _, ep = procs.daemon(backend="ref", tcp=True, settings={"board.role": "prefill"})
         _, ed = procs.daemon(backend="ref", tcp=True, settings={"board.role": "decode"})
-        yield procs.balancer([{"endpoint": ep, "role": "prefill"}, {"endpoint": ed, "role": "decode"}],
+        yield procs, procs.balancer([{"endpoint": ep, "role": "prefill"}, {"endpoint": ed, "role": "decode"}],
                              policy="prefix")
     finally:
         problems = procs.close()
@@ -23,8 +23,9 @@ def pd_pair():
 
 
 def test_a_prefill_decode_pair_behind_the_balancer_conforms(pd_pair, capsys):
-    code, rows, summary = run_conformance(capsys, pd_pair.endpoint, "--admin-denied")
+    procs, bal = pd_pair
+    code, rows, summary = run_conformance(capsys, bal.endpoint, "--admin-denied")
     assert summary["endpoint_kind"] == "balancer"
-    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "drain_resume"})
-    with pd_pair.client() as c:
+    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "drain_resume"}, procs)
+    with bal.client() as c:
         assert c.stats()["balancer"]["counters"]["pd_handoffs"] > 0  # the requests really went in two legs

@@ -14,14 +14,15 @@ def replica():
     procs = Procs()
     try:
         d, _ = procs.daemon(backend="ref", chips=2, settings={"board.chips_per_replica": 2})
-        yield d
+        yield procs, d
     finally:
         problems = procs.close()
         assert not problems, "\n".join(problems)
 
 
 def test_a_tensor_parallel_replica_conforms(replica, capsys):
-    (chip,) = replica.health()["chips"]
+    procs, d = replica
+    (chip,) = d.health()["chips"]
     assert len(chip["pids"]) == 2  # one replica of two ranks, as set up
-    code, rows, _ = run_conformance(capsys, replica.endpoint, "--admin")
-    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "error_403_forbidden"})
+    code, rows, _ = run_conformance(capsys, d.endpoint, "--admin")
+    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "error_403_forbidden"}, procs)
