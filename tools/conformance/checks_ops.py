@@ -123,10 +123,25 @@ def check_hello(env: Env) -> str:
     for r in ids:
         generate_result(got[r], stream=True, text=env.target.text)
     expect(not c.violations, c.violations[0] if c.violations else "")
+    batched = c.multi_frame_messages
+    again = env.rid("again")
+    ev = c.request(op("hello", again, capabilities=[]))  # a later hello replaces the set: back to one per message
+    expect(ev["ev"] == "hello" and ev.get("id") == again and ev.get("capabilities") == [],
+           f"hello with no capabilities must grant none: {short(ev)}")
+    c.batched = False
+    ids = []
+    for i in range(8):
+        r = env.rid(f"after{i}")
+        c.send(gen(r, env.target.prompt(320 + i), max_tokens=16, ignore_eos=True))
+        ids.append(r)
+    got = c.collect(ids)
+    for r in ids:
+        generate_result(got[r], stream=True, text=env.target.text)
+    expect(not c.violations, f"after a hello that granted nothing: {c.violations[0]}" if c.violations else "")
     over = env.conn()
     bad = over.request(op("hello", env.rid("17"), capabilities=[f"cap{i}" for i in range(17)]))
     error_event(bad, 400)
-    return (f"granted {granted}; {c.multi_frame_messages} of {c.messages} messages batched; "
+    return (f"granted {granted}; {batched} messages batched; hello [] undoes it; "
             f"17 names: 400 {bad['reason']}")
 
 
