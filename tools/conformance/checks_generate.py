@@ -329,3 +329,72 @@ def check_overload(env: Env) -> str:
     late = c.quiet(SETTLE_S)
     expect(not late, f"events after every request ended: {short(late)}")
     return f"{len(rejected)} of {n} got 429 {sorted({e['reason'] for e in rejected})}"
+
+
+def check_stop_sequences(env: Env) -> str:
+    """A token-id stop sequence ends with stop, its ids not emitted; a stop string cuts the text before it."""
+    p = env.target.prompt(15)
+    base = run_one(env, gen(env.rid("g"), p, max_tokens=16, ignore_eos=True, stream=False), stream=False)
+    toks = base["tokens"]
+    pairs = [tuple(toks[i:i + 2]) for i in range(len(toks) - 1)]
+    k = next((i for i in range(1, len(pairs)) if pairs[i] not in pairs[:i] and toks[i] not in toks[:i]), None)
+    notes = []
+    if k is None:
+        notes.append("no unrepeated id pair in the greedy output: id sequence not checked")
+    else:
+        r = run_one(env, gen(env.rid("ids"), p, max_tokens=16, ignore_eos=True, stop=[list(pairs[k])]))
+        expect(r["done"]["finish_reason"] == "stop" and r["tokens"] == toks[:k],
+               f"stop [{list(pairs[k])}] should end with stop after {toks[:k]}, got {r['tokens']} "
+               f"({r['done']['finish_reason']})")
+        notes.append(f"id sequence: {k} tokens")
+    if not env.target.text:
+        return "; ".join(notes + ["no tokenizer: stop strings not checked"])
+    text = base["text"]
+    j = next((i for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i
+              and text[i:i + 2].strip()), None)
+    if j is None:
+        return "; ".join(notes + [f"no usable substring in {text[:20]!r}: stop strings not checked"])
+    s = text[j:j + 2]
+    r = run_one(env, gen(env.rid("str"), p, max_tokens=16, ignore_eos=True, stop=[s]))
+    expect(r["done"]["finish_reason"] == "stop", f"stop string {s!r} in {text!r}: finished {r['done']['finish_reason']}")
+    expect(r["text"] == text[:j], f"stop string {s!r}: the text must end right before it: {text[:j]!r}, got "
+                                  f"{r['text']!r}")
+    expect(r["tokens"] == toks[:len(r["tokens"])] and 0 < len(r["tokens"]) <= len(toks),
+           f"stop string: the ids up to the completing one are emitted: {r['tokens']} vs {toks}")
+    expect(r["done"]["usage"]["completion_tokens"] == len(r["tokens"]),
+           "stop string: completion_tokens counts the emitted ids")
+    return "; ".join(notes + [f"string {s!r}: text cut, {len(r['tokens'])} ids emitted"])
+
+
+def check_continuation(env: Env) -> str:
+    """A continuation counts toward max_tokens, is not re-sent, and a seeded request resumes where it left off."""
+    p = env.target.prompt(16)
+    fields = dict(max_tokens=8, temperature=0.8, seed=4242, ignore_eos=True)
+    whole = run_one(env, gen(env.rid("whole"), p, **fields))["tokens"]
+    r = run_one(env, gen(env.rid("resumed"), p, continuation=whole[:3], **fields))
+    expect(r["tokens"] == whole[3:], f"continuation {whole[:3]}: expected the rest {whole[3:]}, got {r['tokens']}")
+    expect(r["done"]["finish_reason"] == "length", f"finish {r['done']['finish_reason']}, expected length")
+    return "resumed after 3 of 8 tokens with the same seeded tokens"
+
+
+def check_structured_output(env: Env) -> str:
+    """A constraint that does not compile is 400 invalid_constraint; a regex constraint's text matches it."""
+    import re
+
+    c = env.conn()
+    rid = env.rid("bad")
+    c.send(gen(rid, env.target.prompt(17), max_tokens=4, constraint={"kind": "regex", "body": "(unclosed"}))
+    ev = c.collect([rid])[rid][-1]
+    error_event(ev, 400, None, rid)
+    if ev["reason"] == "constraint_unsupported":
+        return "400 constraint_unsupported (the backend samples on the device)"
+    expect(ev["reason"] == "invalid_constraint", f"a regex that does not compile: expected invalid_constraint, got "
+                                                 f"{ev['reason']}: {ev['message']}")
+    if not env.target.text:
+        return "invalid_constraint; no tokenizer: output not checked"
+    r = run_one(env, gen(env.rid("ok"), env.target.prompt(17), max_tokens=6, temperature=0.7, seed=9,
+                         constraint={"kind": "regex", "body": "[ab]{3}"}))
+    done = r["done"]["finish_reason"]
+    expect(re.fullmatch("[ab]{3}", r["text"]) is not None or (done == "length" and re.fullmatch("[ab]{0,3}", r["text"])),
+           f"regex [ab]{{3}}: the text {r['text']!r} ({done}) does not match")
+    return f"invalid_constraint; regex output {r['text']!r}"
