@@ -35,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overload", type=int, default=0, metavar="N",
                    help="send a burst of N long requests, more than the endpoint's waiting room, and check 429")
     p.add_argument("--second-model", default=None, metavar="ALIAS", help="another alias the endpoint serves")
+    p.add_argument("--package", default=None, metavar="PATH",
+                   help="a model package inside the endpoint's model root: with --admin, load it under a new alias, "
+                        "serve a request on it and unload it (the lifecycle ops and their errors)")
     p.add_argument("--max-message-bytes", type=int, default=1 << 20, metavar="B",
                    help="the endpoint's server.max_message_bytes (default 1 MiB), for the too_large check")
     p.add_argument("--crowd", type=int, default=24, metavar="N", help="concurrent requests in the seeded crowd check")
@@ -73,7 +76,8 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
     opts = Options(endpoint=a.endpoint, timeout_s=a.timeout, admin=a.admin, admin_denied=a.admin_denied,
-                   overload=a.overload, second_model=a.second_model, max_message_bytes=a.max_message_bytes,
+                   overload=a.overload, second_model=a.second_model, package=a.package,
+                   max_message_bytes=a.max_message_bytes,
                    crowd=a.crowd, kind=a.kind, curve=curve, only=_names(a.only), skip=_names(a.skip))
     if a.admin and a.admin_denied:
         print("npuserve conformance: --admin and --admin-denied contradict each other: give the one that holds "

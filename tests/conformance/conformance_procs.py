@@ -33,7 +33,7 @@ class Procs:
         self.balancers: list[BalancerProc] = []
 
     def daemon(self, *, backend: str = "ref", chips: int = 1, settings: dict | None = None,
-               tcp: bool = False) -> tuple[DaemonProc, str | None]:
+               tcp: bool = False, extra: list[str] | None = None) -> tuple[DaemonProc, str | None]:
         """A daemon on an ipc:// endpoint (admin rights) and, with `tcp`, a tcp:// one too (none)."""
         n = len(self.daemons)
         rt = os.path.join(self.dir, f"r{n}")
@@ -41,7 +41,7 @@ class Procs:
         endpoint = f"ipc://{rt}/d.sock"
         ep_tcp = tcp_endpoint() if tcp else None
         cmd = daemon_command(endpoint, rt, backend=backend, chips=chips, config=None, settings=settings,
-                             backend_options=None, extra=["--endpoint", ep_tcp] if tcp else None)
+                             backend_options=None, extra=(["--endpoint", ep_tcp] if tcp else []) + list(extra or []))
         cmd[cmd.index("--board") + 1] += f"c{n}"
         log_path = os.path.join(self.dir, f"daemon{n}.log")
         with open(log_path, "wb") as log:

@@ -24,4 +24,4 @@ def test_a_balancer_before_two_boards_conforms(balanced, capsys):
     procs, bal = balanced
     code, rows, summary = run_conformance(capsys, bal.endpoint, "--admin-denied")
     assert summary["endpoint_kind"] == "balancer"
-    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "drain_resume"}, procs)
+    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "drain_resume", "model_lifecycle"}, procs)

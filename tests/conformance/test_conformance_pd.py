@@ -26,6 +26,6 @@ def test_a_prefill_decode_pair_behind_the_balancer_conforms(pd_pair, capsys):
     procs, bal = pd_pair
     code, rows, summary = run_conformance(capsys, bal.endpoint, "--admin-denied")
     assert summary["endpoint_kind"] == "balancer"
-    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "drain_resume"}, procs)
+    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "drain_resume", "model_lifecycle"}, procs)
     with bal.client() as c:
         assert c.stats()["balancer"]["counters"]["pd_handoffs"] > 0  # the requests really went in two legs

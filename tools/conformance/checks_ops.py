@@ -194,3 +194,51 @@ def check_drain_resume(env: Env) -> str:
         error_event(ev, 404, "backend_not_found", bid)
         note += "; drain with backend at a daemon: 404 backend_not_found"
     return note
+
+
+def check_model_lifecycle(env: Env) -> str:
+    """load, models, generate on the new alias, the lifecycle errors, unload: each answered as documented."""
+    if not env.opts.package:
+        raise Skip("needs --package PATH (a model package inside the endpoint's model root) and --admin")
+    if not env.opts.admin:
+        raise Skip("needs --admin (load and unload are admin ops)")
+    c = env.conn()
+    alias = f"conformance-{env.rid()[-24:].replace('_', '-')}"[:64]
+    lid = env.rid("load")
+    ev = c.request(op("load", lid, alias=alias, package=env.opts.package), timeout_s=max(env.opts.timeout_s, 120))
+    if ev["ev"] == "error":
+        error_event(ev)
+        raise Fail(f"load of {env.opts.package!r} failed: {ev['code']} {ev['reason']} (step {ev.get('step')}): "
+                   f"{ev['message']}")
+    expect(ev["ev"] == "load" and ev.get("id") == lid, f"load must be answered by a load event: {short(ev)}")
+    entry = ev.get("model")
+    has_keys(entry, ENTRY_KEYS, "load.model")
+    expect(entry["alias"] == alias and entry["state"] == "ready", f"load.model: {short(entry)}")
+    try:
+        listed = _reply(env, "models")["models"]
+        expect(any(m["alias"] == alias and m["generation"] == entry["generation"] for m in listed),
+               f"models does not list {alias} generation {entry['generation']}")
+        r = run_one(env, gen(env.rid("on"), env.target.prompt(40), model=alias, max_tokens=3, ignore_eos=True))
+        if env.daemon:
+            expect(r["done"].get("generation") == entry["generation"],
+                   f"done.generation {r['done'].get('generation')!r}, the loaded one is {entry['generation']!r}")
+        again = env.rid("again")
+        error_event(c.request(op("load", again, alias=alias, package=env.opts.package)), 409, "already_loaded", again)
+        nop = env.rid("rollback")
+        error_event(c.request(op("rollback", nop, alias=alias)), 409, "no_previous", nop)
+        out = env.rid("escape")
+        ev = c.request(op("load", out, alias=alias + "-x", package="../conformance-outside"))
+        error_event(ev, 400, "package_rejected", out)
+        expect(ev.get("step") == "resolve", f"a package outside the model root fails at step resolve: {short(ev)}")
+    finally:
+        uid = env.rid("unload")
+        ev = c.request(op("unload", uid, alias=alias, deadline_s=30), timeout_s=max(env.opts.timeout_s, 120))
+    expect(ev["ev"] == "unload" and ev.get("id") == uid, f"unload must be answered by an unload event: {short(ev)}")
+    expect(ev["model"]["state"] in ("unloaded", "recovering"), f"unload.model.state: {ev['model']['state']}")
+    gone = env.rid("gone")
+    c.send(gen(gone, env.target.prompt(41), model=alias, max_tokens=2))
+    error_event(c.collect([gone])[gone][-1], 404, "model_not_found", gone)
+    nid = env.rid("never")
+    error_event(c.request(op("unload", nid, alias=alias + "-never")), 404, "model_not_found", nid)
+    return (f"load -> ready generation {entry['generation']}, served; 409 already_loaded, 409 no_previous, "
+            "400 package_rejected (resolve); unload; 404 after")

@@ -20,6 +20,7 @@ class Options:
     admin_denied: bool = False  # the endpoint denies admin ops to this client: check 403 forbidden
     overload: int = 0  # burst size that must overflow the endpoint's waiting room (429); 0 = skip
     second_model: str | None = None  # another alias the endpoint serves
+    package: str | None = None  # a package inside the endpoint's model root, loaded and unloaded (needs admin)
     max_message_bytes: int = 1 << 20  # the endpoint's server.max_message_bytes (for too_large)
     crowd: int = 24  # concurrent requests around the seeded one
     kind: str = "auto"  # daemon | balancer | auto (from health)

@@ -20,7 +20,7 @@ class Check:
     name: str
     run: Callable
     what: str  # one line: the promise checked
-    needs: str | None = None  # "admin", "admin_denied", "overload", "second_model"
+    needs: str | None = None  # "admin", "admin_denied", "overload", "second_model", "package"
 
 
 CHECKS: tuple[Check, ...] = (
@@ -53,6 +53,8 @@ CHECKS: tuple[Check, ...] = (
     Check("error_429_overloaded", G.check_overload, "a burst over the waiting room: retryable 429", needs="overload"),
     Check("error_403_forbidden", O.check_forbidden, "admin ops without admin rights: 403 forbidden",
           needs="admin_denied"),
+    Check("model_lifecycle", O.check_model_lifecycle, "load/unload replies, the lifecycle errors, a second alias",
+          needs="package"),
     Check("drain_resume", O.check_drain_resume, "drain (503 draining), resume, each answered by its event",
           needs="admin"),
 )
