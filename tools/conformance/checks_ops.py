@@ -69,6 +69,9 @@ def check_health(env: Env) -> str:
     expect(isinstance(h["chips_up"], int), f"health.chips_up must be an int: {h['chips_up']!r}")
     has_keys(h["model"], MODEL_KEYS, "health.model")
     has_keys(h["load"], LOAD_KEYS, "health.load")
+    c = env.conn()
+    rid = env.rid("field")
+    error_event(c.request(op("health", rid, verbose=True)), 400, "unknown_field", rid)  # "no fields"
     return f"{env.target.kind}: ok={h['ok']}, chips_up={h['chips_up']}"
 
 
@@ -98,6 +101,8 @@ def check_models(env: Env) -> str:
     aliases = [e["alias"] for e in entries]
     expect((env.target.health.get("model") or {}).get("alias") in aliases,
            f"the default model of health is not in models: {aliases}")
+    with_auth = _reply(env, "models", auth=None)  # models takes `auth` like the admin ops, needing no rights
+    expect(isinstance(with_auth.get("models"), list), f"models with auth: null: {short(with_auth)}")
     return f"{len(entries)} generation(s): {aliases}"
 
 
