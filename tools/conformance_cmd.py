@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
     if a.list:
         width = max(len(c.name) for c in CHECKS)
         for c in CHECKS:
-            print(f"{c.name.ljust(width)}  {c.what}{f'  (needs --{c.needs.replace(chr(95), chr(45))})' if c.needs else ''}")
+            needs = f"  (needs --{c.needs.replace('_', '-')})" if c.needs else ""
+            print(f"{c.name.ljust(width)}  {c.what}{needs}")
         return 0
     if not a.endpoint:
         print("npuserve conformance: give the ENDPOINT to check (e.g. ipc:///run/npuserve/board0/d.sock or "

@@ -26,4 +26,5 @@ def busy_daemon():
 def test_a_daemon_with_two_jobs_in_flight_queued_steps_and_multi_step_decode_conforms(busy_daemon, capsys):
     procs, d = busy_daemon
     code, rows, _ = run_conformance(capsys, d.endpoint, "--admin")
-    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "error_403_forbidden", "model_lifecycle"}, procs)
+    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "error_403_forbidden", "model_lifecycle"},
+                    procs)

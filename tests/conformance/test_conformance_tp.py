@@ -25,4 +25,5 @@ def test_a_tensor_parallel_replica_conforms(replica, capsys):
     (chip,) = d.health()["chips"]
     assert len(chip["pids"]) == 2  # one replica of two ranks, as set up
     code, rows, _ = run_conformance(capsys, d.endpoint, "--admin")
-    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "error_403_forbidden", "model_lifecycle"}, procs)
+    assert_conforms(code, rows, {"second_model", "error_429_overloaded", "error_403_forbidden", "model_lifecycle"},
+                    procs)
