@@ -45,6 +45,9 @@ def parser() -> argparse.ArgumentParser:
                    help="which documented health/stats keys to expect (auto: from the health reply)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="how long to wait for any one reply or stream before failing the check (default 60)")
+    p.add_argument("--settle-ms", type=float, default=100.0, metavar="MS",
+                   help="after each check, watch its connections this long for events that should not come "
+                        "(a second terminal event, a reply to a cancel); default 100")
     p.add_argument("--only", action="append", default=[], metavar="NAME[,NAME]", help="run only these checks")
     p.add_argument("--skip", action="append", default=[], metavar="NAME[,NAME]", help="do not run these checks")
     p.add_argument("--list", action="store_true", help="list the checks and exit")
@@ -79,7 +82,8 @@ def main(argv: list[str]) -> int:
     opts = Options(endpoint=a.endpoint, timeout_s=a.timeout, admin=a.admin, admin_denied=a.admin_denied,
                    overload=a.overload, second_model=a.second_model, package=a.package,
                    max_message_bytes=a.max_message_bytes,
-                   crowd=a.crowd, kind=a.kind, curve=curve, only=_names(a.only), skip=_names(a.skip))
+                   crowd=a.crowd, kind=a.kind, settle_s=a.settle_ms / 1000, curve=curve, only=_names(a.only),
+                   skip=_names(a.skip))
     if a.admin and a.admin_denied:
         print("npuserve conformance: --admin and --admin-denied contradict each other: give the one that holds "
               "for this client at this endpoint", file=sys.stderr)

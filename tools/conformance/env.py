@@ -24,6 +24,7 @@ class Options:
     max_message_bytes: int = 1 << 20  # the endpoint's server.max_message_bytes (for too_large)
     crowd: int = 24  # concurrent requests around the seeded one
     kind: str = "auto"  # daemon | balancer | auto (from health)
+    settle_s: float = 0.1  # after each check, how long to watch its connections for stray events
     curve: CurveKeys | None = None
     only: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()

@@ -75,6 +75,27 @@ def probe(ctx: zmq.Context, opts: Options) -> Target:
         raise Unreachable(f"{opts.endpoint}: {e}") from None
 
 
+def settle(connections, settle_s: float) -> list[dict]:
+    """What arrives on the check's connections within `settle_s` after it ended (expected: nothing).
+
+    Every check waits for the terminal event of each request it sent, so a
+    late event here is a second terminal event, or an event after one, or a
+    reply to a cancel. Absence can only be watched for a while: a short
+    window catches what a server sends in the same turn as the terminal one.
+    """
+    late = [e for c in connections for e in c.inbox]
+    poller = zmq.Poller()
+    for c in connections:
+        poller.register(c.sock, zmq.POLLIN)
+    deadline = time.monotonic() + settle_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(int(left * 1000) + 1))
+        for c in connections:
+            if c.sock in ready:
+                late += c.recv_message(0)
+    return late
+
+
 def run_check(check: Check, env: Env) -> Result:
     env.check = check.name
     t0 = time.monotonic()
@@ -90,6 +111,11 @@ def run_check(check: Check, env: Env) -> Result:
     except Exception as e:  # a crash of the check is a failed check, with where it happened
         where = traceback.extract_tb(e.__traceback__)[-1]
         status, detail = "fail", f"{type(e).__name__}: {e} (at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
+    if status == "pass":
+        late = settle(env.connections, env.opts.settle_s)
+        if late:
+            status, detail = "fail", (f"{len(late)} event(s) after every request of the check had ended: "
+                                      f"{[(e['ev'], e.get('id')) for e in late][:4]}")
     violations = [v for c in env.connections for v in c.violations]
     if violations and status != "fail":
         status, detail = "fail", f"{violations[0]} ({len(violations)} violation(s) in this check)"
