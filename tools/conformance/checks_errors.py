@@ -48,14 +48,15 @@ def _cases(env: Env) -> dict[str, list[tuple]]:
         "bad_type": [],
         "out_of_range": [],
     }
-    ids = {k: r(k) for k in ("mf", "mv", "cf", "bv", "bv2", "uo", "uf", "bt1", "bt2", "bt3", "bt4",
-                               "or1", "or2", "or3", "or4", "or5")}
+    ids = {k: r(k) for k in ("mf", "mv", "cf", "bv", "bv2", "bv3", "uo", "uf", "bt1", "bt2", "bt3", "bt4",
+                               "or1", "or2", "or3", "or4", "or5", "or6", "or7", "or8", "or9", "or10")}
     cases["missing_field"] = [(gen(ids["mf"], max_tokens=2), ids["mf"], None),
                               (orjson.dumps({"op": "health", "id": ids["mv"]}), ids["mv"], None),
                               (orjson.dumps({"v": 1, "op": "health"}), None, None)]
     cases["conflicting_fields"] = [(gen(ids["cf"], p, text="hi", max_tokens=2), ids["cf"], None)]
     cases["bad_version"] = [(dict(gen(ids["bv"], p), v=2), ids["bv"], None),
-                            (dict(gen(ids["bv2"], p), v=True), ids["bv2"], None)]
+                            (dict(gen(ids["bv2"], p), v=True), ids["bv2"], None),
+                            (dict(gen(ids["bv3"], p), v=1.0), ids["bv3"], None)]
     cases["unknown_op"] = [(op("conformance_no_such_op", ids["uo"]), ids["uo"], None)]
     cases["unknown_field"] = [(gen(ids["uf"], p, max_token=3), ids["uf"], "max_token")]
     cases["bad_type"] = [(gen(ids["bt1"], p, max_tokens="5"), ids["bt1"], "max_tokens"),
@@ -66,7 +67,14 @@ def _cases(env: Env) -> dict[str, list[tuple]]:
                              (gen(ids["or2"], p, top_p=0.0), ids["or2"], "top_p"),
                              (gen(ids["or3"], [], max_tokens=1), ids["or3"], "prompt"),
                              (gen(ids["or4"], p, seed=-1), ids["or4"], "seed"),
-                             (gen(ids["or5"], p, tenant="no spaces"), ids["or5"], "tenant")]
+                             (gen(ids["or5"], p, tenant="no spaces"), ids["or5"], "tenant"),
+                             (gen(ids["or6"], p, priority=101), ids["or6"], "priority"),
+                             (gen(ids["or7"], p, deadline_ms=86400001), ids["or7"], "deadline_ms"),
+                             (gen(ids["or8"], p, stop=["x"] * 17), ids["or8"], "stop"),
+                             (gen(ids["or9"], p, speculative="fast"), ids["or9"], "speculative"),
+                             (op("health", "x" * 129), None, "id")]
+    if env.target.text:  # the daemon's own check: a text that encodes to no tokens
+        cases["out_of_range"].append((gen(ids["or10"], None, text=""), ids["or10"], "text"))
     return cases
 
 
@@ -98,3 +106,20 @@ def check_too_large(env: Env) -> str:
     error_event(ev, 400, "too_large", rid)
     _after(env, c)
     return f"{len(data)} bytes refused (limit {limit})"
+
+
+def check_per_model(env: Env) -> str:
+    """The scheduler's per-model checks answer 400 in the same shape (reasons as observability.md names them)."""
+    c = env.conn()
+    notes = []
+    for tag, msg, reason in (
+            ("vocab", gen(env.rid("vocab"), [1, env.target.vocab_size], max_tokens=2), "token_out_of_range"),
+            ("ctx", gen(env.rid("ctx"), [1, 2], max_tokens=env.target.max_seq), "context_too_long")):
+        c.send(msg)
+        evs = c.collect([msg["id"]])[msg["id"]]
+        expect(len(evs) == 1, f"{tag}: expected one error event, got {[e['ev'] for e in evs]}")
+        error_event(evs[0], 400, reason, msg["id"])
+        expect(evs[0]["retryable"] is False, f"{reason} is not retryable: {short(evs[0])}")
+        notes.append(reason)
+    _after(env, c)
+    return ", ".join(notes)

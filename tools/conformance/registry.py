@@ -47,6 +47,7 @@ CHECKS: tuple[Check, ...] = (
     Check("error_404_model_not_found", G.check_model_not_found, "an alias not served: 404 model_not_found"),
     *(Check(f"error_400_{r}", E.make_reason_check(r), f"malformed ({r}): 400 {r}, not retryable, keeps serving")
       for r in E.REASONS),
+    Check("error_400_per_model", E.check_per_model, "a token id outside the vocabulary, a context too long: 400"),
     Check("error_400_too_large", E.check_too_large, "over server.max_message_bytes: 400 too_large with its id"),
     Check("error_400_duplicate_id", G.check_duplicate_id, "an id in flight again: 400 duplicate_id, first continues"),
     Check("second_model", G.check_second_model, "a second alias is listed and served", needs="second_model"),
