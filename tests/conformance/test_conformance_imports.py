@@ -40,3 +40,13 @@ def test_the_rule_sees_an_import_of_the_codec_the_client_or_the_workers():
     path = ROOT / "tools" / "conformance" / "wire.py"
     source = "import zmq\nfrom ipc.codec import encode\nimport engine.client\nfrom workers import oracle\n"
     assert set(offenders(path, source)) == {"ipc.codec", "engine.client", "workers"}
+
+
+def test_running_the_command_loads_no_npuserve_module():
+    import subprocess
+
+    code = ("import sys, tools.conformance_cmd as m\n"
+            "m.main(['--list'])\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] in ('engine', 'ipc', 'workers')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "[]"

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import IO
 
-import orjson
-
 from tools.conformance.runner import Result, Run
+from tools.json_lines import emit
 
 MARK = {"pass": "pass", "fail": "FAIL", "skip": "skip"}
 
@@ -24,15 +23,12 @@ def summary_line(run: Run) -> str:
 
 
 def json_row(r: Result, out: IO[str]) -> None:
-    out.write(orjson.dumps({"kind": "row", "check": r.name, "status": r.status, "detail": r.detail,
-                            "duration_s": round(r.duration_s, 3), "needs": r.needs}).decode() + "\n")
-    out.flush()
+    emit("row", {"check": r.name, "status": r.status, "detail": r.detail, "duration_s": round(r.duration_s, 3),
+                 "needs": r.needs}, out)
 
 
 def json_summary(run: Run, out: IO[str]) -> None:
     t = run.target
-    out.write(orjson.dumps({"kind": "summary", "endpoint": run.endpoint, "endpoint_kind": t.kind if t else None,
-                            "ok": run.ok, "passed": run.count("pass"), "failed": run.count("fail"),
-                            "skipped": run.count("skip"),
-                            "failures": [r.name for r in run.results if r.status == "fail"]}).decode() + "\n")
-    out.flush()
+    emit("summary", {"endpoint": run.endpoint, "endpoint_kind": t.kind if t else None, "ok": run.ok,
+                     "passed": run.count("pass"), "failed": run.count("fail"), "skipped": run.count("skip"),
+                     "failures": [r.name for r in run.results if r.status == "fail"]}, out)
