@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tools.conformance import checks_errors as E
 from tools.conformance import checks_generate as G
+from tools.conformance import checks_lifetime as L
 from tools.conformance import checks_ops as O
 
 
@@ -40,18 +41,18 @@ CHECKS: tuple[Check, ...] = (
     Check("one_event_per_message", G.check_single_frame_messages,
           "without hello, every message is one frame holding one event"),
     Check("hello", O.check_hello, "hello grants known capabilities; batched frames are each an event"),
-    Check("cancel", G.check_cancel, "cancel twice and of an unknown id: no reply; ends done/cancelled"),
-    Check("cancel_finished", G.check_cancel_finished, "cancel of a finished request: no reply"),
-    Check("ids_per_connection", G.check_ids_per_connection, "the same id on two connections is two requests"),
-    Check("error_504_deadline", G.check_deadline, "a missed deadline_ms ends with error 504"),
-    Check("error_404_model_not_found", G.check_model_not_found, "an alias not served: 404 model_not_found"),
+    Check("cancel", L.check_cancel, "cancel twice and of an unknown id: no reply; ends done/cancelled"),
+    Check("cancel_finished", L.check_cancel_finished, "cancel of a finished request: no reply"),
+    Check("ids_per_connection", L.check_ids_per_connection, "the same id on two connections is two requests"),
+    Check("error_504_deadline", L.check_deadline, "a missed deadline_ms ends with error 504"),
+    Check("error_404_model_not_found", L.check_model_not_found, "an alias not served: 404 model_not_found"),
     *(Check(f"error_400_{r}", E.make_reason_check(r), f"malformed ({r}): 400 {r}, not retryable, keeps serving")
       for r in E.REASONS),
     Check("error_400_per_model", E.check_per_model, "a token id outside the vocabulary, a context too long: 400"),
     Check("error_400_too_large", E.check_too_large, "over server.max_message_bytes: 400 too_large with its id"),
-    Check("error_400_duplicate_id", G.check_duplicate_id, "an id in flight again: 400 duplicate_id, first continues"),
-    Check("second_model", G.check_second_model, "a second alias is listed and served", needs="second_model"),
-    Check("error_429_overloaded", G.check_overload, "a burst over the waiting room: retryable 429", needs="overload"),
+    Check("error_400_duplicate_id", L.check_duplicate_id, "an id in flight again: 400 duplicate_id, first continues"),
+    Check("second_model", L.check_second_model, "a second alias is listed and served", needs="second_model"),
+    Check("error_429_overloaded", L.check_overload, "a burst over the waiting room: retryable 429", needs="overload"),
     Check("error_403_forbidden", O.check_forbidden, "admin ops without admin rights: 403 forbidden",
           needs="admin_denied"),
     Check("model_lifecycle", O.check_model_lifecycle, "load/unload replies, the lifecycle errors, a second alias",
