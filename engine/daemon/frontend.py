@@ -93,6 +93,8 @@ class FrontendCounters:
     blocked_clients: int = 0  # times a client's send queue was full (its tokens coalesce meanwhile)
     dropped_clients: int = 0  # peer gone, or stalled/overflowing: its requests cancelled
     dropped_events: int = 0
+    hellos: int = 0
+    batched_messages: int = 0  # messages that carried several events (to connections that asked for it)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -180,6 +182,7 @@ class Frontend:
 
     def _hello(self, conn: Conn, msg: dict) -> None:
         """Grant the capabilities this server has of those asked for; the connection's framing follows them."""
+        self.counters.hellos += 1
         granted = [c for c in CAPABILITIES if c in msg["capabilities"]]
         if BATCHED_EVENTS in granted:
             self._batched[conn] = None
@@ -390,6 +393,7 @@ class Frontend:
             for i, p in enumerate(payloads):
                 send(p, zmq.NOBLOCK if i == last else _MORE)
             self.counters.events_out += len(payloads)
+            self.counters.batched_messages += 1
         except zmq.Again:  # only the first frame can meet a full queue: nothing was sent
             self._blocked[conn] = _Blocked(self.clock(), collections.deque(payloads))
             self.counters.blocked_clients += 1
