@@ -27,15 +27,21 @@ import orjson
 PROTOCOL_VERSION = 1
 
 REQUEST_OPS = ("generate", "cancel", "health", "stats", "load", "unload", "replace", "rollback",
-               "models", "drain", "resume", "reenable_inflight")
+               "models", "drain", "resume", "reenable_inflight", "hello")
 ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume", "reenable_inflight")
 # One reply event per non-generate op, named like the op; `cancel` has none
 # (the cancelled stream's own terminal event is the acknowledgement).
 REPLY_EVENTS = ("health", "stats", "models", "load", "unload", "replace", "rollback", "drain", "resume",
-                "reenable_inflight")
+                "reenable_inflight", "hello")
 STREAM_EVENTS = ("tokens", "done", "error")
 EVENTS = STREAM_EVENTS + REPLY_EVENTS
 FINISH_REASONS = ("length", "eos", "stop", "cancelled")
+# What a connection may ask for with `hello`. Without it, every server message is exactly one event (one JSON
+# frame), as v1 was first published; `batched_events` lets the server send several events as the frames of
+# one message (one send per connection per loop turn instead of one per stream).
+BATCHED_EVENTS = "batched_events"
+CAPABILITIES = (BATCHED_EVENTS,)
+MAX_CAPABILITIES = 16
 ERROR_CODES = (400, 401, 403, 404, 409, 429, 500, 501, 503, 504)
 
 # Request-independent bounds. Token ids travel as int32 in the job records.
@@ -139,6 +145,21 @@ def _name(name: str, value: Any) -> str:
 
 
 SPECULATIVE_METHODS = ("off", "ngram", "draft")  # a request's `speculative` ("draft": the board's draft model)
+
+
+def _capabilities(name: str, value: Any) -> list[str]:
+    """Names of capabilities a client asks for; names this server does not know pass (and are not granted),
+    so a client can ask a newer server's capability of an older one."""
+    if type(value) is not list:
+        raise _FieldError("bad_type", f"{name}: must be a list of names, got {_type_name(value)}")
+    if len(value) > MAX_CAPABILITIES:
+        raise _FieldError("out_of_range", f"{name}: at most {MAX_CAPABILITIES} entries, got {len(value)}")
+    for i, v in enumerate(value):
+        if type(v) is not str:
+            raise _FieldError("bad_type", f"{name}[{i}]: must be a string, got {_type_name(v)}")
+        if not REASON_RE.match(v):
+            raise _FieldError("out_of_range", f"{name}[{i}]: must be a snake_case name of 1-64 characters, got {v[:80]!r}")
+    return list(value)
 
 
 def _choice(options: tuple[str, ...]) -> Checker:
@@ -355,6 +376,8 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
     "resume": {**_AUTH, **_BACKEND},
     # ping/pong back on after its automatic downgrade: every chip, or `chip`, of every serving generation
     "reenable_inflight": {"chip": (_nullable(_int(0, 1023)), None), **_AUTH},
+    # capabilities for this connection (see CAPABILITIES); answered by a `hello` event with those granted
+    "hello": {"capabilities": (_capabilities, [])},
 }
 assert set(OP_FIELDS) == set(REQUEST_OPS)
 # Fields of which a request must carry exactly one: the prompt as token ids or as text.
