@@ -61,7 +61,7 @@ class QueueDrainRate:
     """
 
     def __init__(self, window_s: float = DRAIN_RATE_WINDOW_S) -> None:
-        assert window_s >= _BUCKET_S
+        assert window_s >= 2 * _BUCKET_S
         self.window_s = window_s
         self._buckets: deque[list] = deque()  # [bucket index, requests, tokens], oldest first
         self._requests = 0
@@ -80,17 +80,19 @@ class QueueDrainRate:
         self._tokens += tokens
         self._trim(now)
 
-    def _trim(self, now: float) -> None:
-        oldest = math.floor((now - self.window_s) / _BUCKET_S)
-        while self._buckets and self._buckets[0][0] <= oldest:
+    def _trim(self, now: float) -> float:
+        """Forget the buckets that start before the window; returns the span the kept ones cover (to `now`)."""
+        first = math.ceil((now - self.window_s) / _BUCKET_S)
+        while self._buckets and self._buckets[0][0] < first:
             _, n, t = self._buckets.popleft()
             self._requests -= n
             self._tokens -= t
+        return now - first * _BUCKET_S  # in (window - bucket, window]
 
     def rates(self, now: float) -> tuple[float, float]:
         """(requests per second, prompt tokens per second) over the window; (0, 0) when nothing left."""
-        self._trim(now)
-        return self._requests / self.window_s, self._tokens / self.window_s
+        span = self._trim(now)
+        return self._requests / span, self._tokens / span
 
     def seconds_until(self, now: float, requests: int = 0, tokens: int = 0) -> float:
         """How long until `requests` more requests and `tokens` more prompt tokens have left the queue."""
