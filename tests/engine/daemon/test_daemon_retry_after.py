@@ -1,12 +1,12 @@
-"""retry_after_ms over the wire from a real daemon: a 429 queue_full and a 503 draining say when to come back
-(within the clamp; a drain within its time left), the client library exposes it, and a non-retryable error
-carries none."""
+"""retry_after_ms over the wire from a real daemon: a 429 queue_full, a 503 draining and a 503 model_unavailable
+say when to come back (within the clamp; a drain within its time left; no model: the restart estimate), the client
+library exposes it, and a non-retryable error carries none."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.core.retry_after import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
+from engine.core.retry_after import NOT_READY_RETRY_S, RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
 from engine.errors import InvalidRequest, Overloaded, Unavailable
 
 pytestmark = pytest.mark.integration
@@ -48,3 +48,13 @@ def test_admin_drain_503_carries_the_time_left_of_the_drain(daemon):
         assert e.value.reason == "draining" and MIN_MS <= e.value.retry_after_ms <= timeout_ms
         c.call("resume")
         assert c.generate([1, 2], max_tokens=2).finish_reason == "length"
+
+
+def test_no_model_loaded_503_carries_the_restart_estimate(daemon):
+    d = daemon(backend="stub", chips=1)
+    with d.client(timeout=20) as c:
+        assert c.call("unload", alias="tiny")["model"]["state"] == "unloaded"
+        with pytest.raises(Unavailable) as e:
+            c.generate([1, 2], max_tokens=2)
+        assert (e.value.code, e.value.reason, e.value.retryable) == (503, "model_unavailable", True)
+        assert e.value.retry_after_ms == round(NOT_READY_RETRY_S * 1000)
