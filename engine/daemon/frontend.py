@@ -265,21 +265,22 @@ class Frontend:
         self._close(st)
         self.send(st.conn, ev)
 
-    def fail(self, rid: int, code: int, reason: str, message: str, retryable: bool) -> None:
+    def fail(self, rid: int, code: int, reason: str, message: str, retryable: bool,
+             retry_after_ms: int | None = None) -> None:
         st = self._by_rid.get(rid)
         if st is None:
             return
         if st.stream:
             self._flush_one(st, final=True)
         self._close(st)
-        self.send(st.conn, error_event(st.cid, code, reason, message, retryable))
+        self.send(st.conn, error_event(st.cid, code, reason, message, retryable, retry_after_ms))
 
     def reply(self, conn: Conn, cid: str, ev: str, body: dict) -> None:
         self.send(conn, reply_event(cid, ev, body))
 
     def error(self, conn: Conn, cid: str | None, code: int, reason: str, message: str,
-              retryable: bool = False) -> None:
-        self.send(conn, error_event(cid, code, reason, message, retryable))
+              retryable: bool = False, retry_after_ms: int | None = None) -> None:
+        self.send(conn, error_event(cid, code, reason, message, retryable, retry_after_ms))
 
     def handle_guarded(self, handle: Callable, owner, conn: Conn, msg: dict, now: float) -> list:
         """`handle(owner, conn, msg, now)` for one request; a bug it trips costs that request a 500 (as its
@@ -456,10 +457,10 @@ class Frontend:
             self._close(self._by_rid[rid])
         return rids
 
-    def fail_all(self, code: int, reason: str, message: str) -> None:
+    def fail_all(self, code: int, reason: str, message: str, retry_after_ms: int | None = None) -> None:
         """Last resort (the core is unusable): every open request gets an error event."""
         for rid in list(self._by_rid):
-            self.fail(rid, code, reason, message, retryable=True)
+            self.fail(rid, code, reason, message, retryable=True, retry_after_ms=retry_after_ms)
 
 
 @dataclass
