@@ -287,11 +287,14 @@ class AsyncClient:
         except zmq.ZMQError:
             pass
 
-    def abort_all(self, code: int, reason: str, message: str) -> None:
+    def abort_all(self, code: int, reason: str, message: str, retry_after_ms: int | None = None) -> None:
         """End every request in flight with a local `error` event (the upstream is gone; nobody else will)."""
         for rid, q in list(self._queues.items()):
-            q.put_nowait({"v": PROTOCOL_VERSION, "ev": "error", "id": rid, "code": code, "reason": reason,
-                          "message": message, "retryable": True})
+            ev = {"v": PROTOCOL_VERSION, "ev": "error", "id": rid, "code": code, "reason": reason,
+                  "message": message, "retryable": True}
+            if retry_after_ms is not None:
+                ev["retry_after_ms"] = retry_after_ms
+            q.put_nowait(ev)
 
     async def cancel(self, id: str) -> None:
         """Ask the server to cancel request `id` (idempotent; its stream ends with done/cancelled)."""

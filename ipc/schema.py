@@ -58,6 +58,7 @@ MAX_STOP_SEQUENCE_TOKENS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_TEXT_CHARS = 1 << 20  # the message size limit (server.max_message_bytes) usually binds first
 MAX_DEADLINE_MS = 86_400_000
+MAX_RETRY_AFTER_MS = 86_400_000  # an error event's retry_after_ms (servers clamp far lower: engine/core/retry_after.py)
 PRIORITY_MIN, PRIORITY_MAX = -100, 100
 MAX_AUTH_CHARS = 256
 MAX_PATH_CHARS = 4096
@@ -448,11 +449,17 @@ def _event(ev: str, id: str | None) -> dict:
     return {"v": PROTOCOL_VERSION, "ev": ev, "id": id}
 
 
-def error_event(id: str | None, code: int, reason: str, message: str, retryable: bool = False) -> dict:
+def error_event(id: str | None, code: int, reason: str, message: str, retryable: bool = False,
+                retry_after_ms: int | None = None) -> dict:
+    """`retry_after_ms`: on a retryable refusal, when to come back (absent when the server cannot say)."""
     assert code in ERROR_CODES, code
     assert REASON_RE.match(reason), reason
-    return {**_event("error", id), "code": code, "reason": reason, "message": str(message),
-            "retryable": bool(retryable)}
+    ev = {**_event("error", id), "code": code, "reason": reason, "message": str(message),
+          "retryable": bool(retryable)}
+    if retry_after_ms is not None:
+        assert type(retry_after_ms) is int and 0 <= retry_after_ms <= MAX_RETRY_AFTER_MS, retry_after_ms
+        ev["retry_after_ms"] = retry_after_ms
+    return ev
 
 
 def _int_list(tokens: Any) -> list[int]:
@@ -569,6 +576,8 @@ def validate_event(obj: Any) -> dict:
                 if type(obj.get(k)) is not str:
                     raise _FieldError("bad_type", f"{k}: must be a string")
             _bool("retryable", obj.get("retryable"))
+            if obj.get("retry_after_ms") is not None:
+                _int(0, MAX_RETRY_AFTER_MS)("retry_after_ms", obj["retry_after_ms"])
     except _FieldError as e:
         raise ProtocolError(e.reason, e.message, eid) from None
     return obj

@@ -26,6 +26,14 @@ from engine import errors as _errors
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 90.0
 
+# Property tests judge what the code does, not how fast this machine does it: hypothesis' per-example deadline
+# and its "too slow" health check fail on a slow or loaded machine for no bug.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("any_speed", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("any_speed")
+
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.01, what: str = "the condition") -> None:
     """Poll `pred()` until it holds; fail after a deadline generous enough for a loaded 2-core machine."""

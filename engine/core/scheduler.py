@@ -34,6 +34,7 @@ from engine.core.admission import (
     decide_submit,
     queue_wait_exceeded,
 )
+from engine.core.retry_after import NOT_READY_RETRY_S, QueueDrainRate, clamp_ms, until_ms
 from engine.core.batch_planner import BatchPlanner, PromptChunk
 from engine.core.batch_profiles import resolve_profiles
 from engine.core.chip_state import ChipState, InflightJob
@@ -159,6 +160,8 @@ class Scheduler:
         self._kv_reserved = 0  # KV tokens reserved by the bound sequences (RequestRecord.reserved)
         self._accepting = True
         self._unavailable_reason = "draining"
+        self._reopen_at: float | None = None  # a drain's deadline: when a request refused by it may come back
+        self.drain_rate = QueueDrainRate()  # admissions: how fast the waiting queue empties (retry_after_ms)
         self._dirty = False
         self._window_wakeup: float | None = None
         self.counters: Counter[str] = Counter()
@@ -195,7 +198,9 @@ class Scheduler:
         if decision.outcome is not AdmissionOutcome.QUEUE:
             self.counters[f"rejected_{decision.reason}"] += 1
             self.counters["rejected"] += 1
-            return [FailRequest(request_id, decision.code, decision.reason, decision.message, decision.retryable)]
+            retry_ms = self._retry_after_ms(decision.reason, params, now) if decision.retryable else None
+            return [FailRequest(request_id, decision.code, decision.reason, decision.message, decision.retryable,
+                                retry_after_ms=retry_ms)]
         if params.stop_strings and self._piece is None:
             self.counters["rejected_no_tokenizer"] += 1
             self.counters["rejected"] += 1
@@ -372,9 +377,38 @@ class Scheduler:
         self.counters[f"inflight_downgrades_{reason.value}"] += 1
         self.notices.append(("inflight_downgraded", ch.chip, reason.value))
 
-    def set_accepting(self, accepting: bool, reason: str = "draining") -> None:
+    def set_accepting(self, accepting: bool, reason: str = "draining", reopen_at: float | None = None) -> None:
+        """`reopen_at`: when admission is expected back (a drain's deadline), for the refusals' retry_after_ms."""
         self._accepting = bool(accepting)
         self._unavailable_reason = reason
+        self._reopen_at = None if accepting else reopen_at
+
+    def _retry_after_ms(self, reason: str, params: GenerateParams, now: float) -> int:
+        """When a request refused at submit for `reason` (a retryable 429/503) may come back (retry_after.py)."""
+        b = self.budget
+        waiting = len(self._wfq) + len(self._requeue)
+        n = len(params.prompt) + len(params.continuation)
+        rate = self.drain_rate
+        if reason == "queue_full":  # room for one more: this many must be admitted first
+            return clamp_ms(rate.seconds_until(now, requests=waiting + 1 - b.max_waiting_requests))
+        if reason == "queue_tokens_full":
+            return clamp_ms(rate.seconds_until(now, tokens=self._waiting_tokens + n - b.max_waiting_prompt_tokens))
+        if reason == "tenant_quota":  # the tenant's lane drains at its share of the queue's token rate
+            mine = self._tenant_waiting_tokens[params.tenant]
+            cap = self.config.tenant(params.tenant).max_waiting_tokens or 0
+            excess = mine + n - cap
+            share = mine / self._waiting_tokens if mine and self._waiting_tokens else 1.0
+            return clamp_ms(rate.seconds_until(now, tokens=math.ceil(excess / share)))
+        if reason == "queue_wait_exceeded":
+            return self._queue_wait_retry_ms(now)
+        if reason == "draining":
+            return until_ms(now, self._reopen_at)
+        return clamp_ms(NOT_READY_RETRY_S)  # shutdown, or a reason this board cannot time
+
+    def _queue_wait_retry_ms(self, now: float) -> int:
+        """Until the queue ahead is short enough to be admitted within admission.max_queue_wait_ms."""
+        waiting = len(self._wfq) + len(self._requeue)
+        return clamp_ms(self.drain_rate.seconds_until(now, requests=waiting) - self.budget.max_queue_wait_s)
 
     # Settings baked into per-chip state at construction; a reload must leave them alone.
     _FIXED_SETTINGS = ("profiles", "profile_fill_ratio", "chunked_prefill", "max_inflight", "prefix_cache",
@@ -413,7 +447,8 @@ class Scheduler:
             if r.terminal:
                 continue
             self.counters["failed_shutdown"] += 1
-            out.append(FailRequest(r.request_id, 503, "shutdown", message, True, r.timing(now)))
+            out.append(FailRequest(r.request_id, 503, "shutdown", message, True, r.timing(now),
+                                   retry_after_ms=clamp_ms(NOT_READY_RETRY_S)))
             self._terminate(r, S.FAILED)
         return out
 
@@ -451,6 +486,7 @@ class Scheduler:
                 r.decode_key = (math.inf if r.deadline is None else r.deadline, next(self._turns))
             r.move(S.PREFILL_READY)
             r.admit_order = next(self._admit_order)
+            self.drain_rate.record(now, len(r.params.prompt) + len(r.params.continuation))
             if self._imports and self._imports[-1][1] == rid:
                 pass  # its tier hit is imported first (_launch_transfers); it queues for prefill after that
             else:
@@ -665,13 +701,17 @@ class Scheduler:
             return
         wfq, requests = self._wfq, self._requests
         d = None
+        retry_ms = 0
         while (rid := wfq.oldest()) is not None:
             r = requests[rid]
             if r.arrival + bound > now:  # the same sum as next_wakeup's, so the wake-up at it expires it
                 return
-            d = d or queue_wait_exceeded(bound, head=False)
+            if d is None:
+                d = queue_wait_exceeded(bound, head=False)
+                retry_ms = self._queue_wait_retry_ms(now)
             self.counters[f"failed_{d.reason}"] += 1
-            out.append(FailRequest(rid, d.code, d.reason, d.message, d.retryable, r.timing(now)))
+            out.append(FailRequest(rid, d.code, d.reason, d.message, d.retryable, r.timing(now),
+                                   retry_after_ms=retry_ms))
             self._terminate(r, S.FAILED)
 
     def _expire_jobs(self, now: float, out: list[Action]) -> None:

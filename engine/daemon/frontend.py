@@ -93,6 +93,8 @@ class FrontendCounters:
     blocked_clients: int = 0  # times a client's send queue was full (its tokens coalesce meanwhile)
     dropped_clients: int = 0  # peer gone, or stalled/overflowing: its requests cancelled
     dropped_events: int = 0
+    hellos: int = 0
+    batched_messages: int = 0  # messages that carried several events (to connections that asked for it)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -180,6 +182,7 @@ class Frontend:
 
     def _hello(self, conn: Conn, msg: dict) -> None:
         """Grant the capabilities this server has of those asked for; the connection's framing follows them."""
+        self.counters.hellos += 1
         granted = [c for c in CAPABILITIES if c in msg["capabilities"]]
         if BATCHED_EVENTS in granted:
             self._batched[conn] = None
@@ -262,21 +265,22 @@ class Frontend:
         self._close(st)
         self.send(st.conn, ev)
 
-    def fail(self, rid: int, code: int, reason: str, message: str, retryable: bool) -> None:
+    def fail(self, rid: int, code: int, reason: str, message: str, retryable: bool,
+             retry_after_ms: int | None = None) -> None:
         st = self._by_rid.get(rid)
         if st is None:
             return
         if st.stream:
             self._flush_one(st, final=True)
         self._close(st)
-        self.send(st.conn, error_event(st.cid, code, reason, message, retryable))
+        self.send(st.conn, error_event(st.cid, code, reason, message, retryable, retry_after_ms))
 
     def reply(self, conn: Conn, cid: str, ev: str, body: dict) -> None:
         self.send(conn, reply_event(cid, ev, body))
 
     def error(self, conn: Conn, cid: str | None, code: int, reason: str, message: str,
-              retryable: bool = False) -> None:
-        self.send(conn, error_event(cid, code, reason, message, retryable))
+              retryable: bool = False, retry_after_ms: int | None = None) -> None:
+        self.send(conn, error_event(cid, code, reason, message, retryable, retry_after_ms))
 
     def handle_guarded(self, handle: Callable, owner, conn: Conn, msg: dict, now: float) -> list:
         """`handle(owner, conn, msg, now)` for one request; a bug it trips costs that request a 500 (as its
@@ -390,6 +394,7 @@ class Frontend:
             for i, p in enumerate(payloads):
                 send(p, zmq.NOBLOCK if i == last else _MORE)
             self.counters.events_out += len(payloads)
+            self.counters.batched_messages += 1
         except zmq.Again:  # only the first frame can meet a full queue: nothing was sent
             self._blocked[conn] = _Blocked(self.clock(), collections.deque(payloads))
             self.counters.blocked_clients += 1
@@ -452,10 +457,10 @@ class Frontend:
             self._close(self._by_rid[rid])
         return rids
 
-    def fail_all(self, code: int, reason: str, message: str) -> None:
+    def fail_all(self, code: int, reason: str, message: str, retry_after_ms: int | None = None) -> None:
         """Last resort (the core is unusable): every open request gets an error event."""
         for rid in list(self._by_rid):
-            self.fail(rid, code, reason, message, retryable=True)
+            self.fail(rid, code, reason, message, retryable=True, retry_after_ms=retry_after_ms)
 
 
 @dataclass

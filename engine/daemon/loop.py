@@ -29,6 +29,7 @@ from engine.config import Config, ConfigError
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, ReleaseBlocks, SubmitJob
 from engine.core.model_state import ModelState
 from engine.core.model_table import ModelTable
+from engine.core.retry_after import NOT_READY_RETRY_S, clamp_ms
 from engine.daemon import ops
 from engine.daemon.chip_link import SHM_PREFIX
 from engine.daemon.drain import DrainState
@@ -386,7 +387,7 @@ class Daemon:
                 fe.finish(rid, a.finish_reason, a.usage, a.timing)
                 gens.ended(rid, True)
             elif t is FailRequest:
-                fe.fail(rid, a.code, a.reason, a.message, a.retryable)
+                fe.fail(rid, a.code, a.reason, a.message, a.retryable, a.retry_after_ms)
                 if a.timing is None and gens.generation_of(rid) is not None:
                     g.rec.counters["rejected"] += 1
                 gens.ended(rid, False)
@@ -396,7 +397,8 @@ class Daemon:
     def _submit_parked(self, rid: int, g: Generation, params, now: float) -> None:
         """A decode leg whose KV pull ended (imported or not): to its scheduler now."""
         if g.scheduler is None or g.id not in self.gens.generations:
-            self.frontend.fail(rid, 503, "model_unavailable", "the model went away during the KV transfer", True)
+            self.frontend.fail(rid, 503, "model_unavailable", "the model went away during the KV transfer", True,
+                               clamp_ms(NOT_READY_RETRY_S))
             return
         self.gens.admit(rid, g)
         self.apply(g.scheduler.submit(rid, params, now), g, now)
@@ -414,9 +416,11 @@ class Daemon:
 
     # -- admission and the service's questions ---------------------------------------------
     def set_accepting(self, accepting: bool) -> None:
+        reopen_at = None
         if self.service.drain.state is not DrainState.SERVING:
             accepting = False  # an admin `resume` cannot undo a SIGTERM drain
-        self.gens.set_accepting(accepting)
+            reopen_at = self.service.drain.deadline
+        self.gens.set_accepting(accepting, reopen_at)
 
     def active_requests(self) -> int:
         return self.frontend.active()
@@ -441,7 +445,8 @@ class Daemon:
                 self.exit_code = self.exit_code or EXIT_INTERNAL
         # Whatever the core managed, no accepted request may end without its terminal event.
         self.frontend.fail_all(503 if self.exit_code == 0 else 500, "shutdown" if self.exit_code == 0 else "internal",
-                               "the daemon is shutting down")
+                               "the daemon is shutting down",
+                               clamp_ms(NOT_READY_RETRY_S) if self.exit_code == 0 else None)
         self.frontend.flush()
         self.close()
         log("stopped", exit_code=self.exit_code)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.actions import Action
 from engine.core.requests import GenerateParams
+from engine.core.retry_after import NOT_READY_RETRY_S, clamp_ms
 from engine.daemon.constraint_cache import BOARD_CACHE, ConstraintRejected
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
 from engine.daemon.auth import is_admin, tenant_for, visible_stats
@@ -80,7 +81,8 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
             fe.error(conn, cid, 404, "model_not_found", route.message)
             return []
         if route.outcome is RouteOutcome.UNAVAILABLE:
-            fe.error(conn, cid, 503, "model_unavailable", route.message, retryable=True)
+            fe.error(conn, cid, 503, "model_unavailable", route.message, retryable=True,
+                     retry_after_ms=clamp_ms(NOT_READY_RETRY_S))
             return []
         g = gens.generations[route.generation.id]
         msg["tenant"] = tenant_for(conn, msg["tenant"])

@@ -134,7 +134,7 @@ class Service:
             outcome = self.drain.on_stop_signal(now, budget)
             if outcome is SignalOutcome.BEGIN_DRAIN:
                 self._stop_signal = signum
-                self.gens.set_accepting(False)  # 503 draining, as the admin `drain` op answers
+                self.gens.set_accepting(False, self.drain.deadline)  # 503 draining, as the admin `drain` op answers
                 active = self.host.active_requests()
                 log("drain_started", signal=signal.Signals(signum).name, active_requests=active,
                     drain_timeout_s=budget, note="a second SIGTERM/SIGINT stops at once")

@@ -136,6 +136,44 @@ def test_regex_and_grammar_outputs_match(backend, package):
     assert re.fullmatch(r"<[a-z]{1,5}>", output(runs[2], eos))
 
 
+def _chars_led_by(byte: int) -> tuple[int, int]:
+    """The code points whose UTF-8 encoding starts with `byte` (ASCII: itself; a lead byte: its block)."""
+    if byte < 0x80:
+        return byte, byte
+    for first, last, payload, bits, floor in ((0xC2, 0xDF, 0x1F, 6, 0x80), (0xE0, 0xEF, 0x0F, 12, 0x800),
+                                              (0xF0, 0xF4, 0x07, 18, 0x10000)):
+        if first <= byte <= last:
+            lo = (byte & payload) << bits
+            hi = min(lo + (1 << bits) - 1, 0x10FFFF)
+            return max(lo, floor), (0xD7FF if lo == 0xD000 else hi)  # no surrogates in a regex class
+    raise AssertionError(f"token {byte} starts no character")
+
+
+def test_a_mostly_allowed_step_masks_the_denied_ids(backend, package):
+    """Where the constraint allows most of the vocabulary, the worker hands the mask over as the denied ids
+    (LaneMask's deny form): the model's own greedy choice, denied there, is not sampled; the best allowed
+    token is."""
+    eos, vocab = package.eos_ids[0], backend.describe().vocab_size
+    book = constraint_book(package, backend.describe())
+    free = Run(1, None, 0, 0.0, 0, list(range(8)))
+    step(backend, book, [free], prefill=True)
+    top = free.tokens[-1]  # the model's greedy first token, unconstrained
+    assert top < 256, "the premise: the model's first choice is a byte a regex can deny"
+    lo, hi = _chars_led_by(top)
+    cid, grammar = compiled("regex", rf"[^\x{{{lo:x}}}-\x{{{hi:x}}}]{{1,8}}")  # any 1-8 characters but those
+    r = Run(2, grammar, cid, 0.0, 0, list(range(8, 16)))
+    first = build_job(JobKind.PREFILL, [r.lane(True)])
+    mask = LaneMask.of(constraint_book(package, backend.describe()).allowed(first, np.array([0]), vocab)[0])
+    assert mask.deny is not None and top in mask.deny  # the dense form, and it denies the model's choice
+    logits = backend.prefill(first).logits[0]
+    best_allowed = max(set(range(vocab)) - set(mask.deny.tolist()), key=lambda t: logits[t])
+    step(backend, book, [r], prefill=True)
+    assert r.tokens[len(PROMPT)] == best_allowed != top
+    finish(backend, book, [r], eos, max_new=40)
+    assert r.tokens[-1] == eos
+    assert re.fullmatch(rf"[^{re.escape(chr(lo))}-{re.escape(chr(hi))}]{{1,8}}", output(r, eos))
+
+
 def test_unconstrained_neighbours_get_the_tokens_they_get_alone(backend, package):
     eos = package.eos_ids[0]
     cid, grammar = compiled("json_object", "")

@@ -224,10 +224,10 @@ class Generation:
             reason="tensor-parallel replicas (board.chips_per_replica > 1) keep no host or disk KV tier yet")
         return True
 
-    def serve(self, accepting: bool) -> None:
-        """Published: the board's admission limits and admission state apply from now on."""
+    def serve(self, accepting: bool, reopen_at: float | None = None) -> None:
+        """Published: the board's admission limits and admission state (and a drain's end) apply from now on."""
         self.scheduler.reconfigure(scheduler_config_from(self.cfg))
-        self.scheduler.set_accepting(accepting, "draining")
+        self.scheduler.set_accepting(accepting, "draining", reopen_at)
 
     # -- serving -------------------------------------------------------------------------
     def on_link(self, chip: int, now: float) -> list:

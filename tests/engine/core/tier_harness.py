@@ -72,6 +72,7 @@ class Board:
         self.queues: list[deque] = [deque() for _ in range(self.chips)]
         self.tokens: dict[int, list[int]] = {}
         self.terminal: dict[int, FinishRequest | FailRequest] = {}
+        self.submitted: dict[int, tuple[int, int]] = {}  # request -> (prompt length, max_tokens), for the checks
         self.kinds: list[tuple[int, str]] = []
         self.now = 0.0
         self.refuse_next: dict[int, int] = {}  # chip -> jobs to drop unanswered (a worker that dies)
@@ -90,6 +91,7 @@ class Board:
                 self.tokens.setdefault(a.request_id, []).extend(a.tokens)
 
     def submit(self, rid: int, prompt: list[int], max_tokens: int = 6, **kw) -> None:
+        self.submitted[rid] = (len(prompt), max_tokens)
         self.handle(self.sched.submit(rid, GenerateParams(prompt=prompt, max_tokens=max_tokens, **kw), self.now))
 
     def step(self) -> bool:
