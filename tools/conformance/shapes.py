@@ -55,6 +55,12 @@ def error_event(ev: dict, code: int | None = None, reason: str | None = None, ri
            f"error.reason is not snake_case: {short(ev)}")
     expect(isinstance(ev.get("message"), str) and ev["message"] != "", f"error.message is empty: {short(ev)}")
     expect(type(ev.get("retryable")) is bool, f"error.retryable is not a bool: {short(ev)}")
+    if ev["retryable"] and ev["code"] in (429, 503):  # says when to come back, clamped to 100 ms .. 60 s
+        ra = ev.get("retry_after_ms")
+        expect(is_int(ra) and 100 <= ra <= 60000,
+               f"a retryable {ev['code']} needs retry_after_ms, an int in [100, 60000]: {short(ev)}")
+    if not ev["retryable"]:
+        expect("retry_after_ms" not in ev, f"a non-retryable error carries retry_after_ms: {short(ev)}")
     if code is not None:
         expect(ev["code"] == code, f"expected code {code}, got {ev['code']} ({ev['reason']}: {ev['message']})")
     if reason is not None:
