@@ -92,6 +92,8 @@ class BRequest:
     handoff: dict | None = None  # the prefill leg's hand-off descriptor, for the decode leg
     hidden: list[EmitTokens] = field(default_factory=list)  # a prefill leg's output not shown (stop sequences)
     prefilled: bool = False  # a prefill leg handed off: its usage (cached_tokens) is the request's
+    leg_start: int = 0  # len(streamed) when the current leg was sent (its backend counts only what follows)
+    unsent: int = 0  # tokens the last leg generated but did not send (an EOS or stop id): usage counts them
 
 
 @dataclass(eq=False)
@@ -305,6 +307,7 @@ class BalancerCore:
             if not r.prefilled:  # the prompt was computed (and counted) at the prefill leg
                 r.cached_tokens = int(usage.get("cached_tokens", 0) or 0)
                 r.prompt_tokens = usage.get("prompt_tokens")
+            _count_unsent(r, usage)
             return out + self._finish(r, ev["finish_reason"], now)
         assert kind == "error", kind
         code, reason, message = ev["code"], ev["reason"], ev["message"]
@@ -493,6 +496,7 @@ class BalancerCore:
         uid = f"g{next(self._uids)}"
         r.uid, r.backend = uid, b.name
         r.state = ReqState.STREAMING if r.streamed else ReqState.SENT
+        r.leg_start = len(r.streamed)
         r.tried.add(b.name)
         b.inflight.add(r.rid)
         if b.health is Health.HALF_OPEN:
@@ -569,6 +573,7 @@ class BalancerCore:
         if r.cancelling or not continues_after_prefill(reason, r.msg, len(r.streamed)):
             for e in hidden:  # the request ends here: what the prefill leg produced is its output
                 r.streamed.extend(e.tokens)
+            _count_unsent(r, usage)
             if (hidden or out) and r.t_first is None:
                 r.t_first = now
             return hidden + out + self._finish(r, "cancelled" if r.cancelling else reason, now)
@@ -621,7 +626,7 @@ class BalancerCore:
         self._drop(r)
         n = len(r.streamed)
         prompt_tokens = len(r.msg["prompt"]) if r.msg.get("prompt") is not None else int(r.prompt_tokens or 0)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "cached_tokens": r.cached_tokens}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n + r.unsent, "cached_tokens": r.cached_tokens}
 
         def ms(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else round((b - a) * 1000.0, 3)
@@ -719,3 +724,11 @@ def _sum_load(loads: list) -> dict:
 def _own_total(body: dict) -> dict:
     """A backend's stats as one tree: a balancer's `total`, a daemon's whole body."""
     return body["total"] if isinstance(body.get("total"), dict) and "balancer" in body else body
+
+
+def _count_unsent(r: BRequest, usage: dict) -> None:
+    """The last leg's generated tokens that it did not send (an EOS or stop id), from its `done` usage, so the
+    request's `completion_tokens` means what a board's does."""
+    counted = usage.get("completion_tokens")
+    if type(counted) is int:
+        r.unsent = max(0, counted - (len(r.streamed) - r.leg_start))

@@ -83,7 +83,8 @@ def check_stop_token_ids(env: Env) -> str:
            f"stop_token_ids [{base[k]}] should end with stop after {base[:k]}, got {r['tokens']} "
            f"({r['done']['finish_reason']})")
     counted = r["done"]["usage"]["completion_tokens"]
-    return f"stopped after {k} tokens; completion_tokens {counted} ({'with' if counted > k else 'without'} the stop id)"
+    expect(counted == k + 1, f"completion_tokens {counted}: the {k} ids sent and the stop id generated make {k + 1}")
+    return f"stopped after {k} tokens; completion_tokens {counted} (with the stop id)"
 
 
 def check_every_field(env: Env) -> str:

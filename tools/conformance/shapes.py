@@ -127,15 +127,19 @@ def generate_result(events: list[dict], *, stream: bool, text: bool, prompt_len:
             lps = last["logprobs"]
     usage = last["usage"]
     extra = usage["completion_tokens"] - len(toks)
-    if last["finish_reason"] in ("eos", "stop"):
-        # counts what was sampled: an EOS, a stop token id or a token-id stop sequence (<= 64 ids) is
-        # counted but not emitted (architecture.md); everything else was received
+    reason = last["finish_reason"]
+    if reason == "eos":  # the EOS id is generated and counted, never sent
+        expect(extra == 1, f"usage.completion_tokens is {usage['completion_tokens']} but {len(toks)} token(s) were "
+                           "received (finish eos: the EOS id is counted, not sent, so it must be one more)")
+    elif reason in ("stop", "cancelled"):
+        # a stop token id or a matched token-id stop sequence (<= 64 ids) is counted, not sent; a stop string's
+        # ids are sent; a cancel drops ids held back by a partly matched stop sequence
         expect(0 <= extra <= 64, f"usage.completion_tokens is {usage['completion_tokens']} but {len(toks)} "
-                                 f"token(s) were received (finish {last['finish_reason']}: at most the 64 "
-                                 "ids of a matched stop may be counted without being sent)")
+                                 f"token(s) were received (finish {reason}: at most the 64 ids of a stop "
+                                 "sequence may be counted without being sent)")
     else:
         expect(extra == 0, f"usage.completion_tokens is {usage['completion_tokens']} but {len(toks)} token(s) "
-                           f"were received (finish {last['finish_reason']})")
+                           f"were received (finish {reason})")
     if prompt_len is not None:
         expect(usage["prompt_tokens"] == prompt_len,
                f"usage.prompt_tokens is {usage['prompt_tokens']}, the prompt had {prompt_len} tokens")
