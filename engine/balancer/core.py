@@ -307,7 +307,7 @@ class BalancerCore:
             if not r.prefilled:  # the prompt was computed (and counted) at the prefill leg
                 r.cached_tokens = int(usage.get("cached_tokens", 0) or 0)
                 r.prompt_tokens = usage.get("prompt_tokens")
-            _count_unsent(r, usage)
+            _count_unsent(r, ev["finish_reason"], usage)
             return out + self._finish(r, ev["finish_reason"], now)
         assert kind == "error", kind
         code, reason, message = ev["code"], ev["reason"], ev["message"]
@@ -573,7 +573,7 @@ class BalancerCore:
         if r.cancelling or not continues_after_prefill(reason, r.msg, len(r.streamed)):
             for e in hidden:  # the request ends here: what the prefill leg produced is its output
                 r.streamed.extend(e.tokens)
-            _count_unsent(r, usage)
+            _count_unsent(r, reason, usage)
             if (hidden or out) and r.t_first is None:
                 r.t_first = now
             return hidden + out + self._finish(r, "cancelled" if r.cancelling else reason, now)
@@ -726,9 +726,9 @@ def _own_total(body: dict) -> dict:
     return body["total"] if isinstance(body.get("total"), dict) and "balancer" in body else body
 
 
-def _count_unsent(r: BRequest, usage: dict) -> None:
+def _count_unsent(r: BRequest, finish_reason: str, usage: dict) -> None:
     """The last leg's generated tokens that it did not send (an EOS or stop id), from its `done` usage, so the
-    request's `completion_tokens` means what a board's does."""
+    request's `completion_tokens` means what a board's does. A `length` finish sends everything it generated."""
     counted = usage.get("completion_tokens")
-    if type(counted) is int:
+    if finish_reason != "length" and type(counted) is int:
         r.unsent = max(0, counted - (len(r.streamed) - r.leg_start))
