@@ -1,4 +1,4 @@
-"""Synchronous client for a board daemon or balancer (DESIGN §4 wire protocol).
+"""Synchronous client for a board daemon or balancer, over the wire protocol of docs/protocol.md.
 
 One DEALER socket carries many concurrent requests; server events are
 demultiplexed by the request `id`. The socket is guarded by a lock and the
@@ -25,7 +25,7 @@ from ipc.schema import BATCHED_EVENTS
 
 DEFAULT_ENDPOINT_ENV = "NPUSERVE_ENDPOINT"
 
-# The generate fields a caller may set (DESIGN §4); anything else is a typo.
+# The generate fields a caller may set (docs/protocol.md, `generate`); anything else is a typo.
 SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
     "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "pool", "speculative",

@@ -4,7 +4,9 @@ A mistake in a config file must stop start-up with a message that names the
 key, not surface hours later as odd scheduling: unknown sections and keys are
 errors (with a "did you mean"), values are type- and range-checked (a bool is
 never accepted as a number), and `validate_against_model` rejects a batch
-profile the model package does not declare (seed 001 §15).
+profile the model package does not declare: a board asked for a batch size
+it has no compiled kernel for must refuse to start, not fail the first job of
+that size (docs/configuration.md).
 
 Every key is declared once, as a dataclass field whose metadata carries its
 check and its one-line documentation (`engine.config_schema.key`); the loader,

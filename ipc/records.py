@@ -36,7 +36,7 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
   Both travel after every other field of their blob (sizes in meta[24:26]).
 
 Constrained decoding (structured output), present only when some lane is
-constrained (C = B then, else 0, and the job's record is as before):
+constrained (C = B then; else C = 0 and they are empty):
 
 * constraint_id[C] uint64: the hash of the lane's compiled grammar, 0 = none.
 * constraint_key[C] uint64: the request the lane belongs to: the worker keeps
@@ -52,7 +52,8 @@ constrained (C = B then, else 0, and the job's record is as before):
 
 A decode lane's token may be FOLLOW_PREVIOUS (-1) instead of an id: "the
 token this lane's previous job samples", so the scheduler can queue step N+1
-while step N runs (issue 23). The worker resolves it from its own last sample
+while step N runs and the chip need not wait for the scheduler's turn between
+steps (`executor.queue_next_step`, docs/architecture.md). The worker resolves it from its own last sample
 for the lane, found by (position, the block holding position - 1): that block
 was written by step N, so no other lane holds it then. A follow token it
 cannot resolve (step N failed) makes the job INVALID. The worker keeps the
@@ -138,8 +139,9 @@ class Job:
     # (CLOCK_MONOTONIC is system-wide); 0 = unknown. A backend that models a
     # device queue (sim) starts the job no earlier than this.
     submitted_ns: int = 0
-    # Multi-step decode (issue 23, executor.decode_steps): a decode job the worker runs this many steps before
-    # it answers, each step's input the token the step before sampled; its result's tokens are [B, n]. The
+    # Multi-step decode (executor.decode_steps): a decode job the worker runs this many steps before
+    # it answers (one host round trip per n tokens instead of per token), each step's input the token the
+    # step before sampled; its result's tokens are [B, n]. The
     # scheduler truncates each lane at its end (EOS, stop, max tokens) and rolls the KV past it back.
     decode_steps: int = 1
     # Queued next steps (executor.queue_next_step): the scheduler may queue a step behind this job's lanes
@@ -393,7 +395,7 @@ class JobResult:
     logits: np.ndarray | None = None  # float32 [B, V] when the job asked for them
     device_us: int = 0  # time spent in the backend call
     worker_us: int = 0  # time from reading the job to writing this result
-    # Seeing whether the chip is kept busy (issue 23), from the worker's own clock:
+    # Whether the chip is kept busy (a gap here is the chip waiting on the host), from the worker's own clock:
     device_start_ns: int = 0  # time.monotonic_ns() when the backend call began (0 = unknown)
     idle_us: int = -1  # the chip's idle time from the end of its previous backend call to this one's start; -1 = first
     masks: int = 0  # constrained lanes the worker masked (structured output)

@@ -1,4 +1,4 @@
-"""The wire schema (DESIGN §4): what each request op may carry, and the server events.
+"""The wire schema (docs/protocol.md): what each request op may carry, and the server events.
 
 Validation lives here, apart from byte parsing (`ipc.codec`), so that a
 balancer or test can validate an already-parsed object. Every violation is one
@@ -37,7 +37,7 @@ STREAM_EVENTS = ("tokens", "done", "error")
 EVENTS = STREAM_EVENTS + REPLY_EVENTS
 FINISH_REASONS = ("length", "eos", "stop", "cancelled")
 # What a connection may ask for with `hello`. Without it, every server message is exactly one event (one JSON
-# frame), as v1 was first published; `batched_events` lets the server send several events as the frames of
+# frame), which every v1 client understands; `batched_events` lets the server send several events as the frames of
 # one message (one send per connection per loop turn instead of one per stream).
 BATCHED_EVENTS = "batched_events"
 CAPABILITIES = (BATCHED_EVENTS,)

@@ -1,6 +1,6 @@
 """`npuserve bench-serve`: the end-to-end serving benchmark, a preset of `npuserve bench`.
 
-One closed-loop point at `--concurrency` streamed requests with seed 002's
+One closed-loop point at `--concurrency` streamed requests with the simulator's
 gaussian lengths (`normal:P,200` prompts, `normal:G,50` outputs), from several
 client processes through `AsyncClient`. Reports delivered generated tokens/s
 and TTFT / TPOT percentiles measured at the client; for the `sim` backend also
@@ -9,7 +9,7 @@ chips did in both runs.
 
 `--compare-framing` runs the same requests against one daemon from clients
 that ask for batched events (`hello`) and from clients that do not (one
-event per message, v1 as first published), rounds alternating, and prints
+event per message, the v1 default), rounds alternating, and prints
 what the opt-in saves: tokens/s and the daemon's CPU per token.
 """
 

@@ -1,4 +1,4 @@
-"""Multi-step decode on the worker (issue 23, `executor.decode_steps`): the job of the next step.
+"""Multi-step decode on the worker (`executor.decode_steps`): the job of the next step.
 
 A decode job with `decode_steps = n` runs n steps before the worker answers,
 so the host's per-step round trip (result, sampling, stop checks, the next

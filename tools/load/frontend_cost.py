@@ -5,7 +5,7 @@ ZeroMQ ipc socket, 3000 steps of one token each, the clients draining every
 20 steps. Measures the frontend's own Python and libzmq work without the
 other processes' wake-ups that an end-to-end run on a small host adds, for
 clients that asked for batched events (`hello`) and for clients that did not
-(one event per message, v1 as first published).
+(one event per message, the v1 default).
 """
 
 from __future__ import annotations

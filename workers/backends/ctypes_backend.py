@@ -1,6 +1,6 @@
 """The `ctypes` backend: a vendor chip runtime behind the C ABI of
-`workers/native/npuserve_chip.h` (seed 000 Phase 4: `simpler_model_prefill`,
-`simpler_model_decode`), loaded with ctypes.
+`workers/native/npuserve_chip.h` (`simpler_model_prefill`,
+`simpler_model_decode`, ...), loaded with ctypes.
 
 The vendor functions take a sequence's KV as one contiguous buffer; npuserve
 keeps KV paged. This backend owns the paged cache (host memory,
@@ -36,7 +36,8 @@ group (the replica restarts).
 
 Loading is strict: a missing library, a missing symbol or a different ABI
 version raises `NativeLibraryError` naming what is wrong. There is no silent
-fallback to a stub (seed 000's dlopen fallback hid misconfigured boards).
+fallback to a stub: a misconfigured board would then serve made-up tokens
+while looking healthy.
 """
 
 from __future__ import annotations
