@@ -50,15 +50,16 @@ constrained (C = B then; else C = 0 and they are empty):
 * grammar[G] uint8 with grammar_start[C+1]: for a sampling prefill lane, the
   UTF-8 llguidance grammar (decode lanes carry only the id).
 
-A decode lane's token may be FOLLOW_PREVIOUS (-1) instead of an id: "the
-token this lane's previous job samples", so the scheduler can queue step N+1
-while step N runs and the chip need not wait for the scheduler's turn between
-steps (`executor.queue_next_step`, docs/architecture.md). The worker resolves it from its own last sample
-for the lane, found by (position, the block holding position - 1): that block
-was written by step N, so no other lane holds it then. A follow token it
-cannot resolve (step N failed) makes the job INVALID. The worker keeps the
-samples only of jobs that have `follow` set (meta[26]: the scheduler queues
-next steps), not one dict entry per generated token for nothing.
+A decode lane's token may be FOLLOW_PREVIOUS (-1) instead of an id: "the token
+this lane's previous job samples", so the scheduler can queue step N+1 while
+step N runs and the chip need not wait for the scheduler's turn between steps
+(`executor.queue_next_step`, docs/architecture.md). The worker resolves it
+from its own last sample for the lane, found by (position, the block holding
+position - 1): that block was written by step N, so no other lane holds it
+then. A follow token it cannot resolve (step N failed) makes the job INVALID.
+The worker keeps the samples only of jobs that have `follow` set (meta[26]:
+the scheduler queues next steps), not one dict entry per generated token for
+nothing.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ conversation so far plus a new message) against llama.cpp's server with its
 host prompt cache (`--cache-ram`, its default 8192 MiB) and npuserve with the
 same KV capacity on the chip (`kv.num_blocks` = llama.cpp's context, unless
 `--device-blocks`); per run TTFT P50/P99 and the prompt tokens each computed,
-and the targets of a prefix cache worth having (docs/benchmarks.md): TTFT P50
-<= 0.7x llama.cpp's and fewer prompt tokens computed. npuserve runs on its device prefix cache alone unless
+and its targets (docs/benchmarks.md): TTFT P50 <= 0.7x llama.cpp's and fewer
+prompt tokens computed. npuserve runs on its device prefix cache alone unless
 `--set kv.host_pool_mb=N` adds the board's host tier (the `llamacpp`
 backend's KV export/import).
 """
