@@ -55,6 +55,26 @@ __all__ = ["ChipSpec", "ModelSpec", "Scheduler", "SchedulerConfig"]
 S = RequestState
 
 
+class _FromState:
+    """A public attribute of the scheduler that is its state's field of the same name (read-only unless
+    `writable`): callers keep reading `sched.counters`, `sched.chips`, ... while the parts share the state."""
+
+    def __init__(self, *, writable: bool = False, doc: str | None = None) -> None:
+        self.writable = writable
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj._st, self.name)
+
+    def __set__(self, obj, value) -> None:
+        if not self.writable:
+            raise AttributeError(f"Scheduler.{self.name} is read-only")
+        setattr(obj._st, self.name, value)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, model: ModelSpec, chips: list[ChipSpec], *,
                  piece: Callable[[int], bytes] | None = None, tiers: KvTiers | None = None) -> None:
@@ -294,82 +314,21 @@ class Scheduler:
         return out
 
     # ------------------------------------------------- read-only public state
-    @property
-    def config(self) -> SchedulerConfig:
-        """The settings in force (reconfigure replaces them)."""
-        return self._st.config
-
-    @property
-    def model(self) -> ModelSpec:
-        return self._st.model
-
-    @property
-    def profiles(self) -> tuple[int, ...]:
-        """The compiled decode batches in use."""
-        return self._st.profiles
-
-    @property
-    def chunked(self) -> bool:
-        return self._st.chunked
-
-    @property
-    def planner(self) -> BatchPlanner:
-        return self._st.planner
-
-    @property
-    def spec(self) -> SpecPlanner:
-        return self._st.spec
-
-    @property
-    def limits(self) -> ModelLimits:
-        return self._st.limits
-
-    @property
-    def tiers(self) -> KvTiers | None:
-        return self._st.tiers
-
-    @property
-    def chips(self) -> dict[int, ChipState]:
-        return self._st.chips
-
-    @property
-    def budget(self) -> CapacityBudget:
-        return self._st.budget
-
-    @property
-    def counters(self) -> Counter[str]:
-        return self._st.counters
-
-    @property
-    def job_counts(self) -> JobCounts:
-        return self._st.job_counts
-
-    @property
-    def notices(self) -> list[tuple[str, int, str]]:
-        return self._st.notices
-
-    @property
-    def admission_blocked(self) -> str | None:
-        """Why the waiting queue's head was not admitted at the last tick (None: nobody waits)."""
-        return self._st.admission_blocked
-
-    @property
-    def tenant_service(self) -> Counter[str]:
-        return self._st.tenant_service
-
-    @property
-    def generation_tokens(self) -> int:
-        return self._st.generation_tokens
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self._st.prompt_tokens
-
-    @property
-    def drain_rate(self) -> QueueDrainRate:
-        """Admissions: how fast the waiting queue empties (retry_after_ms)."""
-        return self._st.drain_rate
-
-    @drain_rate.setter
-    def drain_rate(self, rate: QueueDrainRate) -> None:
-        self._st.drain_rate = rate
+    config: SchedulerConfig = _FromState(doc="the settings in force (reconfigure replaces them)")
+    model: ModelSpec = _FromState()
+    profiles: tuple[int, ...] = _FromState(doc="the compiled decode batches in use")
+    chunked: bool = _FromState()
+    planner: BatchPlanner = _FromState()
+    spec: SpecPlanner = _FromState()
+    limits: ModelLimits = _FromState()
+    tiers: KvTiers | None = _FromState()
+    chips: dict[int, ChipState] = _FromState()
+    budget: CapacityBudget = _FromState()
+    counters: Counter[str] = _FromState()
+    job_counts: JobCounts = _FromState()
+    notices: list[tuple[str, int, str]] = _FromState()
+    admission_blocked: str | None = _FromState(doc="why the waiting queue's head was not admitted at the last tick")
+    tenant_service: Counter[str] = _FromState()
+    generation_tokens: int = _FromState()
+    prompt_tokens: int = _FromState()
+    drain_rate: QueueDrainRate = _FromState(writable=True, doc="how fast the waiting queue empties (retry_after_ms)")
