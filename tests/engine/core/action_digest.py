@@ -33,7 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine.core.actions import SubmitJob  # noqa: E402
 from engine.core.scheduler import ChipSpec, Scheduler  # noqa: E402
 from engine.core.scheduler_config import SchedulerConfig, TenantPolicy  # noqa: E402
-from ipc.records import JobStatus  # noqa: E402
 from test_scheduler_fakes import VOCAB, FakeExecutor, make_model, make_scheduler, params  # noqa: E402
 from test_scheduler_multi_step import StepsExecutor  # noqa: E402
 from test_scheduler_spec import VerifyingExecutor, periodic_token  # noqa: E402
