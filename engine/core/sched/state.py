@@ -75,6 +75,8 @@ class SchedState:
     budget: CapacityBudget
     wfq: WeightedFairQueue
     tiers: KvTiers | None
+    counters: Counter[str]
+    job_counts: JobCounts  # per-job counters, kept in `counters`
     requests: dict[int, RequestRecord] = field(default_factory=dict)
     requeue: deque[int] = field(default_factory=deque)  # preempted / faulted: admitted again before the fair queue
     deadlines: list[tuple[float, int]] = field(default_factory=list)  # a heap of (deadline, request id)
@@ -96,8 +98,6 @@ class SchedState:
     window_wakeup: float | None = None
     # (event, chip, reason): what the shell logs (a ping/pong downgrade); drained by take_notices()
     notices: list[tuple[str, int, str]] = field(default_factory=list)
-    counters: Counter[str] = field(default_factory=Counter)
-    job_counts: JobCounts | None = None
     generation_tokens: int = 0  # tokens sampled (plain ints: bumped once per generated token)
     prompt_tokens: int = 0  # prompt tokens of requests that sampled their first token
     # why the waiting queue's head was not admitted at the last tick: None (nobody waits),
@@ -137,6 +137,7 @@ class SchedState:
             wrr=SmoothWeightedRoundRobin(weights), governor=InflightGovernor(policy),
         ) for c in chips}
         pool = sum(c.num_blocks * c.block_size for c in chips)
+        counters: Counter[str] = Counter()
         st = cls(
             config=config, model=model, profiles=profiles, chunked=chunked, planner=planner,
             # a mixed job's lanes take prompts as they come: no queued next steps there
@@ -157,8 +158,8 @@ class SchedState:
                 max_queue_wait_s=config.max_queue_wait_s,
             ),
             wfq=WeightedFairQueue(lambda t: st.config.tenant(t).weight), tiers=tiers,
+            counters=counters, job_counts=JobCounts(counters, profiles),
         )
-        st.job_counts = JobCounts(st.counters, profiles)
         if tiers is not None:
             for ch in states.values():
                 tiers.attach(ch.kv)
