@@ -102,7 +102,7 @@ def run_all(queue: bool, ps, *, max_inflight: int = 1, events_for=None, fail_job
         ex.sched.chips[0].kv.check_invariants()
         ex.handle(ex.sched.on_chip_up(0, 99.0))
     assert kv_fully_free(ex.sched)
-    assert not ex.sched._requests
+    assert not ex.sched.view.requests
     return ex
 
 
@@ -160,7 +160,7 @@ def test_cancels_and_deadlines_mid_step_end_cleanly() -> None:
 
     def events_for(ex):
         def cancel_one(now: float) -> None:  # a lane with its step running and the next one queued
-            live = sorted(rid for rid, r in ex.sched._requests.items() if r.next_job is not None and not r.terminal)
+            live = sorted(rid for rid, r in ex.sched.view.requests.items() if r.next_job is not None and not r.terminal)
             if live:
                 ex.handle(ex.sched.cancel(live[0], now))
         return {k: cancel_one for k in range(20, 400, 25)}
@@ -204,7 +204,7 @@ def test_worker_killed_with_two_jobs_and_a_queued_step_in_flight() -> None:
         ex.submit(rid, p)
     now = 0.0
     def queued() -> int:
-        return sum(1 for r in ex.sched._requests.values() if r.next_job is not None)
+        return sum(1 for r in ex.sched.view.requests.values() if r.next_job is not None)
 
     for _ in range(200):  # until the chip holds two jobs and a queued step (not a prompt's job in its place)
         ex.handle(ex.sched.tick(now))
@@ -222,7 +222,7 @@ def test_worker_killed_with_two_jobs_and_a_queued_step_in_flight() -> None:
     assert ex.sched.stats()["chips"]["0"]["queued_steps_inflight"] == 0  # the lanes went with the chip
     ex.handle(ex.sched.on_chip_up(0, now))
     pipelined(ex, now)
-    assert kv_fully_free(ex.sched) and not ex.sched._requests
+    assert kv_fully_free(ex.sched) and not ex.sched.view.requests
     assert set(ex.terminal) == set(range(1, len(ps) + 1))  # exactly one terminal each (FakeExecutor checks)
     for t in ex.terminal.values():
         assert isinstance(t, FinishRequest) or (isinstance(t, FailRequest) and t.reason == "worker_died")
@@ -243,4 +243,4 @@ def test_job_timeout_of_the_running_step_drops_the_queued_one() -> None:
     ex.handle(ex.sched.tick(now + 1.0))  # both time out
     assert isinstance(ex.terminal[1], FailRequest) and ex.terminal[1].reason == "job_timeout"
     ex.handle(ex.sched.on_chip_up(0, now + 1.0))
-    assert kv_fully_free(ex.sched) and not ex.sched._requests
+    assert kv_fully_free(ex.sched) and not ex.sched.view.requests

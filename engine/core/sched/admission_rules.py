@@ -1,4 +1,4 @@
-"""Admission: the capacity budget and its five outcomes (seed 001 §5.1-§5.2).
+"""Admission rules: the capacity budget and its five outcomes (seed 001 §5.1-§5.2).
 
 `decide_submit` runs when a request arrives: requests that can never be
 served are rejected at once (400), overload is pushed back to the client
