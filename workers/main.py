@@ -29,7 +29,7 @@ import zmq
 
 from ipc.doorbell import SemaphoreDoorbell
 from ipc.kv_slots import KvSlotPool
-from ipc.records import RESULT_META_LEN, Job, JobStatus
+from ipc.records import RESULT_META_LEN, Job, JobStatus, ResultMeta
 from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
 from workers.constraints import ConstraintBook, ConstraintError, lltokenizer_for
@@ -285,12 +285,18 @@ class WorkerProcess:
                 self.drain_control()
                 if not self.running or not self.parent_alive():
                     return
+        S = ResultMeta
         with writer:
             a = writer.arrays
             meta = a["meta"]
-            meta[:8] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, outcome.masks,
-                        outcome.mask_us)
-            meta[8:10] = self._occupancy
+            meta[S.JOB_ID] = job.job_id
+            meta[S.GENERATION] = job.generation
+            meta[S.KIND] = job.kind
+            meta[S.STATUS] = status
+            meta[S.DEVICE_US] = outcome.device_us
+            meta[S.MASKS] = outcome.masks
+            meta[S.MASK_US] = outcome.mask_us
+            meta[S.DEVICE_START_NS], meta[S.IDLE_US] = self._occupancy
             a["tokens"][:] = outcome.tokens
             a["logprobs"][:] = outcome.logprobs
             if logits is not None:
@@ -299,7 +305,7 @@ class WorkerProcess:
                 a["accepted"][:] = accepted
                 a["accepted_logprobs"][:] = outcome.accepted_logprobs
                 a["accepted_tokens"][:] = outcome.accepted_tokens
-            meta[5] = (time.perf_counter_ns() - t0_ns) // 1000
+            meta[S.WORKER_US] = (time.perf_counter_ns() - t0_ns) // 1000  # last: it times the whole write
 
     # -- loop ------------------------------------------------------------
     def serve(self) -> None:
