@@ -32,17 +32,17 @@ from engine.core.model_table import ModelTable
 from engine.core.retry_after import NOT_READY_RETRY_S, clamp_ms
 from engine.daemon import ops
 from engine.daemon.chip_link import SHM_PREFIX
-from engine.daemon.lifecycle.drain import DrainState
 from engine.daemon.frontend import Frontend
 from engine.daemon.generations import Generations
+from engine.daemon.lifecycle.drain import DrainState
 from engine.daemon.lifecycle.liveness import LoopLiveness
+from engine.daemon.lifecycle.sd_notify import Notifier
+from engine.daemon.lifecycle.service import STOP_SIGNALS, Service
+from engine.daemon.lifecycle.signal_pipe import SignalPipe
 from engine.daemon.log import log
 from engine.daemon.models.generation import Generation
 from engine.daemon.models.load_job import STARTUP_TIMEOUT_S, LoadJob
 from engine.daemon.observability.observers import MetricsPortBusy, Observers
-from engine.daemon.lifecycle.sd_notify import Notifier
-from engine.daemon.lifecycle.service import STOP_SIGNALS, Service
-from engine.daemon.lifecycle.signal_pipe import SignalPipe
 from engine.daemon.views import Views
 from engine.exit_codes import EXIT_INTERNAL, EXIT_UNRECOVERABLE
 from ipc.stale import reap_stale
