@@ -34,8 +34,8 @@ from engine.config import ConfigError
 from engine.core.retry_after import NOT_READY_RETRY_S, clamp_ms
 from engine.daemon.auth import visible_stats
 from engine.daemon.frontend import Frontend
+from engine.daemon.lifecycle.signal_pipe import SignalPipe
 from engine.daemon.log import log
-from engine.daemon.signal_pipe import SignalPipe
 from engine.exit_codes import EXIT_INTERNAL
 from ipc.codec import ProtocolError, decode_event
 from ipc.schema import TOKEN_ID_MAX

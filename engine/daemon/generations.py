@@ -35,7 +35,7 @@ class Generations:
                  wake: Callable[[], None], register: Callable[[Generation, int], None],
                  unregister: Callable[[Generation, int], None], observe: Callable[[], ChipObserver | None],
                  extra_backend_options: dict | None = None) -> None:
-        self.cfg = cfg  # the running configuration (a SIGHUP reload replaces it: engine/daemon/service.py)
+        self.cfg = cfg  # the running configuration (a SIGHUP reload replaces it: engine/daemon/lifecycle/service.py)
         self.ctx = None  # the loop's zmq.Context, set at start-up (the workers' sockets)
         self.clock = clock
         self.model_alias = default_alias  # the board's default alias: requests without `model` get it

@@ -13,7 +13,9 @@ from engine.daemon.constraint_cache import ConstraintCache, ConstraintRejected, 
 from ipc.records import Job, JobKind, Lane, build_job
 from workers.backends.ref import RefBackend
 from workers.constraints import LaneMask
-from workers.main import _sample_masked, constraint_book, execute_job
+from workers.execute_job import execute_job
+from workers.lane_sampling import sample_masked
+from workers.main import constraint_book
 from workers.sampling import sample
 from workers.model_maker import make_model
 from workers.package_loader import load_package
@@ -252,7 +254,7 @@ def test_compact_masks_sample_exactly_what_full_rows_with_minus_inf_sample():
                          for lane in range(b)], np.float32)
         want, _ = sample(full, job.temperature, job.top_p, job.top_k, job.seed, job.context_lens)
         tokens, logprobs = np.full(b, -1, np.int32), np.zeros(b, np.float32)
-        _sample_masked(job, logits, lanes, tokens, logprobs, {lane: LaneMask.of(ok) for lane, ok in oks.items()})
+        sample_masked(job, logits, lanes, tokens, logprobs, {lane: LaneMask.of(ok) for lane, ok in oks.items()})
         assert tokens.tolist() == want.tolist(), trial
         assert all(oks[lane][tokens[lane]] for lane in oks)
         _, raw = sample(logits, job.temperature, job.top_p, job.top_k, job.seed, job.context_lens)

@@ -24,7 +24,7 @@ exports `simpler_model_decode_steps_paged` runs a multi-step decode job
 (`executor.decode_steps = n`) as one call, n steps sampled on the device with
 the host's sampler (`decode_steps`); the worker loops `decode` and samples
 on the host otherwise (and for the jobs the device loop cannot take: see
-`workers.main.device_loop_job`). The backend option `device_loop=False`
+`workers.execute_job.device_loop_job`). The backend option `device_loop=False`
 ignores the symbol (a comparison, or a vendor loop not to be trusted).
 
 Tensor parallelism: with `tp_world` > 1 the library must export

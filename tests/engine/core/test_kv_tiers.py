@@ -16,7 +16,7 @@ from engine.core.actions import FinishRequest
 from engine.core.kv.tier_policy import PromoteMode
 from ipc.records import JobResult
 from tests.engine.core.tier_harness import Board
-from workers.main import execute_job
+from workers.execute_job import execute_job
 
 SHARED = [(7 * i + 3) % 300 + 1 for i in range(48)]  # 3 full blocks
 

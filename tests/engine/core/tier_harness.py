@@ -1,7 +1,7 @@
 """An in-process board for the KV-tier tests: the scheduler core driving real `ref` backends.
 
 Each chip is a `RefBackend` with a small device pool; transfer jobs go
-through the worker's own code (`workers.main.execute_job`, `HostKv`) into a
+through the worker's own code (`workers.execute_job.execute_job`, `HostKv`) into a
 real shared-memory slot pool and real block files, so what is tested is the
 bytes that move, not a model of them. Jobs run in submission order per chip,
 as a worker runs its ring.
@@ -22,7 +22,7 @@ from ipc.kv_slots import KvSlotPool, record_bytes
 from ipc.records import Job, JobResult
 from workers.backends.ref import RefBackend
 from workers.kv_transfer import HostKv
-from workers.main import execute_job
+from workers.execute_job import execute_job
 
 
 def model_tag(info) -> str:

@@ -32,17 +32,17 @@ from engine.core.model_table import ModelTable
 from engine.core.retry_after import NOT_READY_RETRY_S, clamp_ms
 from engine.daemon import ops
 from engine.daemon.chip_link import SHM_PREFIX
-from engine.daemon.drain import DrainState
 from engine.daemon.frontend import Frontend
 from engine.daemon.generations import Generations
-from engine.daemon.liveness import LoopLiveness
+from engine.daemon.lifecycle.drain import DrainState
+from engine.daemon.lifecycle.liveness import LoopLiveness
+from engine.daemon.lifecycle.sd_notify import Notifier
+from engine.daemon.lifecycle.service import STOP_SIGNALS, Service
+from engine.daemon.lifecycle.signal_pipe import SignalPipe
 from engine.daemon.log import log
 from engine.daemon.models.generation import Generation
 from engine.daemon.models.load_job import STARTUP_TIMEOUT_S, LoadJob
-from engine.daemon.observe import MetricsPortBusy, Observers
-from engine.daemon.sd_notify import Notifier
-from engine.daemon.service import STOP_SIGNALS, Service
-from engine.daemon.signal_pipe import SignalPipe
+from engine.daemon.observability.observers import MetricsPortBusy, Observers
 from engine.daemon.views import Views
 from engine.exit_codes import EXIT_INTERNAL, EXIT_UNRECOVERABLE
 from ipc.stale import reap_stale
@@ -64,7 +64,7 @@ class Daemon:
         `package_path` (the one-model daemon). `under_root`: the package is named relative to the model root
         and must not leave it; False for a package the operator gave as a path (--package, the built-in one)."""
         self.trace_path = trace_path
-        self.observe: Observers | None = None  # metrics and trace (engine/daemon/observe.py)
+        self.observe: Observers | None = None  # metrics and trace (engine/daemon/observability/observers.py)
         self.clock = clock
         self.startup_models = models if models is not None else [(cfg.model.alias, package_path, False)]
         default = cfg.model.alias
@@ -79,7 +79,7 @@ class Daemon:
         self._ops: ops.OpContext | None = None
         self.security = None  # engine.daemon.curve.CurveSetup when security.server_secret_key is set
         self.kv_events = None  # engine.daemon.kv_events.KvEventPublisher when kv_events.endpoint is set
-        self.transfers = None  # engine.daemon.handoff_transfer.Transfers: KV pulls between boards
+        self.transfers = None  # engine.daemon.handoff.transfer.Transfers: KV pulls between boards
         self.liveness = LoopLiveness(cfg.server.loop_stall_ms / 1000.0)
         self.started_at = clock()
         self.exit_code = 0
@@ -174,8 +174,8 @@ class Daemon:
         self.views = Views(self.gens, self.frontend, self.liveness, started_at=self.started_at,
                            loop_counters=self.counters,
                            metric_families=lambda now: self.observe.families(self.views, now))
-        if cfg.board.handoff_endpoint or cfg.kv.disk_dir:  # KV transfer between boards (handoff_transfer.py)
-            from engine.daemon.handoff_transfer import Transfers
+        if cfg.board.handoff_endpoint or cfg.kv.disk_dir:  # KV transfer between boards (handoff/transfer.py)
+            from engine.daemon.handoff.transfer import Transfers
 
             try:
                 self.transfers = Transfers(self.ctx, self._poller, cfg, self.gens, self._submit_parked, self.security)

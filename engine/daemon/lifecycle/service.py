@@ -20,10 +20,10 @@ from engine.config_reload import config_changes, reloaded
 from engine.core.model_state import ModelState
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon import log as daemon_log
-from engine.daemon.drain import Drain, DrainState, SignalOutcome
-from engine.daemon.liveness import LoopLiveness
+from engine.daemon.lifecycle.drain import Drain, DrainState, SignalOutcome
+from engine.daemon.lifecycle.liveness import LoopLiveness
 from engine.daemon.log import log
-from engine.daemon.sd_notify import Notifier, Pacer, monotonic_usec, watchdog_pacer
+from engine.daemon.lifecycle.sd_notify import Notifier, Pacer, monotonic_usec, watchdog_pacer
 
 if TYPE_CHECKING:
     from engine.daemon.generations import Generations
