@@ -25,7 +25,8 @@ class InflightJob:
     submitted_at: float
     timeout_at: float
     steps: int = 1  # decode steps the worker runs before answering (multi-step decode)
-    # lanes whose request no longer waits for this job's output (a queued step whose predecessor was lost)
+    # lanes dropped from this job: their request takes nothing from its output (a queued step whose
+    # predecessor was lost)
     dropped: set[int] = field(default_factory=set)
     drafts: list[list[int]] | None = None  # per lane: draft tokens to verify (None: no lane speculates)
     model_drafts: list[bool] | None = None  # per lane: the worker's draft model proposes them (placeholders here)

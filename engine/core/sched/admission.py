@@ -3,8 +3,9 @@
 A request joins the weighted fair queue at submit (or is refused there by
 `admission_rules.decide_submit`); at each tick the head is admitted while a
 chip has KV room for its prompt and the sequence budget allows, the requeue
-(preempted or faulted requests) first. Lane shares (seed 001 §7.2) may
-preempt another tenant's youngest idle sequence to make room. Reservation's
+(preempted or faulted requests) first. Lane shares (docs/architecture.md,
+"Tenant lane share at admission") may preempt another tenant's youngest idle
+sequence to make room. Reservation's
 inverse (`unbind`) and preemption live here too: they give back what
 `reserve` took.
 """
@@ -167,7 +168,7 @@ class Admission:
         return (None, False) if picked is None else (picked[0], False)
 
     def _lane_caps(self, waiting: str) -> Callable[[str], int]:
-        """Per tenant, the sequences it may hold while `waiting` waits (seed 001 §7.2): the lane share of
+        """Per tenant, the sequences it may hold while `waiting` waits: the lane share of
         max_sequences, or the tenant's weighted share among those holding lanes and `waiting` where that
         is more (a tenant of weight 3 beside one of weight 1 keeps its 3 of 4)."""
         cfg, active = self.st.config, self.st.tenant_active

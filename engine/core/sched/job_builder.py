@@ -111,7 +111,7 @@ class JobBuilder:
         """One job of the ready decode lanes plus prompt chunks, `budget` tokens in all; None when idle.
 
         Mixed batches (vLLM's token budget, llama.cpp's server loop): decode
-        lanes ride along with every job, so a prompt burst no longer stalls
+        lanes ride along with every job, so a prompt burst does not stall
         the streams already generating, and several prompts share one pass
         over the weights. Which lanes and chunks: `BatchPlanner.take_prompts`.
         With `decode_steps` > 1 and no prompt waiting, the lanes go as a

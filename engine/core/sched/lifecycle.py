@@ -1,8 +1,9 @@
 """How requests end: terminal states, expiry (deadlines, queue waits, hung jobs) and lanes lost with a job or chip.
 
 A request whose terminal event has been emitted while one of its jobs is
-still on the chip keeps its KV until that job drains (seed 001 §4: the job
-drains, the lane's result is dropped); `forget_if_done` drops the record once
+still on the chip keeps its KV until that job drains (a job on the chip
+cannot be recalled and writes the lane's blocks until it ends; its result for
+the lane is dropped); `forget_if_done` drops the record once
 nothing refers to it. A lane lost with a failed job or a dead chip is retried
 while nothing reached the client, else failed (retryable elsewhere).
 """
@@ -124,8 +125,8 @@ class Lifecycle:
             self._retry_or_fail(r, reason, message, now, out)
 
     def _drop_from_other_job(self, r: RequestRecord) -> None:
-        """r's lane is lost: the other job that carries it (its queued next step, or the step that one follows)
-        no longer answers for it; its KV went with this failure."""
+        """r's lane is lost: drop it from the other job that carries it (its queued next step, or the step
+        that one follows), whose result then says nothing for it; its KV went with this failure."""
         ch = self.st.chips[r.chip] if r.chip is not None else None
         if ch is None:
             return

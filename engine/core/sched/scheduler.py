@@ -1,8 +1,9 @@
 """The sans-I/O scheduler: events plus `now` in, actions out.
 
 One object owns every request, queue, KV manager and job in flight of a
-board, and is driven by a single thread (seed 001 §4: the "single-thread
-actor").  It never sleeps, reads a clock or touches a socket: the I/O shell
+board, and is driven by a single thread, so its state needs no lock and
+every event sees the one before it whole.  It never sleeps, reads a clock or
+touches a socket: the I/O shell
 (or the simulator, or a test) calls submit/cancel/on_result/tick with the
 current time and carries out the returned actions.
 
@@ -11,7 +12,8 @@ PREFILL_READY once KV is reserved on a chip -> PREFILL_RUNNING (one job per
 chunk) -> DECODE_READY <-> DECODE_RUNNING (continuous batching) -> COMPLETED,
 or CANCELLED / FAILED from anywhere.  A request whose terminal event has been
 emitted while one of its jobs is still on the chip keeps its KV until that
-job drains (seed 001 §4: the job drains, the lane's result is dropped).
+job drains (a running job cannot be recalled and writes the lane's blocks
+until it ends; its result for the lane is dropped).
 
 This class is the order of work; the work is in its parts, which share one
 `SchedState`: admission (`admission.py`), job plans (`job_builder.py`) and

@@ -84,7 +84,7 @@ def test_waiting_budget_frees_when_requests_are_admitted():
     s = make_scheduler(SchedulerConfig(max_waiting_requests=1))
     ex = FakeExecutor(s)
     ex.submit(1, params())
-    ex.handle(s.tick(0.0))  # admitted: no longer waiting
+    ex.handle(s.tick(0.0))  # admitted: out of the waiting budget
     assert s.submit(2, params(seed=2), 0.0) == []
 
 

@@ -1,5 +1,5 @@
 """The tenant lane share at admission: a tenant holding every sequence yields its youngest idle one to a
-tenant waiting below its share (seed 001 §7.2; scenario tenant-flood in docs/benchmarks.md)."""
+tenant waiting below its share (scenario tenant-flood in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""executor.decode_steps: the worker runs n decode steps per job; outputs equal the one-step run (issue 23)."""
+"""executor.decode_steps: the worker runs n decode steps per job; outputs equal the one-step run."""
 
 from __future__ import annotations
 

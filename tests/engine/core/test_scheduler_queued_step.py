@@ -1,4 +1,4 @@
-"""executor.queue_next_step: a decode lane's step N+1 submitted while step N runs (issue 23).
+"""executor.queue_next_step: a decode lane's step N+1 submitted while step N runs.
 
 The fake worker here resolves FOLLOW_PREVIOUS tokens with the worker's own
 `FollowTokens` and makes each token depend on the lane's input token too, so
