@@ -59,10 +59,10 @@ def test_timeout_raises_and_cancels(fake_server):
 
     async def go():
         async with AsyncClient(srv.endpoint) as c:
-            t0 = time.monotonic()
+            # the server never answers: only the client's own 0.2 s timeout can end this call (the hang guard
+            # around it is far longer and raises another error)
             with pytest.raises(errors.ClientTimeout):
-                await c.generate([1], id="late", timeout=0.2)
-            assert time.monotonic() - t0 < 10  # 0.2 s asked; generous for a loaded machine
+                await asyncio.wait_for(c.generate([1], id="late", timeout=0.2), 60)
             await until_cancelled(srv)
 
     run(go())
