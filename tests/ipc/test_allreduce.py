@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import zlib
 
 import numpy as np
@@ -73,26 +72,28 @@ def test_sums_equal_on_every_rank(world, mode):
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_a_dead_or_hung_peer_fails_the_others_without_deadlock(fault):
+    """A killed peer is noticed by liveness (the deadline is far beyond the test's hang guard, so "died" can
+    only be liveness's verdict); a stopped one, alive but absent, by the deadline, which names it."""
     seg = create_group(PREFIX, 3, SLOT, prefix=PREFIX)
-    timeout = 1.5
+    timeout = 3600.0 if fault == "kill" else 3.0
     try:
         procs = [_spawn(seg.name, r, "forever", "shared", str(timeout)) for r in range(3)]
         for p in procs:
             assert p.stdout.readline().strip() == "reducing"
         victim = procs[2]
-        t0 = time.monotonic()
         victim.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        reports = [json.loads(p.communicate(timeout=30)[0].strip().splitlines()[-1]) for p in procs[:2]]
-        elapsed = time.monotonic() - t0
+        reports = [json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1]) for p in procs[:2]]
         for rep in reports:
             assert rep["error"], rep
             assert rep["calls"] > 10  # they did reduce before the fault
         if fault == "kill":
-            assert elapsed < timeout  # liveness, not the deadline, noticed the death
-            assert any("died" in r["error"] for r in reports)
+            assert any(f"peer rank 2 (pid {victim.pid}) died" in r["error"] for r in reports), reports
         else:
-            assert elapsed < timeout + 5
-            assert any("did not arrive" in r["error"] for r in reports) or any("aborted" in r["error"] for r in reports)
+            assert any("peer rank(s) [2] did not arrive" in r["error"] for r in reports), reports
+        # the other survivor: the same verdict, or the group aborted by the one that gave up first
+        verdicts = ("peer rank 2 (", "peer rank(s) [2] ", "the group was aborted by rank ")
+        assert all(any(v in r["error"] for v in verdicts) for r in reports), reports
+        assert not any("aborted by rank 2" in r["error"] for r in reports), reports
     finally:
         for p in procs:
             if p.poll() is None:
@@ -118,15 +119,27 @@ def test_world_one_and_bad_attach():
         create_group(PREFIX, 2, 100, prefix=PREFIX)
 
 
-def test_aborted_group_fails_every_later_call():
+def test_aborted_group_fails_every_later_call(monkeypatch):
+    """At once, not at the deadline: the barrier's clock moves a second per reading (a fake, so no machine is
+    too slow for it), and a call on the aborted group must report the abort before the deadline's 5 s pass."""
+    import ipc.allreduce as mod
+
+    readings = []
+
+    def clock() -> float:
+        readings.append(None)
+        return float(len(readings))
+
+    monkeypatch.setattr(mod, "time", type("FakeTime", (), {"monotonic": staticmethod(clock),
+                                                          "sleep": staticmethod(lambda s: None)}))
     seg = create_group(PREFIX, 2, SLOT, prefix=PREFIX)
     try:
         ar = AllReduce(seg.name, 0, timeout_s=5)
         ar.abort()
-        t0 = time.monotonic()
         with pytest.raises(CollectiveError, match="aborted"):
             ar.allreduce(np.ones(10, np.float32))
-        assert time.monotonic() - t0 < 1
+        with pytest.raises(CollectiveError, match="aborted"):  # and every later one
+            ar.allreduce(np.ones(10, np.float32))
         ar.close()
     finally:
         seg.close()

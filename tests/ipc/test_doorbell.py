@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from conftest import idle_activity, sweep_shm
+import ipc.doorbell as doorbell_mod
 from ipc.doorbell import SemaphoreDoorbell, ZmqDoorbell
 from ipc.ring import Ring
 from ipc.shm import list_semaphores
@@ -73,6 +74,7 @@ def test_semaphore_burst_of_rings_costs_one_wait():
 _RACE_WRITER = """
 import mmap, random, sys, time
 import numpy as np
+import ipc.doorbell as doorbell_mod
 from ipc.doorbell import SemaphoreDoorbell, ZmqDoorbell
 from ipc.ring import Ring
 kind, bell_name, ring_name, flag_path = sys.argv[1:5]
@@ -157,7 +159,7 @@ def test_ring_between_empty_peek_and_wait_is_not_lost(kind, tmp_path):
                 ringer.unlink()
 
 
-def test_adaptive_spin_stops_when_rings_come_late_and_resumes_when_they_come_quickly():
+def test_adaptive_spin_stops_when_rings_come_late_and_resumes_when_they_come_quickly(monkeypatch):
     """The adaptive policy, with a spin window (50 ms) far longer than a loaded host's wake-up latency:
     waits that no ring ends within spin_s turn the spin off; parked waits that a ring ends quickly (a
     thread rings 1 ms in) turn it back on. A fixed spin never stops (the control)."""
@@ -174,9 +176,19 @@ def test_adaptive_spin_stops_when_rings_come_late_and_resumes_when_they_come_qui
                 late += 1
                 assert late <= 16, "the spin never stopped although no ring came within spin_s"
             assert late >= 8, f"one slow spell of {late} waits turned the spin off: the share is not averaged"
-            t0 = time.perf_counter()
-            assert waiter.wait(0.002) is False  # not spinning: parks at once, no 50 ms spin first
-            assert time.perf_counter() - t0 < 0.045
+            spins: list[float] = []
+
+            def spin_until(check, spin_s):
+                spins.append(spin_s)
+                return real_spin_until(check, spin_s)
+
+            real_spin_until = doorbell_mod._spin_until
+            monkeypatch.setattr(doorbell_mod, "_spin_until", spin_until)
+            assert waiter.wait(0.002) is False
+            assert spins == []  # not spinning: it parked at once, no 50 ms spin first
+            assert fixed.wait(0.06) is False
+            assert spins == [0.05]  # (the spy sees a spin when there is one)
+            monkeypatch.undo()
             for _ in range(4):
                 assert fixed.wait(0.06) is False
             assert fixed.spinning, "a non-adaptive doorbell must keep its fixed spin"
@@ -271,6 +283,7 @@ IDLE_WINDOW_S = 2.0
 _IDLE_READER = r"""
 import sys
 from ipc.ring import Ring
+import ipc.doorbell as doorbell_mod
 from ipc.doorbell import SemaphoreDoorbell, ZmqDoorbell
 ring = Ring.attach(sys.argv[1])
 bell = SemaphoreDoorbell.attach(sys.argv[3]) if sys.argv[2] == "semaphore" else ZmqDoorbell.attach(sys.argv[3])

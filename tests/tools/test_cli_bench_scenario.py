@@ -29,9 +29,8 @@ def _scenario(name: str, *args: str) -> tuple[list[dict], list[dict], dict]:
 
 def test_long_prompt(tmp_path):
     png = tmp_path / "timeline.png"
-    # the long prompt a second in and streams long enough to outlast it: a loaded machine starts the streams late
-    (row,), targets, _ = _scenario("long-prompt", "--plot", str(png), "--records", str(tmp_path / "r.jsonl"),
-                                   "--scenario-option", "long_at=1.0", "--scenario-option", "per_stream=60")
+    # the streams run until the long prompt is done, which goes once they are generating: covered at any speed
+    (row,), targets, _ = _scenario("long-prompt", "--plot", str(png), "--records", str(tmp_path / "r.jsonl"))
     assert row["errors"] == 0 and row["streams_cover_window"]
     assert row["worst_gap_ms"] >= row["gap_p50_outside_ms"] > 0 and row["long_ttft_max_ms"] > 0
     assert [t["metric"] for t in targets] == ["worst_gap_ms", "long_ttft_max_ms"]

@@ -37,7 +37,7 @@ def test_long_prompt_streams_run_in_the_background_and_the_long_prompts_arrive_l
     assert {r.stream for r in streams} == set(range(int(opts["streams"])))
     assert all(r.background and r.at == 0.0 and len(r.prompt) == 64 for r in streams)
     assert all(len(r.prompt) == 1500 and r.at == opts["long_at"] and r.stream is None and not r.background
-               for r in longs)
+               and r.after_streams for r in longs)
     assert all(1 <= t < 256 for r in reqs for t in r.prompt)  # ids below 256 whatever the vocabulary
     assert [r.index for r in reqs] == list(range(len(reqs)))
     assert s.requests(opts, 1000, 4096, 1)[0].prompt == reqs[0].prompt  # fixed by the seed
@@ -212,24 +212,115 @@ def test_client_shares_keep_streams_whole():
     assert [len(x) for x in runner._shares(reqs, 2)] == [9, 0]
 
 
+class _GatedDriver:
+    """A fake driver for `runner._scheduled`: logs each request's start and end; a request listed in
+    `hold` does not finish until `release(index)` says so, so a test decides the order of events
+    rather than a clock."""
+
+    def __init__(self, hold=()) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.gates = {i: asyncio.Event() for i in hold}
+        self.started: dict[int, asyncio.Event] = {}
+
+    def release(self, i: int) -> None:
+        self.gates[i].set()
+
+    async def one(self, r, write):
+        i = r["index"]
+        self.log.append(("start", i))
+        self.started.setdefault(i, asyncio.Event()).set()
+        if i in self.gates:
+            await self.gates[i].wait()
+        else:
+            await asyncio.sleep(0)
+        self.log.append(("end", i))
+        write([i])
+
+    async def wait_started(self, i: int) -> None:
+        await self.started.setdefault(i, asyncio.Event()).wait()
+
+
+def _count(log, kind, indexes):
+    return sum(1 for k, i in log if k == kind and i in indexes)
+
+
 def test_background_streams_stop_once_the_foreground_is_done():
-    sent: list[tuple[int, float]] = []
-
-    class Driver:
-        async def one(self, r, write):
-            sent.append((r["index"], time.time()))
-            await asyncio.sleep(0.02)
-            write([r["index"]])
-
+    bg = set(range(100))
+    d = _GatedDriver(hold=(100, 101))
     reqs = [runner._wire(Request(i, [1], 1, i, stream=0, background=True)) for i in range(100)]
     reqs.append(runner._wire(Request(100, [1], 1, 100, at=0.05)))
     reqs.append(runner._wire(Request(101, [1], 1, 101, at=0.05, stream=1)))
     reqs.append(runner._wire(Request(102, [1], 1, 102, at=0.05, stream=1)))
     rows: list = []
-    t0 = time.time()
-    asyncio.run(runner._scheduled(Driver(), reqs, t0, rows.append))
-    done = {r[0] for r in rows}
-    assert {100, 101, 102} <= done
-    when = dict(sent)
-    assert when[100] - t0 >= 0.05 and when[102] >= when[101] + 0.02  # at its time; one after another
-    assert 3 <= len(done - {100, 101, 102}) < 20  # the flood ran alongside, then stopped
+
+    async def go():
+        t0 = time.time()
+        run = asyncio.ensure_future(runner._scheduled(d, reqs, t0, rows.append))
+        await d.wait_started(100)
+        await d.wait_started(101)
+        sent_at = time.time()
+        assert ("start", 102) not in d.log  # one after another: 102 waits for 101
+        d.release(101)
+        await d.wait_started(102)
+        ran = _count(d.log, "end", bg)
+        d.release(100)
+        await run
+        return t0, sent_at, ran
+
+    t0, sent_at, ran_alongside = asyncio.run(asyncio.wait_for(go(), 60))  # a hang guard only
+    assert {100, 101, 102} <= {r[0] for r in rows}
+    assert sent_at - t0 >= 0.05  # not before its time
+    assert ran_alongside >= 1  # the flood ran alongside the foreground
+    last_fg = max(k for k, (kind, i) in enumerate(d.log) if kind == "end" and i in (100, 101, 102))
+    assert not any(kind == "start" and i in bg for kind, i in d.log[last_fg:])  # then stopped
+
+
+def test_a_background_stream_starts_over_until_the_foreground_is_done():
+    """However fast the server, a stream that runs out of requests before the foreground is done starts
+    over from its first one, so what it is measured against never runs without it."""
+    d = _GatedDriver(hold=(3,))
+    reqs = [runner._wire(Request(i, [1], 1, i, stream=0, background=True)) for i in range(3)]
+    reqs.append(runner._wire(Request(3, [1], 1, 3)))
+
+    async def go():
+        run = asyncio.ensure_future(runner._scheduled(d, reqs, time.time(), lambda row: None))
+        while _count(d.log, "end", {0, 1, 2}) < 7:  # past the stream's three requests, twice over
+            await asyncio.sleep(0)
+        d.release(3)
+        await run
+
+    asyncio.run(asyncio.wait_for(go(), 60))  # a hang guard only
+    starts = [i for kind, i in d.log if kind == "start" and i != 3]
+    assert starts[:7] == [0, 1, 2, 0, 1, 2, 0]
+    end_fg = d.log.index(("end", 3))
+    assert not any(kind == "start" for kind, _ in d.log[end_fg:])
+
+
+def test_background_streams_without_a_foreground_run_once():
+    d = _GatedDriver()
+    reqs = [runner._wire(Request(i, [1], 1, i, stream=i % 2, background=True)) for i in range(6)]
+    asyncio.run(runner._scheduled(d, reqs, time.time(), lambda row: None))
+    assert sorted(i for kind, i in d.log if kind == "start") == list(range(6))
+
+
+def test_an_after_streams_request_waits_for_every_background_stream_to_finish_one():
+    d = _GatedDriver(hold=(0, 1))
+    reqs = [runner._wire(Request(i, [1], 1, i, stream=i, background=True)) for i in range(2)]
+    reqs.append(runner._wire(Request(2, [1], 1, 2, after_streams=True)))
+
+    async def go():
+        run = asyncio.ensure_future(runner._scheduled(d, reqs, time.time(), lambda row: None))
+        await d.wait_started(0)
+        await d.wait_started(1)
+        d.release(0)
+        while ("end", 0) not in d.log:
+            await asyncio.sleep(0)
+        for _ in range(20):  # stream 1 is still on its first request: the long one must not go
+            await asyncio.sleep(0)
+        assert ("start", 2) not in d.log
+        d.release(1)
+        await d.wait_started(2)
+        await run
+
+    asyncio.run(asyncio.wait_for(go(), 60))  # a hang guard only
+    assert d.log.index(("start", 2)) > d.log.index(("end", 1))

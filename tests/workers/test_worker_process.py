@@ -312,7 +312,7 @@ def test_worker_exits_when_its_parent_dies(board, runtime_dir):
         worker = psutil.Process(worker_pid)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # a hang guard only: the worker is waited for, not timed
         while time.monotonic() < deadline:
             try:
                 if worker.status() == psutil.STATUS_ZOMBIE:
@@ -322,7 +322,7 @@ def test_worker_exits_when_its_parent_dies(board, runtime_dir):
             time.sleep(0.05)
         else:
             worker.kill()
-            pytest.fail("worker outlived its parent by 5 s")
+            pytest.fail("worker did not exit after its parent died")
         # Nobody else will clean up after the dead parent: the orphaned worker
         # itself unlinks both rings and the job doorbell. Checked before any reaping.
         deadline = time.monotonic() + 10
@@ -359,29 +359,30 @@ def test_chaos_hang_silences_the_worker_then_it_resumes(ctx, board, runtime_dir)
     with make_link(ctx, board, runtime_dir) as link:
         collect(link, lambda ev: any(isinstance(e, Ready) for e in ev))
         collect(link, lambda ev: any(isinstance(e, Heartbeat) for e in ev))  # heartbeats flow
-        hang_s = 3.0
+        hang_s = 2.0
         sent = time.monotonic()
         link.chaos("hang", hang_s)
-        # The hang has begun once the heartbeats (every HB) stop: wait for a quiet stretch of 6 HB rather
-        # than assume the worker got the message within a fixed time (a loaded machine delays it).
-        quiet_since = time.monotonic()
-        while time.monotonic() - quiet_since < 6 * HB:
-            assert time.monotonic() - sent < hang_s, "the worker never went quiet"
-            if link.handle_events():  # whatever was sent before the hang began
-                quiet_since = time.monotonic()
-            time.sleep(0.01)
-        link.submit(random_stub_job(rng, 1))
-        # It began after `sent`, so it lasts until sent + hang_s at least: look inside that window only.
-        window_end = min(time.monotonic() + 1.0, sent + hang_s - 0.1)
-        silent = []
-        while time.monotonic() < window_end:
-            silent += link.handle_events()
-            time.sleep(0.05)
-        assert silent == [], "a hung worker answered"
+        link.submit(random_stub_job(rng, 1))  # after the hang (a job reads the control sent before it)
+        # Every event with when it came, until the job's result and a heartbeat after it: however late the
+        # worker takes the hang up, the hang is a silence of hang_s somewhere before the result (only a
+        # lower bound on time, which no machine's speed breaks), and heartbeats every HB around it.
+        stamped: list[tuple[float, object]] = []
+        poller = link_poller(link)
+        deadline = time.monotonic() + 60  # a hang guard only
+        while not (any(isinstance(e, Result) for _, e in stamped)
+                   and isinstance(stamped[-1][1], Heartbeat)
+                   and any(isinstance(e, Result) for _, e in stamped[:-1])):
+            assert time.monotonic() < deadline, f"timed out; events so far: {stamped[-5:]}"
+            poller.poll(100)
+            now = time.monotonic()
+            stamped += [(now, e) for e in link.handle_events()]
+        result_at = next(k for k, (_, e) in enumerate(stamped) if isinstance(e, Result))
+        before = [sent] + [t for t, _ in stamped[:result_at + 1]]
+        gaps = [b - a for a, b in zip(before, before[1:])]
+        assert gaps and max(gaps) >= hang_s / 2, f"no silence before the job's result: a hung worker answered " \
+                                                  f"(longest gap {max(gaps, default=0):.3f} s)"
         assert link.is_alive()
-        events = collect(link, lambda ev: any(isinstance(e, Result) for e in ev)
-                         and any(isinstance(e, Heartbeat) for e in ev))
-        assert [e.result.status for e in events if isinstance(e, Result)] == [JobStatus.OK]
+        assert [e.result.status for _, e in stamped if isinstance(e, Result)] == [JobStatus.OK]
 
 
 def test_chaos_slow_adds_device_time_to_every_job(ctx, board, runtime_dir):
@@ -393,7 +394,8 @@ def test_chaos_slow_adds_device_time_to_every_job(ctx, board, runtime_dir):
         link.chaos("slow", 0.0)
         fast = run_jobs(link, [random_stub_job(rng, 10)])
     assert all(r.device_us >= 300_000 and r.worker_us >= r.device_us for r in slow.values())
-    assert fast[10].device_us < 300_000
+    # the 0.3 s is gone again: the same stub work, measured on the same machine, without it
+    assert fast[10].device_us + 200_000 < min(r.device_us for r in slow.values())
 
 
 # -- ref: a real transformer, so the job stream must be a coherent KV story -------
@@ -557,7 +559,7 @@ def test_no_fd_outlives_start_stop_restart_or_a_crash(ctx, board, runtime_dir):
     proc = psutil.Process()
 
     def fds_settle_to(limit: int) -> int:
-        deadline = time.monotonic() + 5.0  # ZeroMQ's reaper thread closes socket fds asynchronously
+        deadline = time.monotonic() + 30.0  # ZeroMQ's reaper thread closes socket fds asynchronously
         while proc.num_fds() > limit and time.monotonic() < deadline:
             time.sleep(0.02)
         return proc.num_fds()

@@ -181,28 +181,44 @@ async def _drive(spec: dict, write: Callable[[list], None] | None = None) -> Non
 
 async def _scheduled(d, reqs: list[dict], start: float, write) -> None:
     """A scenario's requests: those of one `stream` one after another, each no sooner than `start + at`;
-    those without a stream at their `at`. A `background` stream starts no new request once every
-    foreground request has finished (a flood that lasts exactly as long as what it is measured against)."""
+    those without a stream at their `at`. A `background` stream lasts exactly as long as what it is
+    measured against: it starts no new request once every foreground request has finished, and starts
+    over from its first request when it runs out before (so no count of requests has to outlast the
+    foreground however fast the server is). An `after_streams` request also waits until every
+    background stream has finished a request (they are generating, however slow the machine)."""
     streams: dict[int, list[dict]] = {}
     loose = []
     for r in reqs:
         (streams.setdefault(r["stream"], []) if r.get("stream") is not None else loose).append(r)
     foreground = [r for r in reqs if not r.get("background")]
     left = [len(foreground)]
+    background = [s for s, rs in streams.items() if all(r.get("background") for r in rs)]
+    going = {s: asyncio.Event() for s in background}
 
-    async def one(r: dict) -> None:
+    async def one(r: dict) -> bool:
         await asyncio.sleep(max(0.0, start + r.get("at", 0.0) - time.time()))
+        if r.get("background") and foreground and left[0] <= 0:
+            return False
+        if r.get("after_streams"):
+            for e in going.values():
+                await e.wait()
         await d.one(r, write)
         if not r.get("background"):
             left[0] -= 1
+        return True
 
-    async def stream(rs: list[dict]) -> None:
-        for r in rs:
-            if r.get("background") and foreground and left[0] <= 0:
+    async def stream(key: int, rs: list[dict]) -> None:
+        cycle = key in going and bool(foreground)
+        while True:
+            for r in rs:
+                if not await one(r):
+                    return
+                if key in going:
+                    going[key].set()
+            if not cycle:
                 return
-            await one(r)
 
-    await asyncio.gather(*(stream(rs) for rs in streams.values()), *(one(r) for r in loose))
+    await asyncio.gather(*(stream(k, rs) for k, rs in streams.items()), *(one(r) for r in loose))
 
 
 def run_loop(coro):
@@ -233,6 +249,8 @@ def _wire(r: Request) -> dict:
          "at": r.at}
     if r.stream is not None:
         d.update(stream=r.stream, background=r.background)
+    if r.after_streams:
+        d["after_streams"] = True
     if r.disconnect_after is not None:
         d["disconnect_after"] = r.disconnect_after
     return d

@@ -106,8 +106,9 @@ def _fit(prompt: int, output: int, max_seq: int) -> tuple[int, int]:
 
 
 def _long_prompt(o: dict, rng: random.Random, vocab: int, max_seq: int) -> list[Request]:
-    """`streams` streams, each a background run of requests (so they decode for as long as it takes on
-    either server); `longs` long prompts sent at `long_at` seconds."""
+    """`streams` streams, each a background run of `per_stream` requests (repeated if need be, so they
+    decode for as long as the long prompts take on either server); `longs` long prompts sent at `long_at`
+    seconds, once every stream has finished a request (so the streams are generating when they arrive)."""
     out: list[Request] = []
     sp, so = _fit(int(o["stream_prompt"]), int(o["stream_output"]), max_seq)
     for s in range(int(o["streams"])):
@@ -117,7 +118,8 @@ def _long_prompt(o: dict, rng: random.Random, vocab: int, max_seq: int) -> list[
     lp, lo = _fit(int(o["long_prompt"]), int(o["long_output"]), max_seq)
     for k in range(int(o["longs"])):
         i = len(out)
-        out.append(Request(i, _ids(rng, lp, vocab), lo, seed=i, at=o["long_at"], role="long"))
+        out.append(Request(i, _ids(rng, lp, vocab), lo, seed=i, at=o["long_at"], role="long",
+                           after_streams=True))
     return out
 
 

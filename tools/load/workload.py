@@ -123,10 +123,13 @@ class Request:
     extra: dict = field(default_factory=dict)  # further generate fields (deadline_ms, ...)
     # Scenarios (tools/load/scenarios.py): the requests of one `stream` go one after another, each no
     # sooner than its `at`; `disconnect_after`: the client hangs up once it has this many tokens;
-    # `background`: a stream of these stops starting new ones once every other request has finished.
+    # `background`: a stream of these runs until every other request has finished (starting over from
+    # its first request if it runs out before), then starts no new one; `after_streams`: sent no sooner
+    # than every background stream has finished a request (they are generating when it arrives).
     stream: int | None = None
     disconnect_after: int | None = None
     background: bool = False
+    after_streams: bool = False
     role: str = ""  # what a scenario's metrics take the request for ("stream", "long", ...); never sent
 
     def wire(self) -> dict:

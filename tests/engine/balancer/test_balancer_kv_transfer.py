@@ -152,9 +152,10 @@ def test_a_transfer_cut_or_corrupted_half_way_is_recomputed(daemon, short_dir, m
 
 
 def test_a_cancel_during_the_transfer_ends_the_request_once(daemon, short_dir):
-    # a transfer timeout past the cancel (on a loaded machine the cancel may come late, and a pull that timed
-    # out first is recomputed instead: a different path, tested above) and well inside the waits below
-    p, _, d, _, xfer = _boards(daemon, short_dir, 3.0, **{"board.handoff_deadline_s": 30.0})
+    # a transfer timeout and a hold deadline past every wait of the test (run_streams gives up after 120 s): only
+    # the cancel can end the stalled pull, however late it comes (a pull that timed out first is recomputed
+    # instead: a different path, tested above)
+    p, _, d, _, xfer = _boards(daemon, short_dir, 600.0, **{"board.handoff_deadline_s": 3600.0})
     prompt = [random.Random(3).randrange(1, 250) for _ in range(300)]
     base_fds = _socket_fds(d.pid)
     first = run_streams(p.endpoint, [gen_msg("p", prompt, max_tokens=1, handoff={"export": True})])

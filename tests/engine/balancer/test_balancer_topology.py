@@ -45,6 +45,9 @@ def keys(short_dir):
             "secret": lambda n: os.path.join(d, n + ".key_secret"), "public": lambda n: os.path.join(d, n + ".key")}
 
 
+LONG = 60_000  # tokens: two minutes at 2 ms a step, far past anything the test waits for before cancelling
+
+
 def security_toml(keys, server: str, allow: str, client: str) -> str:
     return (f'[security]\nserver_secret_key = "{keys["secret"](server)}"\nclient_keys_dir = "{allow}"\n'
             f'admins = ["ops"]\nforwarders = ["bal-l2"]\nclient_secret_key = "{keys["secret"](client)}"\n')
@@ -53,7 +56,9 @@ def security_toml(keys, server: str, allow: str, client: str) -> str:
 def test_two_level_balancers_with_curve(daemon, balancer, keys):
     sec = {"security.server_secret_key": keys["secret"]("board"), "security.client_keys_dir": keys["daemon_allow"],
            "security.forwarders": ["bal-l1"]}
-    daemons = [tcp_daemon(daemon, backend="sim", settings=sec, backend_options={"decode_base_ms": 2.0})
+    # max_seq: room for a stream that is effectively unbounded (it ends when it is cancelled)
+    daemons = [tcp_daemon(daemon, backend="sim", settings=sec, backend_options={"decode_base_ms": 2.0,
+                                                                                "max_seq": 65536})
                for _ in range(4)]
     board_key = keys["public"]("board")
     as_alice_l1 = client_keys(keys["secret"]("alice"), keys["public"]("l1srv"))
@@ -108,12 +113,12 @@ def test_two_level_balancers_with_curve(daemon, balancer, keys):
             sock.send(encode({"v": 1, "op": "cancel", "id": "long"}))
             seen["c"] = True
 
-    long_ = [gen_msg("long", [1, 2], max_tokens=1500, ignore_eos=True),
+    long_ = [gen_msg("long", [1, 2], max_tokens=LONG, ignore_eos=True),
              gen_msg("other", [1, 2], max_tokens=60, seed=9)]
     got = run_streams(l2.endpoint, long_, setup=with_key("alice"), on_progress=cancel_soon)
     (t,) = terminal_events(got["long"])
     assert t["ev"] == "done" and t["finish_reason"] == "cancelled" and not seen["bob_done"]
-    assert t["usage"]["completion_tokens"] < 1500
+    assert t["usage"]["completion_tokens"] < LONG
     (o,) = terminal_events(got["other"])
     assert o["finish_reason"] == "length" and len(streamed_tokens(got["other"])) == 60
 

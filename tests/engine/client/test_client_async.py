@@ -59,10 +59,10 @@ def test_timeout_raises_and_cancels(fake_server):
 
     async def go():
         async with AsyncClient(srv.endpoint) as c:
-            t0 = time.monotonic()
+            # the server never answers: only the client's own 0.2 s timeout can end this call (the hang guard
+            # around it is far longer and raises another error)
             with pytest.raises(errors.ClientTimeout):
-                await c.generate([1], id="late", timeout=0.2)
-            assert time.monotonic() - t0 < 10  # 0.2 s asked; generous for a loaded machine
+                await asyncio.wait_for(c.generate([1], id="late", timeout=0.2), 60)
             await until_cancelled(srv)
 
     run(go())
@@ -170,10 +170,11 @@ def test_inbox_hands_out_what_arrived_before_failing_an_empty_wait_past_its_dead
         q.put_nowait({"n": 3})
         await asyncio.sleep(0.1)  # past the deadline: what arrived is still handed out, in order
         got = [await q.get(), await q.get()]
-        t0 = loop.time()
+        empty = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)  # one loop turn, no timer: empty and expired, it fails at once
+        assert empty.done()
         with pytest.raises(_Expired):
-            await q.get()  # empty and expired: fails at once
-        assert loop.time() - t0 < 1.0
+            empty.result()
         late = Inbox()
         late.expire_at(loop.time() + 0.05)
         with pytest.raises(_Expired):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -45,10 +44,8 @@ def test_unknown_sampling_argument_is_a_type_error(fake_server):
 def test_timeout_raises_and_cancels_on_the_server(fake_server):
     srv = fake_server(lambda m: [])  # never answers
     with Client(srv.endpoint) as c:
-        t0 = time.monotonic()
-        with pytest.raises(errors.ClientTimeout):
+        with pytest.raises(errors.ClientTimeout):  # the server never answers: only the 0.2 s can end it
             c.generate([1], timeout=0.2, id="slow")
-        assert time.monotonic() - t0 < 10.0  # 0.2 s asked; generous for a loaded machine
         wait_until(lambda: "slow" in srv.cancels(), what="the cancel reaching the server")
     assert srv.cancels() == ["slow"]
 

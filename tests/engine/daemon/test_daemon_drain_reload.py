@@ -57,14 +57,16 @@ class Load:
 
 
 def test_sigterm_under_load_drains_until_the_deadline_then_ends_the_rest(daemon):
-    budget = 3.0
-    d = daemon(backend="sim", chips=2, backend_options=SLOW, settings={"server.drain_timeout_s": budget})
-    # long: 2000 steps x 5 ms = 10 s, cannot finish within the budget; short: done in well under a second
-    jobs = {**{f"long{i}": 2000 for i in range(12)}, **{f"short{i}": 40 for i in range(6)}}
+    budget = 5.0
+    d = daemon(backend="sim", chips=2, backend_options={**SLOW, "max_seq": 65536},
+               settings={"server.drain_timeout_s": budget})
+    # long: 60,000 steps x 5 ms = 5 minutes, effectively unbounded (they end at the deadline); short: 20 steps,
+    # 0.1 s, fifty times within the budget
+    jobs = {**{f"long{i}": 60_000 for i in range(12)}, **{f"short{i}": 20 for i in range(6)}}
     load = Load(d.endpoint, jobs)
     assert load.started.wait(60), load.outcome
     # the short ones may already be done: send more short ones right at SIGTERM
-    late = Load(d.endpoint, {f"late{i}": 40 for i in range(4)})
+    late = Load(d.endpoint, {f"late{i}": 20 for i in range(4)})
     assert late.started.wait(60)
     d.remember_children()
     t_term = time.monotonic()
@@ -75,12 +77,12 @@ def test_sigterm_under_load_drains_until_the_deadline_then_ends_the_rest(daemon)
             c.generate([5, 6], max_tokens=2)
         assert (e.value.code, e.value.reason, e.value.retryable) == (503, "draining", True)
         assert c.health()["accepting"] is False
-    rc = d.proc.wait(60)
+    rc = d.proc.wait(120)
     elapsed = time.monotonic() - t_term
     load.join(30)
     late.join(30)
     assert rc == 0
-    assert elapsed >= budget - 0.1  # the long streams were given their budget
+    assert elapsed >= budget - 0.1  # the long streams were given their budget (a lower bound only)
     outcome = {**load.outcome, **late.outcome}
     assert set(outcome) == set(jobs) | set(late.jobs)  # one terminal event each
     for name, o in outcome.items():
@@ -102,12 +104,9 @@ def test_a_second_sigterm_ends_the_drain_at_once(daemon):
     d.remember_children()
     d.proc.send_signal(signal.SIGTERM)
     wait_for_log(d, "drain_started")
-    time.sleep(0.3)
     assert d.proc.poll() is None  # still draining: the budget is 10 minutes
-    t_second = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
-    rc = d.proc.wait(60)
-    assert time.monotonic() - t_second < 30  # at once, not after the 600 s budget
+    rc = d.proc.wait(120)  # a hang guard, far below the 600 s budget; the cause is asserted below
     load.join(30)
     assert rc == 0
     assert load.outcome == {f"long{i}": ("error", 503, "shutdown", True) for i in range(6)}

@@ -253,9 +253,10 @@ def test_socket_is_0600_in_a_0700_directory_whatever_the_umask(daemon, short_dir
 
 
 def test_drain_timeout_ends_what_is_still_in_flight_and_resume_admits_again(daemon):
-    d = daemon(backend="sim", chips=1, backend_options=SLOW)  # 200 tokens take about a second
+    # 60,000 tokens take five minutes: the stream is still in flight when the drain's 100 ms run out, at any speed
+    d = daemon(backend="sim", chips=1, backend_options={**SLOW, "max_seq": 65536})
     with d.client(timeout=30) as c:
-        stream = c.stream([1, 2, 3], max_tokens=200, seed=3)
+        stream = c.stream([1, 2, 3], max_tokens=60_000, seed=3)
         first = next(stream)
         assert c.call("drain", timeout_ms=100) == {"accepting": False}
         with pytest.raises(Unavailable) as ended:

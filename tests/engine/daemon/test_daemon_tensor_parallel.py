@@ -96,7 +96,6 @@ def test_a_rank_that_dies_or_hangs_mid_job_restarts_the_replica(daemon, fault):
         load.pump(load.all_started, timeout=60)
         victim = before[1]
         os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        t0 = time.monotonic()
         load.pump(load.all_terminal, timeout=90)
         for rid, evs in load.events.items():
             assert sum(e["ev"] in ("done", "error") for e in evs) == 1, (rid, evs[-3:])
@@ -112,9 +111,8 @@ def test_a_rank_that_dies_or_hangs_mid_job_restarts_the_replica(daemon, fault):
         c = d.health()["chips"][0]
         if c["state"] == "up" and c.get("pids") and not set(c["pids"]) & set(before):
             break
-        assert time.monotonic() < deadline, c
+        assert time.monotonic() < deadline, c  # a hang guard: the replica is waited for, not timed
         time.sleep(0.05)
-    assert time.monotonic() - t0 < 60
     with d.client(timeout=60) as c:
         assert len(c.generate([1, 2, 3], max_tokens=5).tokens) == 5
     assert '"chip_down"' in d.log()
