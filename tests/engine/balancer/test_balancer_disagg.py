@@ -49,6 +49,11 @@ def daemon_counters(d) -> dict:
         return c.stats()["daemon"]
 
 
+def _active_requests(d) -> int:
+    with d.client(timeout=30) as c:
+        return c.health()["active_requests"]
+
+
 def kv_used_blocks(d) -> int:
     with d.client() as c:
         st = c.stats()["scheduler"]
@@ -101,8 +106,9 @@ def test_faults_end_every_request_once_and_free_both_pools(daemon, balancer):
                     seed=7 + i, ignore_eos=True) for i in range(6)]
     cancelled = gen_msg("c0", [99, 98, 97], max_tokens=150, ignore_eos=True)
     expected = run_streams(d2.endpoint, msgs)
-    p.expect_exit = d1.expect_exit = None
+    p.expect_exit = None
     seen: dict = {}
+    boards = {"d1": d1, "d2": d2}
 
     def faults(events, sock):
         from ipc.codec import encode
@@ -114,7 +120,12 @@ def test_faults_end_every_request_once_and_free_both_pools(daemon, balancer):
             seen["p"] = time.monotonic()
         if "p" in seen and "d1" not in seen and all(len(streamed_tokens(events.get(m["id"], []))) >= 30
                                                     for m in msgs):
-            os.kill(d1.pid, signal.SIGKILL)  # mid-stream: its streams migrate to the other decode board
+            # mid-stream, the decode board that holds streams (least-load may have sent them all to one board):
+            # its streams migrate to the other
+            name = max(boards, key=lambda n: _active_requests(boards[n]))
+            victim = boards.pop(name)
+            victim.expect_exit = None
+            os.kill(victim.pid, signal.SIGKILL)
             seen["d1"] = time.monotonic()
 
     got = run_streams(b.endpoint, msgs + [cancelled], on_progress=faults)
@@ -125,7 +136,8 @@ def test_faults_end_every_request_once_and_free_both_pools(daemon, balancer):
     with b.client() as c:
         st = c.stats()["balancer"]
     assert st["active_requests"] == 0 and st["counters"]["migrations"] >= 1
-    wait_until(lambda: kv_used_blocks(d2) == 0, timeout=10, what="the surviving decode pool at baseline")
+    (survivor,) = boards.values()
+    wait_until(lambda: kv_used_blocks(survivor) == 0, timeout=10, what="the surviving decode pool at baseline")
     # a request after the prefill board died goes whole to a decode board (no request lost to a role)
     got = run_streams(b.endpoint, [gen_msg("late", [1, 2, 3], max_tokens=4)], timeout=60)
     (term,) = terminal_events(got["late"])
