@@ -356,7 +356,7 @@ class Soak:
         elif self.gens is None:
             leaks = leak_verdict(self.sampler.samples, th)
         else:  # workers and rings come and go with switches: fitted per round and per worker process instead
-            from tools.soak.rounds import per_worker
+            from tools.soak.rounds import per_switch, per_worker
 
             leaks = leak_verdict(self.sampler.samples, th, memory=("daemon_anon_rss",),
                                  counts=("daemon_fds", "daemon_threads"))
@@ -364,6 +364,7 @@ class Soak:
             workers = per_worker(self.sampler.samples, th)
             switching = {"switches": self.switch_rows, "faults": self.fault_rows, "rounds": self.round_rows,
                          "round_leaks": round_leaks, "worker_leaks": workers,
+                         "per_switch": per_switch(self.round_samples, self.a.warmup),
                          "switches_answered": sum(1 for r in self.switch_rows if r["error"] is None),
                          "faults_recovered": sum(1 for r in self.fault_rows if r["recovered"]),
                          "failed_by_fault": self.failed_by_fault, "across_switch": self.across_switch,

@@ -61,4 +61,9 @@ def print_tables(res: dict, out: IO[str]) -> None:
              f["recovery_s"], f["detail"]] for f in res["faults"]], out)
     print("\nleak slopes (memory in bytes per request, counts per request; fitted after warm-up):", file=out)
     _table(["scope", "metric", "per request", "second half", "growth", "verdict"], slope_rows(res), out)
+    if res.get("per_switch"):
+        ps = res["per_switch"]
+        print("per switch (slope over the rounds after warm-up, reported, not judged): "
+              + ", ".join(f"{m} {v / 2**10:+.1f} KiB" if m in ("daemon_anon_rss", "workers_anon_rss", "shm_bytes")
+                          else f"{m} {v:+g}" for m, v in ps.items()), file=out)
     print(file=out)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from tools.soak.resources import LeakThresholds, Sample, leak_verdict
+from tools.soak.resources import COUNT_METRICS, MEMORY_METRICS, LeakThresholds, Sample, leak_verdict, theil_sen
 
 WORKER_MEMORY = ("anon_rss",)
 WORKER_COUNTS = ("fds",)
@@ -81,3 +81,16 @@ def per_worker(samples: list[Sample], th: LeakThresholds) -> list[dict]:
                        leaked=[k for k in (*WORKER_MEMORY, *WORKER_COUNTS) if v[k]["leak"]])
         out.append(row)
     return out
+
+
+def per_switch(samples: list[Sample], warmup_fraction: float) -> dict:
+    """Each round metric's Theil-Sen slope per round (= per switch) after warm-up: what one generation
+    leaves behind, whatever the requests it served. Reported, not judged: a generation's share of the
+    allocator's arenas is not a leak, and no threshold separates the two yet."""
+    if len(samples) < 4:
+        return {}
+    t0, t1 = samples[0].t, samples[-1].t
+    idx = [(i, s) for i, s in enumerate(samples) if s.t >= t0 + (t1 - t0) * warmup_fraction]
+    xs = [float(i) for i, _ in idx]
+    return {m: round(theil_sen(xs, [float(s.values.get(m, 0)) for _, s in idx]), 3)
+            for m in MEMORY_METRICS + COUNT_METRICS}
