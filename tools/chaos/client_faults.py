@@ -164,28 +164,43 @@ def _vanishing_client(endpoint: str, n: int) -> int:
     return 0
 
 
+def vanishing_clients(endpoint: str, clients: int = 3, streams: int = 10, on_ready=None) -> str | None:
+    """`clients` processes start `streams` long streams each; once every one streams, `on_ready()` runs and
+    they are all killed (-9). Returns why they could not be got going (None when they were, and died)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs = [subprocess.Popen([sys.executable, "-m", "tools.chaos.client_faults", "vanish", endpoint, str(streams)],
+                              stdout=subprocess.PIPE, cwd=root) for _ in range(clients)]
+    try:
+        for p in procs:
+            ready, _, _ = select.select([p.stdout], [], [], 60)
+            line = p.stdout.readline() if ready else b""
+            if line.strip() != b"ready":
+                return f"a vanishing client did not get its streams going within 60 s: {line[:300]!r}"
+        if on_ready is not None:
+            on_ready()
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)
+        return None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            p.stdout.close()
+
+
 def clients_vanish(res: ScenarioResult) -> None:
     """Three client processes with 10 streams each are killed (-9) mid-stream."""
     with DaemonUnderTest(res, backend="sim", chips=1, backend_options=SLOW_SIM) as d:
         before = stats(d.endpoint)["daemon"]
-        procs = [subprocess.Popen([sys.executable, "-m", "tools.chaos.client_faults", "vanish", d.endpoint, "10"],
-                                  stdout=subprocess.PIPE) for _ in range(3)]
-        try:
-            for p in procs:
-                ready, _, _ = select.select([p.stdout], [], [], 60)
-                line = p.stdout.readline() if ready else b""
-                if line.strip() != b"ready":
-                    res.fail(f"a vanishing client did not get its streams going within 60 s: {line[:300]!r}")
-                    return
-            active = (health(d.endpoint) or {}).get("active_requests")
-            res.details["active_before_kill"] = active
-            for p in procs:
-                os.kill(p.pid, signal.SIGKILL)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
+        seen = {}
+        why = vanishing_clients(d.endpoint, 3, 10,
+                                on_ready=lambda: seen.update(active=(health(d.endpoint) or {}).get("active_requests")))
+        if why is not None:
+            res.fail(why)
+            return
+        active = seen["active"]
+        res.details["active_before_kill"] = active
         idle, waited = wait_until(lambda: (health(d.endpoint) or {}).get("active_requests") == 0, 30)
         res.faults, res.requests = 3, 30
         res.recovery_s = waited if idle else None

@@ -14,15 +14,40 @@ import os
 import signal
 import time
 
-from tools.chaos.harness import (SLOW_SIM, DaemonUnderTest, ScenarioResult, check_traces, serves_fresh_requests,
-                                 stream_all, wait_until)
+from tools.chaos.harness import (SLOW_SIM, DaemonUnderTest, ScenarioResult, check_traces, health,
+                                 serves_fresh_requests, stream_all, wait_until)
 from tools.load.local_daemon import shm_of, stats
 from tools.load.wire_load import WireLoad
 
 
-def _chip_back(d: DaemonUnderTest, chip: int, old_pid: int):
-    c = d.chip(chip)
+def chip_back(endpoint: str, chip: int, old_pid: int) -> dict | None:
+    """`chip`'s health entry once it serves again with a worker other than `old_pid`, else None."""
+    chips = (health(endpoint) or {}).get("chips") or []
+    c = chips[chip] if chip < len(chips) else {}
     return c if c.get("state") == "up" and c.get("pid") not in (None, old_pid) else None
+
+
+def _chip_back(d: DaemonUnderTest, chip: int, old_pid: int):
+    return chip_back(d.endpoint, chip, old_pid)
+
+
+def kill_worker(endpoint: str, chip: int, victim: int, timeout: float = 15.0):
+    """`kill -9` of `victim` (chip `chip`'s worker); (the chip's entry once back, seconds) or (None, timeout)."""
+    os.kill(victim, signal.SIGKILL)
+    return wait_until(lambda: chip_back(endpoint, chip, victim), timeout)
+
+
+def stop_worker(endpoint: str, chip: int, victim: int, timeout: float = 15.0):
+    """SIGSTOP of `victim` until the daemon declares it dead (heartbeat) and replaces it, then SIGCONT;
+    (the chip's entry once back, seconds) or (None, timeout)."""
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        return wait_until(lambda: chip_back(endpoint, chip, victim), timeout)
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)  # already SIGKILLed by the daemon: harmless
+        except ProcessLookupError:
+            pass
 
 
 async def _load_then(d: DaemonUnderTest, n: int, max_tokens: int, fault) -> tuple[list, object]:
@@ -49,8 +74,7 @@ def worker_kill(res: ScenarioResult) -> None:
         shm_before = shm_of({d.d.pid})
 
         def fault():
-            os.kill(victim, signal.SIGKILL)
-            return wait_until(lambda: _chip_back(d, 0, victim), 15)
+            return kill_worker(d.endpoint, 0, victim)
 
         traces, (back, waited) = asyncio.run(_load_then(d, 40, 200, fault))
         res.faults, res.requests = 1, len(traces)
@@ -72,15 +96,7 @@ def worker_stop(res: ScenarioResult) -> None:
         victim = d.chip(0)["pid"]
 
         def fault():
-            os.kill(victim, signal.SIGSTOP)
-            try:
-                back = wait_until(lambda: _chip_back(d, 0, victim), 15)
-            finally:
-                try:
-                    os.kill(victim, signal.SIGCONT)  # already SIGKILLed by the daemon: harmless
-                except ProcessLookupError:
-                    pass
-            return back
+            return stop_worker(d.endpoint, 0, victim)
 
         traces, (back, waited) = asyncio.run(_load_then(d, 40, 200, fault))
         res.faults, res.requests = 1, len(traces)

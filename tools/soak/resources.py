@@ -66,8 +66,10 @@ def _anon(mem) -> int:
 
 
 def measure(daemon_pid: int) -> dict:
-    """One sample of the daemon process tree (a vanished process counts as zero)."""
-    v = dict.fromkeys(MEMORY_METRICS + COUNT_METRICS, 0)
+    """One sample of the daemon process tree (a vanished process counts as zero); `procs` holds each
+    worker's own {"anon_rss", "fds"} by pid (workers come and go with model switches and faults)."""
+    v: dict = dict.fromkeys(MEMORY_METRICS + COUNT_METRICS, 0)
+    v["procs"] = {}
     try:
         d = psutil.Process(daemon_pid)
         with d.oneshot():
@@ -82,9 +84,11 @@ def measure(daemon_pid: int) -> dict:
     for k in kids:
         try:
             with k.oneshot():
-                v["workers_anon_rss"] += _anon(k.memory_info())
-                v["workers_fds"] += k.num_fds()
+                anon, fds = _anon(k.memory_info()), k.num_fds()
+                v["workers_anon_rss"] += anon
+                v["workers_fds"] += fds
                 v["workers_threads"] += k.num_threads()
+            v["procs"][k.pid] = {"anon_rss": anon, "fds": fds}
             pids.add(k.pid)
         except psutil.Error:
             pass
@@ -104,12 +108,14 @@ def theil_sen(xs: list[float], ys: list[float], max_points: int = 400) -> float:
     return slopes[len(slopes) // 2] if slopes else 0.0
 
 
-def leak_verdict(samples: list[Sample], th: LeakThresholds = LeakThresholds()) -> dict:
-    """Per metric: start/end values after warm-up, slope per request, fitted growth, and `leak` (bool)."""
+def leak_verdict(samples: list[Sample], th: LeakThresholds = LeakThresholds(),
+                 memory: tuple[str, ...] = MEMORY_METRICS, counts: tuple[str, ...] = COUNT_METRICS) -> dict:
+    """Per metric (`memory` ones in bytes, `counts`): start/end values after warm-up, slope per request,
+    fitted growth, and `leak` (bool). Warm-up is the first `warmup_fraction` of the samples' time span."""
     if len(samples) < 8:
         return {"enough_samples": False}
-    t_end = samples[-1].t
-    post = [s for s in samples if s.t >= t_end * th.warmup_fraction]
+    t_start, t_end = samples[0].t, samples[-1].t
+    post = [s for s in samples if s.t >= t_start + (t_end - t_start) * th.warmup_fraction]
     if len(post) < 6 or post[-1].requests <= post[0].requests:
         return {"enough_samples": False}
     out: dict = {"enough_samples": True, "warmup_s": round(post[0].t, 1),
@@ -117,13 +123,13 @@ def leak_verdict(samples: list[Sample], th: LeakThresholds = LeakThresholds()) -
     xs = [float(s.requests) for s in post]
     span = xs[-1] - xs[0]
     q = max(1, len(post) // 4)
-    for m in MEMORY_METRICS + COUNT_METRICS:
+    for m in memory + counts:
         ys = [float(s.values.get(m, 0)) for s in post]
         slope = theil_sen(xs, ys)
         growth = slope * span
         half = len(xs) // 2
         late = theil_sen(xs[half:], ys[half:])
-        if m in MEMORY_METRICS:
+        if m in memory:
             leak = (slope > th.rss_bytes_per_request and late > th.rss_bytes_per_request
                     and growth > th.rss_floor_bytes)
         else:

@@ -1,0 +1,69 @@
+"""The switching soak's end-of-run tables: rounds, switches and faults, and the leak slopes with verdicts."""
+
+from __future__ import annotations
+
+from typing import IO
+
+
+def _table(head: list[str], rows: list[list], out: IO[str]) -> None:
+    cells = [head, *[[str(c) for c in r] for r in rows]]
+    w = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    for k, r in enumerate(cells):
+        print("  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r)), file=out)
+        if k == 0:
+            print("  ".join("-" * x for x in w), file=out)
+
+
+def slope_rows(res: dict) -> list[list]:
+    """[scope, metric, per request, second half, fitted growth, verdict] for every fitted metric."""
+    rows = []
+
+    def add(scope: str, verdict: dict) -> None:
+        if not verdict.get("enough_samples"):
+            rows.append([scope, "(not enough samples)", "", "", "", ""])
+            return
+        for m, v in verdict.items():
+            if isinstance(v, dict):
+                rows.append([scope, m, v["per_request"], v["late_per_request"], v["growth"],
+                             "LEAK" if v["leak"] else "flat"])
+
+    add("daemon, every sample", res["leaks"])
+    add("per round", res["round_leaks"])
+    fitted = [w for w in res["worker_leaks"] if w["enough_samples"]]
+    if fitted:
+        top = max(fitted, key=lambda w: w["anon_rss_per_request"])
+        flagged = [w["pid"] for w in fitted if w["leak"]]
+        rows.append([f"workers ({len(fitted)} fitted of {len(res['worker_leaks'])})", "anon_rss (highest)",
+                     top["anon_rss_per_request"], top["anon_rss_late_per_request"], top["anon_rss_growth"],
+                     f"LEAK {flagged}" if flagged else "flat"])
+        fds = max(fitted, key=lambda w: w["fds_growth"])
+        rows.append([f"workers ({len(fitted)} fitted)", "fds (highest growth)", "", "", fds["fds_growth"],
+                     "LEAK" if any("fds" in w["leaked"] for w in fitted) else "flat"])
+    else:
+        rows.append(["workers", "(no worker lived long enough to fit)", "", "", "", ""])
+    return rows
+
+
+def print_tables(res: dict, out: IO[str]) -> None:
+    print("\nrounds (sampled on a settled board just before each switch, and at the end):", file=out)
+    _table(["round", "t_s", "requests", "switches", "faults", "daemon anon MB", "workers anon MB", "fds d+w",
+            "daemon threads", "workers", "shm objects", "shm MB"],
+           [[r["round"], r["t_s"], r["requests"], r["switches"], r["faults"], r["daemon_anon_rss_mb"],
+             r["workers_anon_rss_mb"], f"{r['daemon_fds']}+{r['workers_fds']}", r["daemon_threads"], r["children"],
+             r["shm_objects"], r["shm_mb"]] for r in res["rounds"]], out)
+    print("\nswitches:", file=out)
+    _table(["switch", "op", "t_s", "seconds", "generation", "package", "error"],
+           [[s["switch"], s["op"], s["t_s"], s["seconds"], f"{s['old_generation']} -> {s['new_generation']}",
+             s["package"], s["error"] or ""] for s in res["switches"]], out)
+    print("\nfaults:", file=out)
+    _table(["fault", "name", "t_s", "chip", "recovered", "recovery_s", "detail"],
+           [[f["fault"], f["name"], f["t_s"], "" if f["chip"] is None else f["chip"], f["recovered"],
+             f["recovery_s"], f["detail"]] for f in res["faults"]], out)
+    print("\nleak slopes (memory in bytes per request, counts per request; fitted after warm-up):", file=out)
+    _table(["scope", "metric", "per request", "second half", "growth", "verdict"], slope_rows(res), out)
+    if res.get("per_switch"):
+        ps = res["per_switch"]
+        print("per switch (slope over the rounds after warm-up, reported, not judged): "
+              + ", ".join(f"{m} {v / 2**10:+.1f} KiB" if m in ("daemon_anon_rss", "workers_anon_rss", "shm_bytes")
+                          else f"{m} {v:+g}" for m, v in ps.items()), file=out)
+    print(file=out)
