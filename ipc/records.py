@@ -319,6 +319,8 @@ class Job:
         path, valid only while the ring record is held.
         """
         m = a["meta"].tolist()
+        if len(m) != _JOB_META_LEN or min(m[4:19]) < 0 or min(m[20:23]) < 0 or min(m[24:26]) < 0:
+            raise ValueError(f"job record: a meta of {len(m)} entries (not {_JOB_META_LEN}) or a negative size")
         i32, f32, u8, u64 = a["i32"], a["f32"], a["u8"], a["u64"]
         if copy:
             i32, f32, u8, u64 = np.array(i32), np.array(f32), np.array(u8), np.array(u64)
