@@ -79,7 +79,7 @@ def _write_seeds(name: str, corpus: Path) -> None:
 
 
 def run_harness(name: str, out: Path, seconds: float | None, runs: int | None, *, seed: int = 0,
-                timeout_s: int = 20, rss_mb: int = 2048, preload: str | None = None,
+                timeout_s: int = 20, rss_mb: int = 2048, preload: str | None = None, first: bool = False,
                 progress=None) -> HarnessResult:
     res = HarnessResult(name)
     corpus, findings = out / name / "corpus", out / name / "findings"
@@ -135,6 +135,8 @@ def run_harness(name: str, out: Path, seconds: float | None, runs: int | None, *
                     progress(name, res.executions, time.monotonic() - t0, len(res.findings), res.findings[-1])
             elif artifact and artifact not in {f.artifact for f in res.findings}:
                 Path(artifact).unlink(missing_ok=True)  # another input for a finding already saved
+            if first:
+                break
     res.seconds = time.monotonic() - t0
     return res
 
@@ -151,6 +153,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="corpora and findings (default: $FUZZ_OUT or .fuzz-out)")
     p.add_argument("--seed", type=int, default=0, help="libFuzzer seed (0: a random one each process)")
     p.add_argument("--timeout", type=int, default=20, help="seconds one input may run before it is a hang")
+    p.add_argument("--first", action="store_true", help="stop each harness at its first finding")
     p.add_argument("--preload", default=None, help=argparse.SUPPRESS)  # tests: a module that breaks a decoder
     p.add_argument("--json", action="store_true", help="JSON lines on stdout")
     return p.parse_args(argv)
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in names:
         r = run_harness(name, args.out, None if args.runs else args.seconds, args.runs, seed=args.seed,
-                        timeout_s=args.timeout, preload=args.preload, progress=progress)
+                        timeout_s=args.timeout, preload=args.preload, first=args.first,
+                        progress=progress)
         results.append(r)
         print(f"\r{name}: {r.executions} executions, {len(r.findings)} findings, {r.seconds:.0f} s, "
               f"{r.processes} process(es)", file=sys.stderr, flush=True)
