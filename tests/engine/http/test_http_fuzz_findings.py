@@ -27,3 +27,20 @@ def test_a_router_returned_curve_key_outside_z85_is_dropped_not_sent_on():
     handoff = kv_transfer.handoff_of({"do_remote_prefill": True, kv_transfer.OURS: ours})
     assert "curve_key" not in handoff and handoff["endpoint"] == ours["endpoint"]
     validate_request({"v": 1, "op": "generate", "id": "x", "prompt": [1], "handoff": handoff})
+
+
+def test_a_model_name_no_alias_can_have_is_404_before_the_upstream_lists_its_models():
+    from engine.http.app import Front
+    from engine.http.metrics import HttpMetrics
+
+    class Upstream:  # has not said what it serves yet
+        models: list = []
+
+        def model_for(self, name):
+            return None
+
+    front = Front(Upstream(), metrics=HttpMetrics())
+    with pytest.raises(OpenAIError) as e:
+        front._served(parse_completion({"model": "org/model name", "prompt": "x"}))
+    assert e.value.status == 404 and e.value.code == "model_not_found" and e.value.param == "model"
+    assert front._served(parse_completion({"model": "gemma3-270m", "prompt": "x"})) is None
