@@ -37,9 +37,9 @@ No torn record is ever visible: the writer fills the record, issues a fence
 (`ipc.fence`) and only then stores the new head, a single aligned 8-byte
 store. A writer killed before that store leaves the head where it was, so a
 reader (or a reader attaching later) sees only fully committed records. The
-reader checks each record's magic, sequence number and length anyway, so
-memory that is not a committed record raises `RingCorrupt` rather than being
-returned.
+reader checks each record's magic, sequence number, length and descriptor
+(arrays of plain dtypes inside the record) anyway, so memory that is not a
+committed record raises `RingCorrupt` rather than being returned.
 
 The generation counter is bumped by `reset()`; a peer that notices a new
 generation raises `RingReset` once and resynchronises.
