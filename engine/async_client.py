@@ -145,15 +145,17 @@ class AsyncClient:
     """
 
     def __init__(self, endpoint: str | None = None, timeout: float | None = None, *,
-                 context: zmq.asyncio.Context | None = None, validate: bool = True) -> None:
+                 context: zmq.asyncio.Context | None = None, validate: bool = True,
+                 batched_events: bool = True) -> None:
         """`validate=False`: events are parsed without the protocol's per-field checks
-        (`ipc.codec.decode_trusted_event`), for a relay whose upstream is our own daemon or balancer."""
+        (`ipc.codec.decode_trusted_event`), for a relay whose upstream is our own daemon or balancer.
+        `batched_events=False`: one event per message (see `open_dealer`)."""
         self.endpoint = endpoint or default_endpoint()
         self._decode = decode_event if validate else decode_trusted_event
         self.timeout = timeout
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
-        self._sock = open_dealer(self._ctx, self.endpoint)
+        self._sock = open_dealer(self._ctx, self.endpoint, batched_events=batched_events)
         self._queues: dict[str, Inbox] = {}
         self._unanswered: set[str] = set()  # requests in flight that have had no event yet
         self._ids = itertools.count(1)
@@ -285,11 +287,14 @@ class AsyncClient:
         except zmq.ZMQError:
             pass
 
-    def abort_all(self, code: int, reason: str, message: str) -> None:
+    def abort_all(self, code: int, reason: str, message: str, retry_after_ms: int | None = None) -> None:
         """End every request in flight with a local `error` event (the upstream is gone; nobody else will)."""
         for rid, q in list(self._queues.items()):
-            q.put_nowait({"v": PROTOCOL_VERSION, "ev": "error", "id": rid, "code": code, "reason": reason,
-                          "message": message, "retryable": True})
+            ev = {"v": PROTOCOL_VERSION, "ev": "error", "id": rid, "code": code, "reason": reason,
+                  "message": message, "retryable": True}
+            if retry_after_ms is not None:
+                ev["retry_after_ms"] = retry_after_ms
+            q.put_nowait(ev)
 
     async def cancel(self, id: str) -> None:
         """Ask the server to cancel request `id` (idempotent; its stream ends with done/cancelled)."""

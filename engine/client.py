@@ -1,4 +1,4 @@
-"""Synchronous client for a board daemon or balancer (DESIGN §4 wire protocol).
+"""Synchronous client for a board daemon or balancer, over the wire protocol of docs/protocol.md.
 
 One DEALER socket carries many concurrent requests; server events are
 demultiplexed by the request `id`. The socket is guarded by a lock and the
@@ -21,10 +21,11 @@ import zmq
 
 from engine.errors import ClientError, ClientTimeout, InvalidRequest, error_from_event
 from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_event, encode
+from ipc.schema import BATCHED_EVENTS
 
 DEFAULT_ENDPOINT_ENV = "NPUSERVE_ENDPOINT"
 
-# The generate fields a caller may set (DESIGN §4); anything else is a typo.
+# The generate fields a caller may set (docs/protocol.md, `generate`); anything else is a typo.
 SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
     "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "pool", "speculative",
@@ -88,11 +89,24 @@ def build_cancel(rid: str) -> dict:
     return {"v": PROTOCOL_VERSION, "op": "cancel", "id": rid}
 
 
-def open_dealer(ctx: zmq.Context, endpoint: str, curve=None) -> zmq.Socket:
+# The id of the `hello` a client opens its connection with. Its reply (or, from a server older than `hello`, its
+# 400 unknown_op) names no request, so the client drops it like any event of an id it is not waiting for.
+HELLO_ID = "~hello"
+
+
+def build_hello(capabilities: tuple[str, ...] = (BATCHED_EVENTS,)) -> dict:
+    """The `hello` request: the capabilities this connection asks for."""
+    return {"v": PROTOCOL_VERSION, "op": "hello", "id": HELLO_ID, "capabilities": list(capabilities)}
+
+
+def open_dealer(ctx: zmq.Context, endpoint: str, curve=None, *, batched_events: bool = True) -> zmq.Socket:
     """The one DEALER socket of a client (sync or asyncio context), connected to `endpoint`.
 
     LINGER 0: closing never waits for unsent messages. No high-water marks:
     every in-flight request's events must be kept, however many there are.
+    `batched_events`: the first message asks the server for several events per
+    message (our clients read every frame as one event, so either framing
+    works; batching saves the server a send per stream per turn).
     `curve` (`engine.daemon.curve.CurveClientKeys`) authenticates to a CURVE
     tcp:// endpoint; without it, the keys named by $NPUSERVE_CURVE_SECRET_KEY
     and $NPUSERVE_CURVE_SERVER_KEY are used for tcp:// endpoints when both are set.
@@ -109,6 +123,8 @@ def open_dealer(ctx: zmq.Context, endpoint: str, curve=None) -> zmq.Socket:
         sock.curve_publickey, sock.curve_secretkey = curve.public, curve.secret
         sock.curve_serverkey = curve.server_public
     sock.connect(endpoint)
+    if batched_events:  # queued ahead of every request (no high-water mark, so it cannot block)
+        zmq.Socket.shadow(sock.underlying).send(encode(build_hello()), zmq.NOBLOCK)
     return sock
 
 
@@ -189,11 +205,13 @@ class Client:
     """
 
     def __init__(self, endpoint: str | None = None, timeout: float | None = None, *,
-                 context: zmq.Context | None = None, curve=None) -> None:
+                 context: zmq.Context | None = None, curve=None, batched_events: bool = True) -> None:
+        """`batched_events=False`: do not ask for several events per message (one event per message, as a
+        client that never sends `hello` is served)."""
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
         self._ctx = context or zmq.Context.instance()
-        self._sock = open_dealer(self._ctx, self.endpoint, curve)
+        self._sock = open_dealer(self._ctx, self.endpoint, curve, batched_events=batched_events)
         self._sock_lock = threading.Lock()
         self._cv = threading.Condition()
         self._queues: dict[str, collections.deque] = {}

@@ -4,7 +4,9 @@ A mistake in a config file must stop start-up with a message that names the
 key, not surface hours later as odd scheduling: unknown sections and keys are
 errors (with a "did you mean"), values are type- and range-checked (a bool is
 never accepted as a number), and `validate_against_model` rejects a batch
-profile the model package does not declare (seed 001 §15).
+profile the model package does not declare: a board asked for a batch size
+it has no compiled kernel for must refuse to start, not fail the first job of
+that size (docs/configuration.md).
 
 Every key is declared once, as a dataclass field whose metadata carries its
 check and its one-line documentation (`engine.config_schema.key`); the loader,
@@ -30,6 +32,7 @@ from engine.config_schema import (BadValue, ConfigError, abs_path_or_empty, abs_
 from engine.core.handoff import BOARD_ROLES, DEFAULT_DEADLINE_S
 from engine.core.kv_pull import DEFAULT_TIMEOUT_S as KV_PULL_TIMEOUT_S
 from engine.core.scheduler_config import SchedulerConfig, TenantPolicy
+from engine.model_alias import DEFAULT_ALIAS, alias_from_package
 from ipc.schema import NAME_RE  # model aliases and tenant names: the wire's rule
 from workers.backends.names import BACKENDS
 
@@ -89,8 +92,9 @@ class BoardConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    alias: str = key("tiny", string(NAME_RE, "a model alias (1-64 characters of [A-Za-z0-9_.:-])"),
-                     "the name clients use in `model`; requests without `model` get this one")
+    alias: str = key(DEFAULT_ALIAS, string(NAME_RE, "a model alias (1-64 characters of [A-Za-z0-9_.:-])"),
+                     "the name clients use in `model`; requests without `model` get this one; unset with "
+                     "model.package: the package's manifest name (else its folder's), made a valid alias")
     package: str = key("", string(), "model package folder (relative = to the config file); "
                                    "\"\" = the built-in tiny model, built on first run")
     ctypes_library: str = key("", string(), "vendor shared library for backend = \"ctypes\" "
@@ -437,7 +441,7 @@ def load_config(path: str | None, overrides: Mapping[str, object] | None = None,
         if errors:
             raise ConfigError(errors)
     cfg = _build(doc)
-    return _resolve(cfg, env)
+    return _resolve(cfg, env, alias_given="alias" in (doc.get("model") or {}))
 
 
 def _build(doc: Mapping[str, Any]) -> Config:
@@ -477,7 +481,8 @@ def _check_cross_keys(cfg: Config, errors: list[str]) -> None:
         errors.append("model.ctypes_library: required when board.backend = \"ctypes\"")
 
 
-def _resolve(cfg: Config, env: Mapping[str, str] | None) -> Config:
+def _resolve(cfg: Config, env: Mapping[str, str] | None, alias_given: bool = True) -> Config:
+    """`alias_given`: model.alias was set (file or flag); else a package's own name is the default alias."""
     runtime_dir = cfg.board.runtime_dir or default_runtime_dir(env)
     endpoints = cfg.server.endpoints or (f"ipc://{runtime_dir}/board-{cfg.board.id}.sock",)
     if not cfg.server.endpoints:
@@ -485,12 +490,14 @@ def _resolve(cfg: Config, env: Mapping[str, str] | None) -> Config:
             zmq_endpoint(endpoints[0])
         except BadValue as bad:
             raise ConfigError(f"server.endpoints: the default endpoint is unusable, set one: {bad}") from None
+    # Paths from the file were made relative to its folder; from flags, to the working directory.
+    model = dataclasses.replace(cfg.model, **{k: os.path.abspath(v) for k in _PATH_KEYS if (v := getattr(cfg.model, k))})
+    if not alias_given and model.package:
+        model = dataclasses.replace(model, alias=alias_from_package(model.package))
     return dataclasses.replace(
         cfg,
         board=dataclasses.replace(cfg.board, runtime_dir=runtime_dir),
-        # Paths from the file were made relative to its folder; from flags, to the working directory.
-        model=dataclasses.replace(cfg.model, **{k: os.path.abspath(v) for k in _PATH_KEYS
-                                                if (v := getattr(cfg.model, k))}),
+        model=model,
         server=dataclasses.replace(cfg.server, endpoints=endpoints),
     )
 

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 
 class ClientError(Exception):
-    """A request failed; `code`/`reason`/`retryable` come from the server's error event."""
+    """A request failed; `code`/`reason`/`retryable`/`retry_after_ms` come from the server's error event.
+
+    `retry_after_ms` (a retryable 429/503): the server's estimate of when a retry may succeed; None when it
+    gave none.
+    """
 
     code: int = 0
 
     def __init__(self, message: str = "", *, code: int | None = None, reason: str = "",
-                 retryable: bool = False, id: str | None = None, details: dict | None = None) -> None:
+                 retryable: bool = False, id: str | None = None, details: dict | None = None,
+                 retry_after_ms: int | None = None) -> None:
         super().__init__(message)
         self.details = dict(details or {})  # extra fields of the error event (e.g. `step` of a refused load)
         if code is not None:
@@ -22,6 +27,7 @@ class ClientError(Exception):
         self.reason = reason
         self.message = message
         self.retryable = retryable
+        self.retry_after_ms = retry_after_ms
         self.id = id
 
     def __str__(self) -> str:
@@ -87,8 +93,10 @@ def error_from_event(event: dict) -> ClientError:
     if cls is None:
         cls = InvalidRequest if 400 <= code < 500 else ServerError
     details = {k: v for k, v in event.items() if k not in _EVENT_KEYS}
+    retry_after = event.get("retry_after_ms")
     return cls(str(event.get("message", "")), code=code, reason=str(event.get("reason", "")),
-               retryable=bool(event.get("retryable", False)), id=event.get("id"), details=details)
+               retryable=bool(event.get("retryable", False)), id=event.get("id"), details=details,
+               retry_after_ms=retry_after if type(retry_after) is int and retry_after >= 0 else None)
 
 
-_EVENT_KEYS = frozenset({"v", "ev", "id", "code", "reason", "message", "retryable"})
+_EVENT_KEYS = frozenset({"v", "ev", "id", "code", "reason", "message", "retryable", "retry_after_ms"})

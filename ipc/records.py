@@ -36,7 +36,7 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
   Both travel after every other field of their blob (sizes in meta[24:26]).
 
 Constrained decoding (structured output), present only when some lane is
-constrained (C = B then, else 0, and the job's record is as before):
+constrained (C = B then; else C = 0 and they are empty):
 
 * constraint_id[C] uint64: the hash of the lane's compiled grammar, 0 = none.
 * constraint_key[C] uint64: the request the lane belongs to: the worker keeps
@@ -50,14 +50,16 @@ constrained (C = B then, else 0, and the job's record is as before):
 * grammar[G] uint8 with grammar_start[C+1]: for a sampling prefill lane, the
   UTF-8 llguidance grammar (decode lanes carry only the id).
 
-A decode lane's token may be FOLLOW_PREVIOUS (-1) instead of an id: "the
-token this lane's previous job samples", so the scheduler can queue step N+1
-while step N runs (issue 23). The worker resolves it from its own last sample
-for the lane, found by (position, the block holding position - 1): that block
-was written by step N, so no other lane holds it then. A follow token it
-cannot resolve (step N failed) makes the job INVALID. The worker keeps the
-samples only of jobs that have `follow` set (meta[26]: the scheduler queues
-next steps), not one dict entry per generated token for nothing.
+A decode lane's token may be FOLLOW_PREVIOUS (-1) instead of an id: "the token
+this lane's previous job samples", so the scheduler can queue step N+1 while
+step N runs and the chip need not wait for the scheduler's turn between steps
+(`executor.queue_next_step`, docs/architecture.md). The worker resolves it
+from its own last sample for the lane, found by (position, the block holding
+position - 1): that block was written by step N, so no other lane holds it
+then. A follow token it cannot resolve (step N failed) makes the job INVALID.
+The worker keeps the samples only of jobs that have `follow` set (meta[26]:
+the scheduler queues next steps), not one dict entry per generated token for
+nothing.
 """
 
 from __future__ import annotations
@@ -100,9 +102,29 @@ def _member(table: dict, enum_cls: type, value: int):
 
 
 FOLLOW_PREVIOUS = -1  # a lane's token: the one the lane's previous job samples (resolved by the worker)
-# job id, generation, kind, status, device_us, worker_us, masks, mask_us, device_start_ns, idle_us
-_META_LEN = 10
-RESULT_META_LEN = _META_LEN
+
+
+class ResultMeta:
+    """The slots of a result record's int64 `meta`, by index: the worker writes them, `JobResult` reads them.
+
+    Plain int constants, not an IntEnum: reading an enum member costs ~0.5 us on Python 3.11, and the
+    daemon reads ten per result. The values are the wire layout (one int64 per slot, in this order).
+    """
+
+    JOB_ID = 0
+    GENERATION = 1
+    KIND = 2  # JobKind
+    STATUS = 3  # JobStatus
+    DEVICE_US = 4
+    WORKER_US = 5
+    MASKS = 6
+    MASK_US = 7
+    DEVICE_START_NS = 8
+    IDLE_US = 9  # the last slot: a record of an older worker stops after MASK_US
+    LEN = 10
+
+
+RESULT_META_LEN = ResultMeta.LEN
 # 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps, 2 draft sizes, follow
 _JOB_META_LEN = 27
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
@@ -138,8 +160,9 @@ class Job:
     # (CLOCK_MONOTONIC is system-wide); 0 = unknown. A backend that models a
     # device queue (sim) starts the job no earlier than this.
     submitted_ns: int = 0
-    # Multi-step decode (issue 23, executor.decode_steps): a decode job the worker runs this many steps before
-    # it answers, each step's input the token the step before sampled; its result's tokens are [B, n]. The
+    # Multi-step decode (executor.decode_steps): a decode job the worker runs this many steps before
+    # it answers (one host round trip per n tokens instead of per token), each step's input the token the
+    # step before sampled; its result's tokens are [B, n]. The
     # scheduler truncates each lane at its end (EOS, stop, max tokens) and rolls the KV past it back.
     decode_steps: int = 1
     # Queued next steps (executor.queue_next_step): the scheduler may queue a step behind this job's lanes
@@ -395,7 +418,7 @@ class JobResult:
     logits: np.ndarray | None = None  # float32 [B, V] when the job asked for them
     device_us: int = 0  # time spent in the backend call
     worker_us: int = 0  # time from reading the job to writing this result
-    # Seeing whether the chip is kept busy (issue 23), from the worker's own clock:
+    # Whether the chip is kept busy (a gap here is the chip waiting on the host), from the worker's own clock:
     device_start_ns: int = 0  # time.monotonic_ns() when the backend call began (0 = unknown)
     idle_us: int = -1  # the chip's idle time from the end of its previous backend call to this one's start; -1 = first
     masks: int = 0  # constrained lanes the worker masked (structured output)
@@ -407,9 +430,18 @@ class JobResult:
     accepted_tokens: np.ndarray | None = None  # int32 [sum(accepted)]
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        meta = np.zeros(_META_LEN, dtype=np.int64)
-        meta[:] = (self.job_id, self.generation, int(self.kind), int(self.status), self.device_us, self.worker_us,
-                   self.masks, self.mask_us, self.device_start_ns, self.idle_us)
+        S = ResultMeta
+        meta = np.zeros(S.LEN, dtype=np.int64)
+        meta[S.JOB_ID] = self.job_id
+        meta[S.GENERATION] = self.generation
+        meta[S.KIND] = int(self.kind)
+        meta[S.STATUS] = int(self.status)
+        meta[S.DEVICE_US] = self.device_us
+        meta[S.WORKER_US] = self.worker_us
+        meta[S.MASKS] = self.masks
+        meta[S.MASK_US] = self.mask_us
+        meta[S.DEVICE_START_NS] = self.device_start_ns
+        meta[S.IDLE_US] = self.idle_us
         out = {
             "meta": meta,
             "tokens": _i32(self.tokens),
@@ -429,20 +461,20 @@ class JobResult:
     def from_arrays(cls, a) -> "JobResult":
         """Build a JobResult from a mapping of arrays (ring views are copied out)."""
         m = a["meta"].tolist()
-        job_id, generation, kind, status, device_us, worker_us, masks, mask_us = m[:8]
-        device_start_ns, idle_us = m[8:10] if len(m) >= 10 else (0, -1)
+        S = ResultMeta
+        full = len(m) > S.IDLE_US  # an older worker's record has no device_start_ns, idle_us
         logits = a["logits"] if "logits" in a else None
         return cls(
-            job_id=job_id,
-            generation=generation,
-            kind=_member(_KIND_OF, JobKind, kind),
-            status=_member(_STATUS_OF, JobStatus, status),
-            device_us=device_us,
-            worker_us=worker_us,
-            device_start_ns=device_start_ns,
-            idle_us=idle_us,
-            masks=masks,
-            mask_us=mask_us,
+            job_id=m[S.JOB_ID],
+            generation=m[S.GENERATION],
+            kind=_member(_KIND_OF, JobKind, m[S.KIND]),
+            status=_member(_STATUS_OF, JobStatus, m[S.STATUS]),
+            device_us=m[S.DEVICE_US],
+            worker_us=m[S.WORKER_US],
+            device_start_ns=m[S.DEVICE_START_NS] if full else 0,
+            idle_us=m[S.IDLE_US] if full else -1,
+            masks=m[S.MASKS],
+            mask_us=m[S.MASK_US],
             tokens=np.array(a["tokens"]),
             logprobs=np.array(a["logprobs"]),
             logits=None if logits is None else np.array(logits),

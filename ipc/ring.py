@@ -30,7 +30,7 @@ The writer also starts a new lap early, the same way, when the head is past
 page of a shared-memory segment the head has passed over stays resident, so
 a mostly empty ring that kept marching through its whole capacity would grow
 both processes' RSS by `capacity` bytes (64 MiB per ring in a daemon) before
-levelling off, which under steady load looks exactly like a leak (issue 13).
+levelling off, which under steady load looks exactly like a leak.
 Rewinding keeps the resident part of a ring near its peak occupancy.
 
 No torn record is ever visible: the writer fills the record, issues a fence

@@ -1,4 +1,4 @@
-"""The wire schema (DESIGN §4): what each request op may carry, and the server events.
+"""The wire schema (docs/protocol.md): what each request op may carry, and the server events.
 
 Validation lives here, apart from byte parsing (`ipc.codec`), so that a
 balancer or test can validate an already-parsed object. Every violation is one
@@ -27,15 +27,21 @@ import orjson
 PROTOCOL_VERSION = 1
 
 REQUEST_OPS = ("generate", "cancel", "health", "stats", "load", "unload", "replace", "rollback",
-               "models", "drain", "resume", "reenable_inflight")
+               "models", "drain", "resume", "reenable_inflight", "hello")
 ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume", "reenable_inflight")
 # One reply event per non-generate op, named like the op; `cancel` has none
 # (the cancelled stream's own terminal event is the acknowledgement).
 REPLY_EVENTS = ("health", "stats", "models", "load", "unload", "replace", "rollback", "drain", "resume",
-                "reenable_inflight")
+                "reenable_inflight", "hello")
 STREAM_EVENTS = ("tokens", "done", "error")
 EVENTS = STREAM_EVENTS + REPLY_EVENTS
 FINISH_REASONS = ("length", "eos", "stop", "cancelled")
+# What a connection may ask for with `hello`. Without it, every server message is exactly one event (one JSON
+# frame), which every v1 client understands; `batched_events` lets the server send several events as the frames of
+# one message (one send per connection per loop turn instead of one per stream).
+BATCHED_EVENTS = "batched_events"
+CAPABILITIES = (BATCHED_EVENTS,)
+MAX_CAPABILITIES = 16
 ERROR_CODES = (400, 401, 403, 404, 409, 429, 500, 501, 503, 504)
 
 # Request-independent bounds. Token ids travel as int32 in the job records.
@@ -52,6 +58,7 @@ MAX_STOP_SEQUENCE_TOKENS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_TEXT_CHARS = 1 << 20  # the message size limit (server.max_message_bytes) usually binds first
 MAX_DEADLINE_MS = 86_400_000
+MAX_RETRY_AFTER_MS = 86_400_000  # an error event's retry_after_ms (servers clamp far lower: engine/core/retry_after.py)
 PRIORITY_MIN, PRIORITY_MAX = -100, 100
 MAX_AUTH_CHARS = 256
 MAX_PATH_CHARS = 4096
@@ -140,6 +147,21 @@ def _name(name: str, value: Any) -> str:
 
 
 SPECULATIVE_METHODS = ("off", "ngram", "draft")  # a request's `speculative` ("draft": the board's draft model)
+
+
+def _capabilities(name: str, value: Any) -> list[str]:
+    """Names of capabilities a client asks for; names this server does not know pass (and are not granted),
+    so a client can ask a newer server's capability of an older one."""
+    if type(value) is not list:
+        raise _FieldError("bad_type", f"{name}: must be a list of names, got {_type_name(value)}")
+    if len(value) > MAX_CAPABILITIES:
+        raise _FieldError("out_of_range", f"{name}: at most {MAX_CAPABILITIES} entries, got {len(value)}")
+    for i, v in enumerate(value):
+        if type(v) is not str:
+            raise _FieldError("bad_type", f"{name}[{i}]: must be a string, got {_type_name(v)}")
+        if not REASON_RE.match(v):
+            raise _FieldError("out_of_range", f"{name}[{i}]: must be a snake_case name of 1-64 characters, got {v[:80]!r}")
+    return list(value)
 
 
 def _choice(options: tuple[str, ...]) -> Checker:
@@ -359,6 +381,8 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
     "resume": {**_AUTH, **_BACKEND},
     # ping/pong back on after its automatic downgrade: every chip, or `chip`, of every serving generation
     "reenable_inflight": {"chip": (_nullable(_int(0, 1023)), None), **_AUTH},
+    # capabilities for this connection (see CAPABILITIES); answered by a `hello` event with those granted
+    "hello": {"capabilities": (_capabilities, [])},
 }
 assert set(OP_FIELDS) == set(REQUEST_OPS)
 # Fields of which a request must carry exactly one: the prompt as token ids or as text.
@@ -429,11 +453,17 @@ def _event(ev: str, id: str | None) -> dict:
     return {"v": PROTOCOL_VERSION, "ev": ev, "id": id}
 
 
-def error_event(id: str | None, code: int, reason: str, message: str, retryable: bool = False) -> dict:
+def error_event(id: str | None, code: int, reason: str, message: str, retryable: bool = False,
+                retry_after_ms: int | None = None) -> dict:
+    """`retry_after_ms`: on a retryable refusal, when to come back (absent when the server cannot say)."""
     assert code in ERROR_CODES, code
     assert REASON_RE.match(reason), reason
-    return {**_event("error", id), "code": code, "reason": reason, "message": str(message),
-            "retryable": bool(retryable)}
+    ev = {**_event("error", id), "code": code, "reason": reason, "message": str(message),
+          "retryable": bool(retryable)}
+    if retry_after_ms is not None:
+        assert type(retry_after_ms) is int and 0 <= retry_after_ms <= MAX_RETRY_AFTER_MS, retry_after_ms
+        ev["retry_after_ms"] = retry_after_ms
+    return ev
 
 
 def _int_list(tokens: Any) -> list[int]:
@@ -550,6 +580,8 @@ def validate_event(obj: Any) -> dict:
                 if type(obj.get(k)) is not str:
                     raise _FieldError("bad_type", f"{k}: must be a string")
             _bool("retryable", obj.get("retryable"))
+            if obj.get("retry_after_ms") is not None:
+                _int(0, MAX_RETRY_AFTER_MS)("retry_after_ms", obj["retry_after_ms"])
     except _FieldError as e:
         raise ProtocolError(e.reason, e.message, eid) from None
     return obj

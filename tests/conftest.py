@@ -26,6 +26,14 @@ from engine import errors as _errors
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 90.0
 
+# Property tests judge what the code does, not how fast this machine does it: hypothesis' per-example deadline
+# and its "too slow" health check fail on a slow or loaded machine for no bug.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("any_speed", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("any_speed")
+
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.01, what: str = "the condition") -> None:
     """Poll `pred()` until it holds; fail after a deadline generous enough for a loaded 2-core machine."""
@@ -307,7 +315,9 @@ class FakeServer:
     """A scripted ROUTER in a thread: `handler(msg) -> list of events` answers each request.
 
     Lets client tests control exactly what the server says and when, and
-    records every request the client sent (cancels included).
+    records every request the client sent (cancels included). It plays a
+    server older than `hello`: a connection's `hello` is kept apart in
+    `hellos` and answered `400 unknown_op`, as such a server does.
     """
 
     def __init__(self, handler) -> None:
@@ -317,6 +327,7 @@ class FakeServer:
 
         self.handler = handler
         self.received: list[dict] = []
+        self.hellos: list[dict] = []
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -334,6 +345,12 @@ class FakeServer:
                 continue
             ident, data = self._sock.recv_multipart()
             msg = orjson.loads(data)
+            if msg.get("op") == "hello":
+                self.hellos.append(msg)
+                self._sock.send_multipart([ident, orjson.dumps(
+                    {"v": 1, "ev": "error", "id": msg.get("id"), "code": 400, "reason": "unknown_op",
+                     "message": "op: unknown op 'hello'", "retryable": False})])
+                continue
             self.received.append(msg)
             for ev in self.handler(msg) or []:
                 self._sock.send_multipart([ident, ev if isinstance(ev, bytes) else orjson.dumps(ev)])

@@ -84,8 +84,8 @@ def test_rule_checker_resolves_relative_and_dynamic_imports() -> None:
     # A module placed inside the tree (relative imports resolve against its path), given as a string.
     path = ROOT / "ipc" / "_probe_not_a_module.py"
     src = ("from ..engine.core import scheduler\nfrom . import ring\nfrom .records import Job\n"
-           "import importlib\nimportlib.import_module('engine.daemon.loop')\n__import__('workers.main')\n")
-    assert {"engine.core", "ipc.ring", "ipc.records", "engine.daemon.loop", "workers.main"} <= _imports(path, src)
+           "import importlib\nimportlib.import_module('engine.daemon.daemon')\n__import__('workers.main')\n")
+    assert {"engine.core", "ipc.ring", "ipc.records", "engine.daemon.daemon", "workers.main"} <= _imports(path, src)
 
 
 # --- import cycles -------------------------------------------------------------------------------------------
@@ -182,8 +182,8 @@ def test_cycle_checker_sees_a_cycle_hidden_by_type_checking(tmp_path: Path) -> N
     assert _cycles(graph) == [["a", "b", "c"]]
     # and through the parser: a TYPE_CHECKING import is an edge like any other
     probe = ROOT / "engine" / "daemon" / "_probe.py"
-    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.daemon.loop import Daemon\n"
-    assert "engine.daemon.loop" in _imports(probe, src)
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.daemon.daemon import Daemon\n"
+    assert "engine.daemon.daemon" in _imports(probe, src)
 
 
 def _private_engine_names(path: Path, source: str | None = None) -> set[str]:
@@ -222,8 +222,8 @@ def test_private_name_checker_sees_a_private_import(tmp_path: Path) -> None:
 
 
 # -- the daemon's layout (docs/architecture.md, "engine/daemon") --------------------------------------
-LOOP = "engine.daemon.loop"
-LOOP_BUILDERS = ("engine/daemon/main.py", "engine/daemon/loop.py")  # the construction site, and the loop itself
+LOOP = "engine.daemon.daemon"
+LOOP_BUILDERS = ("engine/daemon/main.py", "engine/daemon/daemon.py")  # the construction site; Daemon and its loop
 
 
 def _imported_modules(path: Path) -> set[str]:

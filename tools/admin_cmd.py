@@ -175,8 +175,10 @@ def explain(op: str, e: ClientError, endpoint: str, timeout: float) -> tuple[int
     if step:  # the daemon's message may name the op and step already ("load 'chat': verify: ...")
         return 1, f"refused: {e.message}" if f"{step}: " in e.message else f"{op} refused at step {step}: {e.message}"
     if e.code == 501:
-        return 2, (f"this daemon does not implement `{op}` ({e.message}); it serves the model it was "
-                   f"started with: restart it with `npuserve serve --package DIR`, or upgrade it")
+        return 2, (f"{endpoint} does not implement `{op}` ({e.message}); a balancer leaves model management "
+                   f"to its boards: run `npuserve admin --endpoint BOARD {op} ...` on each board; a daemon that "
+                   f"does not serves the model it was started with: restart it with `npuserve serve --package DIR`, "
+                   f"or upgrade it")
     if e.code in (401, 403):
         return 2, (f"{e.message}; admin ops need the board's ipc:// socket (its file permissions are the "
                    f"access control) or a key listed in [security] admins")

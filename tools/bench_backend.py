@@ -1,7 +1,7 @@
 """`npuserve bench-backend`: a chip backend's throughput in-process and through a worker.
 
 Both modes run the very same job sequence through the same job code
-(`workers.main.execute_job`: backend call + sampling); the worker mode adds
+(`workers.execute_job.execute_job`: backend call + sampling); the worker mode adds
 exactly what a daemon pays per job: the job record into the ring, the
 doorbell, the worker's loop, the result record back and the result
 doorbell (polled beside the link's socket, as the daemon does), with one job
@@ -115,7 +115,7 @@ def run_rows(modes: dict[str, object], factories: dict[str, JobFactory], batch: 
 
 
 def in_process_runner(backend):
-    from workers.main import execute_job
+    from workers.execute_job import execute_job
 
     def run_one(job: Job) -> None:
         out = execute_job(backend, job)

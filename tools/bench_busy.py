@@ -1,4 +1,4 @@
-"""`npuserve bench-busy`: keeping every chip busy (issue 23), each mode against the synchronous run, in one run.
+"""`npuserve bench-busy`: keeping every chip busy, each executor mode against the synchronous run, in one run.
 
 Runs `bench-serve` on each backend (`ref` and `sim` by default) in four
 executor modes, alternating their order every round so machine noise hits
@@ -14,11 +14,13 @@ them alike:
 For each: delivered tokens/s, TPOT P50/P99 at the client, the chips' device
 busy fraction over the run (stats: device seconds / window), and on `sim`
 the in-process simulator's prediction for the same requests. Targets, on the
-medians over rounds (seed 001 M1, M2): on `ref`, `queued` TPOT P50 within
-3 % and P99 within 5 % of `sync`; on `sim`, `pingpong` tokens/s >= 1.10x
-`sync` with TPOT P99 within 5 %, and every mode delivering >= 99 % of its
-prediction. Outputs of every mode equal the synchronous run's: that is
-checked by the tests (tests/engine/core/test_scheduler_queued_step.py,
+medians over rounds (docs/benchmarks.md): on `ref`, `queued` TPOT P50 within
+3 % and P99 within 5 % of `sync` (queueing the next step must not cost latency);
+on `sim`, `pingpong` tokens/s >= 1.10x `sync` with TPOT P99 within 5 % (what
+two jobs in flight must earn to be worth turning on), and every mode
+delivering >= 99 % of its prediction. Outputs of every mode equal the
+synchronous run's: that is checked by the tests
+(tests/engine/core/test_scheduler_queued_step.py,
 tests/engine/daemon/test_daemon_ref.py), not here.
 """
 

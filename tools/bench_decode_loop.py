@@ -1,5 +1,5 @@
 """`npuserve bench-backend --backend ctypes --loop-steps N`: the autoregressive loop on the device against
-per-step host round trips (seed 000 Phase 5).
+per-step host round trips: what running the whole loop on the device saves (docs/benchmarks.md).
 
 The same decode work (B lanes, `--decode-steps` tokens per lane per round after a `--prompt-len` prefill)
 three ways, on one chip library:
@@ -11,7 +11,7 @@ three ways, on one chip library:
 * `device-loop`: N-step jobs run by `simpler_model_decode_steps_paged`: one library call per N tokens,
   sampled inside the library.
 
-Each way runs in-process (`workers.main.execute_job`) and through a worker process (ring, doorbells, one job
+Each way runs in-process (`workers.execute_job.execute_job`) and through a worker process (ring, doorbells, one job
 in flight). Every (mode, way) takes its turn round by round, so load from other processes hits them alike;
 a row is the median round. In-process the three ways share one backend (`device_loop` switched per way) on
 disjoint KV blocks; through workers, the host ways run on a worker with `device_loop=False`.
@@ -30,7 +30,7 @@ MODES = ("in-process", "worker")
 
 
 def _in_process(backend, device_loop: bool):
-    from workers.main import execute_job
+    from workers.execute_job import execute_job
 
     def run_one(job) -> None:
         backend.device_loop = device_loop

@@ -10,9 +10,10 @@ P99 and goodput at `--slo` side by side. The verdict: at the lowest rate
 where co-located TPOT P99 breaks the SLO, disaggregated goodput / co-located
 goodput against the target (>= 1.3x).
 
-Until the boards can move KV between them (the export/import of issue 22),
-the decode board recomputes every handed-off prompt; the numbers then show
-what the split costs without a transfer (docs/disaggregation.md).
+`--transfer` says how the decode board gets a handed-off prompt's KV: from
+the prefill board's block files (`disk`, the default), pulled over ZeroMQ
+(`zmq`), or not at all (`none`: it recomputes every prompt, which shows what
+the split costs without a transfer); docs/disaggregation.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the same requests, from the same client processes, over ZeroMQ (the client
 library, as `npuserve bench`) and over HTTP (streamed `/v1/completions`,
 `npuserve bench --openai`), round after round in alternating order. The
 daemon's prefix cache is off so the second route does not find the first
-one's prompts. Targets (issue 14): tokens/s through the front >= 0.6x
+one's prompts. Targets: tokens/s through the front >= 0.6x
 ZeroMQ on `stub` at 64 streams, >= 0.97x on the Gemma model, and the
 front's added TTFT P50 (front minus ZeroMQ) <= 2 ms.
 """

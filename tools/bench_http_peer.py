@@ -8,7 +8,7 @@ streamed `/v1/completions`, token-id prompts, greedy, `ignore_eos`), round
 after round in alternating order, fresh servers for every concurrency. It
 prints the runs, the npuserve / llama.cpp ratios of the medians, and the
 distance from bench-peer's targets (tokens/s >= 1.0x, TTFT P99 <= 1.0x),
-which now include both HTTP layers.
+here with both servers' HTTP layers in the path.
 
 `--conversations N --turns T` runs the multi-turn conversation workload
 instead (`tools.load.conversation_http`: each turn's prompt is the whole
@@ -16,8 +16,8 @@ conversation so far plus a new message) against llama.cpp's server with its
 host prompt cache (`--cache-ram`, its default 8192 MiB) and npuserve with the
 same KV capacity on the chip (`kv.num_blocks` = llama.cpp's context, unless
 `--device-blocks`); per run TTFT P50/P99 and the prompt tokens each computed,
-and the issue-22 targets: TTFT P50 <= 0.7x llama.cpp's and fewer prompt
-tokens computed. npuserve runs on its device prefix cache alone unless
+and its targets (docs/benchmarks.md): TTFT P50 <= 0.7x llama.cpp's and fewer
+prompt tokens computed. npuserve runs on its device prefix cache alone unless
 `--set kv.host_pool_mb=N` adds the board's host tier (the `llamacpp`
 backend's KV export/import).
 """

@@ -27,7 +27,7 @@ import numpy as np
 
 from tools.json_lines import emit
 
-TARGET = 2.0  # export + import of 1,000 blocks <= 2x a memcpy of the same bytes (issue 22)
+TARGET = 2.0  # export + import of 1,000 blocks <= 2x a memcpy of the same bytes (docs/benchmarks.md)
 
 
 def measure(blocks: int, repeats: int) -> dict:

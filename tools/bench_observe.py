@@ -81,8 +81,8 @@ def _serve_run(a: argparse.Namespace, variant: str, tmp: str) -> dict:
 def _micro() -> dict:
     """In-process cost of recording: per EmitTokens (metrics) and per trace turn event."""
     from engine.core.actions import EmitTokens
-    from engine.daemon.metrics import MetricsRecorder
-    from engine.daemon.trace import TraceWriter
+    from engine.daemon.observability.metrics import MetricsRecorder
+    from engine.daemon.observability.trace import TraceWriter
 
     m = MetricsRecorder("bench")
     acts = [EmitTokens(i, [1]) for i in range(64)]

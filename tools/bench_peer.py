@@ -56,7 +56,7 @@ class Row:
     tpot_p50_ms: float
     tpot_p99_ms: float
     round: int
-    # npuserve: the chip workers' device time over the timed run (stats deltas; issue 23: >= 0.97 at 8, 32 streams)
+    # npuserve: the chip workers' device time over the timed run (stats deltas; target >= 0.97 at 8 and 32 streams)
     chip_busy: float | None = None
 
 

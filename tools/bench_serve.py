@@ -1,11 +1,16 @@
 """`npuserve bench-serve`: the end-to-end serving benchmark, a preset of `npuserve bench`.
 
-One closed-loop point at `--concurrency` streamed requests with seed 002's
+One closed-loop point at `--concurrency` streamed requests with the simulator's
 gaussian lengths (`normal:P,200` prompts, `normal:G,50` outputs), from several
 client processes through `AsyncClient`. Reports delivered generated tokens/s
 and TTFT / TPOT percentiles measured at the client; for the `sim` backend also
 what the in-process simulator predicts for the same requests, and what the
 chips did in both runs.
+
+`--compare-framing` runs the same requests against one daemon from clients
+that ask for batched events (`hello`) and from clients that do not (one
+event per message, the v1 default), rounds alternating, and prints
+what the opt-in saves: tokens/s and the daemon's CPU per token.
 """
 
 from __future__ import annotations
@@ -32,8 +37,68 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `npuserve serve`, e.g. --daemon-arg=--trace=/tmp/t.json")
+    p.add_argument("--compare-framing", action="store_true",
+                   help="batched-events clients vs one-event-per-message clients on one daemon, rounds alternating")
+    p.add_argument("--rounds", type=int, default=3, help="with --compare-framing: paired rounds")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
+
+
+# The opt-in exists to save the daemon work: batched clients must not come out slower (tokens/s ratio >= 1).
+FRAMING_TARGET_MIN = 1.0
+
+
+def compare_framing(a: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """Paired rounds of the preset's requests, batched vs one event per message, on one daemon started here."""
+    import psutil
+
+    from tools.load import local_daemon, paired, runner
+    from tools.load.progress import Progress
+    from tools.load.workload import WorkloadSpec, build
+
+    ba = bench.parse_args(bench_argv(a), prog="npuserve bench-serve")
+    n = ba.requests or a.concurrency * 4
+    progress = Progress(a.rounds * 2 * n, not (a.json or ba.no_progress))
+    settings = [f"executor.max_inflight={a.max_inflight}", *a.set]
+    d = local_daemon.start(backend=a.backend, chips=a.chips, settings=settings, backend_options=a.backend_option,
+                           prefix="npf-", extra=a.daemon_arg)
+    try:
+        model = local_daemon.wait_healthy(d.endpoint, d)["model"]
+        proc = psutil.Process(d.pid)
+
+        def requests(rnd: int):
+            return build(WorkloadSpec(n, ba.prompt_dist, ba.output_dist, vocab=min(model["vocab_size"], 256),
+                                      max_seq=model["max_seq"], seed=ba.seed + rnd))
+
+        cpu_per_token: dict[tuple[str, int], float] = {}
+
+        def route(batched: bool):
+            label = "batched" if batched else "one_per_message"
+
+            def go(reqs):
+                cpu = proc.cpu_times()
+                recs = runner.run(d.endpoint, reqs, concurrency=a.concurrency, clients=a.clients,
+                                  on_record=progress.record, batched_events=batched)
+                used = sum(proc.cpu_times()[:2]) - sum(cpu[:2])
+                tokens = sum(r.tokens for r in recs)
+                cpu_per_token[(label, len([k for k in cpu_per_token if k[0] == label]) + 1)] = \
+                    round(1e6 * used / max(tokens, 1), 2)
+                return recs
+            return go
+
+        rows = paired.run_rounds({"batched": route(True), "one_per_message": route(False)}, requests, a.rounds,
+                                 extra={"backend": a.backend, "concurrency": a.concurrency}, on_start=progress.point)
+        for r in rows:
+            r["daemon_cpu_us_per_token"] = cpu_per_token.get((r["label"], r["round"]))
+    finally:
+        progress.close()
+        d.stop()
+        d.cleanup()
+    targets = [paired.Target("tokens_per_s", "min", FRAMING_TARGET_MIN)]
+    comparison = paired.compare(rows, "batched", "one_per_message", targets,
+                                extra={"backend": a.backend, "concurrency": a.concurrency},
+                                metrics=(*paired.METRICS, "daemon_cpu_us_per_token"))
+    return rows, comparison
 
 
 def bench_argv(a: argparse.Namespace) -> list[str]:
@@ -70,6 +135,15 @@ def run(a: argparse.Namespace) -> dict:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
+    if a.compare_framing:
+        from tools.load import paired
+
+        rows, comparison = compare_framing(a)
+        title = (f"bench-serve --compare-framing: {a.backend} backend, {a.chips} chips, {a.concurrency} streams, "
+                 f"{a.rounds} rounds; batched = clients that sent hello with batched_events, one_per_message = "
+                 f"clients that did not (target: batched tokens/s >= {FRAMING_TARGET_MIN:g}x)")
+        return paired.report("bench-serve", title, rows, comparison, a.json,
+                             {"backend": a.backend, "concurrency": a.concurrency})
     res = run(a)
     if a.json:
         from tools.json_lines import emit

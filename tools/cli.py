@@ -40,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("tools.keygen_cmd", "write a CURVE key pair (NAME.key, NAME.key_secret; 0600)"),
     "sign-package": ("tools.sign_package_cmd", "sign a model package's manifest (manifest.sig, Ed25519)"),
     "golden": ("tools.golden_cmd", "run a package's golden cases against a live endpoint"),
+    "conformance": ("tools.conformance_cmd", "check a daemon or balancer against the wire protocol (docs/protocol.md)"),
     "admin": ("tools.admin_cmd", "manage a board's models: load, unload, replace, rollback, models"),
     "http": ("engine.http.main", "serve the OpenAI API over HTTP in front of a daemon or balancer"),
     "bench-http": ("tools.bench_http", "benchmark the HTTP front against ZeroMQ on one daemon (its targets)"),

@@ -1,4 +1,4 @@
-"""A steady mixed load against a daemon, through the client library (issue 13's mix).
+"""A steady mixed load against a daemon, through the client library, to show memory leaks.
 
 Why: the scheduler core alone under the simulator sees no cancels, deadlines
 or non-streamed requests, so leaks in the shell show only under a real mix.
@@ -39,7 +39,7 @@ _TEXT_VOCAB = 256  # byte-level ids: valid in every model package the project ma
 
 @dataclass(frozen=True)
 class Mix:
-    """The parameters of the mix; the defaults are issue 13's."""
+    """The parameters of the mix; the defaults are the mix of docs/benchmarks.md (memory under mixed load)."""
 
     concurrency: int = 32  # requests in flight at any time
     clients: int = 4  # client sockets they are spread over

@@ -1,6 +1,6 @@
 """`npuserve simulate`: the scheduler core on a virtual clock, continuous vs static vs serial batching.
 
-Prints the seed-002 table (throughput, TTFT P50/P99, mean TPOT per client
+Prints a table (throughput, TTFT P50/P99, mean TPOT per client
 concurrency cap) for each policy, in seconds of wall time, with the same
 Scheduler the daemon runs and the `sim` backend's latency model.
 """

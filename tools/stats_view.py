@@ -1,7 +1,7 @@
 """The daemon's metrics as a table for a human: what `npuserve stats` prints and `npuserve top` refreshes.
 
 Reads the `metrics` section of a `stats` reply: the same metric families that
-/metrics exposes (engine/daemon/metrics.py), so the table and Prometheus never
+/metrics exposes (engine/daemon/observability/metrics.py), so the table and Prometheus never
 disagree. Quantiles are estimated from histogram buckets the way Prometheus'
 `histogram_quantile` does (linear within a bucket).
 """

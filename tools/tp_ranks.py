@@ -4,7 +4,7 @@ Why: the TP tests and `bench-backend --tp` need the ranks of a replica as
 real processes (the all-reduce is between processes, each with one BLAS
 thread), without a daemon. A *script* is a module-level generator
 `fn(info, **args)` that yields `Job`s (or a str: a timing mark); every rank
-runs the same jobs in the same order through `workers.main.execute_job`, as
+runs the same jobs in the same order through `workers.execute_job.execute_job`, as
 a replica's workers do. Rank 0 saves every job's tokens, logprobs and logits
 to an `.npz` and reports its marks and all-reduce wait time as JSON.
 """
@@ -88,7 +88,7 @@ def run_group(world: int, package: str | None, script: str, args: dict | None = 
 
 def _rank_main(spec: dict) -> None:
     from workers.backends.registry import make_backend
-    from workers.main import execute_job
+    from workers.execute_job import execute_job
 
     opts = dict(spec["options"], tp_rank=spec["rank"], tp_world=spec["world"], tp_group=spec["group"],
                 tp_timeout_s=spec["timeout_s"])

@@ -1,12 +1,14 @@
-"""The worker's half of the queued next step (issue 23): resolve FOLLOW_PREVIOUS tokens from its own samples.
+"""The worker's half of the queued next step: resolve FOLLOW_PREVIOUS tokens from its own samples.
 
 The scheduler submits step N+1 of a lane while step N still runs, naming the
-lane's input token as FOLLOW_PREVIOUS. This worker ran step N just before (a
-chip runs its jobs in ring order), so it knows the token: it keeps each
-sampled lane's token under (position of that token, the block holding the
-position before it). Step N wrote that block and no other lane holds an
-unwritten position in it, so the key names one lane. Sampling stays
-deterministic per request seed and position: nothing here samples.
+lane's input token as FOLLOW_PREVIOUS, so the chip need not wait for the
+scheduler's turn between steps (`executor.queue_next_step`,
+docs/architecture.md). This worker ran step N just before (a chip runs its
+jobs in ring order), so it knows the token: it keeps each sampled lane's token
+under (position of that token, the block holding the position before it). Step
+N wrote that block and no other lane holds an unwritten position in it, so the
+key names one lane. Sampling stays deterministic per request seed and
+position: nothing here samples.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Started by `engine.daemon.chip_link.ChipLink` as `python -m workers CONFIG_JSON`.
 It attaches the chip's two rings (jobs in, results out), loads the backend,
 announces READY, then serves: job records are read as zero-copy ring views,
-run through the backend (and sampling, when the backend returns logits), and
-answered with a JobResult record written straight into reserved result-ring
+run through the backend (and sampling, when the backend returns logits:
+workers/execute_job.py), and answered with a JobResult record written straight into reserved result-ring
 space, then a write to the link's result doorbell (an eventfd). A failing backend call fails that job only; the worker stays up.
 
 It exits on a SHUTDOWN message, on SIGTERM, and on its parent's death (which
@@ -22,25 +22,22 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import orjson
 import zmq
 
 from ipc.doorbell import SemaphoreDoorbell
-from ipc.kv_slots import KvSlotPool, RecordRefused
-from ipc.records import RESULT_META_LEN, Job, JobKind, JobResult, JobStatus
+from ipc.kv_slots import KvSlotPool
+from ipc.records import RESULT_META_LEN, Job, JobStatus, ResultMeta
 from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
-from workers.constraints import ConstraintBook, ConstraintError, LaneMask, lltokenizer_for
+from workers.constraints import ConstraintBook, ConstraintError, lltokenizer_for
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
 from workers.draft_model import DraftModel
+from workers.execute_job import JobOutcome, execute_job
 from workers.follow_tokens import FollowTokens, UnresolvedFollow
-from workers.multi_step import next_step
 from workers.kv_transfer import HostKv
-from workers.sampling import sample, token_logprob
-from workers.spec_verify import verify_drafts
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_DEATH_SIGNAL = signal.SIGUSR1
@@ -53,203 +50,6 @@ def _log(event: str, **fields) -> None:
     """One structured JSON line on stderr (the daemon's journal)."""
     sys.stderr.write(orjson.dumps({"event": event, "pid": os.getpid(), **fields}).decode() + "\n")
     sys.stderr.flush()
-
-
-@dataclass
-class JobOutcome:
-    """A finished job before it is written to the result ring."""
-
-    status: JobStatus
-    tokens: np.ndarray  # int32 [B], -1 where nothing was sampled
-    logprobs: np.ndarray  # float32 [B]
-    logits: np.ndarray | None  # [B, V] when the job asked for logits and the backend made them
-    device_us: int
-    error: str = ""
-    masks: int = 0  # constrained lanes masked in this job (structured output)
-    mask_us: int = 0  # time spent computing their masks
-    accepted: np.ndarray | None = None  # verification jobs: accepted drafts per lane
-    accepted_logprobs: np.ndarray | None = None
-    accepted_tokens: np.ndarray | None = None
-
-
-def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, host_kv: HostKv | None = None,
-                constraints: ConstraintBook | None = None, draft: DraftModel | None = None) -> JobOutcome:
-    """Run one job on the backend and sample its lanes.
-
-    Inputs may be read-only ring views; nothing here writes to them.
-    `extra_device_s` is the chaos "slow" hook: it is spent as device time.
-    `constraints` masks the constrained lanes (structured output); a job with
-    such lanes and no book fails.
-    `draft`: the chip's draft model (speculative.draft_package): it proposes
-    the drafts of `draft_src` lanes and mirrors every job's KV.
-    """
-    b = job.batch
-    tokens = np.full(b, -1, np.int32)
-    logprobs = np.zeros(b, np.float32)
-    try:
-        job.validate()
-    except ValueError as exc:
-        return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, 0, f"invalid job: {exc}")
-    t0 = time.perf_counter_ns()
-    masks0, mask_us0 = (constraints.stats.masks, constraints.stats.mask_us) if constraints is not None else (0, 0)
-    try:
-        if extra_device_s > 0:
-            time.sleep(extra_device_s)
-        if job.kind == JobKind.KV_COPY:
-            backend.copy_blocks(job.src_blocks, job.dst_blocks)
-            if draft is not None:
-                draft.copy_blocks(job.src_blocks, job.dst_blocks)
-            return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
-        if job.kind in (JobKind.KV_EXPORT, JobKind.KV_IMPORT):
-            if host_kv is None:
-                return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, 0, "no host KV pool attached")
-            try:
-                host_kv.run(job)
-            except RecordRefused as exc:  # checked before any block was written: the device KV is untouched
-                return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000,
-                                  f"import refused ({exc.cause}): {exc}")
-            return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
-        if job.draft_lens.size and job.constrained and job.constraint_id[job.draft_lens != 0].any():
-            # spec_verify's row_mask hook would need the matcher advanced through each draft: not done
-            raise ConstraintError("a constrained lane cannot carry draft tokens")
-        if draft is None and device_loop_job(job):
-            looped = backend.decode_steps(job)  # None: no device loop, the host loop below
-            if looped is not None:
-                return JobOutcome(JobStatus.OK, *looped, None, (time.perf_counter_ns() - t0) // 1000)
-        if draft is not None and job.draft_src.size:
-            job = draft.propose(job)
-        lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
-        masks = constraints.start(job, lanes) if job.constrained and constraints is not None else None
-        try:
-            out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
-        finally:
-            lane_masks = masks.result() if masks is not None else None  # never leave the helper on a dead job
-        device_us = (time.perf_counter_ns() - t0) // 1000
-        accepted = accepted_lps = accepted_toks = None
-        if out.logits is not None:
-            if lanes.size:
-                _sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks)
-            if job.draft_lens.size:
-                if out.draft_logits is None:
-                    raise RuntimeError("the backend cannot verify draft tokens (no draft_logits)")
-                accepted, accepted_lps, accepted_toks = verify_drafts(job, out.draft_logits, tokens, logprobs)
-        elif out.tokens is not None:
-            if job.constrained and job.constraint_id[lanes].any():
-                raise ConstraintError("this backend samples on the device: constrained lanes need logits")
-            tokens[lanes] = out.tokens[lanes]
-        else:
-            raise RuntimeError("backend returned neither logits nor tokens")
-        if draft is not None:
-            draft.mirror(job)
-        if job.kind == JobKind.DECODE and job.decode_steps > 1:
-            # multi-step decode, the host loop (no device loop for this job or backend): the next steps on
-            # this worker, each fed the token the step before sampled
-            steps = [tokens]
-            lp_steps = [logprobs]
-            step = job
-            for _ in range(job.decode_steps - 1):
-                step = next_step(step, steps[-1])
-                t, lp = np.full(b, -1, np.int32), np.zeros(b, np.float32)
-                _step_tokens(step, backend.decode(step), lanes, t, lp)
-                if draft is not None:
-                    draft.mirror(step)
-                steps.append(t)
-                lp_steps.append(lp)
-            tokens, logprobs = np.stack(steps, axis=1), np.stack(lp_steps, axis=1)
-            device_us = (time.perf_counter_ns() - t0) // 1000
-    except Exception as exc:  # a device-level fault fails this job, never the worker
-        return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
-                          (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
-    logits = out.logits if job.return_logits else None
-    spec = dict(accepted=accepted, accepted_logprobs=accepted_lps, accepted_tokens=accepted_toks)
-    if job.constrained and constraints is not None:
-        st = constraints.stats
-        return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, masks=st.masks - masks0,
-                          mask_us=st.mask_us - mask_us0, **spec)
-    return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, **spec)
-
-
-def device_loop_job(job: Job) -> bool:
-    """Whether a job's steps may all run on the device (`ChipBackend.decode_steps`): a multi-step decode
-    whose every valid lane samples with the plain sampler, with nothing the host must do between steps:
-    no constrained lane (its mask is the host's), no draft tokens, and no logits to return. The worker
-    also keeps the host loop when it has a draft model (it mirrors every step's KV)."""
-    return (job.kind == JobKind.DECODE and job.decode_steps > 1 and not job.constrained and not job.draft_lens.size
-            and not job.return_logits and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
-
-
-def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
-    """One step's tokens into `tokens`/`logprobs`: sampled from its logits, or as the backend chose them."""
-    if out.logits is not None:
-        if lanes.size:
-            _sample_lanes(job, out.logits, lanes, tokens, logprobs)
-    elif out.tokens is not None:
-        tokens[lanes] = out.tokens[lanes]
-    else:
-        raise RuntimeError("backend returned neither logits nor tokens")
-
-
-def _sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
-                  constraints: ConstraintBook | None = None, masks: dict[int, LaneMask] | None = None) -> None:
-    # Sampling is per lane and deterministic per (seed, position), so sampling
-    # only the lanes that want a token gives the same tokens as sampling all
-    # (and masking a constrained lane leaves its neighbours' rows alone).
-    # Skip the fancy-index copy of [B, V] logits when every lane samples.
-    if job.constrained and masks is None:
-        if constraints is None:
-            raise ConstraintError("constrained lanes in a job run without a constraint book")
-        masks = constraints.masks(job, lanes, logits.shape[1])
-    if masks:
-        _sample_masked(job, logits, lanes, tokens, logprobs, masks)
-        return
-    sel = slice(None) if lanes.size == job.batch else lanes
-    t, lp = sample(
-        logits[sel], job.temperature[sel], job.top_p[sel], job.top_k[sel], job.seed[sel],
-        job.context_lens[sel], job.want_logprobs[sel],
-    )
-    tokens[lanes] = t
-    logprobs[lanes] = lp
-
-
-def _sample_masked(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
-                   masks: dict[int, LaneMask]) -> None:
-    """Sample with the constrained lanes masked: the same tokens as sampling full rows with the disallowed
-    logits at -inf (a -inf logit has zero weight and keeps its place in every candidate order), cheaper.
-
-    A lane with few allowed tokens samples over just those, plus one -inf (so that a top-k at least as
-    large as the allowed set still takes sampling's top-k path, as on the full row); the others are copied
-    with the denied ones at -inf and sampled together with the unconstrained lanes. Logprobs stay the
-    model's own (raw logits)."""
-    vocab = logits.shape[1]
-    if any(m.vocab != vocab for m in masks.values()):
-        raise ConstraintError(f"masks for a vocabulary other than the logits' {vocab}")
-    lane_list = lanes.tolist()
-    few = [lane for lane in lane_list if lane in masks and masks[lane].allow is not None]
-    rest = np.array([lane for lane in lane_list if lane not in few], dtype=np.int64)
-    for lane in few:
-        ids = masks[lane].allow
-        one = slice(lane, lane + 1)
-        row = np.full((1, ids.shape[0] + 1), -np.inf, np.float32)
-        row[0, :-1] = logits[lane, ids]
-        k = int(job.top_k[lane])
-        top_k = np.array([min(k, ids.shape[0]) if 0 < k < vocab else k], np.int32)
-        t, _ = sample(row, job.temperature[one], job.top_p[one], top_k, job.seed[one], job.context_lens[one],
-                      np.zeros(1, np.uint8))
-        tokens[lane] = ids[int(t[0])]
-    if rest.size:
-        rows = logits[rest].astype(np.float32, copy=False)  # fancy indexing copies: writable, whatever the source
-        for j, lane in enumerate(rest.tolist()):
-            m = masks.get(lane)
-            if m is not None:
-                rows[j, m.deny] = -np.inf
-        want = job.want_logprobs[rest] * np.array([lane not in masks for lane in rest.tolist()], np.uint8)
-        t, lp = sample(rows, job.temperature[rest], job.top_p[rest], job.top_k[rest], job.seed[rest],
-                       job.context_lens[rest], want)
-        tokens[rest] = t
-        logprobs[rest] = lp
-    for lane in lane_list:
-        if lane in masks:
-            logprobs[lane] = token_logprob(logits[lane], int(tokens[lane])) if job.want_logprobs[lane] else 0.0
 
 
 def _set_parent_death_signal(sig: int) -> None:
@@ -485,12 +285,18 @@ class WorkerProcess:
                 self.drain_control()
                 if not self.running or not self.parent_alive():
                     return
+        S = ResultMeta
         with writer:
             a = writer.arrays
             meta = a["meta"]
-            meta[:8] = (job.job_id, job.generation, job.kind, status, outcome.device_us, 0, outcome.masks,
-                        outcome.mask_us)
-            meta[8:10] = self._occupancy
+            meta[S.JOB_ID] = job.job_id
+            meta[S.GENERATION] = job.generation
+            meta[S.KIND] = job.kind
+            meta[S.STATUS] = status
+            meta[S.DEVICE_US] = outcome.device_us
+            meta[S.MASKS] = outcome.masks
+            meta[S.MASK_US] = outcome.mask_us
+            meta[S.DEVICE_START_NS], meta[S.IDLE_US] = self._occupancy
             a["tokens"][:] = outcome.tokens
             a["logprobs"][:] = outcome.logprobs
             if logits is not None:
@@ -499,7 +305,7 @@ class WorkerProcess:
                 a["accepted"][:] = accepted
                 a["accepted_logprobs"][:] = outcome.accepted_logprobs
                 a["accepted_tokens"][:] = outcome.accepted_tokens
-            meta[5] = (time.perf_counter_ns() - t0_ns) // 1000
+            meta[S.WORKER_US] = (time.perf_counter_ns() - t0_ns) // 1000  # last: it times the whole write
 
     # -- loop ------------------------------------------------------------
     def serve(self) -> None:

@@ -1,4 +1,4 @@
-"""Multi-step decode on the worker (issue 23, `executor.decode_steps`): the job of the next step.
+"""Multi-step decode on the worker (`executor.decode_steps`): the job of the next step.
 
 A decode job with `decode_steps = n` runs n steps before the worker answers,
 so the host's per-step round trip (result, sampling, stop checks, the next
@@ -12,7 +12,7 @@ asks for as many steps as the closest max_tokens allows).
 This is the host loop. A backend with a device loop (`ChipBackend.decode_steps`:
 the C ABI's `simpler_model_decode_steps_paged`) runs the same steps and the
 same sampler on the device in one call instead, for the jobs
-`workers.main.device_loop_job` lets it take.
+`workers.execute_job.device_loop_job` lets it take.
 """
 
 from __future__ import annotations

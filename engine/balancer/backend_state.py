@@ -81,6 +81,17 @@ class Backend:
             return True
         return self.health is Health.HALF_OPEN and self.probe is None
 
+    def ready_in(self, now: float, policy: HealthPolicy) -> float | None:
+        """Seconds until this backend may take a request again, as far as the balancer can tell (a retry
+        estimate); None when only an operator brings it back (drained by an admin, removed)."""
+        if self.drained or self.removed:
+            return None
+        if self.routable():
+            return 0.0
+        if self.health is Health.OUT:  # the cooldown, then a heartbeat that lets it probe again
+            return max(0.0, self.opened_at + self.cooldown_s - now) + policy.heartbeat_interval_s
+        return policy.heartbeat_interval_s  # not heard yet, not accepting, no chip up: its next heartbeat may say
+
     # -- transitions ---------------------------------------------------------------
     def on_heartbeat(self, body: dict, now: float, policy: HealthPolicy) -> None:
         self.last_reply = now

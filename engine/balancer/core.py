@@ -34,6 +34,7 @@ from engine.balancer.pd_routing import (Stage, choose_decode, continues_after_pr
 from engine.balancer.prefix_index import PrefixIndex, block_hashes, text_block_hashes
 from engine.balancer.routing import RoutingPolicy, choose, imbalanced
 from engine.balancer.stats_merge import merge_stats
+from engine.core.retry_after import NOT_READY_RETRY_S, RETRY_AFTER_MAX_S, clamp_ms, until_ms
 
 PROTOCOL_VERSION = 1
 RETRY_CODES = (429, 503)
@@ -86,10 +87,13 @@ class BRequest:
     cached_tokens: int = 0
     prompt_tokens: int | None = None  # the backend's count, for text prompts (tokenized there)
     last_error: tuple[int, str, str] = (503, "no_backend", "no backend available")
+    last_retry_after_ms: int | None = None  # the retry_after_ms of the backend error that is `last_error`
     stage: Stage = Stage.WHOLE  # prefill/decode disaggregation: which leg is upstream
     handoff: dict | None = None  # the prefill leg's hand-off descriptor, for the decode leg
     hidden: list[EmitTokens] = field(default_factory=list)  # a prefill leg's output not shown (stop sequences)
     prefilled: bool = False  # a prefill leg handed off: its usage (cached_tokens) is the request's
+    leg_start: int = 0  # len(streamed) when the current leg was sent (its backend counts only what follows)
+    unsent: int = 0  # tokens the last leg generated but did not send (an EOS or stop id): usage counts them
 
 
 @dataclass(eq=False)
@@ -179,7 +183,7 @@ class BalancerCore:
         for r in list(self._reqs.values()):
             if r.state is not ReqState.PENDING:
                 out.append(SendUpstream(r.backend, _cancel_msg(r.uid)))
-            out.append(FailRequest(r.rid, 503, "shutdown", message, True))
+            out.append(FailRequest(r.rid, 503, "shutdown", message, True, retry_after_ms=clamp_ms(NOT_READY_RETRY_S)))
             self._drop(r)
         return out
 
@@ -197,7 +201,8 @@ class BalancerCore:
         self.counters["requests"] += 1
         if not self.accepting:
             self.counters["rejected_draining"] += 1
-            return [FailRequest(rid, 503, "draining", "the balancer is draining; retry elsewhere", True)]
+            return [FailRequest(rid, 503, "draining", "the balancer is draining; retry elsewhere", True,
+                                retry_after_ms=until_ms(now, self.drain_deadline))]
         dl = msg.get("deadline_ms")
         pool = msg.get("pool") or self._pool_for(msg["priority"])
         r = BRequest(rid, msg, now, None if dl is None else now + dl / 1000.0, pool, self._hashes(msg))
@@ -302,11 +307,14 @@ class BalancerCore:
             if not r.prefilled:  # the prompt was computed (and counted) at the prefill leg
                 r.cached_tokens = int(usage.get("cached_tokens", 0) or 0)
                 r.prompt_tokens = usage.get("prompt_tokens")
+            _count_unsent(r, ev["finish_reason"], usage)
             return out + self._finish(r, ev["finish_reason"], now)
         assert kind == "error", kind
         code, reason, message = ev["code"], ev["reason"], ev["message"]
         retryable = bool(ev.get("retryable"))
         r.last_error = (code, reason, message)
+        retry_after = ev.get("retry_after_ms")
+        r.last_retry_after_ms = retry_after if retryable and type(retry_after) is int and retry_after >= 0 else None
         if code >= 500 and code not in (501, 504) and reason not in ("shutdown", "draining"):
             self._breaker_failure(b, f"{code} {reason}", now)
         if r.cancelling:
@@ -318,7 +326,7 @@ class BalancerCore:
         if r.streamed and retryable and code in MIGRATE_CODES:
             return self._migrate(r, now)
         self._drop(r)
-        return [FailRequest(r.rid, code, reason, message, retryable)]
+        return [FailRequest(r.rid, code, reason, message, retryable, retry_after_ms=r.last_retry_after_ms)]
 
     def on_disconnect(self, backend: str, now: float) -> list:
         b = self.backends.get(backend)
@@ -369,6 +377,7 @@ class BalancerCore:
                 out.append(SendUpstream(b.name, _cancel_msg(r.uid)))
             self._detach(r)
             r.last_error = (503, "backend_lost", f"backend {b.name} {why}")
+            r.last_retry_after_ms = None
             if r.cancelling:
                 out += self._finish(r, "cancelled", now)
             elif r.streamed:
@@ -471,7 +480,8 @@ class BalancerCore:
                     return self._fail(r, 504, "deadline_exceeded", "the deadline passed before a backend could serve it")
                 code, reason, message = r.last_error
                 return self._fail(r, 503, reason if code == 503 else "no_backend",
-                                  f"no backend could take the request ({message})", True)
+                                  f"no backend could take the request ({message})", True,
+                                  self._backends_retry_ms(now))
             return self._wait(r, now + NO_BACKEND_POLL_S)
         r.waiting_since = None
         r.hidden = []  # a new attempt: what an abandoned prefill leg produced is gone
@@ -486,6 +496,7 @@ class BalancerCore:
         uid = f"g{next(self._uids)}"
         r.uid, r.backend = uid, b.name
         r.state = ReqState.STREAMING if r.streamed else ReqState.SENT
+        r.leg_start = len(r.streamed)
         r.tried.add(b.name)
         b.inflight.add(r.rid)
         if b.health is Health.HALF_OPEN:
@@ -521,7 +532,9 @@ class BalancerCore:
         if r.retries >= self.config.max_retries:
             code, reason, message = r.last_error
             self.counters["retries_exhausted"] += 1
-            return self._fail(r, code, reason, f"{message} (after {r.retries} retries)", code in (429, 503))
+            retryable = code in (429, 503)
+            return self._fail(r, code, reason, f"{message} (after {r.retries} retries)", retryable,
+                              self._retry_after_ms(r, now) if retryable else None)
         r.retries += 1
         self.counters["retries"] += 1
         if immediate:
@@ -537,7 +550,8 @@ class BalancerCore:
         if not c.migrate or r.migrations >= c.max_migrations:
             self.counters["migrations_exhausted"] += 1
             why = "migration is off" if not c.migrate else f"{r.migrations} migrations already"
-            return self._fail(r, 503, "stream_broken", f"the stream broke ({r.last_error[2]}); {why}", True)
+            return self._fail(r, 503, "stream_broken", f"the stream broke ({r.last_error[2]}); {why}", True,
+                              self._retry_after_ms(r, now))
         r.migrations += 1
         self.counters["migrations"] += 1
         if r.stage is Stage.PREFILL:  # the first token is out: the rest is a decode leg (which recomputes)
@@ -559,6 +573,7 @@ class BalancerCore:
         if r.cancelling or not continues_after_prefill(reason, r.msg, len(r.streamed)):
             for e in hidden:  # the request ends here: what the prefill leg produced is its output
                 r.streamed.extend(e.tokens)
+            _count_unsent(r, reason, usage)
             if (hidden or out) and r.t_first is None:
                 r.t_first = now
             return hidden + out + self._finish(r, "cancelled" if r.cancelling else reason, now)
@@ -587,17 +602,31 @@ class BalancerCore:
         self._detach(r)
         self._reqs.pop(r.rid, None)
 
-    def _fail(self, r: BRequest, code: int, reason: str, message: str, retryable: bool = False) -> list:
+    def _fail(self, r: BRequest, code: int, reason: str, message: str, retryable: bool = False,
+              retry_after_ms: int | None = None) -> list:
         self.counters["failed"] += 1
         self._drop(r)
-        return [FailRequest(r.rid, code, reason, message, retryable)]
+        return [FailRequest(r.rid, code, reason, message, retryable, retry_after_ms=retry_after_ms)]
+
+    def _retry_after_ms(self, r: BRequest, now: float) -> int:
+        """A retryable failure of `r`: the last backend's own estimate when it gave one, else the balancer's."""
+        if r.last_retry_after_ms is not None:
+            return r.last_retry_after_ms
+        return self._backends_retry_ms(now)
+
+    def _backends_retry_ms(self, now: float) -> int:
+        """The balancer's own estimate: until the soonest backend may take requests again (its breaker's
+        cooldown and a heartbeat, or the next heartbeat of one not accepting); the longest wait when every
+        backend is drained by an admin or none is configured."""
+        waits = [w for b in self.backends.values() if (w := b.ready_in(now, self.config.health)) is not None]
+        return clamp_ms(min(waits) if waits else RETRY_AFTER_MAX_S)
 
     def _finish(self, r: BRequest, finish_reason: str, now: float) -> list:
         self.counters[f"finished_{finish_reason}"] += 1
         self._drop(r)
         n = len(r.streamed)
         prompt_tokens = len(r.msg["prompt"]) if r.msg.get("prompt") is not None else int(r.prompt_tokens or 0)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "cached_tokens": r.cached_tokens}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n + r.unsent, "cached_tokens": r.cached_tokens}
 
         def ms(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else round((b - a) * 1000.0, 3)
@@ -695,3 +724,11 @@ def _sum_load(loads: list) -> dict:
 def _own_total(body: dict) -> dict:
     """A backend's stats as one tree: a balancer's `total`, a daemon's whole body."""
     return body["total"] if isinstance(body.get("total"), dict) and "balancer" in body else body
+
+
+def _count_unsent(r: BRequest, finish_reason: str, usage: dict) -> None:
+    """The last leg's generated tokens that it did not send (an EOS or stop id), from its `done` usage, so the
+    request's `completion_tokens` means what a board's does. A `length` finish sends everything it generated."""
+    counted = usage.get("completion_tokens")
+    if finish_reason != "length" and type(counted) is int:
+        r.unsent = max(0, counted - (len(r.streamed) - r.leg_start))

@@ -6,6 +6,10 @@ and aggregated; `drain`/`resume` (admin) act on the balancer itself (with
 `timeout_ms`, what is still in flight then ends with 503 `shutdown`; without
 it the balancer, having no drain budget of its own, lets it finish), or with
 `backend` on one backend (no new requests there, in-flight ones finish).
+The model lifecycle ops (`load`, `unload`, `replace`, `rollback`) are not
+relayed: each names a package inside one board's model root and changes that
+board's generations, so an operator sends them to each daemon in turn and
+the balancer answers them 501 `not_implemented` (docs/balancer.md).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class BalancerPorts(Protocol):
 
     def next_request_id(self) -> int: ...
 
+# Board-level model management: valid on the wire, answered 501 here (see the module docstring).
 NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback"})
 
 

@@ -31,10 +31,11 @@ from engine.balancer.core import BalancerCore
 from engine.balancer.settings import BalancerSettings
 from engine.balancer.upstream import UpstreamLink
 from engine.config import ConfigError
+from engine.core.retry_after import NOT_READY_RETRY_S, clamp_ms
 from engine.daemon.auth import visible_stats
 from engine.daemon.frontend import Frontend
+from engine.daemon.lifecycle.signal_pipe import SignalPipe
 from engine.daemon.log import log
-from engine.daemon.signal_pipe import SignalPipe
 from engine.exit_codes import EXIT_INTERNAL
 from ipc.codec import ProtocolError, decode_event
 from ipc.schema import TOKEN_ID_MAX
@@ -215,7 +216,7 @@ class Balancer:
             elif t is FinishRequest:
                 fe.finish(a.request_id, a.finish_reason, a.usage, a.timing)
             elif t is FailRequest:
-                fe.fail(a.request_id, a.code, a.reason, a.message, a.retryable)
+                fe.fail(a.request_id, a.code, a.reason, a.message, a.retryable, a.retry_after_ms)
             elif t is Reply:
                 conn, cid = a.token
                 fe.reply(conn, cid, a.ev, visible_stats(conn, a.body) if a.ev == "stats" else a.body)
@@ -238,7 +239,7 @@ class Balancer:
         except Exception as e:
             log("fatal", reason="shutdown failed", error=repr(e))
         if self.frontend is not None:
-            self.frontend.fail_all(503, "shutdown", "the balancer is shutting down")
+            self.frontend.fail_all(503, "shutdown", "the balancer is shutting down", clamp_ms(NOT_READY_RETRY_S))
             self.frontend.flush()
         self.close()
         log("stopped", exit_code=self.exit_code)

@@ -3,7 +3,10 @@
 IMMEDIATE: a send to a backend with no live connection fails at once (EAGAIN)
 instead of queueing for a peer that may never come back, which is how the
 core hears that a backend is gone before its heartbeats run out. No
-high-water marks: every in-flight stream's events must be kept.
+high-water marks: every in-flight stream's events must be kept. Each new
+connection opens with `hello` asking for batched events (a backend's token
+events of one loop turn in one message); a backend older than `hello` answers
+it with an error the core ignores, and sends one event per message.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from engine.client import build_hello
 from engine.daemon.curve import CurveClientKeys
 from ipc.codec import encode
 
@@ -52,13 +56,16 @@ class UpstreamLink:
         return out
 
     def monitor_events(self) -> list[int]:
-        """Connection events since the last call (zmq.EVENT_* values)."""
+        """Connection events since the last call (zmq.EVENT_* values); a new connection is sent `hello` first."""
         out: list[int] = []
         while True:
             try:
-                out.append(recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"])
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 return out
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.send(build_hello())
+            out.append(event)
 
     def close(self) -> None:
         try:

@@ -44,6 +44,7 @@ class FailRequest:
     message: str
     retryable: bool
     timing: dict | None = None  # as FinishRequest's, when the request was accepted (None: rejected at submit)
+    retry_after_ms: int | None = None  # a retryable 429/503: when to come back (engine/core/retry_after.py)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Batch planning: which decode lanes and prompt chunks go in a chip's next job (seed 001 §7-§8).
+"""Batch planning: which decode lanes and prompt chunks go in a chip's next job.
 
 The decisions of job building, kept apart from their effects so that each
 rule has one home and can be read (and changed) without the bookkeeping
@@ -68,12 +68,13 @@ class BatchPlanner:
         own) and again, in lane order, each time the lane gets a step. A lane
         passed over thus goes ahead of every lane served since: with n
         candidates for b lanes none waits more than about n / b jobs. A fixed
-        order (deadline, fair-queue tag) starved the lanes at its end whenever
-        more were ready than the job takes -- 9 for a B8, 20 for a B16, or
-        lanes followed step after step (executor.queue_next_step) ahead of a
-        ready one -- until the lanes ahead finished. Lanes that all fit keep
-        their order job after job (a followed batch stays as it is). Deadlines
-        still go first (seed 001 §7.2): a lane without one waits while lanes
+        order (deadline, fair-queue tag) would starve the lanes at its end
+        whenever more are ready than the job takes -- 9 for a B8, 20 for a
+        B16, or lanes followed step after step (executor.queue_next_step)
+        ahead of a ready one -- until the lanes ahead finish. Lanes that all
+        fit keep their order job after job (a followed batch stays as it is).
+        Deadlines go first, so that a lane's turn never comes after its
+        deadline for want of a place: a lane without one waits while lanes
         with deadlines fill the job; the tenant lane share applies on top
         (`pick_lanes`).
         """

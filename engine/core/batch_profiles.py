@@ -1,8 +1,8 @@
-"""Batch profile choice (seed 001 §8).
+"""Batch profile choice.
 
 A model declares the compiled batch sizes it has (B1/B4/B8/B16...).  The
 ready count picks a target: the largest profile B with ready >= ceil(ratio*B)
-(ratio 0.75 gives the seed's thresholds 12/6/3 for B16/B8/B4), otherwise the
+(ratio 0.75 gives the thresholds 12/6/3 for B16/B8/B4), otherwise the
 smallest profile; then every ready sequence that fits fills its lanes.  Low
 traffic gets a small batch at once rather than waiting to fill a large one.
 """

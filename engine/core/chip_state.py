@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.actions import ReleaseBlocks
 from engine.core.inflight_governor import InflightGovernor
 from engine.core.kv import KvManager
 from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin
+from engine.core.request_record import RequestRecord
 from ipc.records import JobKind
 
 
@@ -23,7 +25,8 @@ class InflightJob:
     submitted_at: float
     timeout_at: float
     steps: int = 1  # decode steps the worker runs before answering (multi-step decode)
-    # lanes whose request no longer waits for this job's output (a queued step whose predecessor was lost)
+    # lanes dropped from this job: their request takes nothing from its output (a queued step whose
+    # predecessor was lost)
     dropped: set[int] = field(default_factory=set)
     drafts: list[list[int]] | None = None  # per lane: draft tokens to verify (None: no lane speculates)
     model_drafts: list[bool] | None = None  # per lane: the worker's draft model proposes them (placeholders here)
@@ -52,3 +55,15 @@ class ChipState:
     @property
     def load(self) -> int:
         return len(self.bound) + len(self.inflight)
+
+    def may_follow(self, r: RequestRecord) -> None:
+        """r's job is running: its next step may be queued unless that job's token is its last (max_tokens),
+        or its output is constrained (the worker's matcher takes its tokens in order, job by job)."""
+        if r.stop.max_tokens - r.stop.produced > 1 and r.params.constraint is None:
+            self.followable[r.request_id] = None
+
+    def release_freed(self, out: list) -> None:
+        """The blocks freed since the last job, as a notice ahead of any job that may reuse one."""
+        freed = self.kv.take_freed()
+        if freed:
+            out.append(ReleaseBlocks(self.chip, freed))

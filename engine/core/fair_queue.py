@@ -1,4 +1,4 @@
-"""Weighted fair queueing across tenants (seed 001 §5.3).
+"""Weighted fair queueing across tenants.
 
 Each tenant has its own queue (ordered by request priority, then arrival).
 A backlogged tenant's head carries a virtual start tag, fixed when the tenant

@@ -8,7 +8,8 @@ until the decode board has taken them (claim, then release) or the hand-off
 deadline passes, whichever is first; so an abort anywhere (client cancel, a
 board killed, a failed transfer) frees the exporter's KV within the deadline.
 
-Moving the bytes (the backend's export/import of a list of blocks, issue 22)
+Moving the bytes (the backend's export/import of a list of blocks: the
+KV_EXPORT/KV_IMPORT jobs of docs/architecture.md, "KV tiers below the chips")
 is not here: `KvHandoffSource`/`KvHandoffSink` are the narrow interface a
 board plugs its capability into. A descriptor with no blocks, a sink that
 cannot import (layout mismatch, checksum, timeout) or a claim that fails
@@ -67,7 +68,7 @@ class ImportOutcome(enum.Enum):
 
 
 class KvHandoffSource(Protocol):
-    """The exporting side of a board's KV capability (issue 22): hold and expose a request's blocks."""
+    """The exporting side of a board's KV capability: hold and expose a request's blocks."""
 
     def export(self, blocks: Sequence[int]) -> Mapping[str, Any] | None:
         """Export `blocks` for a peer; returns the layout, or None when the backend cannot."""

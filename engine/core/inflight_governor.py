@@ -1,4 +1,4 @@
-"""How many jobs a chip may hold in flight now: ping/pong, and its automatic downgrade (seed 001 §14).
+"""How many jobs a chip may hold in flight now: ping/pong, and its automatic downgrade.
 
 With `executor.max_inflight = 2` a chip holds two batches with disjoint lanes,
 each with its own ring records and KV transaction. When that goes wrong in a

@@ -1,4 +1,4 @@
-"""The lifecycle state of one model generation (seed 001 §10–§12), with its allowed transitions.
+"""The lifecycle state of one model generation, with its allowed transitions (docs/models.md, "States").
 
 A generation is one load of one package under one alias. It is born
 Validating (resolve, verify, validate, capacity), is Configuring while its
@@ -8,7 +8,8 @@ replace move it to Draining (no new requests; those in flight finish until a
 deadline), then Unloading (workers stopped, shared memory freed) and
 Unloaded. A drain whose deadline passes with jobs still on a chip goes to
 Recovering instead: its buffers stay allocated until no job can write them
-(seed 001 §12: a forced delete is not a cancel). Failed is the end of a load
+(a forced unload does not stop a job already on the chip, which would write
+freed memory). Failed is the end of a load
 that did not pass a step; its resources are released like an unload's.
 """
 

@@ -10,8 +10,8 @@ generation and asks this table what to do.
   Ready generation (loading, draining for an unload). Once routed, a request
   stays pinned to its generation.
 * Publishing flips the alias to a new generation in one assignment, after
-  its golden cases and warm-up passed (seed 001 §10); the generation it
-  replaces starts draining.
+  its golden cases and warm-up passed (so a package that loads but answers
+  wrong never serves a request); the generation it replaces starts draining.
 * Capacity: each generation needs `need.memory_bytes` of the board's budget
   (its workers' weights and KV pools); a load whose need does not fit beside
   the generations holding resources is refused with the numbers.

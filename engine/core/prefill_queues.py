@@ -1,4 +1,4 @@
-"""Job opportunities shared by decode and three prefill size classes (seed 001 §6).
+"""Job opportunities shared by decode and three prefill size classes.
 
 Classes are served by smooth weighted round robin (decode:short:medium:long =
 8:4:2:1 by default) among the classes that have work, so a long prompt keeps a

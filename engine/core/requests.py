@@ -2,7 +2,7 @@
 
 The state machine is explicit so that a bug shows up as an assertion at the
 transition that should not have happened, not as a request that silently got
-two terminal events (seed 001 §2, §4).
+two terminal events (every accepted request gets exactly one).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from engine.core.constraint_spec import ConstraintSpec
 
 class RequestState(enum.Enum):
     NEW = "new"
-    WAITING_MODEL = "waiting_model"
     WAITING_ADMISSION = "waiting_admission"
     PREFILL_READY = "prefill_ready"
     PREFILL_RUNNING = "prefill_running"
@@ -36,8 +35,7 @@ _S = RequestState
 # moves plus the requeue edge (-> WAITING_ADMISSION) taken on preemption and
 # on a chip fault before any token was emitted.
 _LEGAL: dict[RequestState, frozenset[RequestState]] = {
-    _S.NEW: frozenset({_S.WAITING_MODEL, _S.WAITING_ADMISSION}),
-    _S.WAITING_MODEL: frozenset({_S.WAITING_ADMISSION}),
+    _S.NEW: frozenset({_S.WAITING_ADMISSION}),
     _S.WAITING_ADMISSION: frozenset({_S.PREFILL_READY}),
     _S.PREFILL_READY: frozenset({_S.PREFILL_RUNNING, _S.WAITING_ADMISSION}),
     _S.PREFILL_RUNNING: frozenset({_S.PREFILL_READY, _S.DECODE_READY, _S.FINISHING, _S.WAITING_ADMISSION}),

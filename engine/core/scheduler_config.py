@@ -27,7 +27,7 @@ class TenantPolicy:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # admission budget (seed 001 §5.1)
+    # admission budget
     max_sequences: int = 256
     max_kv_tokens: int = 0  # KV tokens the admitted sequences may hold reserved, board-wide; 0 = the KV pool
     max_waiting_requests: int = 128
@@ -36,7 +36,7 @@ class SchedulerConfig:
     # longest wait for admission (a burst beyond capacity gets 429 queue_wait_exceeded, not a late answer); 0 = off
     max_queue_wait_s: float = 0.0
     kv_watermark: float = 0.01  # fraction of a chip's blocks kept free at admission for decode growth
-    # queues: weighted round robin of job opportunities (seed 001 §6)
+    # queues: weighted round robin of job opportunities
     decode_weight: int = 8
     short_prefill_weight: int = 4
     medium_prefill_weight: int = 2
@@ -48,12 +48,12 @@ class SchedulerConfig:
     default_tenant: TenantPolicy = TenantPolicy()
     # One tenant's share of the lanes: of a decode batch's lanes, and of the admitted sequences
     # (max_sequences) while another tenant waits under its share -- then the over-share tenant's youngest
-    # idle lane is preempted (recompute) to make room (seed 001 §7.2). Below 1 so that a tenant flooding
+    # idle lane is preempted (recompute) to make room. Below 1 so that a tenant flooding
     # a full board cannot make another's request wait for one of its own to finish.
     max_tenant_lane_share: float = 0.5
     # batches
     profiles: tuple[int, ...] | None = None  # None: every profile the model declares
-    profile_fill_ratio: float = 0.75  # seed 001 §8: B16 at >=12 ready, B8 at >=6, B4 at >=3
+    profile_fill_ratio: float = 0.75  # B16 at >=12 ready, B8 at >=6, B4 at >=3 (engine.core.batch_profiles)
     batching_window_s: float = 0.0
     # mixed jobs: hold a job of prompts alone until arrivals pause this long (0 here, for the tests and the
     # simulator; the daemon's config default, batch.prefill_window_us, is 2 ms)
@@ -74,9 +74,9 @@ class SchedulerConfig:
     spec_max_batch_lanes: int = 4  # no drafts in a job of more decode lanes (compute-bound)
     # executor
     max_inflight: int = 1
-    # Queue a decode lane's next step while its current one runs (issue 23); off until measured faster.
+    # Queue a decode lane's next step while its current one runs; off until measured faster.
     queue_next_step: bool = False
-    # Multi-step decode (issue 23): a decode job runs up to this many steps on the worker when the batch is
+    # Multi-step decode: a decode job runs up to this many steps on the worker when the batch is
     # stable (no prompt waiting, no deadline within decode_steps_deadline_margin_s); 1 = off.
     decode_steps: int = 1
     decode_steps_deadline_margin_s: float = 1.0

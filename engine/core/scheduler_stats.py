@@ -65,7 +65,7 @@ class JobCounts:
 
 def queue_stats(now: float, requests: Mapping[int, RequestRecord], admission: list[int],
                 chips: Iterable[ChipState]) -> dict[str, dict[str, dict[str, float]]]:
-    """Depth and oldest wait (seconds) of every queue (seed 001 §16).
+    """Depth and oldest wait (seconds) of every queue (npuserve:queue_depth, npuserve:queue_oldest_wait_seconds).
 
     "admission" is the board's waiting queue (`admission`: its request ids, waiting since
     arrival); per chip, "decode" and the prefill classes (waiting since the request

@@ -11,7 +11,9 @@ requests of dropped clients are handed back to the loop to be cancelled.
 
 Token events are coalesced: tokens emitted for one request during one loop
 turn leave as one `tokens` event (`flush()`), which keeps the per-token cost
-out of the socket path. A request with `stream: false` gets no `tokens`
+out of the socket path. Every message carries exactly one event, as v1 was
+published, unless the connection asked for `batched_events` with `hello`:
+then a turn's token events to it leave as the frames of one message. A request with `stream: false` gets no `tokens`
 events; its `done` carries every token. When the model has a tokenizer the
 core's decoded text deltas ride along: `text` in each `tokens` event (and the
 whole text in a non-streamed `done`).
@@ -31,7 +33,7 @@ import zmq
 from engine.daemon.auth import Peer
 from engine.daemon.log import log
 from ipc.codec import PROTOCOL_VERSION, ProtocolError, decode_request, encode
-from ipc.schema import done_event, error_event, reply_event, tokens_event
+from ipc.schema import BATCHED_EVENTS, CAPABILITIES, done_event, error_event, reply_event, tokens_event
 
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
@@ -45,6 +47,9 @@ CLIENT_STALL_S = 10.0
 # A frame larger than this many times max_message_bytes makes libzmq drop the
 # connection (protects memory); smaller oversized frames get a 400 reply.
 _HARD_FRAME_FACTOR = 16
+# Connections remembered as having asked for batched events. ROUTER sockets hear of no disconnect, so the
+# set is bounded: forgetting the oldest only sends it one event per message again, which every client reads.
+MAX_BATCHED_CONNS = 4096
 
 
 class Conn(NamedTuple):
@@ -88,6 +93,8 @@ class FrontendCounters:
     blocked_clients: int = 0  # times a client's send queue was full (its tokens coalesce meanwhile)
     dropped_clients: int = 0  # peer gone, or stalled/overflowing: its requests cancelled
     dropped_events: int = 0
+    hellos: int = 0
+    batched_messages: int = 0  # messages that carried several events (to connections that asked for it)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -114,6 +121,7 @@ class Frontend:
         self._by_key: dict[tuple[Conn, str], int] = {}
         self._dirty: dict[int, Stream] = {}  # streams with pending tokens this turn
         self._dead: set[Conn] = set()
+        self._batched: collections.OrderedDict[Conn, None] = collections.OrderedDict()
         try:
             for ep in endpoints:
                 s = ctx.socket(zmq.ROUTER)
@@ -166,8 +174,28 @@ class Frontend:
                 self.counters.protocol_errors += 1
                 self.send(conn, e.to_event())
                 continue
+            if msg["op"] == "hello":
+                self._hello(conn, msg)
+                continue
             out.append((conn, msg))
         return out
+
+    def _hello(self, conn: Conn, msg: dict) -> None:
+        """Grant the capabilities this server has of those asked for; the connection's framing follows them."""
+        self.counters.hellos += 1
+        granted = [c for c in CAPABILITIES if c in msg["capabilities"]]
+        if BATCHED_EVENTS in granted:
+            self._batched[conn] = None
+            self._batched.move_to_end(conn)
+            while len(self._batched) > MAX_BATCHED_CONNS:
+                self._batched.popitem(last=False)
+        else:
+            self._batched.pop(conn, None)
+        self.reply(conn, msg["id"], "hello", {"capabilities": granted})
+
+    def batched(self, conn: Conn) -> bool:
+        """Whether `conn` asked for several events per message."""
+        return conn in self._batched
 
     # -- request bookkeeping -----------------------------------------------------
     def open(self, rid: int, conn: Conn, cid: str, stream: bool, logprobs: bool, text: bool = False,
@@ -237,21 +265,22 @@ class Frontend:
         self._close(st)
         self.send(st.conn, ev)
 
-    def fail(self, rid: int, code: int, reason: str, message: str, retryable: bool) -> None:
+    def fail(self, rid: int, code: int, reason: str, message: str, retryable: bool,
+             retry_after_ms: int | None = None) -> None:
         st = self._by_rid.get(rid)
         if st is None:
             return
         if st.stream:
             self._flush_one(st, final=True)
         self._close(st)
-        self.send(st.conn, error_event(st.cid, code, reason, message, retryable))
+        self.send(st.conn, error_event(st.cid, code, reason, message, retryable, retry_after_ms))
 
     def reply(self, conn: Conn, cid: str, ev: str, body: dict) -> None:
         self.send(conn, reply_event(cid, ev, body))
 
     def error(self, conn: Conn, cid: str | None, code: int, reason: str, message: str,
-              retryable: bool = False) -> None:
-        self.send(conn, error_event(cid, code, reason, message, retryable))
+              retryable: bool = False, retry_after_ms: int | None = None) -> None:
+        self.send(conn, error_event(cid, code, reason, message, retryable, retry_after_ms))
 
     def handle_guarded(self, handle: Callable, owner, conn: Conn, msg: dict, now: float) -> list:
         """`handle(owner, conn, msg, now)` for one request; a bug it trips costs that request a 500 (as its
@@ -275,8 +304,8 @@ class Frontend:
         if self._dirty:
             dirty = self._dirty
             self._dirty = {}
-            # One multipart message per client connection: its streams' token events as its frames (a client
-            # reads every frame as one event), so a turn costs a send per connection, not two per stream.
+            # Grouped by connection: one that asked for batched events gets them as the frames of one message
+            # (a send per connection per turn); any other gets one message per event.
             by_conn: dict[Conn, list[bytes]] = {}
             live = self._by_rid
             for st in dirty.values():
@@ -284,11 +313,15 @@ class Frontend:
                     payload = self._tokens_payload(st)
                     if payload is not None:
                         by_conn.setdefault(st.conn, []).append(payload)
+            batched = self._batched
             for conn, payloads in by_conn.items():
                 if len(payloads) == 1:
                     self.send_bytes(conn, payloads[0])
-                else:
+                elif conn in batched:
                     self.send_frames(conn, payloads)
+                else:
+                    for p in payloads:
+                        self.send_bytes(conn, p)
         return self.take_dead()
 
     def _flush_one(self, st: Stream, final: bool = False) -> None:
@@ -340,7 +373,9 @@ class Frontend:
             self.counters.blocked_clients += 1
 
     def send_frames(self, conn: Conn, payloads: list[bytes]) -> None:
-        """Several events to one client as the frames of one message (atomic: all or, queue full, none)."""
+        """Several events to one client that asked for `batched_events`, as the frames of one message (atomic:
+        all or, queue full, none)."""
+        assert conn in self._batched, "several events in one message only to a connection that asked for it"
         if self._dead and conn in self._dead:
             self.counters.dropped_events += len(payloads)
             return
@@ -359,6 +394,7 @@ class Frontend:
             for i, p in enumerate(payloads):
                 send(p, zmq.NOBLOCK if i == last else _MORE)
             self.counters.events_out += len(payloads)
+            self.counters.batched_messages += 1
         except zmq.Again:  # only the first frame can meet a full queue: nothing was sent
             self._blocked[conn] = _Blocked(self.clock(), collections.deque(payloads))
             self.counters.blocked_clients += 1
@@ -407,6 +443,7 @@ class Frontend:
     def _mark_dead(self, conn: Conn) -> None:
         self._dead.add(conn)
         self._blocked.pop(conn, None)
+        self._batched.pop(conn, None)
         self.counters.dropped_clients += 1
 
     def take_dead(self) -> list[int]:
@@ -420,10 +457,10 @@ class Frontend:
             self._close(self._by_rid[rid])
         return rids
 
-    def fail_all(self, code: int, reason: str, message: str) -> None:
+    def fail_all(self, code: int, reason: str, message: str, retry_after_ms: int | None = None) -> None:
         """Last resort (the core is unusable): every open request gets an error event."""
         for rid in list(self._by_rid):
-            self.fail(rid, code, reason, message, retryable=True)
+            self.fail(rid, code, reason, message, retryable=True, retry_after_ms=retry_after_ms)
 
 
 @dataclass

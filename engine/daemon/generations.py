@@ -35,7 +35,7 @@ class Generations:
                  wake: Callable[[], None], register: Callable[[Generation, int], None],
                  unregister: Callable[[Generation, int], None], observe: Callable[[], ChipObserver | None],
                  extra_backend_options: dict | None = None) -> None:
-        self.cfg = cfg  # the running configuration (a SIGHUP reload replaces it: engine/daemon/service.py)
+        self.cfg = cfg  # the running configuration (a SIGHUP reload replaces it: engine/daemon/lifecycle/service.py)
         self.ctx = None  # the loop's zmq.Context, set at start-up (the workers' sockets)
         self.clock = clock
         self.model_alias = default_alias  # the board's default alias: requests without `model` get it
@@ -44,6 +44,7 @@ class Generations:
         self.load_jobs: list[LoadJob] = []
         self.accepting = True  # the board admits new requests (drain/resume, SIGTERM)
         self.drain_deadline: float | None = None  # an admin drain's end: what is still live then gets 503
+        self.reopen_at: float | None = None  # while not accepting: the drain's end (the refusals' retry_after_ms)
         self.extra_backend_options = dict(extra_backend_options or {})
         self._apply, self.wake = apply, wake
         self._register, self._unregister, self._observe = register, unregister, observe
@@ -85,13 +86,15 @@ class Generations:
         return out
 
     # -- admission -------------------------------------------------------------------------
-    def set_accepting(self, accepting: bool) -> None:
+    def set_accepting(self, accepting: bool, reopen_at: float | None = None) -> None:
+        """`reopen_at`: when a refused request may come back (a drain's deadline; None: not known)."""
         self.accepting = accepting
+        self.reopen_at = None if accepting else reopen_at
         if accepting:
             self.drain_deadline = None
         for g in self.serving_generations():
             if g.rec.state is ModelState.READY:  # a load's golden cases run whatever the board admits
-                g.scheduler.set_accepting(accepting, "draining")
+                g.scheduler.set_accepting(accepting, "draining", self.reopen_at)
 
     # -- loads (called by the admin ops and the load jobs) ------------------------------------
     def run_in_thread(self, fn) -> concurrent.futures.Future:
@@ -141,7 +144,7 @@ class Generations:
     def publish(self, g: Generation, now: float) -> GenerationRecord | None:
         """The alias flips to `g` (one assignment); returns the generation it replaced (to drain)."""
         g.cfg = self.cfg  # a SIGHUP during the load: the running configuration
-        g.serve(self.accepting)
+        g.serve(self.accepting, self.reopen_at)
         return self.models.publish(g.rec, now)
 
     def drop_generation(self, g: Generation) -> None:
@@ -174,6 +177,8 @@ class Generations:
     def drain_board(self, now: float, timeout_s: float) -> None:
         """Admin `drain`: admission closes; requests still live `timeout_s` from now are ended (`drains`)."""
         self.drain_deadline = now + timeout_s
+        if not self.accepting:  # refusals meanwhile say when to come back: the drain's end
+            self.set_accepting(False, self.reopen_at if self.reopen_at is not None else self.drain_deadline)
 
     def drains_due(self, now: float) -> bool:
         """Between supervision ticks: an unload waits for its workers, or a drain deadline has passed."""

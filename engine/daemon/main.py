@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
         return _startup_failed(EXIT_CONFIG, "configuration error: " + "; ".join(e.errors), e.errors)
     configure_log(cfg.log.level, cfg.log.format)
 
-    from engine.daemon.loop import Daemon, StartupError
+    from engine.daemon.daemon import Daemon, StartupError
 
     log("starting", board=cfg.board.id, backend=cfg.board.backend, chips=cfg.board.chips, config=args.config)
     try:

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.actions import Action
 from engine.core.requests import GenerateParams
+from engine.core.retry_after import NOT_READY_RETRY_S, clamp_ms
 from engine.daemon.constraint_cache import BOARD_CACHE, ConstraintRejected
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
 from engine.daemon.auth import is_admin, tenant_for, visible_stats
-from engine.daemon.handoff_intake import take_handoff
-from engine.daemon.handoff_shm import advertise, take_from_host_pool
+from engine.daemon.handoff.intake import take_handoff
+from engine.daemon.handoff.shm import advertise, take_from_host_pool
 from engine.daemon.log import log
 from engine.daemon.models import admin_ops
 from engine.core.model_table import RouteOutcome
@@ -66,7 +67,7 @@ class OpContext:
     views: "Views"
     apply: Callable[[list, "Generation", float], None]
     set_accepting: Callable[[bool], None]  # drain/resume (a SIGTERM drain cannot be resumed)
-    transfers: Any = None  # engine.daemon.handoff_transfer.Transfers: KV pulls between boards, or None
+    transfers: Any = None  # engine.daemon.handoff.transfer.Transfers: KV pulls between boards, or None
 
 
 def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
@@ -80,7 +81,8 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
             fe.error(conn, cid, 404, "model_not_found", route.message)
             return []
         if route.outcome is RouteOutcome.UNAVAILABLE:
-            fe.error(conn, cid, 503, "model_unavailable", route.message, retryable=True)
+            fe.error(conn, cid, 503, "model_unavailable", route.message, retryable=True,
+                     retry_after_ms=clamp_ms(NOT_READY_RETRY_S))
             return []
         g = gens.generations[route.generation.id]
         msg["tenant"] = tenant_for(conn, msg["tenant"])
@@ -101,9 +103,9 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         if "handoff" in msg:
             tr = o.transfers
             if take_from_host_pool(g, msg["handoff"], params, None if tr is None else tr.client.ctx):
-                pass  # one host: copied from the prefill board's host slot pool (engine/daemon/handoff_shm.py)
+                pass  # one host: copied from the prefill board's host slot pool (engine/daemon/handoff/shm.py)
             elif tr is not None and tr.client.park(g, rid, msg["handoff"], params, now):
-                return []  # submitted when the KV pull ends (engine/daemon/handoff_transfer.py)
+                return []  # submitted when the KV pull ends (engine/daemon/handoff/transfer.py)
             else:
                 desc = take_handoff(g, gens.cfg, rid, msg["handoff"], params, now,
                                     {**({} if tr is None or tr.server is None else tr.server.descriptor_fields()),

@@ -12,8 +12,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine.daemon.handoff_intake import HANDOFF_COUNTER_KEYS
-from engine.daemon.liveness import LoopLiveness
+from engine.daemon.handoff.intake import HANDOFF_COUNTER_KEYS
+from engine.daemon.lifecycle.liveness import LoopLiveness
 from engine.daemon.load_report import load_report
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ class Views:
     def __init__(self, gens: "Generations", frontend: "Frontend", liveness: LoopLiveness, *, started_at: float,
                  loop_counters: dict[str, int], metric_families: Callable[[float], list[dict]]) -> None:
         """`loop_counters`: the loop's own counters (read live); `metric_families(now)`: the metric families
-        as of now (engine.daemon.observe.Observers.families)."""
+        as of now (engine.daemon.observability.observers.Observers.families)."""
         self.gens = gens
         self.frontend = frontend
         self.liveness = liveness

@@ -63,8 +63,7 @@ def json_response(obj, status: int = 200) -> Response:
 
 
 def error_response(e: OpenAIError) -> Response:
-    headers = {"www-authenticate": "Bearer"} if e.status == 401 else None
-    return Response(e.json(), status_code=e.status, media_type=JSON, headers=headers)
+    return Response(e.json(), status_code=e.status, media_type=JSON, headers=e.headers())
 
 
 async def wait_disconnect(receive) -> None:
@@ -229,7 +228,7 @@ class Front:
             name = req.model or (served.alias if served else "")
             if served is None:
                 raise OpenAIError(503, "the front has not learned the served model from the upstream yet",
-                                  code="upstream_unavailable")
+                                  code="upstream_unavailable", retry_after_ms=self.upstream.retry_after_ms())
             if served.template is None:
                 raise no_template(name) if not served.problem else OpenAIError(
                     400, f"model {name!r} has no chat template: {served.problem}", param="messages",
@@ -446,7 +445,8 @@ class Front:
             return msg["prompt"]
         if served is None or served.tokenizer is None:
             raise OpenAIError(503, "the front does not know the model's tokenizer yet (the upstream has not "
-                                   "answered)", code="upstream_unavailable")
+                                   "answered)", code="upstream_unavailable",
+                              retry_after_ms=self.upstream.retry_after_ms())
         return served.tokenizer.encode(msg["text"])
 
     async def tokenize(self, request: Request) -> Response:

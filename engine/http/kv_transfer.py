@@ -76,13 +76,13 @@ def _sane(d: dict) -> dict:
             type(k) is str and len(k) <= 64 and type(x) in (int, str) and len(str(x)) <= 256
             for k, x in layout.items()):
         out["layout"] = layout
-    ep = d.get("endpoint")  # the exporter's KV transfer endpoint (engine/daemon/handoff_transfer.py)
+    ep = d.get("endpoint")  # the exporter's KV transfer endpoint (engine/daemon/handoff/transfer.py)
     if type(ep) is str and ep.startswith(("tcp://", "ipc://")) and len(ep) <= 256:
         out["endpoint"] = ep
     key = d.get("curve_key")
     if type(key) is str and Z85_KEY_RE.match(key):
         out["curve_key"] = key
-    hp = d.get("host_pool")  # the exporter's host KV slot pool (engine/daemon/handoff_shm.py)
+    hp = d.get("host_pool")  # the exporter's host KV slot pool (engine/daemon/handoff/shm.py)
     if type(hp) is dict and sorted(hp) == ["host", "layout", "name", "slot_bytes", "slots"] and all(
             type(hp[k]) is str and 0 < len(hp[k]) <= 255 for k in ("host", "layout", "name")) and all(
             type(hp[k]) is int and 0 < hp[k] < 1 << 40 for k in ("slots", "slot_bytes")):

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from engine.daemon.metrics import PREFIX, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+from engine.daemon.observability.metrics import PREFIX, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 # The front's added TTFT is meant to be ~1 ms: finer buckets than the daemon's.
 ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)

@@ -16,6 +16,7 @@ import contextlib
 import logging
 
 from engine.async_client import AsyncClient
+from engine.core.retry_after import clamp_ms
 from engine.errors import ClientError
 from engine.http.openai_error import OpenAIError
 from engine.http.served_model import ServedModel, load_served_model
@@ -51,9 +52,13 @@ class Upstream:
                 await self._task
         await self.client.close()
 
+    def retry_after_ms(self) -> int:
+        """When a request refused for want of the upstream may come back: its next health check."""
+        return clamp_ms(self.health_interval_s)
+
     def unavailable(self) -> OpenAIError:
         return OpenAIError(503, f"the upstream {self.endpoint} does not answer; retry later",
-                           code="upstream_unavailable")
+                           code="upstream_unavailable", retry_after_ms=self.retry_after_ms())
 
     def require_up(self) -> AsyncClient:
         if not self.up:
@@ -112,7 +117,8 @@ class Upstream:
 
     def _lost(self) -> None:
         self.up = False
-        self.client.abort_all(503, "upstream_unavailable", f"the upstream {self.endpoint} stopped answering")
+        self.client.abort_all(503, "upstream_unavailable", f"the upstream {self.endpoint} stopped answering",
+                              self.retry_after_ms())
         self._replace_client()
 
     def _replace_client(self) -> None:

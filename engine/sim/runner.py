@@ -84,7 +84,7 @@ def simulate(policy: str, concurrency: int, workload: list[SimRequest], *, chips
              latency: LatencyModel | None = None, profiles: tuple[int, ...] = SIM_PROFILES,
              max_seq: int = SIM_MAX_SEQ, num_blocks: int = SIM_NUM_BLOCKS, block_size: int = SIM_BLOCK_SIZE,
              config: SchedulerConfig | None = None, trace: dict | None = None) -> SimResult:
-    """Serve `workload` with at most `concurrency` requests outstanding; returns the seed-002 metrics.
+    """Serve `workload` with at most `concurrency` requests outstanding; returns its figures (`SimResult`).
 
     `trace`, when given, receives per-request {index: (arrival, first_token, done)} times.
     """

@@ -1,4 +1,4 @@
-"""Synthetic closed-loop workloads for the simulator (seed 002's generator)."""
+"""Synthetic closed-loop workloads for the simulator: gaussian lengths, as docs/benchmarks.md (`npuserve simulate`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ class SimRequest:
 
 def make_workload(n: int, prompt_mean: int = 1024, gen_mean: int = 256, *, prompt_sd: float = 200.0,
                   gen_sd: float = 50.0, vocab: int = 32000, max_seq: int = 2048, seed: int = 42) -> list[SimRequest]:
-    """Gaussian prompt/generation lengths (floors 64/16 as in seed 002), clipped to fit max_seq."""
+    """Gaussian prompt/generation lengths, clipped to fit max_seq.
+
+    Floors of 64 prompt and 16 generated tokens when the means allow them, the same as `npuserve bench`'s
+    `normal:` lengths (tools/load/workload.py), so a simulated run and a daemon's draw alike.
+    """
     rng = random.Random(seed)
     out = []
     for i in range(n):

@@ -198,22 +198,20 @@ def _threaded(world: int, mode: str, sizes: list[int], seed: int) -> list[list[n
     return outs
 
 
-try:
-    from hypothesis import given, settings, strategies as st
-except ImportError:  # pragma: no cover - hypothesis is a test dependency
-    given = None
+# imported below the script entry: a child rank (this file run as a script) does its work before reaching it
+from hypothesis import given, settings, strategies as st  # noqa: E402
 
-if given is not None:
-    @settings(max_examples=15, deadline=None)
-    @given(world=st.integers(2, 3), mode=st.sampled_from(["shared", "rsag"]),
-           sizes=st.lists(st.integers(0, 3 * SLOT // 4), min_size=1, max_size=12), seed=st.integers(0, 1 << 16))
-    def test_property_any_call_sequence_sums_exactly_on_every_rank(world, mode, sizes, seed):
-        """Any sequence of sizes (empty, within a slot, across slot boundaries): every call is the sum of
-        that call's parts, equal on every rank -- the two parities never let a rank read a slot a peer
-        is already rewriting."""
-        outs = _threaded(world, mode, sizes, seed)
-        for call, size in enumerate(sizes):
-            want = _expected(seed, call, world, size)
-            for r in range(world):
-                np.testing.assert_allclose(outs[r][call], want, rtol=0, atol=1e-5)
-                assert np.array_equal(outs[r][call], outs[0][call])
+
+@settings(max_examples=15, deadline=None)
+@given(world=st.integers(2, 3), mode=st.sampled_from(["shared", "rsag"]),
+       sizes=st.lists(st.integers(0, 3 * SLOT // 4), min_size=1, max_size=12), seed=st.integers(0, 1 << 16))
+def test_property_any_call_sequence_sums_exactly_on_every_rank(world, mode, sizes, seed):
+    """Any sequence of sizes (empty, within a slot, across slot boundaries): every call is the sum of
+    that call's parts, equal on every rank -- the two parities never let a rank read a slot a peer
+    is already rewriting."""
+    outs = _threaded(world, mode, sizes, seed)
+    for call, size in enumerate(sizes):
+        want = _expected(seed, call, world, size)
+        for r in range(world):
+            np.testing.assert_allclose(outs[r][call], want, rtol=0, atol=1e-5)
+            assert np.array_equal(outs[r][call], outs[0][call])

@@ -365,3 +365,28 @@ def test_decode_job_is_build_job_of_the_same_lanes(data):
     for name in FIELDS:
         assert getattr(got, name).dtype == getattr(want, name).dtype, name
 
+
+
+def _result_arrays(meta: np.ndarray) -> dict[str, np.ndarray]:
+    return {"meta": meta, "tokens": np.array([5], np.int32), "logprobs": np.array([-1.5], np.float32)}
+
+
+def test_a_result_records_meta_is_one_int64_per_slot_in_wire_order():
+    """The wire layout of a result's `meta`, written out by hand: job id, generation, kind, status,
+    device_us, worker_us, masks, mask_us, device_start_ns, idle_us (a worker and a daemon agree on it)."""
+    res = JobResult(job_id=71, generation=72, kind=JobKind.DECODE, status=JobStatus.INVALID,
+                    tokens=np.array([5], np.int32), logprobs=np.array([-1.5], np.float32), device_us=74,
+                    worker_us=75, masks=76, mask_us=77, device_start_ns=78, idle_us=79)
+    meta = res.to_arrays()["meta"]
+    assert meta.dtype == np.dtype("<i8")
+    assert meta.tolist() == [71, 72, 2, 2, 74, 75, 76, 77, 78, 79]
+    got = JobResult.from_arrays(_result_arrays(meta))
+    assert (got.job_id, got.generation, got.kind, got.status, got.device_us, got.worker_us, got.masks,
+            got.mask_us, got.device_start_ns, got.idle_us) == (71, 72, JobKind.DECODE, JobStatus.INVALID,
+                                                               74, 75, 76, 77, 78, 79)
+
+
+def test_a_result_meta_without_the_occupancy_slots_reads_as_unknown_occupancy():
+    got = JobResult.from_arrays(_result_arrays(np.array([71, 72, 2, 0, 74, 75, 76, 77], np.int64)))
+    assert (got.job_id, got.status, got.worker_us, got.masks, got.mask_us) == (71, JobStatus.OK, 75, 76, 77)
+    assert (got.device_start_ns, got.idle_us) == (0, -1)

@@ -230,3 +230,30 @@ def test_event_reader_ignores_unknown_fields_but_checks_known_ones():
         with pytest.raises(ProtocolError) as info:
             validate_event(obj)
         assert info.value.reason == reason, obj
+
+
+# ---------------------------------------------------------------- hello
+
+
+def test_hello_takes_capability_names_and_passes_unknown_ones():
+    out = validate_request({"v": 1, "op": "hello", "id": "h", "capabilities": ["batched_events", "from_the_future"]})
+    assert out["capabilities"] == ["batched_events", "from_the_future"]
+    assert validate_request({"v": 1, "op": "hello", "id": "h"})["capabilities"] == []
+
+
+@pytest.mark.parametrize("caps, reason", [
+    ("batched_events", "bad_type"),
+    ([1], "bad_type"),
+    (["Batched-Events"], "out_of_range"),
+    (["x" * 65], "out_of_range"),
+    (["a"] * 17, "out_of_range"),
+])
+def test_hello_rejects_malformed_capabilities(caps, reason):
+    with pytest.raises(ProtocolError) as e:
+        validate_request({"v": 1, "op": "hello", "id": "h", "capabilities": caps})
+    assert e.value.reason == reason and "capabilities" in e.value.message
+
+
+def test_hello_reply_is_an_event_clients_read():
+    ev = reply_event("h", "hello", {"capabilities": ["batched_events"]})
+    assert validate_event(ev) == {"v": 1, "ev": "hello", "id": "h", "capabilities": ["batched_events"]}

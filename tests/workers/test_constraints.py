@@ -13,7 +13,9 @@ from engine.daemon.constraint_cache import ConstraintCache, ConstraintRejected, 
 from ipc.records import Job, JobKind, Lane, build_job
 from workers.backends.ref import RefBackend
 from workers.constraints import LaneMask
-from workers.main import _sample_masked, constraint_book, execute_job
+from workers.execute_job import execute_job
+from workers.lane_sampling import sample_masked
+from workers.main import constraint_book
 from workers.sampling import sample
 from workers.model_maker import make_model
 from workers.package_loader import load_package
@@ -136,6 +138,44 @@ def test_regex_and_grammar_outputs_match(backend, package):
     assert re.fullmatch(r"<[a-z]{1,5}>", output(runs[2], eos))
 
 
+def _chars_led_by(byte: int) -> tuple[int, int]:
+    """The code points whose UTF-8 encoding starts with `byte` (ASCII: itself; a lead byte: its block)."""
+    if byte < 0x80:
+        return byte, byte
+    for first, last, payload, bits, floor in ((0xC2, 0xDF, 0x1F, 6, 0x80), (0xE0, 0xEF, 0x0F, 12, 0x800),
+                                              (0xF0, 0xF4, 0x07, 18, 0x10000)):
+        if first <= byte <= last:
+            lo = (byte & payload) << bits
+            hi = min(lo + (1 << bits) - 1, 0x10FFFF)
+            return max(lo, floor), (0xD7FF if lo == 0xD000 else hi)  # no surrogates in a regex class
+    raise AssertionError(f"token {byte} starts no character")
+
+
+def test_a_mostly_allowed_step_masks_the_denied_ids(backend, package):
+    """Where the constraint allows most of the vocabulary, the worker hands the mask over as the denied ids
+    (LaneMask's deny form): the model's own greedy choice, denied there, is not sampled; the best allowed
+    token is."""
+    eos, vocab = package.eos_ids[0], backend.describe().vocab_size
+    book = constraint_book(package, backend.describe())
+    free = Run(1, None, 0, 0.0, 0, list(range(8)))
+    step(backend, book, [free], prefill=True)
+    top = free.tokens[-1]  # the model's greedy first token, unconstrained
+    assert top < 256, "the premise: the model's first choice is a byte a regex can deny"
+    lo, hi = _chars_led_by(top)
+    cid, grammar = compiled("regex", rf"[^\x{{{lo:x}}}-\x{{{hi:x}}}]{{1,8}}")  # any 1-8 characters but those
+    r = Run(2, grammar, cid, 0.0, 0, list(range(8, 16)))
+    first = build_job(JobKind.PREFILL, [r.lane(True)])
+    mask = LaneMask.of(constraint_book(package, backend.describe()).allowed(first, np.array([0]), vocab)[0])
+    assert mask.deny is not None and top in mask.deny  # the dense form, and it denies the model's choice
+    logits = backend.prefill(first).logits[0]
+    best_allowed = max(set(range(vocab)) - set(mask.deny.tolist()), key=lambda t: logits[t])
+    step(backend, book, [r], prefill=True)
+    assert r.tokens[len(PROMPT)] == best_allowed != top
+    finish(backend, book, [r], eos, max_new=40)
+    assert r.tokens[-1] == eos
+    assert re.fullmatch(rf"[^{re.escape(chr(lo))}-{re.escape(chr(hi))}]{{1,8}}", output(r, eos))
+
+
 def test_unconstrained_neighbours_get_the_tokens_they_get_alone(backend, package):
     eos = package.eos_ids[0]
     cid, grammar = compiled("json_object", "")
@@ -214,7 +254,7 @@ def test_compact_masks_sample_exactly_what_full_rows_with_minus_inf_sample():
                          for lane in range(b)], np.float32)
         want, _ = sample(full, job.temperature, job.top_p, job.top_k, job.seed, job.context_lens)
         tokens, logprobs = np.full(b, -1, np.int32), np.zeros(b, np.float32)
-        _sample_masked(job, logits, lanes, tokens, logprobs, {lane: LaneMask.of(ok) for lane, ok in oks.items()})
+        sample_masked(job, logits, lanes, tokens, logprobs, {lane: LaneMask.of(ok) for lane, ok in oks.items()})
         assert tokens.tolist() == want.tolist(), trial
         assert all(oks[lane][tokens[lane]] for lane in oks)
         _, raw = sample(logits, job.temperature, job.top_p, job.top_k, job.seed, job.context_lens)

@@ -12,7 +12,7 @@ import pytest
 
 from ipc.records import JobKind, JobStatus, Lane, build_job
 from workers.backends.ctypes_backend import CtypesBackend, NativeLibraryError, build_reference_library
-from workers.main import device_loop_job, execute_job
+from workers.execute_job import device_loop_job, execute_job
 
 BS = 16
 TABLE_WIDTH = 6

@@ -2,8 +2,10 @@
 
 Each backend exports blocks into a real shared-memory slot pool (and block
 files), a second instance of it (another worker) imports them into other
-block ids, and exports those again: the same bytes. Records of another layout,
-or damaged ones, are refused before anything is written.
+block ids, and exports those again: the same bytes. The stub and the sim keep
+no KV of their own, so there they run under a subclass that keeps what it is
+given. Records of another layout, or damaged ones, are refused before
+anything is written.
 """
 
 from __future__ import annotations
@@ -28,13 +30,35 @@ def library(tmp_path_factory):
     return str(build_reference_library(tmp_path_factory.mktemp("lib")))
 
 
-def _make(kind: str, library: str, **kw):
+def _keeping(cls):
+    """The stub and the sim keep no KV (swap_out is nominal zeros, swap_in only checks the shape): this
+    subclass keeps what swap_in wrote, so the bytes compared are the bytes the transfer moved."""
+
+    class Keeping(cls):
+        def swap_out(self, blocks: np.ndarray) -> np.ndarray:
+            out = super().swap_out(blocks)  # the backend's own id and shape checks (and the sim's queue time)
+            kept = self.__dict__.setdefault("kept", {})
+            for i, blk in enumerate(np.asarray(blocks).tolist()):
+                if blk in kept:
+                    out[i] = kept[blk]
+            return out
+
+        def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
+            super().swap_in(blocks, data)
+            kept = self.__dict__.setdefault("kept", {})
+            for blk, d in zip(np.asarray(blocks).tolist(), data):
+                kept[blk] = np.array(d)
+
+    return Keeping
+
+
+def _make(kind: str, library: str, keep: bool = False, **kw):
     if kind == "ref":
         b = RefBackend(num_blocks=16)
     elif kind == "stub":
-        b = StubBackend(num_blocks=16, **kw)
+        b = (_keeping(StubBackend) if keep else StubBackend)(num_blocks=16, **kw)
     elif kind == "sim":
-        b = SimBackend(num_blocks=16, time_scale=0.01, **kw)
+        b = (_keeping(SimBackend) if keep else SimBackend)(num_blocks=16, time_scale=0.01, **kw)
     else:
         b = CtypesBackend(library=library, num_blocks=16, block_size=16)
     b.load(None)
@@ -42,15 +66,17 @@ def _make(kind: str, library: str, **kw):
 
 
 def _fill(b) -> None:
-    """Give the device KV recognisable content."""
+    """Give the device KV recognisable content: different in every block and position."""
     if isinstance(b, RefBackend):
         c = b.cache
         c.k[:] = np.random.default_rng(1).standard_normal(c.k.shape)
         c.v[:] = np.random.default_rng(2).standard_normal(c.v.shape)
-    elif isinstance(b, CtypesBackend):
+    else:  # device-resident KV (the library's pool, reached through the ABI) or the kept one
         ids = np.arange(b.num_blocks)
-        shape = b.swap_out(ids).shape  # device-resident KV: the library's pool, reached through the ABI
-        b.swap_in(ids, np.random.default_rng(3).integers(0, 255, shape, dtype=np.uint8))
+        out = b.swap_out(ids)
+        rng = np.random.default_rng(3)
+        b.swap_in(ids, rng.integers(0, 255, out.shape, dtype=np.uint8) if out.dtype == np.uint8
+                  else rng.standard_normal(out.shape).astype(out.dtype))
 
 
 def _job(kind: JobKind, src, dst, where) -> Job:
@@ -62,8 +88,14 @@ def _job(kind: JobKind, src, dst, where) -> Job:
 
 @pytest.mark.parametrize("kind", ["ref", "stub", "sim", "ctypes"])
 def test_export_then_import_on_another_worker_moves_the_same_bytes(kind, library, tmp_path):
-    a, b = _make(kind, library), _make(kind, library)
+    a, b = _make(kind, library, keep=True), _make(kind, library, keep=True)
     _fill(a)
+    src, dst = np.array([3, 5, 9]), np.array([10, 2, 7])
+    sent = a.swap_out(src)
+    # the comparison can fail: each block its own bytes, and the destination blocks held other bytes before
+    assert len({blk.tobytes() for blk in sent}) == len(src) and all(np.any(blk != 0) for blk in sent)
+    before = b.swap_out(dst)
+    assert not any(np.array_equal(x, y) for x, y in zip(sent, before))
     info = a.describe()
     assert info.kv_transfer is not None
     pool = KvSlotPool.create("npuservetest", "0", 8, record_bytes(info.kv.block_bytes()))
@@ -71,7 +103,7 @@ def test_export_then_import_on_another_worker_moves_the_same_bytes(kind, library
         ha, hb = HostKv(pool, a, info, str(tmp_path)), HostKv(pool, b, b.describe(), str(tmp_path))
         ha.run(_job(JobKind.KV_EXPORT, [3, 5, 9], [0, 1, -1], [HOST, HOST | DISK, DISK]))
         hb.run(_job(JobKind.KV_IMPORT, [0, 1, -1], [10, 2, 7], [HOST, DISK, DISK]))
-        assert np.array_equal(a.swap_out(np.array([3, 5, 9])), b.swap_out(np.array([10, 2, 7])))
+        np.testing.assert_array_equal(b.swap_out(dst), sent)
     finally:
         pool.close()
         pool.unlink()

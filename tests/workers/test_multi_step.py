@@ -8,7 +8,7 @@ import pytest
 from ipc.records import JobKind, JobStatus, Lane, build_job
 from workers.backends.ctypes_backend import CtypesBackend, build_reference_library
 from workers.backends.ref import RefBackend
-from workers.main import execute_job
+from workers.execute_job import execute_job
 from workers.model_maker import make_model
 from workers.package_loader import load_package
 

@@ -116,9 +116,10 @@ def backend_raises(res: ScenarioResult) -> None:
         res.recovery_s = 0.0
 
 
-# Ping/pong plus queued next steps (issue 23). No prefix cache: an idle chip's KV pool is then all free, so
-# "back to its value before the load" is exact (a cache would keep blocks of finished prompts). Heartbeats
-# every 200 ms: a worker let run for a moment between two freezes is heard from.
+# Ping/pong plus queued next steps: the most a frozen or killed worker can have in flight. No prefix cache: an
+# idle chip's KV pool is then all free, so "back to its value before the load" is exact (a cache would keep
+# blocks of finished prompts). Heartbeats every 200 ms: a worker let run for a moment between two freezes is
+# heard from.
 INFLIGHT = ("executor.max_inflight=2", "executor.queue_next_step=true", "kv.prefix_cache=false",
             "recovery.heartbeat_interval_ms=200")
 
@@ -129,7 +130,7 @@ def _chip_stats(d: DaemonUnderTest, chip: int) -> tuple[dict, dict]:
 
 
 def _kv_idle(res: ScenarioResult, d: DaemonUnderTest, before: dict, when: str) -> dict:
-    """Nothing of the load left in the scheduler or the chip's KV: the pool as before it, no sequence held."""
+    """Nothing of the load left in the scheduler or the chip's KV: block counts back to `before`, no sequence held."""
     s, c = _chip_stats(d, 0)
     kv = c["kv"]
     res.expect(kv["blocks"] == before, f"{when}: KV blocks {kv['blocks']}, before the load {before}")

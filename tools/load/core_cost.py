@@ -30,7 +30,7 @@ from engine.core.actions import EmitTokens, FailRequest, FinishRequest, ReleaseB
 from engine.core.requests import GenerateParams
 from engine.core.scheduler import ChipSpec, ModelSpec, Scheduler
 from engine.core.scheduler_config import scheduler_config_from
-from engine.daemon.metrics import MetricsRecorder
+from engine.daemon.observability.metrics import MetricsRecorder
 from engine.daemon.text_io import piece_function, served_tokenizer
 from ipc.records import Job, JobResult, JobStatus
 from ipc.ring import Ring

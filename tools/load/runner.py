@@ -85,7 +85,8 @@ class _ZmqDriver:
     async def __aenter__(self) -> "_ZmqDriver":
         from engine.async_client import AsyncClient
 
-        self.cs = [await AsyncClient(e, timeout=self.spec.get("timeout", 600)).__aenter__()
+        self.cs = [await AsyncClient(e, timeout=self.spec.get("timeout", 600),
+                                     batched_events=self.spec.get("batched_events", True)).__aenter__()
                    for e in self.spec["endpoints"]]
         return self
 
@@ -264,8 +265,10 @@ def run_here(endpoint: str, requests: list[Request], *, concurrency: int | None,
 
 def run(endpoint: str | list[str] | None, requests: list[Request], *, concurrency: int | None, clients: int = 2,
         on_record: Callable[[Record], None] | None = None, timeout: float = 600.0, openai: str | None = None,
-        api_key: str | None = None, model: str | None = None) -> list[Record]:
+        api_key: str | None = None, model: str | None = None, batched_events: bool = True) -> list[Record]:
     """Send `requests` (closed loop at `concurrency`, or open loop when it is None); one Record each.
+
+    `batched_events=False`: the ZeroMQ clients do not ask for batched events (one event per message).
 
     Over ZeroMQ to `endpoint` (a list: each client process spreads its requests over all of them), or with `openai` (a server's base URL) over HTTP to an OpenAI-compatible
     server, `model` and `api_key` going into each request.
@@ -281,7 +284,7 @@ def run(endpoint: str | list[str] | None, requests: list[Request], *, concurrenc
         if concurrency:
             share = concurrency // k + (1 if i < concurrency % k else 0)
         spec = {"endpoints": [endpoint] if isinstance(endpoint, str) else endpoint, "concurrency": share, "start_at": start_at, "timeout": timeout,
-                "openai": openai, "api_key": api_key, "model": model,
+                "openai": openai, "api_key": api_key, "model": model, "batched_events": batched_events,
                 "requests": [_wire(r) for r in shares[i]]}
         p = subprocess.Popen([sys.executable, "-m", "tools.load.runner"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE)

@@ -1,7 +1,7 @@
 """`python -m tools.load.tree_ab OLD NEW`: one benchmark command in two source trees, alternately.
 
-For comparisons against an earlier commit (issue 23's "≥ 1.2× the tokens/s
-of d992c98"): each round runs `npuserve bench-serve --backend stub
+For comparisons against an earlier commit (a target such as "≥ 1.2× the
+tokens/s of commit X"): each round runs `npuserve bench-serve --backend stub
 --concurrency 64` (or `--cmd`) once in each tree, with the tree as working
 directory and PYTHONPATH, in the same interpreter; the order flips every
 round (ABBA...), so a drift of the machine hits both alike. Per run it reads

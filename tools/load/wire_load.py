@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from engine.async_client import drain_events
-from engine.client import build_cancel, build_generate, open_dealer
+from engine.client import HELLO_ID, build_cancel, build_generate, open_dealer
 from ipc.codec import encode
 from tools.load.runner import Timed
 
@@ -89,6 +89,7 @@ class WireLoad:
         self.traces: dict[str, Trace] = {}
         self.unknown_events: list[dict] = []  # events naming an id this client never sent
         self.undecodable = 0
+        self.hello: dict | None = None  # the server's answer to the connection's `hello`
         self.replies: dict[str, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._tag = f"w{os.getpid():x}.{id(self) & 0xFFFF:x}"
@@ -179,6 +180,9 @@ class WireLoad:
     def _on_event(self, ev: dict, now: float) -> None:
         rid = ev.get("id")
         tr = self.traces.get(rid)
+        if tr is None and rid == HELLO_ID and self.hello is None:
+            self.hello = ev
+            return
         if tr is None:
             fut = self.replies.get(rid)
             if fut is not None and not fut.done():

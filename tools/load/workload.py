@@ -17,9 +17,10 @@ DIST_KINDS = ("fixed", "uniform", "normal", "heavy")
 class LengthDist:
     """A token-length distribution, spelled `fixed:N`, `uniform:LO,HI`, `normal:MEAN,SD` or `heavy:MEDIAN,SIGMA`.
 
-    `normal` has seed 002's floor (64 for prompts, 16 for outputs, as
-    `engine.sim.make_workload`). `heavy` is log-normal with the given median
-    and shape: most requests short, a few many times longer -- the output
+    `normal` has a floor (64 for prompts, 16 for outputs), the same as
+    `engine.sim.make_workload`, so a daemon's run and the simulator's draw
+    alike. `heavy` is log-normal with the given median and shape: most
+    requests short, a few many times longer -- the output
     lengths of a chat service, and the workload where static batching loses
     most (a batch waits for its longest member).
     """

@@ -178,7 +178,7 @@ class ChipBackend(abc.ABC):
         Returns (tokens int32 [B, n], logprobs float32 [B, n]): what the worker's host loop (`decode` per
         step, sampling on the host) returns for the job, without a host round trip per step. None: this
         backend has no device loop (the default), so the worker runs the host loop. The worker asks only for
-        jobs the device can sample alone (`workers.main.device_loop_job`). A backend with one says so in
+        jobs the device can sample alone (`workers.execute_job.device_loop_job`). A backend with one says so in
         `describe().extra["device_decode_loop"]`.
         """
         return None

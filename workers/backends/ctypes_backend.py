@@ -1,6 +1,6 @@
 """The `ctypes` backend: a vendor chip runtime behind the C ABI of
-`workers/native/npuserve_chip.h` (seed 000 Phase 4: `simpler_model_prefill`,
-`simpler_model_decode`), loaded with ctypes.
+`workers/native/npuserve_chip.h` (`simpler_model_prefill`,
+`simpler_model_decode`, ...), loaded with ctypes.
 
 The vendor functions take a sequence's KV as one contiguous buffer; npuserve
 keeps KV paged. This backend owns the paged cache (host memory,
@@ -24,7 +24,7 @@ exports `simpler_model_decode_steps_paged` runs a multi-step decode job
 (`executor.decode_steps = n`) as one call, n steps sampled on the device with
 the host's sampler (`decode_steps`); the worker loops `decode` and samples
 on the host otherwise (and for the jobs the device loop cannot take: see
-`workers.main.device_loop_job`). The backend option `device_loop=False`
+`workers.execute_job.device_loop_job`). The backend option `device_loop=False`
 ignores the symbol (a comparison, or a vendor loop not to be trusted).
 
 Tensor parallelism: with `tp_world` > 1 the library must export
@@ -36,7 +36,8 @@ group (the replica restarts).
 
 Loading is strict: a missing library, a missing symbol or a different ABI
 version raises `NativeLibraryError` naming what is wrong. There is no silent
-fallback to a stub (seed 000's dlopen fallback hid misconfigured boards).
+fallback to a stub: a misconfigured board would then serve made-up tokens
+while looking healthy.
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@ holds the worker's CPU. By default the wait sleeps and then spins only its last
 would add 3-5 % to every 20 ms step and make the daemon look slower than the
 latency model it is compared with.
 
-The modelled device has a job queue, like an NPU with ping/pong engines (seed
-001 §14): a job starts at the later of its submission by the scheduler
-(`Job.submitted_ns`) and the modelled end of the previous job, not when the
-worker's host code gets round to it. So the worker's own per-job work
-(publishing the last result, reading the next job) overlaps the next job's
-device time when the scheduler keeps two jobs in flight, and adds to it when
-it keeps one -- as on hardware.
+The modelled device has a job queue, like an NPU with ping/pong engines
+(`executor.max_inflight = 2`, docs/architecture.md): a job starts at the later
+of its submission by the scheduler (`Job.submitted_ns`) and the modelled end
+of the previous job, not when the worker's host code gets round to it. So the
+worker's own per-job work (publishing the last result, reading the next job)
+overlaps the next job's device time when the scheduler keeps two jobs in
+flight, and adds to it when it keeps one -- as on hardware.
 """
 
 from __future__ import annotations

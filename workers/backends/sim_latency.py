@@ -1,4 +1,4 @@
-"""The latency model of a simulated NPU (seed 002), as a pure function.
+"""The latency model of a simulated NPU, as a pure function (its defaults: docs/backends.md, `sim`).
 
 Shared by the `sim` backend (which sleeps for these durations) and the
 in-process scheduler simulator (which advances a virtual clock by them), so
@@ -24,8 +24,8 @@ class LatencyModel:
     decode_per_lane_ms: float = 0.12  # each active lane's extra KV reads
     flops_per_token: float = 2 * 7e9  # ~2 FLOPs per parameter per token, 7B model
     throughput_flops: float = 312e12  # sustained FLOP/s (A100-class dense bf16)
-    prefill_base_ms: float = 0.0  # fixed launch cost per prefill call; seed 002 has none
-    # Per job, the host side of a step (seed 000's h2d of the inputs, the launch, d2h of the results) before
+    prefill_base_ms: float = 0.0  # fixed launch cost per prefill call; 0: a prefill is all compute
+    # Per job, the host side of a step (the h2d copy of the inputs, the launch, d2h of the results) before
     # the compute can start. It runs beside the previous job's compute when the job was handed over early
     # (ping/pong, a queued next step), and adds to every step when the scheduler keeps one job in flight.
     host_ms: float = 0.0

@@ -1,7 +1,7 @@
 /*
  * npuserve_chip.h -- the vendor C ABI that npuserve's `ctypes` backend loads.
  *
- * A chip runtime ("simpler", seed 000 Phase 4) is a shared library exporting
+ * A chip runtime (the vendor's "simpler", whose name prefixes every symbol) is a shared library exporting
  * the functions below with C linkage. npuserve owns the paged KV cache on the
  * host side (unless the library exports the optional device-resident KV group
  * at the end of this file): for every call it gathers a sequence's KV blocks into one

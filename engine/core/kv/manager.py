@@ -1,4 +1,4 @@
-"""KvManager: the KV lanes of one chip (seed 001 §9, DESIGN §6).
+"""KvManager: the KV lanes of one chip (docs/architecture.md, "KV manager and prefix cache").
 
 Owns the chip's `BlockPool` and `PrefixCache` and one `KvSequence` per live
 seq_id. Every transition is checked against `states.LEGAL_TRANSITIONS`, and
@@ -48,8 +48,8 @@ class KvSequence:
     cache_stopped: bool = False  # insert hit a concurrent duplicate; stop feeding the cache
     cache_tail: int | None = None  # the block at position cache_blocks-1 (None when cache_blocks == 0)
     cache_epoch: int = -1  # PrefixCache.epoch when cache_tail was recorded; a mismatch means re-walk
-    # The hand-off of a queued next step (issue 23): a second job, submitted while pending_job runs, that
-    # writes the positions after it. It becomes the pending job when pending_job commits.
+    # The hand-off of a queued next step (executor.queue_next_step): a second job, submitted while
+    # pending_job runs, that writes the positions after it. It becomes the pending job when pending_job commits.
     next_job: int | None = None
     next_len: int | None = None
     chain: list[bytes] | None = None  # chain hashes of its leading full blocks (KV tiers only, see tier_transfers)
@@ -492,7 +492,8 @@ class KvManager:
 
     # -- invariants ------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Seed 001 §9.2 plus block conservation; raises AssertionError naming the first violation."""
+        """Each sequence's lengths (committed <= reserved <= max_seq), its job and its block table, every
+        block's ref count, and block conservation; raises AssertionError naming the first violation."""
 
         def require(cond: bool, msg: str) -> None:
             if not cond:

@@ -1,4 +1,4 @@
-"""KV sequence states (seed 001 §9.1) and the legal transitions between them.
+"""KV sequence states and the legal transitions between them.
 
 The table is data so that the manager and the tests check the same rules.
 """

@@ -32,7 +32,7 @@ class TierEntry:
     slot: int  # host slot index; -1 for a tier without slots (disk)
     state: EntryState
     readers: int = 0
-    dropped: bool = False  # no longer indexed; its slot is freed when the last reader unpins
+    dropped: bool = False  # out of the index; its slot is freed when the last reader unpins
 
 
 class TierIndex:

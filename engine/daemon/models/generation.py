@@ -27,7 +27,7 @@ from engine.config_schema import ConfigError
 from engine.core.scheduler import ChipSpec, ModelSpec, Scheduler
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon.chip_link import SHM_PREFIX, ChipLink, Heartbeat, Ready, Result, WorkerFailed
-from engine.daemon.handoff_intake import tick_holds
+from engine.daemon.handoff.intake import tick_holds
 from engine.daemon.kv_tier_shell import KvTierShell
 from engine.daemon.log import log
 from engine.daemon.replica_link import ReplicaLink
@@ -41,7 +41,7 @@ from workers.package_manifest import PackageError
 
 
 class ChipObserver(Protocol):
-    """What a generation tells the observers (engine.daemon.observe.Observers) of its chips."""
+    """What a generation tells the observers (engine.daemon.observability.observers.Observers) of its chips."""
 
     def on_result(self, chip: int, result: JobResult, now: float, generation: int = 0) -> None: ...
 
@@ -96,7 +96,7 @@ class Generation:
         self.tokenizer = None
         self.scheduler: Scheduler | None = None
         self.kv_tiers: KvTierShell | None = None  # the host/disk KV tiers (kv.host_pool_mb, kv.disk_dir)
-        self.handoff_hold = None  # prefill/decode hand-offs held for their decode boards (handoff_hold.py)
+        self.handoff_hold = None  # prefill/decode hand-offs held for their decode boards (handoff/hold.py)
         self.supervisor: Supervisor | None = None
         self.rids: set[int] = set()  # requests pinned to this generation (clients' and the load job's)
         self._backlog: list[deque[Job]] = [deque() for _ in range(chips)]
@@ -224,10 +224,10 @@ class Generation:
             reason="tensor-parallel replicas (board.chips_per_replica > 1) keep no host or disk KV tier yet")
         return True
 
-    def serve(self, accepting: bool) -> None:
-        """Published: the board's admission limits and admission state apply from now on."""
+    def serve(self, accepting: bool, reopen_at: float | None = None) -> None:
+        """Published: the board's admission limits and admission state (and a drain's end) apply from now on."""
         self.scheduler.reconfigure(scheduler_config_from(self.cfg))
-        self.scheduler.set_accepting(accepting, "draining")
+        self.scheduler.set_accepting(accepting, "draining", reopen_at)
 
     # -- serving -------------------------------------------------------------------------
     def on_link(self, chip: int, now: float) -> list:

@@ -23,7 +23,7 @@ def run_streams(endpoint: str, msgs: list[dict], *, timeout: float = 120.0, grac
                 setup: Callable[[zmq.Socket], None] | None = None) -> dict[str, list[dict]]:
     """Send every message, return {id: [events]} once all ended and `grace` passed without a new event."""
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER) if setup else open_dealer(ctx, endpoint)
+    sock = ctx.socket(zmq.DEALER) if setup else open_dealer(ctx, endpoint, batched_events=False)
     if setup:
         sock.setsockopt(zmq.LINGER, 0)
         setup(sock)

@@ -163,6 +163,18 @@ def test_broken_stream_is_migrated_with_a_continuation_and_reads_as_one_stream()
     assert len(fin) == 1 and fin[0].usage["completion_tokens"] == 4 and fin[0].timing["migrations"] == 1
 
 
+def test_completion_tokens_count_the_eos_the_last_leg_generated_but_did_not_send():
+    core = make(names=(A, B))
+    (s,) = sends(core.submit(1, gen(max_tokens=8), 0.1))
+    core.on_event(s.backend, tokens(s.msg["id"], [10, 11]), 0.2)
+    (m,) = sends(core.on_disconnect(s.backend, 0.3))
+    core.on_event(m.backend, tokens(m.msg["id"], [12]), 0.4)
+    ev = done(m.msg["id"], "eos")
+    ev["usage"]["completion_tokens"] = 2  # the migrated leg sampled 12 and the EOS; the continuation not counted
+    (fin,) = [a for a in core.on_event(m.backend, ev, 0.5) if isinstance(a, FinishRequest)]
+    assert fin.finish_reason == "eos" and fin.usage["completion_tokens"] == 4
+
+
 def test_migration_exhausted_ends_with_one_retryable_503():
     core = make(names=(A, B), max_migrations=1)
     (s,) = sends(core.submit(1, gen(), 0.1))

@@ -1,4 +1,4 @@
-"""A hand-off on one host through the prefill board's host KV slot pool (engine/daemon/handoff_shm.py).
+"""A hand-off on one host through the prefill board's host KV slot pool (engine/daemon/handoff/shm.py).
 
 Two real `ref` boards with separate disk dirs, no `board.handoff_peer_dirs` and no transfer endpoint: the
 decode board can only have the prompt's blocks by copying them out of the prefill board's shared-memory

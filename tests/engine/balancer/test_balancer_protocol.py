@@ -49,7 +49,7 @@ def test_vanished_client_is_cancelled_upstream_and_a_restarted_balancer_serves_a
     d, e = tcp_daemon(daemon, backend="sim", backend_options={"decode_base_ms": 5.0})
     b = balancer(backends=[e])
     ctx = zmq.Context.instance()
-    sock = open_dealer(ctx, b.endpoint)
+    sock = open_dealer(ctx, b.endpoint, batched_events=False)
     sock.send(encode({"v": 1, "op": "generate", "id": "gone", "prompt": [1, 2], "max_tokens": 1500,
                       "ignore_eos": True}))
     assert sock.poll(10_000) and decode_event(sock.recv())["ev"] == "tokens"

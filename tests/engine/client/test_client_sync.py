@@ -116,3 +116,17 @@ def test_duplicate_id_on_one_client_is_refused_locally(fake_server):
         c._start("x", {"v": 1, "op": "health", "id": "x"})
         with pytest.raises(errors.InvalidRequest):
             c.generate([1], id="x")
+
+
+def test_the_connection_opens_with_hello_and_a_server_without_it_still_serves(fake_server):
+    srv = fake_server(lambda m: [tokens_ev(m["id"], [5]), done_ev(m["id"])] if m["op"] == "generate" else [])
+    with Client(srv.endpoint, timeout=5) as c:
+        assert c.generate([1]).tokens == [5]  # the 400 unknown_op answering hello names no request of ours
+    assert [h["capabilities"] for h in srv.hellos] == [["batched_events"]]
+
+
+def test_a_client_that_does_not_ask_sends_no_hello(fake_server):
+    srv = fake_server(lambda m: [tokens_ev(m["id"], [5]), done_ev(m["id"])] if m["op"] == "generate" else [])
+    with Client(srv.endpoint, timeout=5, batched_events=False) as c:
+        assert c.generate([1]).tokens == [5]
+    assert srv.hellos == []

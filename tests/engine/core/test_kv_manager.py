@@ -387,7 +387,7 @@ def test_per_token_kv_calls_skip_the_full_sweep_unless_paranoid(monkeypatch: pyt
         assert (calls["n"] > 0) is expect_sweeps
 
 
-# -- tail rollback (issue 23 queued steps, issue 25 draft tokens) ---------------------------------------------
+# -- tail rollback (discarded queued steps, rejected draft tokens) --------------------------------------------
 
 
 def test_commit_upto_keeps_only_the_accepted_prefix_of_a_job() -> None:
@@ -438,7 +438,7 @@ def test_rollback_tail_refuses_cached_blocks_and_lanes_in_flight() -> None:
     assert m.grow(1, 16) and len(m.block_table(1)) == 4  # the lane grows again from there
 
 
-# -- the queued next step's hand-off (issue 23) -------------------------------------------------------------
+# -- the queued next step's hand-off ----------------------------------------------------------------------
 
 
 def test_queued_next_step_takes_the_lane_when_its_predecessor_commits() -> None:

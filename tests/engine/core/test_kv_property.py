@@ -1,4 +1,4 @@
-"""Stateful property test of KvManager against a plain reference model (seed 001 §17.2).
+"""Stateful property test of KvManager against a plain reference model.
 
 The reference keeps only dicts and sets: each sequence's state, lengths and
 the block table it was handed, the tokens each committed full block holds,
@@ -180,7 +180,7 @@ class KvMachine(RuleBasedStateMachine):
     @rule(idx=st.integers(0, 99), n=st.integers(1, 4), gen=st.integers(0, 2**18),
           outcome=st.sampled_from(["both", "abandon_next", "abandon_both", "fail_first", "fail_next"]))
     def queued_step(self, idx: int, n: int, gen: int, outcome: str) -> None:
-        """Step N and its queued step N+1 (issue 23): the hand-off at N's commit, or either discarded/failed."""
+        """Step N and its queued step N+1: the hand-off at N's commit, or either discarded/failed."""
         sid = self.pick(idx, (S.RESERVED, S.ACTIVE))
         if sid is None:
             return
@@ -231,7 +231,7 @@ class KvMachine(RuleBasedStateMachine):
         q.committed, q.reserved = min(q.committed, n), min(q.reserved, n)
         keep = ceil_blocks(q.reserved)
         assert dropped == q.table[keep:]
-        for b in q.table[q.committed // BS:]:  # no longer this lane's full committed blocks (never cached ones)
+        for b in q.table[q.committed // BS:]:  # past the new committed end: not this lane's content (unless cached)
             if not self.m.cache.is_cached(b):
                 self.ref.content.pop(b, None)
         q.table = q.table[:keep]

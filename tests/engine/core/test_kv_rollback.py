@@ -24,9 +24,14 @@ def test_partial_commit_counts_only_the_accepted_prefix() -> None:
     m.commit(1, 2, [1, 2, 3, 9, 9], upto=5)
     seq = m.sequence(1)
     assert (seq.state, seq.committed_len, seq.reserved_len) == (S.ACTIVE, 5, 8)
-    with pytest.raises(ValueError):
-        m.begin_update(1, 3, 6)
-        m.commit(1, 3, [0] * 8, upto=5)  # must grow past committed
+    with pytest.raises(ValueError, match=r"need committed_len=5 < new_len=5 <= reserved_len=8"):
+        m.begin_update(1, 3, 5)  # an update must grow past committed
+    assert m.state(1) is S.ACTIVE  # refused: nothing changed
+    m.begin_update(1, 3, 6)
+    with pytest.raises(ValueError, match=r"commit upto=5 outside \(5, 6\]"):
+        m.commit(1, 3, [0] * 8, upto=5)  # a partial commit must grow past committed too
+    seq = m.sequence(1)
+    assert (seq.state, seq.committed_len, seq.pending_len) == (S.UPDATING, 5, 6)  # refused: nothing changed
 
 
 def test_partial_commit_bounds() -> None:

@@ -12,10 +12,11 @@ import os
 
 import pytest
 
+from engine.core.actions import FinishRequest
 from engine.core.kv.tier_policy import PromoteMode
 from ipc.records import JobResult
 from tests.engine.core.tier_harness import Board
-from workers.main import execute_job
+from workers.execute_job import execute_job
 
 SHARED = [(7 * i + 3) % 300 + 1 for i in range(48)]  # 3 full blocks
 
@@ -70,7 +71,13 @@ def test_host_hits_equal_recomputation(boards, sampled, batched):
     assert got == ref
     c = board.tiers.counters
     assert c["hit_host_blocks"] > 0 and c["promoted_blocks"] == c["hit_host_blocks"]
-    assert all(isinstance(t, type(next(iter(board.terminal.values())))) for t in board.terminal.values())
+    # one terminal each, every one a finish at max_tokens (these prompts reach max_tokens before any EOS)
+    assert set(board.terminal) == set(board.submitted) and len(board.submitted) == (12 if batched else 9)
+    for rid, t in board.terminal.items():
+        n_prompt, max_tokens = board.submitted[rid]
+        assert isinstance(t, FinishRequest) and t.request_id == rid, t
+        assert t.finish_reason == "length" and len(got[rid]) == max_tokens, t
+        assert (t.usage["prompt_tokens"], t.usage["completion_tokens"]) == (n_prompt, max_tokens), t
     board.check_idle()
 
 

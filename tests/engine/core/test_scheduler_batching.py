@@ -9,7 +9,7 @@ from engine.core.scheduler_config import SchedulerConfig
 from ipc.records import JobKind
 from test_scheduler_fakes import FakeExecutor, decode_turn_gaps, kv_fully_free, make_scheduler, params
 
-# (ready, expected B, expected active lanes) for profiles B1/B4/B8/B16, seed 001 §8 thresholds 3/6/12
+# (ready, expected B, expected active lanes) for profiles B1/B4/B8/B16, thresholds 3/6/12 (fill ratio 0.75)
 LANE_TABLE = [(0, 0, 0), (1, 1, 1), (2, 1, 1), (3, 4, 3), (4, 4, 4), (5, 4, 4), (6, 8, 6), (7, 8, 7), (8, 8, 8),
               (11, 8, 8), (12, 16, 12), (15, 16, 15), (16, 16, 16), (17, 16, 16)]
 

@@ -1,4 +1,5 @@
-"""Seed 001 §17.3: 1,000 requests, random cancels, deadlines and a shutdown, completions in random order."""
+"""1,000 requests, random cancels, deadlines, a chip fault and a shutdown, completions in random order:
+one terminal event each, the tokens a fault-free run gives, and every KV block back."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.core.actions import FailRequest, FinishRequest, SubmitJob
-from engine.core.requests import GenerateParams
+from engine.core.requests import GenerateParams, RequestState
 from engine.config_schema import ConfigError
 from engine.core.scheduler_config import SchedulerConfig, TenantPolicy
 from ipc.records import JobKind, JobResult, JobStatus
@@ -84,7 +84,7 @@ def test_waiting_budget_frees_when_requests_are_admitted():
     s = make_scheduler(SchedulerConfig(max_waiting_requests=1))
     ex = FakeExecutor(s)
     ex.submit(1, params())
-    ex.handle(s.tick(0.0))  # admitted: no longer waiting
+    ex.handle(s.tick(0.0))  # admitted: out of the waiting budget
     assert s.submit(2, params(seed=2), 0.0) == []
 
 
@@ -346,3 +346,18 @@ def test_freed_blocks_are_released_to_the_chip_before_the_next_job():
     ex.complete_all(1.0)
     ex.run(1.0)
     assert kv_fully_free(sched)
+
+
+def test_the_view_reads_live_requests_and_tenants_and_cannot_change_them():
+    s = make_scheduler()
+    ex = FakeExecutor(s)
+    ex.submit(1, params(tenant="t"))
+    ex.handle(s.tick(0.0))
+    assert s.view.request(1) is s.view.requests[1] and s.view.request(1).state is RequestState.PREFILL_RUNNING
+    assert s.view.tenant_active("t") == 1 and s.view.tenant_active("nobody") == 0
+    with pytest.raises(TypeError):
+        s.view.requests[2] = s.view.requests[1]  # read-only
+    with pytest.raises(AttributeError):
+        s.counters = {}  # the scheduler's public state is read, not replaced
+    ex.run()
+    assert not s.view.requests and s.view.request(1) is None and s.view.tenant_active("t") == 0

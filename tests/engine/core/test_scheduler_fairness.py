@@ -1,4 +1,4 @@
-"""Weighted fair queueing across tenants and per-tenant caps (seed 001 §5.3)."""
+"""Weighted fair queueing across tenants and per-tenant caps."""
 
 from __future__ import annotations
 

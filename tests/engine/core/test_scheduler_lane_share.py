@@ -1,5 +1,5 @@
 """The tenant lane share at admission: a tenant holding every sequence yields its youngest idle one to a
-tenant waiting below its share (seed 001 §7.2; scenario tenant-flood in docs/benchmarks.md)."""
+tenant waiting below its share (scenario tenant-flood in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def flooded(config: SchedulerConfig, n_flood: int = 24, mixed: int = 4096):
     for _ in range(20):
         ex.step(now)
         now += 0.01
-    assert s._tenant_active["a"] == config.max_sequences
+    assert s.view.tenant_active("a") == config.max_sequences
     return s, ex, now
 
 
@@ -32,13 +32,13 @@ def first_token_step(s, ex, rid: int, now: float, steps: int = 400) -> int:
 
 def test_a_waiting_tenant_gets_a_lane_at_the_next_tick_by_preempting_the_floods_youngest():
     s, ex, now = flooded(SchedulerConfig(max_sequences=8))
-    youngest = max((s._requests[i] for i in s.chips[0].bound), key=lambda r: r.admit_order).request_id
+    youngest = max((s.view.requests[i] for i in s.chips[0].bound), key=lambda r: r.admit_order).request_id
     ex.submit(100, params(n_prompt=16, max_tokens=4, seed=100, tenant="b"), now)
     ex.handle(s.tick(now))
     assert 100 in s.chips[0].bound  # admitted at once, not after one of a's 400-token requests
     assert s.counters["preemptions_lane_share"] == 1
-    assert s._requests[youngest].state is RequestState.WAITING_ADMISSION  # requeued for recompute
-    assert s._tenant_active["a"] == 7
+    assert s.view.requests[youngest].state is RequestState.WAITING_ADMISSION  # requeued for recompute
+    assert s.view.tenant_active("a") == 7
     ex.complete_all(now)
     assert first_token_step(s, ex, 100, now + 0.01) <= 2  # a decode step or two, not a whole request
     ex.run(now + 1.0)
@@ -66,7 +66,7 @@ def test_the_preempted_lane_does_not_go_straight_back_to_the_flood():
             ex.step(now)
             now += 0.01
     assert s.counters["preemptions_lane_share"] <= 5
-    assert s._tenant_active["a"] >= 7
+    assert s.view.tenant_active("a") >= 7
 
 
 def test_b_takes_lanes_up_to_its_share_and_no_more():
@@ -76,7 +76,7 @@ def test_b_takes_lanes_up_to_its_share_and_no_more():
     for _ in range(10):
         ex.step(now)
         now += 0.01
-    assert s._tenant_active["b"] == 4 and s._tenant_active["a"] == 4  # the share: half each, then no more
+    assert s.view.tenant_active("b") == 4 and s.view.tenant_active("a") == 4  # the share: half each, then no more
     assert s.counters["preemptions_lane_share"] == 4
 
 
@@ -88,7 +88,7 @@ def test_a_heavier_tenant_keeps_its_weighted_share():
     for _ in range(10):
         ex.step(now)
         now += 0.01
-    assert (s._tenant_active["a"], s._tenant_active["b"]) == (3, 1)  # weight 3 of 4: a keeps 3
+    assert (s.view.tenant_active("a"), s.view.tenant_active("b")) == (3, 1)  # weight 3 of 4: a keeps 3
 
 
 def test_a_lowered_max_sequences_drains_before_any_lane_changes_hands():

@@ -21,7 +21,7 @@ def lanes_of(job) -> list[tuple[int, int, int]]:
 def by_turn(s) -> list[int]:
     """The ready decode lanes in the order a job takes them (earliest deadline, then the lane whose last
     step is oldest: `BatchPlanner.decode_candidates`); seeds equal request ids here."""
-    return [r.request_id for r in sorted((s._requests[rid] for rid in s.chips[0].decode_ready),
+    return [r.request_id for r in sorted((s.view.requests[rid] for rid in s.chips[0].decode_ready),
                                          key=lambda r: r.decode_key)]
 
 

@@ -1,4 +1,4 @@
-"""executor.decode_steps: the worker runs n decode steps per job; outputs equal the one-step run (issue 23)."""
+"""executor.decode_steps: the worker runs n decode steps per job; outputs equal the one-step run."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def run(steps: int, ps, events_for=None, mixed: int = 0) -> StepsExecutor:
     for rid, p in enumerate(ps, start=1):
         ex.submit(rid, p)
     pipelined(ex, events=None if events_for is None else events_for(ex))
-    assert kv_fully_free(ex.sched) and not ex.sched._requests
+    assert kv_fully_free(ex.sched) and not ex.sched.view.requests
     return ex
 
 
@@ -85,7 +85,7 @@ def test_cancels_mid_job_drop_the_rest_of_the_lane() -> None:
 
     def events_for(ex):
         def cancel_one(now: float) -> None:
-            live = sorted(rid for rid, r in ex.sched._requests.items() if r.job_id is not None and not r.terminal)
+            live = sorted(rid for rid, r in ex.sched.view.requests.items() if r.job_id is not None and not r.terminal)
             if live:
                 ex.handle(ex.sched.cancel(live[0], now))
         return {k: cancel_one for k in range(15, 300, 20)}

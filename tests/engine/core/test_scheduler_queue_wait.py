@@ -1,6 +1,6 @@
 """admission.max_queue_wait_ms with a fake clock: a request that waits that long for admission gets 429
 `queue_wait_exceeded` (retryable), once, in arrival order; a new one is turned away at submit while its lane's
-oldest has waited that long; 0 keeps the old unbounded wait."""
+oldest has waited that long; 0 leaves the wait unbounded."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def test_cancel_of_a_waiting_request_and_the_bound_give_one_terminal_event():
     ex.handle(s.cancel(2, 0.5))
     assert ex.terminal[2].finish_reason == "cancelled"
     ex.handle(s.tick(0.5))
-    assert s.next_wakeup(0.5) == 0.1 + BOUND  # the cancelled one no longer sets the wake-up
+    assert s.next_wakeup(0.5) == 0.1 + BOUND  # the cancelled one does not set the wake-up
     ex.handle(s.tick(2.0))  # a second terminal for 2 would fail in the fake executor
     assert expired(ex) == [3]
     assert s.cancel(3, 2.1) == []  # and a cancel after the 429 adds nothing

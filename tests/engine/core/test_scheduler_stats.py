@@ -1,4 +1,4 @@
-"""The figures the core exposes for metrics (seed 001 §16): queue depth and oldest wait per class,
+"""The figures the core exposes for metrics (docs/observability.md): queue depth and oldest wait per class,
 lane waste per profile, token and prefix-cache counters, lanes and timing on actions. Fake clock."""
 
 from __future__ import annotations

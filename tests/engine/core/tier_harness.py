@@ -1,7 +1,7 @@
 """An in-process board for the KV-tier tests: the scheduler core driving real `ref` backends.
 
 Each chip is a `RefBackend` with a small device pool; transfer jobs go
-through the worker's own code (`workers.main.execute_job`, `HostKv`) into a
+through the worker's own code (`workers.execute_job.execute_job`, `HostKv`) into a
 real shared-memory slot pool and real block files, so what is tested is the
 bytes that move, not a model of them. Jobs run in submission order per chip,
 as a worker runs its ring.
@@ -22,7 +22,7 @@ from ipc.kv_slots import KvSlotPool, record_bytes
 from ipc.records import Job, JobResult
 from workers.backends.ref import RefBackend
 from workers.kv_transfer import HostKv
-from workers.main import execute_job
+from workers.execute_job import execute_job
 
 
 def model_tag(info) -> str:
@@ -72,6 +72,7 @@ class Board:
         self.queues: list[deque] = [deque() for _ in range(self.chips)]
         self.tokens: dict[int, list[int]] = {}
         self.terminal: dict[int, FinishRequest | FailRequest] = {}
+        self.submitted: dict[int, tuple[int, int]] = {}  # request -> (prompt length, max_tokens), for the checks
         self.kinds: list[tuple[int, str]] = []
         self.now = 0.0
         self.refuse_next: dict[int, int] = {}  # chip -> jobs to drop unanswered (a worker that dies)
@@ -90,6 +91,7 @@ class Board:
                 self.tokens.setdefault(a.request_id, []).extend(a.tokens)
 
     def submit(self, rid: int, prompt: list[int], max_tokens: int = 6, **kw) -> None:
+        self.submitted[rid] = (len(prompt), max_tokens)
         self.handle(self.sched.submit(rid, GenerateParams(prompt=prompt, max_tokens=max_tokens, **kw), self.now))
 
     def step(self) -> bool:

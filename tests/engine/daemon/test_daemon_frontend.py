@@ -8,6 +8,7 @@ import orjson
 import pytest
 import zmq
 
+from engine.daemon import frontend as frontend_module
 from engine.daemon.frontend import CLIENT_STALL_S, Frontend
 
 _names = itertools.count()
@@ -231,3 +232,74 @@ def test_non_streamed_done_carries_the_whole_text_even_when_empty(rig):
     fe.finish(3, "length", USAGE, TIMING)
     (c,) = _events(s)
     assert "text" not in c and c["tokens"] == [1]
+
+
+def _hello(fe: Frontend, sock: zmq.Socket, capabilities: list[str]) -> dict:
+    """Send `hello` and return its reply; the frontend answers it itself (no request reaches the ops)."""
+    sock.send(orjson.dumps({"v": 1, "op": "hello", "id": "h", "capabilities": capabilities}))
+    for _ in range(100):
+        assert fe.receive(0) == []
+        if sock.poll(10):
+            frames = sock.recv_multipart()
+            assert len(frames) == 1
+            return orjson.loads(frames[0])
+    raise AssertionError("no hello reply")
+
+
+def _messages(sock: zmq.Socket) -> list[list[dict]]:
+    """Every waiting message, read whole: a list of the events in its frames."""
+    out = []
+    while sock.poll(50):
+        out.append([orjson.loads(f) for f in sock.recv_multipart()])
+    return out
+
+
+def _two_streams_one_turn(fe: Frontend, sock: zmq.Socket) -> list[list[dict]]:
+    c1, c2 = _request(fe, sock, "a"), _request(fe, sock, "b")
+    fe.open(1, c1, "a", True, False)
+    fe.open(2, c2, "b", True, False)
+    fe.emit(1, [5], None)
+    fe.emit(2, [6], None)
+    fe.flush()
+    return _messages(sock)
+
+
+def test_without_hello_every_message_holds_exactly_one_event(rig):
+    fe, client, _ = rig
+    msgs = _two_streams_one_turn(fe, client())
+    assert [[e["id"] for e in m] for m in msgs] == [["a"], ["b"]]
+
+
+def test_a_connection_that_asks_for_batched_events_gets_a_turn_in_one_message(rig):
+    fe, client, _ = rig
+    s = client()
+    assert _hello(fe, s, ["batched_events", "not_a_capability"]) == {
+        "v": 1, "ev": "hello", "id": "h", "capabilities": ["batched_events"]}
+    msgs = _two_streams_one_turn(fe, s)
+    assert [[(e["id"], e["tokens"]) for e in m] for m in msgs] == [[("a", [5]), ("b", [6])]]
+    other = client()  # the capability is the connection's, not the socket's
+    conn = _request(fe, other, "c")
+    conn2 = _request(fe, other, "d")
+    fe.open(3, conn, "c", True, False)
+    fe.open(4, conn2, "d", True, False)
+    fe.emit(3, [1], None)
+    fe.emit(4, [2], None)
+    fe.flush()
+    assert [len(m) for m in _messages(other)] == [1, 1]
+
+
+def test_hello_without_the_capability_takes_it_back(rig):
+    fe, client, _ = rig
+    s = client()
+    _hello(fe, s, ["batched_events"])
+    assert _hello(fe, s, [])["capabilities"] == []
+    assert [len(m) for m in _two_streams_one_turn(fe, s)] == [1, 1]
+
+
+def test_connections_beyond_the_bound_fall_back_to_one_event_per_message(rig, monkeypatch):
+    monkeypatch.setattr(frontend_module, "MAX_BATCHED_CONNS", 1)
+    fe, client, _ = rig
+    old, new = client(), client()
+    _hello(fe, old, ["batched_events"])
+    _hello(fe, new, ["batched_events"])
+    assert [len(m) for m in _two_streams_one_turn(fe, old)] == [1, 1]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.daemon.liveness import LoopLiveness
+from engine.daemon.lifecycle.liveness import LoopLiveness
 
 
 def test_sleeping_loop_is_not_stalled_however_long_it_sleeps():

@@ -127,9 +127,9 @@ def test_a_stale_socket_file_is_removed_and_the_endpoint_served(daemon, short_di
 # runs (so no other daemon on the machine can reap it first), and records what
 # that call removed.
 PLANT_STALE = """
-import os as _os, engine.daemon.loop as _loop
+import os as _os, engine.daemon.daemon as _daemon
 from ipc.shm import Segment as _Segment
-_reap = _loop.reap_stale
+_reap = _daemon.reap_stale
 def _planting_reap(prefix):
     r, w = _os.pipe()
     pid = _os.fork()
@@ -144,7 +144,7 @@ def _planting_reap(prefix):
     with open(_os.environ["NPS_PLANTED"], "w") as fh:
         fh.write(name + "\\n" + "\\n".join(removed))
     return removed
-_loop.reap_stale = _planting_reap
+_daemon.reap_stale = _planting_reap
 """
 
 

@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 
 from engine.core.actions import FailRequest, FinishRequest, SubmitJob
-from engine.daemon.trace import TraceWriter
+from engine.daemon.observability.trace import TraceWriter
 from engine.errors import InvalidRequest
 from ipc.records import JobKind, JobResult, JobStatus
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.daemon.drain import Drain, DrainState, SignalOutcome, StopCause
+from engine.daemon.lifecycle.drain import Drain, DrainState, SignalOutcome, StopCause
 
 
 def test_first_signal_drains_until_nothing_is_in_flight():

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from engine.core.kv.chain_hash import chain_of
 from engine.core.tier_transfers import KvTiers
-from engine.daemon.handoff_hold import HandoffHold
+from engine.daemon.handoff.hold import HandoffHold
 
 BS = 4
 
@@ -46,7 +46,7 @@ def test_a_prompt_without_a_full_block_holds_nothing():
 
 
 def test_the_held_blocks_host_slots_are_pinned_until_the_release():
-    """A decode board on this host reads those slots (handoff_shm.py): none is freed or reused meanwhile."""
+    """A decode board on this host reads those slots (handoff/shm.py): none is freed or reused meanwhile."""
     sh = SimpleNamespace(tiers=KvTiers("tag", BS, host_slots=2, disk_blocks=8), disk_dir="/nowhere")
     prompt = list(range(1, 11))
     chains = chain_of(sh.tiers.root(""), prompt[:8], BS)

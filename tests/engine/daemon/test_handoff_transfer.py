@@ -17,8 +17,8 @@ import zmq.auth
 from engine.core.kv.chain_hash import chain_of
 from engine.core.tier_transfers import KvTiers
 from engine.daemon.curve import CurveSetup
-from engine.daemon.handoff_hold import HandoffHold
-from engine.daemon.handoff_transfer import TransferClient, TransferServer
+from engine.daemon.handoff.hold import HandoffHold
+from engine.daemon.handoff.transfer import TransferClient, TransferServer
 from ipc.kv_slots import encode_record
 from workers.kv_transfer import block_file
 

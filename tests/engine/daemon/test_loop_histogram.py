@@ -6,8 +6,8 @@ import random
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from engine.daemon.loop_histogram import LoopHistogram
-from engine.daemon.metrics import ITL_BUCKETS
+from engine.daemon.observability.loop_histogram import LoopHistogram
+from engine.daemon.observability.metrics import ITL_BUCKETS
 
 
 def test_same_exposition_as_prometheus_client_histogram():

@@ -7,7 +7,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
-from engine.daemon.metrics import Family, MetricsRecorder
+from engine.daemon.observability.metrics import Family, MetricsRecorder
 from ipc.records import JobKind, JobResult, JobStatus, Lane, build_job
 
 

@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from engine.daemon.sd_notify import Notifier, Pacer, message, socket_address, watchdog_interval_s, watchdog_pacer
+from engine.daemon.lifecycle.sd_notify import (Notifier, Pacer, message, socket_address, watchdog_interval_s,
+                                                watchdog_pacer)
 
 
 def _receiver(kind: str, short_dir: str) -> tuple[socket.socket, str]:

@@ -21,14 +21,14 @@ from collections.abc import Sequence
 
 from engine.core.handoff import HandoffDescriptor, ImportOutcome, KvHandoffSink, take_over
 from engine.core.kv.chain_hash import chain_of
-from engine.daemon.handoff_hold import HandoffHold
+from engine.daemon.handoff.hold import HandoffHold
 
 HANDOFF_COUNTER_KEYS = ("handoff_exports", "handoff_imported", "handoff_recomputed", "handoff_staged_blocks",
                         "handoff_held", "handoff_expired",
-                        # the transfer endpoint (handoff_transfer.py): prefill side, then decode side
+                        # the transfer endpoint (transfer.py): prefill side, then decode side
                         "handoff_claimed", "handoff_claims_refused", "handoff_released", "handoff_served_blocks",
                         "handoff_pulled_blocks", "handoff_pull_failed", "handoff_pull_us",
-                        # one host, from the prefill board's host slot pool (handoff_shm.py)
+                        # one host, from the prefill board's host slot pool (shm.py)
                         "handoff_shm_blocks", "handoff_shm_refused")
 
 
@@ -94,7 +94,7 @@ def take_handoff(g, cfg, rid: int, handoff: dict, params, now: float,
     """A generate's `handoff` on generation `g`: an export leg is held (prefill side), a decode leg staged.
 
     Returns an export leg's descriptor when its blocks are held (sent in its `done`), with `advertise`
-    (the transfer endpoint's fields, engine/daemon/handoff_transfer.py) in it."""
+    (the transfer endpoint's fields, engine/daemon/handoff/transfer.py) in it."""
     note_handoff(g.counters, handoff, sink_for(g, cfg), params.prompt, params.prefix_salt)
     shell = getattr(g, "kv_tiers", None)
     if handoff.get("export") and shell is not None and shell.disk_dir is not None:

@@ -3,11 +3,11 @@
 The blocks are the disk tier's block files of the prompt (named by chain hash; write-through puts them
 there). Held, they are pinned in the tier index as readers, so the tier's LRU cannot evict one before
 the decode board has read it (and so are their host slots, which a decode board on this host reads
-straight from shared memory, handoff_shm.py); at the deadline they are unpinned (and evictable again). An entry still
+straight from shared memory, shm.py); at the deadline they are unpinned (and evictable again). An entry still
 being exported is pinned at the next supervision turn (`Generation.supervise`, every
 `recovery.supervise_interval_ms`), so the deadline holds to within one such turn. The disk-tier
 hand-off has no claim from the decode board (it reads the files itself), so such a hold lasts its deadline;
-a pull over the transfer endpoint (handoff_transfer.py) claims the hold and releases it as soon as it ends.
+a pull over the transfer endpoint (transfer.py) claims the hold and releases it as soon as it ends.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class HandoffHold:
                 self._pins[hid] += disk.pin([todo[0]])
                 h = host.entry(todo[0]) if host is not None else None
                 if h is not None and h.state is EntryState.READY:  # its host slot, read by a decode board on
-                    self._host_pins.setdefault(hid, []).extend(host.pin([todo[0]]))  # this host (handoff_shm.py)
+                    self._host_pins.setdefault(hid, []).extend(host.pin([todo[0]]))  # this host (shm.py)
                 todo.pop(0)
         expired = self.table.expire(now)
         for hid, _ in expired:
@@ -62,7 +62,7 @@ class HandoffHold:
         return len(expired)
 
     def claim(self, hid: str, now: float):
-        """A decode board's claim (engine/daemon/handoff_transfer.py): the Held, or None (unknown, expired, taken)."""
+        """A decode board's claim (engine/daemon/handoff/transfer.py): the Held, or None (unknown, expired, taken)."""
         return self.table.claim(hid, now)
 
     def release(self, shell, hid: str) -> bool:

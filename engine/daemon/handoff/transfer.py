@@ -257,7 +257,7 @@ class TransferClient:
             return False  # nothing to pull (the scheduler finds it all here)
         first = chains[have].hex() + ".kv"
         if any(os.path.exists(os.path.join(d, shell.layout_hex, first)) for d in self.peer_dirs):
-            return False  # the prefill board is on this host: its block files are linked (handoff_intake.py)
+            return False  # the prefill board is on this host: its block files are linked (intake.py)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if handoff.get("curve_key"):

@@ -4,7 +4,7 @@ The prefill board's host tier is one POSIX shared-memory segment of equal slots 
 ipc/kv_slots.py), and write-through puts every full prompt block there as a record (layout tag, chain
 hash, CRC in its header). An export leg's descriptor names that segment (`host_pool`: its name, slots,
 slot size, layout tag and the host's id); the hold pins the blocks' host entries as well as their disk
-ones (handoff_hold.py), so the prefill board neither frees nor reuses those slots until the hold ends.
+ones (hold.py), so the prefill board neither frees nor reuses those slots until the hold ends.
 
 A decode board on the same host (equal host id: hostname and kernel boot id) with the same layout and a
 disk tier of its own opens the segment read-only, finds each of the prompt's blocks by the chain hash
@@ -28,7 +28,7 @@ import socket
 import posix_ipc
 import zmq
 
-from engine.daemon.handoff_transfer import handoff_chains, stage_records
+from engine.daemon.handoff.transfer import handoff_chains, stage_records
 from engine.daemon.log import log
 from ipc.kv_slots import HEADER_BYTES, KvSlotPool, RecordRefused, read_record
 

@@ -29,19 +29,20 @@ from engine.config import Config, ConfigError
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, ReleaseBlocks, SubmitJob
 from engine.core.model_state import ModelState
 from engine.core.model_table import ModelTable
+from engine.core.retry_after import NOT_READY_RETRY_S, clamp_ms
 from engine.daemon import ops
 from engine.daemon.chip_link import SHM_PREFIX
-from engine.daemon.drain import DrainState
 from engine.daemon.frontend import Frontend
 from engine.daemon.generations import Generations
-from engine.daemon.liveness import LoopLiveness
+from engine.daemon.lifecycle.drain import DrainState
+from engine.daemon.lifecycle.liveness import LoopLiveness
+from engine.daemon.lifecycle.sd_notify import Notifier
+from engine.daemon.lifecycle.service import STOP_SIGNALS, Service
+from engine.daemon.lifecycle.signal_pipe import SignalPipe
 from engine.daemon.log import log
 from engine.daemon.models.generation import Generation
 from engine.daemon.models.load_job import STARTUP_TIMEOUT_S, LoadJob
-from engine.daemon.observe import MetricsPortBusy, Observers
-from engine.daemon.sd_notify import Notifier
-from engine.daemon.service import STOP_SIGNALS, Service
-from engine.daemon.signal_pipe import SignalPipe
+from engine.daemon.observability.observers import MetricsPortBusy, Observers
 from engine.daemon.views import Views
 from engine.exit_codes import EXIT_INTERNAL, EXIT_UNRECOVERABLE
 from ipc.stale import reap_stale
@@ -63,7 +64,7 @@ class Daemon:
         `package_path` (the one-model daemon). `under_root`: the package is named relative to the model root
         and must not leave it; False for a package the operator gave as a path (--package, the built-in one)."""
         self.trace_path = trace_path
-        self.observe: Observers | None = None  # metrics and trace (engine/daemon/observe.py)
+        self.observe: Observers | None = None  # metrics and trace (engine/daemon/observability/observers.py)
         self.clock = clock
         self.startup_models = models if models is not None else [(cfg.model.alias, package_path, False)]
         default = cfg.model.alias
@@ -78,7 +79,7 @@ class Daemon:
         self._ops: ops.OpContext | None = None
         self.security = None  # engine.daemon.curve.CurveSetup when security.server_secret_key is set
         self.kv_events = None  # engine.daemon.kv_events.KvEventPublisher when kv_events.endpoint is set
-        self.transfers = None  # engine.daemon.handoff_transfer.Transfers: KV pulls between boards
+        self.transfers = None  # engine.daemon.handoff.transfer.Transfers: KV pulls between boards
         self.liveness = LoopLiveness(cfg.server.loop_stall_ms / 1000.0)
         self.started_at = clock()
         self.exit_code = 0
@@ -173,8 +174,8 @@ class Daemon:
         self.views = Views(self.gens, self.frontend, self.liveness, started_at=self.started_at,
                            loop_counters=self.counters,
                            metric_families=lambda now: self.observe.families(self.views, now))
-        if cfg.board.handoff_endpoint or cfg.kv.disk_dir:  # KV transfer between boards (handoff_transfer.py)
-            from engine.daemon.handoff_transfer import Transfers
+        if cfg.board.handoff_endpoint or cfg.kv.disk_dir:  # KV transfer between boards (handoff/transfer.py)
+            from engine.daemon.handoff.transfer import Transfers
 
             try:
                 self.transfers = Transfers(self.ctx, self._poller, cfg, self.gens, self._submit_parked, self.security)
@@ -386,7 +387,7 @@ class Daemon:
                 fe.finish(rid, a.finish_reason, a.usage, a.timing)
                 gens.ended(rid, True)
             elif t is FailRequest:
-                fe.fail(rid, a.code, a.reason, a.message, a.retryable)
+                fe.fail(rid, a.code, a.reason, a.message, a.retryable, a.retry_after_ms)
                 if a.timing is None and gens.generation_of(rid) is not None:
                     g.rec.counters["rejected"] += 1
                 gens.ended(rid, False)
@@ -396,7 +397,8 @@ class Daemon:
     def _submit_parked(self, rid: int, g: Generation, params, now: float) -> None:
         """A decode leg whose KV pull ended (imported or not): to its scheduler now."""
         if g.scheduler is None or g.id not in self.gens.generations:
-            self.frontend.fail(rid, 503, "model_unavailable", "the model went away during the KV transfer", True)
+            self.frontend.fail(rid, 503, "model_unavailable", "the model went away during the KV transfer", True,
+                               clamp_ms(NOT_READY_RETRY_S))
             return
         self.gens.admit(rid, g)
         self.apply(g.scheduler.submit(rid, params, now), g, now)
@@ -414,9 +416,11 @@ class Daemon:
 
     # -- admission and the service's questions ---------------------------------------------
     def set_accepting(self, accepting: bool) -> None:
+        reopen_at = None
         if self.service.drain.state is not DrainState.SERVING:
             accepting = False  # an admin `resume` cannot undo a SIGTERM drain
-        self.gens.set_accepting(accepting)
+            reopen_at = self.service.drain.deadline
+        self.gens.set_accepting(accepting, reopen_at)
 
     def active_requests(self) -> int:
         return self.frontend.active()
@@ -441,7 +445,8 @@ class Daemon:
                 self.exit_code = self.exit_code or EXIT_INTERNAL
         # Whatever the core managed, no accepted request may end without its terminal event.
         self.frontend.fail_all(503 if self.exit_code == 0 else 500, "shutdown" if self.exit_code == 0 else "internal",
-                               "the daemon is shutting down")
+                               "the daemon is shutting down",
+                               clamp_ms(NOT_READY_RETRY_S) if self.exit_code == 0 else None)
         self.frontend.flush()
         self.close()
         log("stopped", exit_code=self.exit_code)

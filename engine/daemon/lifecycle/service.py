@@ -20,10 +20,10 @@ from engine.config_reload import config_changes, reloaded
 from engine.core.model_state import ModelState
 from engine.core.scheduler_config import scheduler_config_from
 from engine.daemon import log as daemon_log
-from engine.daemon.drain import Drain, DrainState, SignalOutcome
-from engine.daemon.liveness import LoopLiveness
+from engine.daemon.lifecycle.drain import Drain, DrainState, SignalOutcome
+from engine.daemon.lifecycle.liveness import LoopLiveness
 from engine.daemon.log import log
-from engine.daemon.sd_notify import Notifier, Pacer, monotonic_usec, watchdog_pacer
+from engine.daemon.lifecycle.sd_notify import Notifier, Pacer, monotonic_usec, watchdog_pacer
 
 if TYPE_CHECKING:
     from engine.daemon.generations import Generations
@@ -134,7 +134,7 @@ class Service:
             outcome = self.drain.on_stop_signal(now, budget)
             if outcome is SignalOutcome.BEGIN_DRAIN:
                 self._stop_signal = signum
-                self.gens.set_accepting(False)  # 503 draining, as the admin `drain` op answers
+                self.gens.set_accepting(False, self.drain.deadline)  # 503 draining, as the admin `drain` op answers
                 active = self.host.active_requests()
                 log("drain_started", signal=signal.Signals(signum).name, active_requests=active,
                     drain_timeout_s=budget, note="a second SIGTERM/SIGINT stops at once")

@@ -34,9 +34,9 @@ from prometheus_client.registry import Collector
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
 from engine.daemon.constraint_cache import BOARD_CACHE
 from engine.core.model_state import ModelState
-from engine.daemon.chip_occupancy import ChipOccupancy
-from engine.daemon.kv_tier_metrics import tier_families
-from engine.daemon.loop_histogram import LoopHistogram
+from engine.daemon.observability.chip_occupancy import ChipOccupancy
+from engine.daemon.observability.kv_tier_metrics import tier_families
+from engine.daemon.observability.loop_histogram import LoopHistogram
 
 if TYPE_CHECKING:
     from engine.daemon.generations import Generations
@@ -327,7 +327,7 @@ class MetricsRecorder:
 
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                          TTFT_BUCKETS)
-        # observed per generated token: a lock-free loop-thread histogram (engine/daemon/loop_histogram.py)
+        # observed per generated token: a lock-free loop-thread histogram (loop_histogram.py)
         self.itl = LoopHistogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in "
                                  "seconds.", m, ITL_BUCKETS, r)
         self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",

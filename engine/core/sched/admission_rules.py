@@ -1,4 +1,4 @@
-"""Admission: the capacity budget and its five outcomes (seed 001 §5.1-§5.2).
+"""Admission rules: the capacity budget and its five outcomes.
 
 `decide_submit` runs when a request arrives: requests that can never be
 served are rejected at once (400), overload is pushed back to the client
@@ -10,8 +10,8 @@ admission.max_queue_wait_ms a request that has waited that long is failed
 with 429 `queue_wait_exceeded` (the scheduler's tick, in arrival order), and
 a new request is turned away at once while the oldest one of the lane it
 would join has waited that long already (it would wait at least as long).
-Seed 001 §5.2: queue only while there is hope of being served in time; a
-burst is pushed back fast, retryable, for a balancer to place elsewhere.
+A request is queued only while there is hope of serving it in time; a burst
+is pushed back fast, retryable, for a balancer to place elsewhere.
 """
 
 from __future__ import annotations

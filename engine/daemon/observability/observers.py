@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from engine.core.actions import ReleaseBlocks, SubmitJob
 
-from engine.daemon.metrics import MetricsPortBusy, MetricsRecorder
-from engine.daemon.trace import DEFAULT_MAX_EVENTS, TraceWriter
+from engine.daemon.observability.metrics import MetricsPortBusy, MetricsRecorder
+from engine.daemon.observability.trace import DEFAULT_MAX_EVENTS, TraceWriter
 
 if TYPE_CHECKING:
     from engine.config import Config

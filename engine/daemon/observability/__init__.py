@@ -1,0 +1,2 @@
+"""What a board daemon tells about itself: Prometheus metrics, the Perfetto trace, and the observers the loop
+feeds them through."""

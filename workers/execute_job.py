@@ -1,0 +1,156 @@
+"""One job on the backend: the worker's call of the chip runtime, and the host's sampling of its lanes.
+
+`WorkerProcess` (workers/main.py) runs each job it reads from the ring through `execute_job` and writes the
+outcome as a result record; tests and tools run jobs through it in-process, without a worker.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ipc.kv_slots import RecordRefused
+from ipc.records import Job, JobKind, JobStatus
+from workers.backends.base import ChipBackend
+from workers.constraints import ConstraintBook, ConstraintError
+from workers.draft_model import DraftModel
+from workers.kv_transfer import HostKv
+from workers.lane_sampling import sample_lanes
+from workers.multi_step import next_step
+from workers.spec_verify import verify_drafts
+
+
+@dataclass
+class JobOutcome:
+    """A finished job before it is written to the result ring."""
+
+    status: JobStatus
+    tokens: np.ndarray  # int32 [B], -1 where nothing was sampled
+    logprobs: np.ndarray  # float32 [B]
+    logits: np.ndarray | None  # [B, V] when the job asked for logits and the backend made them
+    device_us: int
+    error: str = ""
+    masks: int = 0  # constrained lanes masked in this job (structured output)
+    mask_us: int = 0  # time spent computing their masks
+    accepted: np.ndarray | None = None  # verification jobs: accepted drafts per lane
+    accepted_logprobs: np.ndarray | None = None
+    accepted_tokens: np.ndarray | None = None
+
+
+def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, host_kv: HostKv | None = None,
+                constraints: ConstraintBook | None = None, draft: DraftModel | None = None) -> JobOutcome:
+    """Run one job on the backend and sample its lanes.
+
+    Inputs may be read-only ring views; nothing here writes to them.
+    `extra_device_s` is the chaos "slow" hook: it is spent as device time.
+    `constraints` masks the constrained lanes (structured output); a job with
+    such lanes and no book fails.
+    `draft`: the chip's draft model (speculative.draft_package): it proposes
+    the drafts of `draft_src` lanes and mirrors every job's KV.
+    """
+    b = job.batch
+    tokens = np.full(b, -1, np.int32)
+    logprobs = np.zeros(b, np.float32)
+    try:
+        job.validate()
+    except ValueError as exc:
+        return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, 0, f"invalid job: {exc}")
+    t0 = time.perf_counter_ns()
+    masks0, mask_us0 = (constraints.stats.masks, constraints.stats.mask_us) if constraints is not None else (0, 0)
+    try:
+        if extra_device_s > 0:
+            time.sleep(extra_device_s)
+        if job.kind == JobKind.KV_COPY:
+            backend.copy_blocks(job.src_blocks, job.dst_blocks)
+            if draft is not None:
+                draft.copy_blocks(job.src_blocks, job.dst_blocks)
+            return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
+        if job.kind in (JobKind.KV_EXPORT, JobKind.KV_IMPORT):
+            if host_kv is None:
+                return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, 0, "no host KV pool attached")
+            try:
+                host_kv.run(job)
+            except RecordRefused as exc:  # checked before any block was written: the device KV is untouched
+                return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000,
+                                  f"import refused ({exc.cause}): {exc}")
+            return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
+        if job.draft_lens.size and job.constrained and job.constraint_id[job.draft_lens != 0].any():
+            # spec_verify's row_mask hook would need the matcher advanced through each draft: not done
+            raise ConstraintError("a constrained lane cannot carry draft tokens")
+        if draft is None and device_loop_job(job):
+            looped = backend.decode_steps(job)  # None: no device loop, the host loop below
+            if looped is not None:
+                return JobOutcome(JobStatus.OK, *looped, None, (time.perf_counter_ns() - t0) // 1000)
+        if draft is not None and job.draft_src.size:
+            job = draft.propose(job)
+        lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
+        masks = constraints.start(job, lanes) if job.constrained and constraints is not None else None
+        try:
+            out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
+        finally:
+            lane_masks = masks.result() if masks is not None else None  # never leave the helper on a dead job
+        device_us = (time.perf_counter_ns() - t0) // 1000
+        accepted = accepted_lps = accepted_toks = None
+        if out.logits is not None:
+            if lanes.size:
+                sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks)
+            if job.draft_lens.size:
+                if out.draft_logits is None:
+                    raise RuntimeError("the backend cannot verify draft tokens (no draft_logits)")
+                accepted, accepted_lps, accepted_toks = verify_drafts(job, out.draft_logits, tokens, logprobs)
+        elif out.tokens is not None:
+            if job.constrained and job.constraint_id[lanes].any():
+                raise ConstraintError("this backend samples on the device: constrained lanes need logits")
+            tokens[lanes] = out.tokens[lanes]
+        else:
+            raise RuntimeError("backend returned neither logits nor tokens")
+        if draft is not None:
+            draft.mirror(job)
+        if job.kind == JobKind.DECODE and job.decode_steps > 1:
+            # multi-step decode, the host loop (no device loop for this job or backend): the next steps on
+            # this worker, each fed the token the step before sampled
+            steps = [tokens]
+            lp_steps = [logprobs]
+            step = job
+            for _ in range(job.decode_steps - 1):
+                step = next_step(step, steps[-1])
+                t, lp = np.full(b, -1, np.int32), np.zeros(b, np.float32)
+                _step_tokens(step, backend.decode(step), lanes, t, lp)
+                if draft is not None:
+                    draft.mirror(step)
+                steps.append(t)
+                lp_steps.append(lp)
+            tokens, logprobs = np.stack(steps, axis=1), np.stack(lp_steps, axis=1)
+            device_us = (time.perf_counter_ns() - t0) // 1000
+    except Exception as exc:  # a device-level fault fails this job, never the worker
+        return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
+                          (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
+    logits = out.logits if job.return_logits else None
+    spec = dict(accepted=accepted, accepted_logprobs=accepted_lps, accepted_tokens=accepted_toks)
+    if job.constrained and constraints is not None:
+        st = constraints.stats
+        return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, masks=st.masks - masks0,
+                          mask_us=st.mask_us - mask_us0, **spec)
+    return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, **spec)
+
+
+def device_loop_job(job: Job) -> bool:
+    """Whether a job's steps may all run on the device (`ChipBackend.decode_steps`): a multi-step decode
+    whose every valid lane samples with the plain sampler, with nothing the host must do between steps:
+    no constrained lane (its mask is the host's), no draft tokens, and no logits to return. The worker
+    also keeps the host loop when it has a draft model (it mirrors every step's KV)."""
+    return (job.kind == JobKind.DECODE and job.decode_steps > 1 and not job.constrained and not job.draft_lens.size
+            and not job.return_logits and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
+
+
+def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+    """One step's tokens into `tokens`/`logprobs`: sampled from its logits, or as the backend chose them."""
+    if out.logits is not None:
+        if lanes.size:
+            sample_lanes(job, out.logits, lanes, tokens, logprobs)
+    elif out.tokens is not None:
+        tokens[lanes] = out.tokens[lanes]
+    else:
+        raise RuntimeError("backend returned neither logits nor tokens")
