@@ -462,6 +462,8 @@ class JobResult:
         """Build a JobResult from a mapping of arrays (ring views are copied out)."""
         m = a["meta"].tolist()
         S = ResultMeta
+        if len(m) <= S.MASK_US:
+            raise ValueError(f"result record: a meta of {len(m)} entries, not {S.MASK_US + 1} or more")
         full = len(m) > S.IDLE_US  # an older worker's record has no device_start_ns, idle_us
         logits = a["logits"] if "logits" in a else None
         return cls(

@@ -5,7 +5,8 @@ the smallest input that showed it.
   cut short, arrays over the record header or past the record's end) raised struct.error,
   UnicodeDecodeError, TypeError or ValueError from `peek` or from reading a field, or handed out views
   of bytes outside the record; it is `RingCorrupt` now, as the ring's contract says.
-* job records: a meta shorter than a job's raised IndexError; a negative size in the meta gave fields
+* job records: a meta shorter than a job's raised IndexError, and so did a result meta shorter than its
+  eight slots once `JobResult.from_arrays` read them by index (found on merging main); a negative size in the meta gave fields
   sliced from the wrong end of the blob; both are the documented ValueError now.
 * the wire: a hand-off `curve_key` of 40 characters outside z85 was accepted, and zmq then refused it
   outside any handler when the decode board connected (docs/protocol.md says z85).
@@ -21,7 +22,7 @@ import posix_ipc
 import pytest
 
 from ipc.codec import ProtocolError, decode_request, encode
-from ipc.records import Job, JobKind, Lane, build_job
+from ipc.records import Job, JobKind, JobResult, JobStatus, Lane, build_job
 from ipc.ring import Ring, RingCorrupt
 from ipc.shm import list_segments
 
@@ -91,6 +92,22 @@ def test_a_negative_size_in_a_job_meta_is_valueerror():
     a["meta"][4], a["meta"][5] = -1, a["meta"][4] + a["meta"][5] + 1  # tokens -1, positions 1 more: sums agree
     with pytest.raises(ValueError):
         Job.from_arrays(a)
+
+
+@pytest.mark.parametrize("n", [0, 7])
+def test_a_result_meta_too_short_for_its_slots_is_valueerror(n):
+    a = JobResult(1, 1, JobKind.DECODE, JobStatus.OK, np.array([3], np.int32), np.zeros(1, np.float32)).to_arrays()
+    a["meta"] = a["meta"][:n]
+    with pytest.raises(ValueError):
+        JobResult.from_arrays(a)
+
+
+def test_a_result_meta_of_an_older_worker_still_reads():
+    a = JobResult(1, 1, JobKind.DECODE, JobStatus.OK, np.array([3], np.int32), np.zeros(1, np.float32),
+                  masks=2, mask_us=5).to_arrays()
+    a["meta"] = a["meta"][:8]  # no device_start_ns, idle_us
+    r = JobResult.from_arrays(a)
+    assert (r.masks, r.mask_us, r.device_start_ns, r.idle_us) == (2, 5, 0, -1)
 
 
 def _handoff(key: str) -> bytes:
