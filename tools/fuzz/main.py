@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import os
 import re
 import subprocess
@@ -72,7 +73,6 @@ def _signature(lines: list[str]) -> tuple[str, str]:
 
 
 def _write_seeds(name: str, corpus: Path) -> None:
-    import importlib
     corpus.mkdir(parents=True, exist_ok=True)
     for seed in importlib.import_module(f"tools.fuzz.{name}").SEEDS:
         (corpus / hashlib.sha1(seed).hexdigest()).write_bytes(seed)
