@@ -34,6 +34,13 @@ $(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
+# Every fuzz harness of tools/fuzz (docs/fuzzing.md) for FUZZ_SECONDS each (default 5 minutes), one after
+# another; corpora and findings under FUZZ_OUT (not tracked). Exits non-zero when something was found.
+FUZZ_SECONDS ?= 300
+FUZZ_OUT ?= .fuzz-out
+fuzz: $(STAMP)
+	$(NPU) fuzz --seconds $(FUZZ_SECONDS) --out $(FUZZ_OUT)
+
 # Gemma 3 270M on llama.cpp: one chip worker with every core (one 2-thread llama.cpp engine beat two
 # 1-thread engines, 135 vs 116 tok/s; see docs/models.md), mixed batches (the llamacpp default).
 # `npuserve serve` alone serves the tiny model.
@@ -49,7 +56,7 @@ BENCHES := bench-ipc bench-backend simulate bench-serve-stub bench-serve-sim ben
 	bench-http-peer bench-peer bench-kv-layout bench-http-client bench-tp bench-spec \
 	bench-scenario-long-prompt bench-scenario-tenant-flood bench-scenario-burst bench-scenario-hangups
 
-.PHONY: test run bench venv clean $(BENCHES)
+.PHONY: test run bench venv clean fuzz $(BENCHES)
 
 bench: $(BENCHES)
 
@@ -118,4 +125,4 @@ bench-scenario-hangups:
 	$(NPU) bench-http-peer --scenario hangups --threads 1 --rounds 2
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache $(FUZZ_OUT)

@@ -342,6 +342,8 @@ class Job:
         path, valid only while the ring record is held.
         """
         m = a["meta"].tolist()
+        if len(m) != _JOB_META_LEN or min(m[4:19]) < 0 or min(m[20:23]) < 0 or min(m[24:26]) < 0:
+            raise ValueError(f"job record: a meta of {len(m)} entries (not {_JOB_META_LEN}) or a negative size")
         i32, f32, u8, u64 = a["i32"], a["f32"], a["u8"], a["u64"]
         if copy:
             i32, f32, u8, u64 = np.array(i32), np.array(f32), np.array(u8), np.array(u64)
@@ -460,6 +462,8 @@ class JobResult:
         """Build a JobResult from a mapping of arrays (ring views are copied out)."""
         m = a["meta"].tolist()
         S = ResultMeta
+        if len(m) <= S.MASK_US:
+            raise ValueError(f"result record: a meta of {len(m)} entries, not {S.MASK_US + 1} or more")
         full = len(m) > S.IDLE_US  # an older worker's record has no device_start_ns, idle_us
         logits = a["logits"] if "logits" in a else None
         return cls(

@@ -37,9 +37,9 @@ No torn record is ever visible: the writer fills the record, issues a fence
 (`ipc.fence`) and only then stores the new head, a single aligned 8-byte
 store. A writer killed before that store leaves the head where it was, so a
 reader (or a reader attaching later) sees only fully committed records. The
-reader checks each record's magic, sequence number and length anyway, so
-memory that is not a committed record raises `RingCorrupt` rather than being
-returned.
+reader checks each record's magic, sequence number, length and descriptor
+(arrays of plain dtypes inside the record) anyway, so memory that is not a
+committed record raises `RingCorrupt` rather than being returned.
 
 The generation counter is bumped by `reset()`; a peer that notices a new
 generation raises `RingReset` once and resynchronises.
@@ -142,20 +142,43 @@ def _build_layout(spec: Spec) -> _Layout:
     return _Layout(fields, b"".join(parts), max(offset, ALIGN))
 
 
-def _parse_descriptor(desc: bytes) -> list[tuple[str, np.dtype[Any], tuple[int, ...], int]]:
-    fields = []
+_Field = tuple[str, np.dtype[Any], tuple[int, ...], int]  # name, dtype, shape, offset in the record
+
+
+def _parse_descriptor(desc: bytes, start: int) -> tuple[dict[str, _Field], int]:
+    """The fields a record descriptor names, and the record length they need (the end of the last array).
+
+    `start` is where the arrays may begin (after the record header and the descriptor). Raises ValueError
+    for a descriptor no writer made: cut short, not UTF-8, a dtype that cannot live in shared memory, an
+    array over the header or the descriptor."""
+    fields = {}
+    end = start
     i = 0
-    while i < len(desc):
-        nlen, dlen, ndim, offset = _ARR_HDR.unpack_from(desc, i)
-        i += _ARR_HDR.size
-        shape = struct.unpack_from(f"<{ndim}Q", desc, i)
-        i += 8 * ndim
-        name = desc[i : i + nlen].decode()
-        i += nlen
-        dt = np.dtype(desc[i : i + dlen].decode())
-        i += dlen
-        fields.append((name, dt, tuple(shape), offset))
-    return fields
+    try:
+        while i < len(desc):
+            nlen, dlen, ndim, offset = _ARR_HDR.unpack_from(desc, i)
+            i += _ARR_HDR.size
+            if ndim > 64:  # numpy's limit; the writer refuses more
+                raise ValueError(f"rank {ndim}")
+            shape = struct.unpack_from(f"<{ndim}Q", desc, i)
+            i += 8 * ndim
+            if i + nlen + dlen > len(desc):
+                raise ValueError("a name or dtype runs past the descriptor")
+            name = desc[i : i + nlen].decode()
+            i += nlen
+            dt = np.dtype(desc[i : i + dlen].decode())
+            i += dlen
+            _check_dtype(name, dt)
+            if math.prod(d for d in shape if d) * max(dt.itemsize, 1) >= 1 << 62:  # numpy: "array is too big"
+                raise ValueError(f"array {name!r}: shape {shape} too large")
+            nbytes = math.prod(shape) * dt.itemsize
+            if nbytes and offset < start:
+                raise ValueError(f"array {name!r} overlaps the record header or descriptor")
+            end = max(end, offset + nbytes)
+            fields[name] = (name, dt, tuple(shape), offset)
+    except (struct.error, UnicodeDecodeError, TypeError, SyntaxError) as e:  # np.dtype of garbage: TypeError, ...
+        raise ValueError(f"{type(e).__name__}: {e}") from None
+    return fields, end
 
 
 class RecordWriter:
@@ -271,7 +294,8 @@ class Ring:
         self._data: memoryview | None = seg.buf[HEADER_SIZE : HEADER_SIZE + self.capacity]
         self._ro: memoryview | None = self._data.toreadonly()
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
-        self._descriptors: dict[bytes, dict[str, tuple[str, np.dtype[Any], tuple[int, ...], int]]] = {}
+        # descriptor bytes -> (fields by name, the record length they need)
+        self._descriptors: dict[bytes, tuple[dict[str, _Field], int]] = {}
         self._pending: RecordWriter | None = None
         self._peeked: Record | None = None
         self._peeked_end = 0
@@ -559,13 +583,23 @@ class Ring:
                 f"(magic {magic:#x}, seq {seq} expected {self._read}, length {total}, {avail} committed)"
             )
         d0 = pos + _REC_HDR.size
+        if _REC_HDR.size + dlen > total:
+            raise RingCorrupt(f"ring {self.name}: the record at tail {self._tail} is {total} bytes, its "
+                              f"descriptor alone {dlen}")
         desc = bytes(ro[d0 : d0 + dlen])
-        fields = self._descriptors.get(desc)
-        if fields is None:
-            fields = {f[0]: f for f in _parse_descriptor(desc)}
+        layout = self._descriptors.get(desc)
+        if layout is None:
+            try:
+                layout = _parse_descriptor(desc, _REC_HDR.size + dlen)
+            except ValueError as e:
+                raise RingCorrupt(f"ring {self.name}: bad record descriptor at tail {self._tail}: {e}") from None
             if len(self._descriptors) >= _MAX_LAYOUT_CACHE:
                 self._descriptors.clear()
-            self._descriptors[desc] = fields
+            self._descriptors[desc] = layout
+        fields, need = layout
+        if need > total:
+            raise RingCorrupt(f"ring {self.name}: the record at tail {self._tail} is {total} bytes, its "
+                              f"arrays need {need}")
         rec = Record(ro, pos, fields, seq, total)
         self._peeked = rec
         self._peeked_end = self._tail + total

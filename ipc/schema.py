@@ -65,6 +65,7 @@ MAX_PATH_CHARS = 4096
 # Model aliases and tenant names reach file names, logs and metric labels.
 NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}\Z")
 REASON_RE = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
+Z85_KEY_RE = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")  # a CURVE public key, z85-encoded
 
 # Reasons the codec produces (all with code 400).
 CODEC_REASONS = ("bad_json", "not_an_object", "too_large", "bad_version", "unknown_op", "unknown_field",
@@ -317,6 +318,9 @@ def _handoff(name: str, value: Any) -> dict:
                 raise _FieldError("out_of_range", f"{name}.endpoint: must be a tcp:// or ipc:// endpoint")
         if value.get("curve_key") is not None:  # its CURVE public key (z85, 40 characters)
             out["curve_key"] = _text(40, 40)(f"{name}.curve_key", value["curve_key"])
+            if not Z85_KEY_RE.match(out["curve_key"]):  # zmq refuses any other key when the pull connects
+                raise _FieldError("out_of_range", f"{name}.curve_key: must be a z85-encoded key (40 characters "
+                                                  f"of the z85 alphabet)")
         if value.get("host_pool") is not None:  # its host KV slot pool (shared memory, one host)
             out["host_pool"] = _host_pool(f"{name}.host_pool", value["host_pool"])
         layout = value.get("layout")

@@ -38,6 +38,7 @@ from engine.http.stream_encoder import StreamEncoder
 from engine.http.served_model import ServedModel
 from engine.http.upstream import Upstream
 from ipc.codec import PROTOCOL_VERSION
+from ipc.schema import NAME_RE
 
 log = logging.getLogger("npuserve.http")
 JSON = "application/json"
@@ -201,9 +202,10 @@ class Front:
         upstream has not said what it serves."""
         m = self.upstream.model_for(req.model)
         names = {x.get("alias") for x in self.upstream.models}
-        if req.model is not None and names and req.model not in names:
-            raise OpenAIError(404, f"the model {req.model!r} does not exist here (served: "
-                                   f"{', '.join(sorted(n for n in names if n))})", param="model",
+        # a name no alias can have is never served, whether or not the upstream has said what it serves
+        if req.model is not None and (names and req.model not in names or not NAME_RE.match(req.model)):
+            served = f" (served: {', '.join(sorted(n for n in names if n))})" if names else ""
+            raise OpenAIError(404, f"the model {req.model[:200]!r} does not exist here{served}", param="model",
                               code="model_not_found")
         return m
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.http.openai_error import bad
+from ipc.schema import Z85_KEY_RE
 
 FIELD = "kv_transfer_params"
 OURS = "npuserve_handoff"
@@ -79,7 +80,7 @@ def _sane(d: dict) -> dict:
     if type(ep) is str and ep.startswith(("tcp://", "ipc://")) and len(ep) <= 256:
         out["endpoint"] = ep
     key = d.get("curve_key")
-    if type(key) is str and len(key) == 40:
+    if type(key) is str and Z85_KEY_RE.match(key):
         out["curve_key"] = key
     hp = d.get("host_pool")  # the exporter's host KV slot pool (engine/daemon/handoff/shm.py)
     if type(hp) is dict and sorted(hp) == ["host", "layout", "name", "slot_bytes", "slots"] and all(

@@ -76,8 +76,8 @@ def constraint_of(body: dict) -> dict | None:
         found.append(("response_format", _response_format(body["response_format"])))
     if body.get("guided_json") is not None:
         g = body["guided_json"]
-        if type(g) not in (dict, str):
-            raise bad("guided_json", "must be a JSON schema (object or string)", "invalid_type")
+        if type(g) not in (dict, str) or g == "":
+            raise bad("guided_json", "must be a JSON schema (object or non-empty string)", "invalid_type")
         found.append(("guided_json", {"kind": "json_schema", "body": g}))
     if body.get("json_schema") is not None:
         g = body["json_schema"]
