@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import math
 
-import orjson
-
 from engine.http.openai_error import OpenAIError, from_upstream
 from ipc import codec, schema
-from ipc.codec import ProtocolError
 from tools.fuzz import json_mutator
+from tools.fuzz.codec_contract import check_codec
 from tools.fuzz.finding import Finding
 
 MAX_LEN = 4096
@@ -90,16 +88,5 @@ def check_accepted(ev: dict) -> None:
 
 
 def one_input(data: bytes) -> None:
-    try:
-        ev = codec.decode_event(data, max_bytes=MAX_LEN)
-    except ProtocolError as e:
-        if e.code != 400 or e.reason not in schema.CODEC_REASONS:
-            raise Finding(f"rejection is not a 400 codec reason: {e.reason} | {e}") from None
-        if e.reason == "bad_json" and e.message.startswith("unreadable event ("):  # the codec's catch-all
-            schema.validate_event(orjson.loads(data))  # raises the checker's own exception: the finding
-            raise Finding(f"the event check raised a foreign exception | {e}") from None
-        return
-    check_accepted(ev)
-    again = codec.decode_event(codec.encode(ev))
-    if again != ev:
-        raise Finding(f"encode -> decode changed the event | {str(ev)[:200]} -> {str(again)[:200]}")
+    check_codec(data, lambda d: codec.decode_event(d, max_bytes=MAX_LEN), schema.validate_event, "event",
+                check_accepted)

@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 
 from ipc import codec, schema
-from ipc.codec import ProtocolError
 from tools.fuzz import json_mutator
+from tools.fuzz.codec_contract import check_codec
 from tools.fuzz.finding import Finding
 
 MAX_LEN = 4096
@@ -162,16 +162,4 @@ def check_accepted(r: dict) -> None:
 
 
 def one_input(data: bytes) -> None:
-    try:
-        req = codec.decode_request(data, max_bytes=MAX_LEN)
-    except ProtocolError as e:
-        if e.code != 400 or e.reason not in schema.CODEC_REASONS:
-            raise Finding(f"rejection is not a 400 codec reason: {e.reason} | {e}") from None
-        if e.reason == "bad_json" and e.message.startswith("unreadable request ("):  # the codec's catch-all
-            schema.validate_request(orjson.loads(data))  # raises the validator's own exception: the finding
-            raise Finding(f"validation raised a foreign exception | {e}") from None
-        return
-    check_accepted(req)
-    again = codec.decode_request(codec.encode(req))
-    if again != req:
-        raise Finding(f"encode -> decode changed the request | {str(req)[:200]} -> {str(again)[:200]}")
+    check_codec(data, lambda d: codec.decode_request(d, max_bytes=MAX_LEN), schema.validate_request, "request", check_accepted)
