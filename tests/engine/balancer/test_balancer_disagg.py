@@ -93,7 +93,7 @@ def test_disaggregated_outputs_equal_co_located(pd_pair):
         bal = c.stats()["balancer"]["counters"]
     assert pc["handoff_exports"] == bal["pd_handoffs"] > 0
     assert dc["handoff_recomputed"] == bal["pd_handoffs"] and dc["handoff_imported"] == 0
-    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, timeout=10, what="pools at baseline")
+    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, what="pools at baseline")
 
 
 def test_faults_end_every_request_once_and_free_both_pools(daemon, balancer):
@@ -137,7 +137,7 @@ def test_faults_end_every_request_once_and_free_both_pools(daemon, balancer):
         st = c.stats()["balancer"]
     assert st["active_requests"] == 0 and st["counters"]["migrations"] >= 1
     (survivor,) = boards.values()
-    wait_until(lambda: kv_used_blocks(survivor) == 0, timeout=10, what="the surviving decode pool at baseline")
+    wait_until(lambda: kv_used_blocks(survivor) == 0, what="the surviving decode pool at baseline")
     # a request after the prefill board died goes whole to a decode board (no request lost to a role)
     got = run_streams(b.endpoint, [gen_msg("late", [1, 2, 3], max_tokens=4)], timeout=60)
     (term,) = terminal_events(got["late"])
@@ -169,8 +169,8 @@ def test_the_decode_board_imports_the_prefill_boards_blocks_through_the_disk_tie
     assert counters["tier_hit_tokens"] > 0 and counters.get("kv_import_jobs", 0) > 0, counters
     # the prefill board held each prompt's blocks for the decode board, and let go at the deadline
     assert daemon_counters(p)["handoff_held"] == len(msgs)
-    wait_until(lambda: daemon_counters(p)["handoff_expired"] == len(msgs), timeout=10, what="holds expired")
-    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, timeout=10, what="pools at baseline")
+    wait_until(lambda: daemon_counters(p)["handoff_expired"] == len(msgs), what="holds expired")
+    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, what="pools at baseline")
 
 
 def test_a_transfer_cut_half_way_is_recomputed_not_wrong(daemon, short_dir):
@@ -192,7 +192,7 @@ def test_a_transfer_cut_half_way_is_recomputed_not_wrong(daemon, short_dir):
             out += [os.path.join(root, n) for n in names if n.endswith(".kv")]
         return out
 
-    wait_until(lambda: len(files()) >= 6, timeout=10, what="the prefill board's block files")
+    wait_until(lambda: len(files()) >= 6, what="the prefill board's block files")
     hit = sorted(files())
     with open(hit[0], "r+b") as f:  # one torn record, one gone
         f.truncate(8)
@@ -208,4 +208,4 @@ def test_a_transfer_cut_half_way_is_recomputed_not_wrong(daemon, short_dir):
     assert st["daemon"]["handoff_imported"] == 1
     # the worker checked every record before writing one: the import was refused whole, the prompt recomputed
     assert st["scheduler"]["counters"].get("tier_refused_imports", 0) == 1
-    wait_until(lambda: kv_used_blocks(d) == 0, timeout=10, what="the decode pool at baseline")
+    wait_until(lambda: kv_used_blocks(d) == 0, what="the decode pool at baseline")

@@ -41,7 +41,7 @@ def _hand_off(p, d, rid, prompt, spoil=None, **kw):
     (done,) = terminal_events(first[rid + "p"])
     desc = done["handoff"]
     assert desc["host_pool"]["name"]
-    wait_until(lambda: _exported(p), timeout=10, what="the prompt's blocks in the host pool")
+    wait_until(lambda: _exported(p), what="the prompt's blocks in the host pool")
     if spoil is not None:
         spoil(desc)
     tok = streamed_tokens(first[rid + "p"])
@@ -79,7 +79,7 @@ def test_with_a_transfer_endpoint_the_copy_is_still_from_shared_memory_and_relea
     assert got == streamed_tokens(run_streams(p.endpoint, [gen_msg("o", prompt, max_tokens=8, ignore_eos=True)])["o"])
     dc = daemon_counters(d)
     assert dc["handoff_shm_blocks"] > 0 and dc.get("handoff_pulled_blocks", 0) == 0, dc
-    wait_until(lambda: daemon_counters(p).get("handoff_released") == 1, timeout=10, what="the hold released")
+    wait_until(lambda: daemon_counters(p).get("handoff_released") == 1, what="the hold released")
     assert daemon_counters(p).get("handoff_expired", 0) == 0
 
 

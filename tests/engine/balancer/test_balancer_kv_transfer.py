@@ -65,7 +65,7 @@ def test_the_decode_board_pulls_the_blocks_over_the_transfer_endpoint(daemon, ba
     assert pc["handoff_claimed"] == len(msgs) and pc["handoff_served_blocks"] >= dc["handoff_pulled_blocks"]
     # released by the decode board, long before the 60 s deadline
     assert pc["handoff_released"] == len(msgs) and pc["handoff_expired"] == 0
-    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, timeout=10, what="pools at baseline")
+    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, what="pools at baseline")
 
 
 class _Proxy:
@@ -145,10 +145,10 @@ def test_a_transfer_cut_or_corrupted_half_way_is_recomputed(daemon, short_dir, m
     dc = daemon_counters(d)
     assert dc["handoff_recomputed"] == 1 and dc["handoff_pull_failed"] == 1 and dc["handoff_imported"] == 0
     # the decode board's release (after the checksum failure, or its timeout) frees the hold before its deadline
-    wait_until(lambda: daemon_counters(p)["handoff_released"] == 1, timeout=10, what="hold released")
+    wait_until(lambda: daemon_counters(p)["handoff_released"] == 1, what="hold released")
     assert daemon_counters(p)["handoff_expired"] == 0
-    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, timeout=10, what="pools at baseline")
-    wait_until(lambda: _socket_fds(d.pid) == base_fds, timeout=10, what="the decode board's sockets at baseline")
+    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, what="pools at baseline")
+    wait_until(lambda: _socket_fds(d.pid) == base_fds, what="the decode board's sockets at baseline")
 
 
 def test_a_cancel_during_the_transfer_ends_the_request_once(daemon, short_dir):
@@ -179,6 +179,6 @@ def test_a_cancel_during_the_transfer_ends_the_request_once(daemon, short_dir):
     assert term["ev"] == "done" and term["finish_reason"] == "cancelled"
     dc = daemon_counters(d)
     assert dc["handoff_pull_failed"] == 1 and dc["handoff_imported"] == 0
-    wait_until(lambda: daemon_counters(p)["handoff_released"] == 1, timeout=10, what="hold released")
-    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, timeout=10, what="pools at baseline")
-    wait_until(lambda: _socket_fds(d.pid) == base_fds, timeout=10, what="the decode board's sockets at baseline")
+    wait_until(lambda: daemon_counters(p)["handoff_released"] == 1, what="hold released")
+    wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, what="pools at baseline")
+    wait_until(lambda: _socket_fds(d.pid) == base_fds, what="the decode board's sockets at baseline")

@@ -41,7 +41,11 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schem
 @pytest.fixture(scope="module")
 def board(gemma_package):
     with daemon_process("llamacpp", extra=["--package", gemma_package],
-                        settings={"board.threads_per_chip": 1, "model.alias": ALIAS}) as d, \
+                        # the worker's first constrained lane builds llguidance's view of Gemma's 262k-token
+                        # vocabulary (1.5 s quiet, many seconds on a slow machine) and sends no heartbeat
+                        # meanwhile: a worker timeout is not this test's subject
+                        settings={"board.threads_per_chip": 1, "model.alias": ALIAS,
+                                  "recovery.heartbeat_timeout_ms": 60000}) as d, \
             http_front_process(d.endpoint) as front:
         yield d, front
 
