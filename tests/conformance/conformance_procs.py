@@ -25,7 +25,8 @@ from balancer_procs import BalancerProc, tcp_endpoint, write_config  # noqa: E40
 
 
 class Procs:
-    """Processes of one set-up; `close()` stops them and returns what their exit left wrong."""
+    """Processes of one set-up; `close()` stops them and returns what their exit left wrong (as a context
+    manager, leaving it asserts there was nothing)."""
 
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="ncf-", dir="/tmp")
@@ -65,6 +66,13 @@ class Procs:
         self.balancers.append(b)
         b.wait_backends_up(len(backends), timeout=START_TIMEOUT_S)
         return b
+
+    def __enter__(self) -> "Procs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        problems = self.close()
+        assert not problems, "\n".join(problems)
 
     def log_tails(self, n: int = 2000) -> str:
         """The end of every process's log, for a failure message."""

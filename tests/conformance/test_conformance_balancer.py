@@ -11,13 +11,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def balanced():
-    procs = Procs()
-    try:
+    with Procs() as procs:
         eps = [procs.daemon(backend="ref", tcp=True)[1] for _ in range(2)]
         yield procs, procs.balancer(eps)
-    finally:
-        problems = procs.close()
-        assert not problems, "\n".join(problems)
 
 
 def test_a_balancer_before_two_boards_conforms(balanced, capsys):

@@ -13,14 +13,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def busy_daemon():
-    procs = Procs()
-    try:
+    with Procs() as procs:
         d, _ = procs.daemon(backend="ref", settings={"executor.max_inflight": 2, "executor.queue_next_step": True,
                                                      "executor.decode_steps": 4})
         yield procs, d
-    finally:
-        problems = procs.close()
-        assert not problems, "\n".join(problems)
 
 
 def test_a_daemon_with_two_jobs_in_flight_queued_steps_and_multi_step_decode_conforms(busy_daemon, capsys):

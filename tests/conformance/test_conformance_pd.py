@@ -11,15 +11,11 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def pd_pair():
-    procs = Procs()
-    try:
+    with Procs() as procs:
         _, ep = procs.daemon(backend="ref", tcp=True, settings={"board.role": "prefill"})
         _, ed = procs.daemon(backend="ref", tcp=True, settings={"board.role": "decode"})
         yield procs, procs.balancer([{"endpoint": ep, "role": "prefill"}, {"endpoint": ed, "role": "decode"}],
                              policy="prefix")
-    finally:
-        problems = procs.close()
-        assert not problems, "\n".join(problems)
 
 
 def test_a_prefill_decode_pair_behind_the_balancer_conforms(pd_pair, capsys):

@@ -21,13 +21,9 @@ def ref_daemon(tmp_path_factory):
     shutil.copytree(ensure_default_package(), root / "tiny")
     make_model(str(root / "small"), vocab=320, layers=1, d_model=16, heads=2, kv_heads=1, golden_cases=1,
                golden_max_tokens=2, max_seq=128, kv_num_blocks=64, name="small")
-    procs = Procs()
-    try:
+    with Procs() as procs:
         yield procs, procs.daemon(backend="ref", tcp=True, extra=["--model-root", str(root), "--model", "tiny=tiny",
                                                                   "--model", "small=small"])
-    finally:
-        problems = procs.close()
-        assert not problems, "\n".join(problems)
 
 
 def test_a_ref_daemon_with_two_models_conforms_on_its_admin_endpoint(ref_daemon, capsys):
@@ -45,11 +41,7 @@ def test_its_tcp_endpoint_refuses_admin_ops_with_403(ref_daemon, capsys):
 
 
 def test_a_burst_over_a_small_waiting_room_gets_429(capsys):
-    procs = Procs()
-    try:
+    with Procs() as procs:
         d, _ = procs.daemon(backend="ref", settings={"admission.max_waiting_requests": 2})
         code, rows, _ = run_conformance(capsys, d.endpoint, "--overload", "48", "--only", "error_429_overloaded")
         assert_conforms(code, rows, set(), procs)
-    finally:
-        problems = procs.close()
-        assert not problems, "\n".join(problems)

@@ -11,13 +11,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def replica():
-    procs = Procs()
-    try:
+    with Procs() as procs:
         d, _ = procs.daemon(backend="ref", chips=2, settings={"board.chips_per_replica": 2})
         yield procs, d
-    finally:
-        problems = procs.close()
-        assert not problems, "\n".join(problems)
 
 
 def test_a_tensor_parallel_replica_conforms(replica, capsys):

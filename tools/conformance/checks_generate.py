@@ -135,18 +135,24 @@ def check_seeded_crowd(env: Env) -> str:
     return f"{env.opts.crowd} concurrent, one terminal each, same tokens"
 
 
-def check_single_frame_messages(env: Env) -> str:
-    """Without `hello`, concurrent streams on one connection still arrive one event per message."""
-    c = env.conn()
+def run_concurrent_streams(env: Env, c, first_prompt: int, n: int = 12, context: str = "") -> None:
+    """`n` streams at once on connection `c`, each checked whole; any framing violation on `c` fails (its
+    message prefixed with `context`)."""
     ids = []
-    for i in range(12):
+    for i in range(n):
         rid = env.rid(str(i))
-        c.send(gen(rid, env.target.prompt(200 + i), max_tokens=16, ignore_eos=True))
+        c.send(gen(rid, env.target.prompt(first_prompt + i), max_tokens=16, ignore_eos=True))
         ids.append(rid)
     got = c.collect(ids)
     for rid in ids:
         generate_result(got[rid], stream=True, text=env.target.text)
-    expect(not c.violations, c.violations[0] if c.violations else "")
+    expect(not c.violations, f"{context}{c.violations[0]}" if c.violations else "")
+
+
+def check_single_frame_messages(env: Env) -> str:
+    """Without `hello`, concurrent streams on one connection still arrive one event per message."""
+    c = env.conn()
+    run_concurrent_streams(env, c, 200)
     return f"{c.messages} messages, each one frame"
 
 

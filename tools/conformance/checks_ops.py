@@ -7,9 +7,9 @@ endpoint's kind.
 
 from __future__ import annotations
 
-from tools.conformance.checks_generate import run_one
+from tools.conformance.checks_generate import run_concurrent_streams, run_one
 from tools.conformance.env import Env, gen, op
-from tools.conformance.shapes import Fail, Skip, error_event, expect, generate_result, has_keys, short
+from tools.conformance.shapes import Fail, Skip, error_event, expect, has_keys, short
 
 DAEMON_HEALTH = ("ok", "accepting", "loop_ok", "loop_lag_ms", "chips_up", "chips", "model", "models", "board",
                  "pid", "uptime_s", "active_requests", "load")
@@ -119,30 +119,14 @@ def check_hello(env: Env) -> str:
     expect("conformance_unknown_capability" not in granted, f"an unknown capability was granted: {granted}")
     expect(set(granted) <= {"batched_events"}, f"granted capabilities that were not asked for: {granted}")
     c.batched = "batched_events" in granted
-    ids = []
-    for i in range(12):
-        r = env.rid(str(i))
-        c.send(gen(r, env.target.prompt(300 + i), max_tokens=16, ignore_eos=True))
-        ids.append(r)
-    got = c.collect(ids)
-    for r in ids:
-        generate_result(got[r], stream=True, text=env.target.text)
-    expect(not c.violations, c.violations[0] if c.violations else "")
+    run_concurrent_streams(env, c, 300)
     batched = c.multi_frame_messages
     again = env.rid("again")
     ev = c.request(op("hello", again, capabilities=[]))  # a later hello replaces the set: back to one per message
     expect(ev["ev"] == "hello" and ev.get("id") == again and ev.get("capabilities") == [],
            f"hello with no capabilities must grant none: {short(ev)}")
     c.batched = False
-    ids = []
-    for i in range(8):
-        r = env.rid(f"after{i}")
-        c.send(gen(r, env.target.prompt(320 + i), max_tokens=16, ignore_eos=True))
-        ids.append(r)
-    got = c.collect(ids)
-    for r in ids:
-        generate_result(got[r], stream=True, text=env.target.text)
-    expect(not c.violations, f"after a hello that granted nothing: {c.violations[0]}" if c.violations else "")
+    run_concurrent_streams(env, c, 320, n=8, context="after a hello that granted nothing: ")
     over = env.conn()
     bad = over.request(op("hello", env.rid("17"), capabilities=[f"cap{i}" for i in range(17)]))
     error_event(bad, 400)
