@@ -321,12 +321,13 @@ class FakeServer:
     `hellos` and answered `400 unknown_op`, as such a server does.
     """
 
-    def __init__(self, handler) -> None:
+    def __init__(self, handler, batch: bool = False) -> None:
         import threading
 
         import zmq
 
         self.handler = handler
+        self.batch = batch  # send each answer's events as the frames of one message, whether asked or not
         self.received: list[dict] = []
         self.hellos: list[dict] = []
         self._ctx = zmq.Context()
@@ -345,16 +346,23 @@ class FakeServer:
             if not self._sock.poll(20):
                 continue
             ident, data = self._sock.recv_multipart()
-            msg = orjson.loads(data)
-            if msg.get("op") == "hello":
+            try:
+                msg = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                msg = None  # the handler answers what is not JSON
+            if isinstance(msg, dict) and msg.get("op") == "hello":
                 self.hellos.append(msg)
                 self._sock.send_multipart([ident, orjson.dumps(
                     {"v": 1, "ev": "error", "id": msg.get("id"), "code": 400, "reason": "unknown_op",
                      "message": "op: unknown op 'hello'", "retryable": False})])
                 continue
             self.received.append(msg)
-            for ev in self.handler(msg) or []:
-                self._sock.send_multipart([ident, ev if isinstance(ev, bytes) else orjson.dumps(ev)])
+            frames = [ev if isinstance(ev, bytes) else orjson.dumps(ev) for ev in self.handler(msg) or []]
+            if self.batch and frames:
+                self._sock.send_multipart([ident, *frames])
+            else:
+                for f in frames:
+                    self._sock.send_multipart([ident, f])
 
     def cancels(self) -> list[str]:
         return [m["id"] for m in list(self.received) if m.get("op") == "cancel"]
@@ -370,8 +378,8 @@ class FakeServer:
 def fake_server():
     servers: list[FakeServer] = []
 
-    def make(handler) -> FakeServer:
-        s = FakeServer(handler)
+    def make(handler, batch: bool = False) -> FakeServer:
+        s = FakeServer(handler, batch)
         servers.append(s)
         return s
 

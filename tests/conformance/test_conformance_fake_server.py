@@ -2,7 +2,7 @@
 forced on would), passes the same scripted server when it sends one event per message, and fails it for each
 other scripted breach of the document, in the check named for that promise.
 
-The server is a ROUTER written here with plain pyzmq: it answers `health` with the documented minimum the
+The server is conftest's scripted ROUTER (plain pyzmq) with the answers written here: it answers `health` with the documented minimum the
 suite needs, a `generate` with one `tokens` event and its `done` (or, with `stream: false`, the `done` alone)
 and a malformed message with its 400; each `fault` breaks one promise.
 """
@@ -12,54 +12,34 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import threading
 
 import orjson
 import pytest
-import zmq
 
 from conftest import ROOT
 
 
-class ScriptedRouter:
-    def __init__(self, batch: bool, fault: str | None = None) -> None:
-        self.batch = batch
-        self.fault = fault
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.serve, daemon=True)
-        self.thread.start()
+class Script:
+    """The scripted server's answers (conftest's `FakeServer` carries them), with one promise broken by `fault`."""
 
-    def serve(self) -> None:
-        while not self.stop.is_set():
-            if not self.sock.poll(20):
-                continue
-            ident, data = self.sock.recv_multipart()
-            try:
-                msg = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                msg = None
-            if not isinstance(msg, dict) or msg.get("op") not in ("health", "generate", "cancel"):
-                rid = msg.get("id") if isinstance(msg, dict) else None
-                err = {"v": 1, "ev": "error", "id": rid, "code": 400, "reason": "unknown_op", "message": "op: unknown",
-                       "retryable": False}
-                if self.fault == "error_without_retryable":
-                    del err["retryable"]
-                self.send(ident, [err])
-                continue
-            rid = msg.get("id")
-            if msg["op"] == "health":
-                self.send(ident, [{"v": 1, "ev": "health", "id": rid, "ok": True,
-                                   "model": {"alias": "fake", "vocab_size": 256, "max_seq": 2048, "text": False}}])
-            elif msg["op"] == "cancel":
-                if self.fault == "cancel_replied":
-                    self.send(ident, [{"v": 1, "ev": "cancel", "id": rid}])
-            else:
-                self.send(ident, self.generate(msg))
+    def __init__(self, fault: str | None = None) -> None:
+        self.fault = fault
+
+    def handle(self, msg) -> list[dict]:
+        if not isinstance(msg, dict) or msg.get("op") not in ("health", "generate", "cancel"):
+            rid = msg.get("id") if isinstance(msg, dict) else None
+            err = {"v": 1, "ev": "error", "id": rid, "code": 400, "reason": "unknown_op", "message": "op: unknown",
+                   "retryable": False}
+            if self.fault == "error_without_retryable":
+                del err["retryable"]
+            return [err]
+        rid = msg.get("id")
+        if msg["op"] == "health":
+            return [{"v": 1, "ev": "health", "id": rid, "ok": True,
+                     "model": {"alias": "fake", "vocab_size": 256, "max_seq": 2048, "text": False}}]
+        if msg["op"] == "cancel":
+            return [{"v": 1, "ev": "cancel", "id": rid}] if self.fault == "cancel_replied" else []
+        return self.generate(msg)
 
     def generate(self, msg: dict) -> list[dict]:
         rid = msg["id"]
@@ -77,32 +57,15 @@ class ScriptedRouter:
             events.append(done)
         return events
 
-    def send(self, ident: bytes, events: list[dict]) -> None:
-        frames = [orjson.dumps(e) for e in events]
-        if self.batch:
-            self.sock.send_multipart([ident, *frames])  # several events in one message, unasked
-        else:
-            for f in frames:
-                self.sock.send_multipart([ident, f])
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close(0)
-        self.ctx.term()
-
 
 @pytest.fixture
-def scripted():
-    made: list[ScriptedRouter] = []
+def scripted(fake_server):
+    """`scripted(batch, fault)`: the scripted server; `batch`: several events in one message, unasked."""
 
-    def make(batch: bool, fault: str | None = None) -> ScriptedRouter:
-        made.append(ScriptedRouter(batch, fault))
-        return made[-1]
+    def make(batch: bool, fault: str | None = None):
+        return fake_server(Script(fault).handle, batch=batch)
 
-    yield make
-    for r in made:
-        r.close()
+    return make
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
