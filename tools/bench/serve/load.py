@@ -8,7 +8,7 @@ OpenAI-compatible server, over HTTP) or a daemon it starts itself
 against continuous batching) and runs the same sweep on each, side by side.
 For the `sim` backend every closed-loop point also gets the in-process
 simulator's prediction for the same requests. With `--scenario NAME` it runs
-one of the head-to-head scenarios instead (`tools/bench_scenario.py`).
+one of the head-to-head scenarios instead (`tools/bench/serve/scenario.py`).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="JSON Lines: one row per point, then a summary")
     g.add_argument("--plot", metavar="FILE.png", help="draw the throughput / TTFT-P99 plot (needs matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
-    from tools.bench_conversations import add_arguments
+    from tools.bench.serve.conversations import add_arguments
 
     add_arguments(p)
     return p
@@ -144,7 +144,7 @@ def parse_args(argv: list[str], prog: str = "npuserve bench") -> argparse.Namesp
             p.error("--rounds must be positive")
         try:
             s = scenarios.get(a.scenario)
-            from tools.bench_scenario import options_of
+            from tools.bench.serve.scenario import options_of
 
             options_of(a.scenario_option, s, a.quick)
         except ValueError as e:
@@ -372,11 +372,11 @@ def print_text(rows: list[dict], comparison: list[dict]) -> None:
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
     if a.conversations:
-        from tools.bench_conversations import run as run_conversations
+        from tools.bench.serve.conversations import run as run_conversations
 
         return run_conversations(a)
     if a.scenario:
-        from tools.bench_scenario import bench_main
+        from tools.bench.serve.scenario import bench_main
 
         return bench_main(a)
     rows, comparison = run(a)

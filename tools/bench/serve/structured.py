@@ -158,7 +158,7 @@ def run(a: argparse.Namespace, pkg, progress) -> tuple[list[dict], dict]:
 
 def main(argv: list[str]) -> int:
     from tools.load.progress import Progress
-    from tools.bench_peer import default_package
+    from tools.bench.serve.peer import default_package
     from tools.load.report import table
     from workers.gguf_package import GgufPackage
     from workers.package_loader import load_package

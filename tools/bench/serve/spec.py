@@ -181,7 +181,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from tools.bench_peer import default_package, run_llamacpp_server
+    from tools.bench.serve.peer import default_package, run_llamacpp_server
     from workers.backends.llamacpp import default_threads
 
     signal.signal(signal.SIGTERM, _interrupt)

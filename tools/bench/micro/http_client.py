@@ -1,4 +1,4 @@
-"""`python -m tools.bench_http_client`: what a streamed SSE event costs the load client, aiohttp against httpx.
+"""`python -m tools.bench.micro.http_client`: what a streamed SSE event costs the load client, aiohttp against httpx.
 
 Why `npuserve bench --openai` uses aiohttp: at 64 streams on 2 cores the
 client must not be the bottleneck. A minimal asyncio server in a process of
@@ -108,7 +108,7 @@ def _measure(lib: str, url: str, streams: int, requests: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.bench_http_client", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.micro.http_client", description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--events", type=int, default=256, help="SSE events per request")
@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
         libs.append("httpx")
     except ImportError:
         print("httpx is not installed: aiohttp alone (pip install httpx to compare)", file=sys.stderr)
-    server = subprocess.Popen([sys.executable, "-m", "tools.bench_http_client", "--serve", "--events", str(a.events)],
+    server = subprocess.Popen([sys.executable, "-m", "tools.bench.micro.http_client", "--serve", "--events", str(a.events)],
                               stdout=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{int(server.stdout.readline())}/v1/completions"

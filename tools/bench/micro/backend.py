@@ -9,9 +9,9 @@ in flight. The ratio worker/in-process is the worker overhead.
 Both modes run with the worker's BLAS thread count (see
 `workers.control.worker_environ`), so the ratio compares like with like.
 
-`--tp` (tools/bench_tp.py) and `--loop-steps` (tools/bench_decode_loop.py:
+`--tp` (tools/bench/micro/tp.py) and `--loop-steps` (tools/bench/micro/decode_loop.py:
 the device-side multi-step decode against the worker's host loop) run their
-own comparisons instead; the job stream is tools/bench_jobs.py.
+own comparisons instead; the job stream is tools/bench/micro/jobs.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 
 from ipc.records import Job, JobStatus
-from tools.bench_jobs import JobFactory, WorkerRunner, Workload, round_seconds
+from tools.bench.micro.jobs import JobFactory, WorkerRunner, Workload, round_seconds
 from tools.json_lines import emit
 
 BATCHES = (1, 4, 8, 16)
@@ -156,12 +156,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON row per line")
     p.add_argument("--tp", default=None,
                    help="comma-separated tensor-parallel degrees (ref only), e.g. 1,2: decode tokens/s per degree, "
-                        "one process per rank, and the all-reduce vs a memcpy (tools/bench_tp.py)")
+                        "one process per rank, and the all-reduce vs a memcpy (tools/bench/micro/tp.py)")
     p.add_argument("--tp-rounds", type=int, default=3, help="--tp: decode rounds per run")
     p.add_argument("--tp-repeats", type=int, default=3, help="--tp: runs per degree, alternating")
     p.add_argument("--loop-steps", type=int, default=0,
                    help="ctypes only: decode in jobs of this many steps, the library's device loop against the "
-                        "worker's host loop and one-step jobs (tools/bench_decode_loop.py)")
+                        "worker's host loop and one-step jobs (tools/bench/micro/decode_loop.py)")
     return p.parse_args(argv)
 
 
@@ -186,7 +186,7 @@ def main(argv: list[str]) -> int:
         if args.backend != "ref":
             print("bench-backend: --tp needs --backend ref", file=sys.stderr)
             return 2
-        from tools.bench_tp import run as run_tp
+        from tools.bench.micro.tp import run as run_tp
 
         return run_tp(args, package, list(batches))
     options: dict = {}
@@ -204,7 +204,7 @@ def main(argv: list[str]) -> int:
         options["library"] = library
     try:
         if args.loop_steps:
-            from tools.bench_decode_loop import run as run_loop
+            from tools.bench.micro.decode_loop import run as run_loop
 
             return run_loop(args, options, batches)
         return _run(args, make_backend(args.backend, **options), options, package, batches, worker_blas)

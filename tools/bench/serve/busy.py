@@ -69,7 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _run(a: argparse.Namespace, backend: str, mode: str) -> dict:
-    from tools import bench_serve
+    from tools.bench.serve import point as bench_serve
 
     m = MODES[mode]
     argv = ["--backend", backend, "--concurrency", str(a.concurrency), "--requests", str(a.requests),

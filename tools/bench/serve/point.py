@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools import bench
+from tools.bench.serve import load as bench
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

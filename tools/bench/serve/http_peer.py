@@ -80,7 +80,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if a.conversations and min(a.turns, a.first_len, a.turn_len, a.answer_len) < 1:
         p.error("--turns, --first-len, --turn-len and --answer-len must be positive")
     if a.scenario:
-        from tools.bench_scenario import options_of
+        from tools.bench.serve.scenario import options_of
         from tools.load import scenarios
 
         try:
@@ -230,13 +230,13 @@ def conversations_main(a: argparse.Namespace, pkg) -> int:
 
 def main(argv: list[str]) -> int:
     from tools.load.progress import Progress
-    from tools.bench_peer import default_package
+    from tools.bench.serve.peer import default_package
     from tools.load import paired
     from workers.gguf_package import GgufPackage
     from workers.package_loader import load_package
 
     a = parse_args(argv)
-    from tools.bench_peer import _interrupt
+    from tools.bench.serve.peer import _interrupt
     import signal
 
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: both servers are stopped
@@ -248,7 +248,7 @@ def main(argv: list[str]) -> int:
     if a.conversations:
         return conversations_main(a, pkg)
     if a.scenario:
-        from tools.bench_scenario import peer_main
+        from tools.bench.serve.scenario import peer_main
 
         return peer_main(a, pkg)
     total = sum(2 * a.rounds * c * a.per_stream for c in a.concurrencies)

@@ -43,7 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _serve_run(a: argparse.Namespace, variant: str, tmp: str) -> dict:
-    from tools import bench_serve
+    from tools.bench.serve import point as bench_serve
 
     argv = ["--backend", a.backend, "--requests", str(a.requests), "--concurrency", str(a.concurrency)]
     stop = threading.Event()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 
 from ipc.records import JobStatus
-from tools.bench_jobs import JobFactory, WorkerRunner, Workload, round_seconds
+from tools.bench.micro.jobs import JobFactory, WorkerRunner, Workload, round_seconds
 from tools.json_lines import emit
 
 WAYS = ("per-step", "host-loop", "device-loop")

@@ -70,7 +70,7 @@ def measure_decode(package: str, degrees: list[int], batches: list[int], *, prom
         for rep in range(repeats):
             order = degrees if rep % 2 == 0 else list(reversed(degrees))
             for w in order:
-                run = run_group(w, package, "tools.bench_tp:decode_script",
+                run = run_group(w, package, "tools.bench.micro.tp:decode_script",
                                 {"batch": b, "prompt_len": prompt_len, "decode_steps": decode_steps, "rounds": rounds})
                 step = statistics.median(_round_seconds(run.marks)) / decode_steps
                 per[w].append(b / step)
@@ -106,7 +106,7 @@ def _ar_child(name: str, rank: int, n: int, iters: int) -> None:
 def measure_allreduce(world: int, n_floats: int, *, iters: int = 2000, mode: str = "shared") -> dict:
     seg = create_group("tpbench", world, 1 << 20)
     try:
-        procs = [subprocess.Popen([sys.executable, "-m", "tools.bench_tp", seg.name, str(r), str(n_floats), str(iters)],
+        procs = [subprocess.Popen([sys.executable, "-m", "tools.bench.micro.tp", seg.name, str(r), str(n_floats), str(iters)],
                                   stdout=subprocess.PIPE, text=True, env=worker_environ()) for r in range(world)]
         res = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
     finally:

@@ -34,7 +34,7 @@ def burst(tok, streams: int, prompt_tokens: int):
     """bench-peer's `plain` prompts as one decode: (tokens, positions, sequence ids, want-logits flags)."""
     import numpy as np
 
-    from tools.bench_peer import make_prompts
+    from tools.bench.serve.peer import make_prompts
 
     prompts, _ = make_prompts(tok, "plain", streams, prompt_tokens)
     tokens = np.concatenate([np.asarray(p, np.int32) for p in prompts])
@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
     if min(a.streams, a.prompt_tokens, a.reps, a.threads, a.instances) < 1:
         ap.error("--streams, --prompt-tokens, --reps, --threads and --instances must be positive")
 
-    from tools.bench_peer import default_package
+    from tools.bench.serve.peer import default_package
     from tools.json_lines import emit
     from workers.gguf_package import GgufPackage
     from workers.llamacpp.tokenizer import GgufTokenizer
