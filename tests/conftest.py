@@ -537,12 +537,7 @@ def wait_for_log(d: "DaemonProc", event: str, timeout: float = 30.0, count: int 
 
 
 # -- the OpenAI-compatible HTTP front (engine/http) -----------------------------------------------
-def free_tcp_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tools.load.ports import free_port  # noqa: E402  (one home for a free loopback port)
 
 
 @dataclass
@@ -584,7 +579,7 @@ def start_http_front(upstream: str, log_path: str, args: list[str] | None = None
     `wait_up`, until its /health says the upstream answers)."""
     import urllib.error
 
-    port = free_tcp_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "engine.http.main", "--listen", f"127.0.0.1:{port}", "--upstream", upstream,
            *(args or [])]
     with open(log_path, "wb") as log:

@@ -19,17 +19,14 @@ daemons and balancers in one run, and bench-serve drives one daemon.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 from tools.json_lines import emit
-from tools.load import child_process, runner
-from tools.load.ports import free_port
+from tools.load import local_daemon, paired, runner
+from tools.load.fleet import Fleet
+from tools.load.local_balancer import LocalBalancer
 from tools.load.report import pct, summarize
 from tools.load.workload import Request
 
@@ -64,56 +61,14 @@ def _load(endpoints: list[str], concurrency: int, reqs: list[Request], clients: 
 # ---------------------------------------------------------------- processes
 
 
-class _Procs:
-    def __init__(self) -> None:
-        self.tmp = tempfile.mkdtemp(prefix="npsbb-", dir="/tmp")
-        self.procs: list[subprocess.Popen] = []
-
-    def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        with open(os.path.join(self.tmp, name + ".log"), "wb") as log:
-            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.procs.append(p)
-        return p
-
-    def daemon(self, i: int) -> str:
-        ep = f"tcp://127.0.0.1:{free_port()}"
-        rt = os.path.join(self.tmp, f"d{i}")
-        self.spawn(f"daemon{i}", [sys.executable, "-m", "engine.daemon.main", "--backend", "stub", "--chips", "1",
-                                  "--board", f"bb{i}", "--runtime-dir", rt, "--endpoint", ep,
-                                  "--set", "admission.max_waiting_requests=100000",
-                                  "--set", "executor.max_inflight=2"])
-        return ep
-
-    def balancer(self, backends: list[str], policy: str) -> tuple[subprocess.Popen, str]:
-        ep = f"tcp://127.0.0.1:{free_port()}"
-        p = self.spawn(f"bal{len(self.procs)}", [sys.executable, "-m", "engine.balancer.main", "--endpoint", ep,
-                                                 "--backends", ",".join(backends), "--policy", policy])
-        return p, ep
-
-    def stop(self, p: subprocess.Popen) -> None:
-        child_process.stop(p, 30)
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            self.stop(p)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+def _daemon(fleet: Fleet, i: int) -> str:
+    return fleet.daemon("stub", f"bb{i}", ["executor.max_inflight=2"])
 
 
-def _wait(endpoint: str, what: str, up: int | None = None, timeout: float = 120) -> None:
-    from engine.client import Client
-    from engine.errors import ClientError
-
-    deadline = time.monotonic() + timeout
-    with Client(endpoint, timeout=0.5) as c:
-        while time.monotonic() < deadline:
-            try:
-                h = c.health()
-                if h.get("chips_up") and (up is None or h.get("backends_up", 0) >= up):
-                    return
-            except ClientError:
-                pass
-            time.sleep(0.05)
-    raise SystemExit(f"bench-balancer: {what} at {endpoint} not ready in time")
+def _balancer(fleet: Fleet, backends: list[str], policy: str, what: str) -> LocalBalancer:
+    b = fleet.balancer(["--backends", ",".join(backends), "--policy", policy], f"{what}-{policy}")
+    local_daemon.wait_healthy(b.endpoint, timeout=120, backends_up=len(backends))
+    return b
 
 
 def _prefix_hits(endpoints: list[str]) -> int:
@@ -134,14 +89,17 @@ def _latency(direct: str, via: str, n: int) -> dict:
 
     lat: dict[str, list[float]] = {"direct": [], "via": []}
     with Client(direct, timeout=30) as d, Client(via, timeout=30) as b:
+        clients = {"direct": d, "via": b}
         for c in (d, b):
             for _ in range(20):
                 c.generate([1, 2, 3, 4, 5, 6, 7, 8], max_tokens=1)  # warm-up
-        for i in range(n):
-            for name, c in (("direct", d), ("via", b)) if i % 2 == 0 else (("via", b), ("direct", d)):
-                t0 = time.perf_counter()
-                c.generate([1, 2, 3, 4, 5, 6, 7, 8], max_tokens=1, seed=i)
-                lat[name].append((time.perf_counter() - t0) * 1000)
+
+        def one(name: str, i: int, _group) -> None:  # a round of one request per side
+            t0 = time.perf_counter()
+            clients[name].generate([1, 2, 3, 4, 5, 6, 7, 8], max_tokens=1, seed=i)
+            lat[name].append((time.perf_counter() - t0) * 1000)
+
+        paired.alternate(("direct", "via"), n, one)
     out = {f"{k}_p{q}_ms": pct(v, q / 100) for k, v in lat.items() for q in (50, 99)}
     out["added_p50_ms"] = round(out["via_p50_ms"] - out["direct_p50_ms"], 3)
     out["added_p99_ms"] = round(out["via_p99_ms"] - out["direct_p99_ms"], 3)
@@ -153,9 +111,8 @@ def _throughput(a: argparse.Namespace, daemons: list[str], via: str) -> dict:
     reqs = [Request(i, [rng.randrange(1, 250) for _ in range(32)], a.gen_tokens, seed=i) for i in range(a.requests)]
     sides = {"direct": daemons, "via": [via]}
     runs: dict[str, list[dict]] = {"direct": [], "via": []}
-    for r in range(a.rounds):  # ABBA order: a drift in the machine's load hits both sides alike
-        for side in ("direct", "via") if r % 2 == 0 else ("via", "direct"):
-            runs[side].append(_load(sides[side], a.concurrency, reqs, max(1, a.clients)))
+    paired.alternate(("direct", "via"), a.rounds,
+                     lambda side, _r, _g: runs[side].append(_load(sides[side], a.concurrency, reqs, max(1, a.clients))))
     out = {}
     for side, rs in runs.items():
         out[side] = {"tokens_per_s": round(sum(x["tokens_per_s"] for x in rs) / len(rs), 1),
@@ -165,11 +122,11 @@ def _throughput(a: argparse.Namespace, daemons: list[str], via: str) -> dict:
     return out
 
 
-def _routing(a: argparse.Namespace, procs: _Procs, daemons: list[str]) -> dict:
+def _routing(a: argparse.Namespace, fleet: Fleet, daemons: list[str]) -> dict:
     out = {}
     for tag, policy in enumerate(POLICIES):
-        p, ep = procs.balancer(daemons, policy)
-        _wait(ep, f"{policy} balancer", up=len(daemons))
+        bal = _balancer(fleet, daemons, policy, "routing")
+        ep = bal.endpoint
         rngs = [random.Random(1000 * tag + g) for g in range(5)]
         prefixes = [[r.randrange(1, 250) for _ in range(256)] for r in rngs]
         reqs = [Request(i, prefixes[i % 5] + [i % 250 + 1, 7], 8, seed=i) for i in range(a.prefix_requests)]
@@ -178,20 +135,18 @@ def _routing(a: argparse.Namespace, procs: _Procs, daemons: list[str]) -> dict:
         hits = _prefix_hits(daemons) - before
         s["prefix_hit_rate"] = round(hits / sum(len(r.prompt) for r in reqs), 4)
         out[policy] = s
-        procs.stop(p)
+        bal.stop()
     return out
 
 
 def run(a: argparse.Namespace) -> dict:
-    procs = _Procs()
+    fleet = Fleet("npsbb-")
     try:
-        daemons = [procs.daemon(i) for i in range(a.daemons)]
+        daemons = [_daemon(fleet, i) for i in range(a.daemons)]
         for e in daemons:
-            _wait(e, "daemon")
-        _, one = procs.balancer(daemons[:1], "least-load")
-        _, all_ = procs.balancer(daemons, "least-load")
-        _wait(one, "balancer", up=1)
-        _wait(all_, "balancer", up=len(daemons))
+            local_daemon.wait_healthy(e, timeout=120)
+        one = _balancer(fleet, daemons[:1], "least-load", "one").endpoint
+        all_ = _balancer(fleet, daemons, "least-load", "all").endpoint
         if not a.json:
             print("bench-balancer: measuring added latency ...", file=sys.stderr, flush=True)
         lat = _latency(daemons[0], one, a.latency_requests)
@@ -200,9 +155,9 @@ def run(a: argparse.Namespace) -> dict:
         thr = _throughput(a, daemons, all_)
         if not a.json:
             print("bench-balancer: shared-prefix workload per policy ...", file=sys.stderr, flush=True)
-        routing = _routing(a, procs, daemons)
+        routing = _routing(a, fleet, daemons)
     finally:
-        procs.close()
+        fleet.close()
     return {"daemons": a.daemons, "backend": "stub", "latency": lat, "throughput": thr, "routing": routing,
             "targets": {"added_p50_ms": TARGET_ADDED_P50_MS, "ratio": TARGET_RATIO},
             "added_p50_vs_target": round(lat["added_p50_ms"] / TARGET_ADDED_P50_MS, 2),

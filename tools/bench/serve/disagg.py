@@ -22,14 +22,11 @@ import argparse
 import dataclasses
 import os
 import random
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 
 from tools.json_lines import emit
-from tools.load import child_process, runner
+from tools.load import local_daemon, paired, runner
+from tools.load.fleet import Fleet
 from tools.load.ports import free_port
 from tools.load.report import Slo, summarize, table
 from tools.load.workload import LengthDist, WorkloadSpec, build
@@ -76,56 +73,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-class _Procs:
-    def __init__(self) -> None:
-        self.tmp = tempfile.mkdtemp(prefix="npsbd-", dir="/tmp")
-        self.procs: list[subprocess.Popen] = []
-
-    def spawn(self, name: str, cmd: list[str]) -> None:
-        with open(os.path.join(self.tmp, name + ".log"), "wb") as log:
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-
-    def daemon(self, i: int, a: argparse.Namespace) -> str:
-        ep = f"tcp://127.0.0.1:{free_port()}"
-        opts = [x for o in a.backend_option for x in ("--backend-option", o)]
-        if a.transfer in ("disk", "zmq"):  # board 1 (the disaggregated side's decode board) imports board 0's blocks
-            opts += ["--set", f"kv.disk_dir={os.path.join(self.tmp, f'kv{i}')}"]
-            if i == 1 and a.transfer == "disk":
-                opts += ["--set", f"board.handoff_peer_dirs=[\"{os.path.join(self.tmp, 'kv0')}\"]"]
-            if i == 0 and a.transfer == "zmq":
-                opts += ["--set", f"board.handoff_endpoint=\"tcp://127.0.0.1:{free_port()}\""]
-        self.spawn(f"daemon{i}", [sys.executable, "-m", "engine.daemon.main", "--backend", "sim", "--chips", "1",
-                                  "--board", f"bd{i}", "--runtime-dir", os.path.join(self.tmp, f"d{i}"),
-                                  "--endpoint", ep, "--set", "admission.max_waiting_requests=100000",
-                                  "--set", f"executor.max_inflight={a.max_inflight}", *opts])
-        return ep
-
-    def balancer(self, name: str, flags: list[str]) -> str:
-        ep = f"tcp://127.0.0.1:{free_port()}"
-        self.spawn(name, [sys.executable, "-m", "engine.balancer.main", "--endpoint", ep, *flags])
-        return ep
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            child_process.stop(p, 30)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _wait(endpoint: str, up: int | None = None, timeout: float = 120) -> None:
-    from engine.client import Client
-    from engine.errors import ClientError
-
-    deadline = time.monotonic() + timeout
-    with Client(endpoint, timeout=0.5) as c:
-        while time.monotonic() < deadline:
-            try:
-                h = c.health()
-                if h.get("chips_up") and (up is None or h.get("backends_up", 0) >= up):
-                    return
-            except ClientError:
-                pass
-            time.sleep(0.05)
-    raise SystemExit(f"bench-disagg: {endpoint} not ready in time")
+def _board(fleet: Fleet, i: int, a: argparse.Namespace) -> str:
+    """Board i of the two (one sim chip each); with a transfer, board 1 (the disaggregated side's decode
+    board) gets board 0's blocks."""
+    sets = [f"executor.max_inflight={a.max_inflight}"]
+    if a.transfer in ("disk", "zmq"):
+        sets.append(f"kv.disk_dir={os.path.join(fleet.dir, f'kv{i}')}")
+        if i == 1 and a.transfer == "disk":
+            sets.append(f"board.handoff_peer_dirs=[\"{os.path.join(fleet.dir, 'kv0')}\"]")
+        if i == 0 and a.transfer == "zmq":
+            sets.append(f"board.handoff_endpoint=\"tcp://127.0.0.1:{free_port()}\"")
+    return fleet.daemon("sim", f"bd{i}", sets, a.backend_option)
 
 
 def _handoffs(endpoint: str) -> dict:
@@ -172,36 +130,42 @@ def verdict(rows: list[dict], slo: Slo) -> dict:
 
 
 def run(a: argparse.Namespace) -> dict:
-    procs = _Procs()
+    fleet = Fleet("npsbd-")
     rows: list[dict] = []
     try:
-        boards = [procs.daemon(i, a) for i in range(2)]
+        boards = [_board(fleet, i, a) for i in range(2)]
         for e in boards:
-            _wait(e)
-        routes = {"disaggregated": procs.balancer("pd", ["--prefill", boards[0], "--decode", boards[1],
-                                                         "--policy", "least-load"]),
-                  "co-located": procs.balancer("mixed", ["--backends", ",".join(boards), "--policy", "least-load"])}
+            local_daemon.wait_healthy(e, timeout=120)
+        routes = {"disaggregated": fleet.balancer(["--prefill", boards[0], "--decode", boards[1],
+                                                   "--policy", "least-load"], "pd").endpoint,
+                  "co-located": fleet.balancer(["--backends", ",".join(boards), "--policy", "least-load"],
+                                               "mixed").endpoint}
         for ep in routes.values():
-            _wait(ep, up=2)
+            local_daemon.wait_healthy(ep, timeout=120, backends_up=2)
         before = [_handoffs(e) for e in boards]
-        for i, rate in enumerate(a.rate_list):
-            n = max(8, int(rate * a.seconds))
-            spec = WorkloadSpec(n, a.prompt_dist, a.output_dist, vocab=256, max_seq=2048, rate=rate,
-                                seed=a.seed + i)
-            base = build(spec)
-            for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-                reqs = fresh_prompts(base, a.seed * 1000 + 2 * i + SIDES.index(side))
-                if not a.json:
-                    print(f"bench-disagg: {side} at {rate:g} req/s ({n} requests) ...", file=sys.stderr,
-                          flush=True)
-                recs = runner.run([routes[side]], reqs, concurrency=None, clients=1)
-                row = {"label": side, "rate": rate, **summarize(recs, a.slo_obj)}
-                rows.append(row)
-                if a.json:
-                    emit("row", row)
+
+        def base(i: int) -> tuple[int, list]:
+            n = max(8, int(a.rate_list[i] * a.seconds))
+            return n, build(WorkloadSpec(n, a.prompt_dist, a.output_dist, vocab=256, max_seq=2048,
+                                         rate=a.rate_list[i], seed=a.seed + i))
+
+        base = paired.per_round(base)
+
+        def run_side(side: str, i: int, _group) -> dict:  # a round: one rate, both sides
+            rate, (n, reqs) = a.rate_list[i], base(i)
+            reqs = fresh_prompts(reqs, a.seed * 1000 + 2 * i + SIDES.index(side))
+            if not a.json:
+                print(f"bench-disagg: {side} at {rate:g} req/s ({n} requests) ...", file=sys.stderr, flush=True)
+            recs = runner.run([routes[side]], reqs, concurrency=None, clients=1)
+            row = {"label": side, "rate": rate, **summarize(recs, a.slo_obj)}
+            if a.json:
+                emit("row", row)
+            return row
+
+        rows = paired.alternate(SIDES, len(a.rate_list), run_side)
         after = [_handoffs(e) for e in boards]
     finally:
-        procs.close()
+        fleet.close()
     handoffs = {f"board{i}": {k: after[i][k] - before[i][k] for k in after[i]} for i in range(2)}
     return {"rows": rows, "verdict": verdict(rows, a.slo_obj), "handoffs": handoffs,
             "workload": {"prompt": str(a.prompt_dist), "output": str(a.output_dist), "seconds": a.seconds,
