@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+from tools.load.paired import alternate
+
 DEFAULT_CMD = "npuserve bench-serve --backend stub --concurrency 64"
 # bench-serve's own daemon settings (tools/load/local_daemon.py LOAD_SETTINGS, --max-inflight 2), for
 # --per-process, which starts the daemon itself to read its threads' and its workers' CPU times
@@ -123,27 +125,28 @@ def main(argv: list[str] | None = None) -> int:
     words = a.cmd.split()
     cmd = [a.python, "-m", "tools.cli", *words[1:]] if words[0] == "npuserve" else words
     runs: dict[str, list[dict]] = {"old": [], "new": []}
-    for r in range(a.rounds):
-        order = ("old", "new") if r % 2 == 0 else ("new", "old")
-        for which in order:
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            if a.per_process:
-                res = run_per_process(getattr(a, which), a.python, a.nice, a.concurrency)
-            else:
-                res = run_once(getattr(a, which), cmd, a.nice)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-            per = 1e6 / res["tokens"] if res["tokens"] else float("nan")
-            split = ""
-            if a.per_process:  # over the run only (the daemon's and workers' start-up left out)
-                cpu = res["daemon_s"] + res["workers_s"] + res["clients_s"]
-                split = (f" = daemon {res['daemon_s'] * per:.1f} + workers {res['workers_s'] * per:.1f}"
-                         f" + clients {res['clients_s'] * per:.1f}")
-            res["cpu_us_per_token"] = cpu * per
-            runs[which].append(res)
-            load = os.getloadavg()[0]
-            print(f"round {r + 1} {which}: {res['tok_s']:.1f} tokens/s, {res['cpu_us_per_token']:.1f} us CPU/token"
-                  f"{split} (load {load:.2f})", flush=True)
+
+    def one(which: str, r: int, _group) -> None:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if a.per_process:
+            res = run_per_process(getattr(a, which), a.python, a.nice, a.concurrency)
+        else:
+            res = run_once(getattr(a, which), cmd, a.nice)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        per = 1e6 / res["tokens"] if res["tokens"] else float("nan")
+        split = ""
+        if a.per_process:  # over the run only (the daemon's and workers' start-up left out)
+            cpu = res["daemon_s"] + res["workers_s"] + res["clients_s"]
+            split = (f" = daemon {res['daemon_s'] * per:.1f} + workers {res['workers_s'] * per:.1f}"
+                     f" + clients {res['clients_s'] * per:.1f}")
+        res["cpu_us_per_token"] = cpu * per
+        runs[which].append(res)
+        load = os.getloadavg()[0]
+        print(f"round {r + 1} {which}: {res['tok_s']:.1f} tokens/s, {res['cpu_us_per_token']:.1f} us CPU/token"
+              f"{split} (load {load:.2f})", flush=True)
+
+    alternate(("old", "new"), a.rounds, one)
     med = {w: (statistics.median(x["tok_s"] for x in rs), statistics.median(x["cpu_us_per_token"] for x in rs))
            for w, rs in runs.items()}
     ratios = [n["tok_s"] / o["tok_s"] for o, n in zip(runs["old"], runs["new"])]

@@ -21,6 +21,8 @@ import time
 
 import orjson
 
+from tools.load.paired import alternate
+
 EVENT = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
          b'"text":" tok","logprobs":null,"finish_reason":null}]}\n\n')
 BODY = orjson.dumps({"prompt": [1, 2, 3], "max_tokens": 256, "stream": True})
@@ -130,8 +132,7 @@ def main(argv: list[str]) -> int:
                               stdout=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{int(server.stdout.readline())}/v1/completions"
-        rows = [dict(_measure(lib, url, a.streams, a.requests), round=r + 1)
-                for r in range(a.rounds) for lib in (libs if r % 2 == 0 else libs[::-1])]
+        rows = alternate(libs, a.rounds, lambda lib, r, _g: dict(_measure(lib, url, a.streams, a.requests), round=r + 1))
     finally:
         server.terminate()
         server.wait()

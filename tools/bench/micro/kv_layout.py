@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 
+from tools.load.paired import alternate
+
 LAYOUTS = ("shared", "per-sequence")
 
 
@@ -69,19 +71,22 @@ def run(gguf: str, tok, streams: int, prompt_tokens: int, reps: int, threads: in
         for m in models.values():  # untimed: first touch of the weights and the graph
             m.decode_in_place(tokens[:8], pos[:8], seq[:8], want[:8])
             m.clear()
-        for rep in range(reps):
-            for layout, k in (order if rep % 2 == 0 else order[::-1]):
-                m = models[layout, k]
-                m.clear()
-                t = time.perf_counter()
-                rc, _ = m.decode_in_place(tokens, pos, seq, want)
-                dt = time.perf_counter() - t
-                if rc != 0:
-                    raise RuntimeError(f"llama_decode returned {rc} in the {layout} layout")
-                rows.append({"layout": layout, "instance": k, "rep": rep + 1, "streams": streams,
-                             "prompt_tokens": prompt_tokens, "ms": round(1000 * dt, 1),
-                             "tokens_per_s": round(len(tokens) / dt, 1)})
-                progress(rows[-1])
+
+        def one(context: tuple[str, int], rep: int, _group) -> dict:
+            layout, k = context
+            m = models[context]
+            m.clear()
+            t = time.perf_counter()
+            rc, _ = m.decode_in_place(tokens, pos, seq, want)
+            dt = time.perf_counter() - t
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc} in the {layout} layout")
+            row = {"layout": layout, "instance": k, "rep": rep + 1, "streams": streams,
+                   "prompt_tokens": prompt_tokens, "ms": round(1000 * dt, 1), "tokens_per_s": round(len(tokens) / dt, 1)}
+            progress(row)
+            return row
+
+        rows = alternate(order, reps, one)
     finally:
         for m in models.values():
             m.close()

@@ -23,6 +23,7 @@ import numpy as np
 from ipc.allreduce import AllReduce, create_group
 from ipc.records import JobKind, Lane, build_job
 from tools.json_lines import emit
+from tools.load.paired import alternate
 from tools.tp_ranks import run_group
 from workers.control import worker_environ
 
@@ -67,16 +68,17 @@ def measure_decode(package: str, degrees: list[int], batches: list[int], *, prom
         per: dict[int, list[float]] = {w: [] for w in degrees}  # tokens/s per repetition
         wait: dict[int, list[float]] = {w: [] for w in degrees}
         cpu: dict[int, list[float]] = {w: [] for w in degrees}  # rank 0's compute CPU seconds per step
-        for rep in range(repeats):
-            order = degrees if rep % 2 == 0 else list(reversed(degrees))
-            for w in order:
-                run = run_group(w, package, "tools.bench.micro.tp:decode_script",
-                                {"batch": b, "prompt_len": prompt_len, "decode_steps": decode_steps, "rounds": rounds})
-                step = statistics.median(_round_seconds(run.marks)) / decode_steps
-                per[w].append(b / step)
-                per_call = run.allreduce_wait_s / run.allreduce_calls if run.allreduce_calls else 0.0
-                wait[w].append(per_call * 1e6)
-                cpu[w].append(statistics.median(_round_seconds([("", c) for c in run.compute_cpu])) / decode_steps)
+
+        def one(w: int, _rep: int, _group) -> None:
+            run = run_group(w, package, "tools.bench.micro.tp:decode_script",
+                            {"batch": b, "prompt_len": prompt_len, "decode_steps": decode_steps, "rounds": rounds})
+            step = statistics.median(_round_seconds(run.marks)) / decode_steps
+            per[w].append(b / step)
+            per_call = run.allreduce_wait_s / run.allreduce_calls if run.allreduce_calls else 0.0
+            wait[w].append(per_call * 1e6)
+            cpu[w].append(statistics.median(_round_seconds([("", c) for c in run.compute_cpu])) / decode_steps)
+
+        alternate(degrees, repeats, one)
         base = per[degrees[0]]
         for w in degrees:
             rows.append({"phase": "decode", "batch": b, "tp": w, "tokens_per_s": statistics.median(per[w]),

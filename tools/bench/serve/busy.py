@@ -31,6 +31,7 @@ import statistics
 import sys
 
 from tools.json_lines import emit
+from tools.load import paired
 
 MODES = {
     "sync": {"max_inflight": 1, "queue": False},
@@ -140,16 +141,16 @@ def main(argv: list[str]) -> int:
         if m not in MODES:
             print(f"bench-busy: unknown mode {m!r} (one of {', '.join(MODES)})", file=sys.stderr)
             return 2
-    rows = []
-    for rnd in range(a.rounds):
-        for backend in backends:
-            for mode in modes if rnd % 2 == 0 else modes[::-1]:
-                if not a.json:
-                    print(f"bench-busy: round {rnd + 1}/{a.rounds}, {backend} {mode} ...", file=sys.stderr, flush=True)
-                row = {"round": rnd + 1, **_run(a, backend, mode)}
-                rows.append(row)
-                if a.json:
-                    emit("row", row)
+
+    def run(mode: str, rnd: int, backend: str) -> dict:
+        if not a.json:
+            print(f"bench-busy: round {rnd + 1}/{a.rounds}, {backend} {mode} ...", file=sys.stderr, flush=True)
+        row = {"round": rnd + 1, **_run(a, backend, mode)}
+        if a.json:
+            emit("row", row)
+        return row
+
+    rows = paired.alternate(modes, a.rounds, run, groups=backends)
     comp = comparisons(rows, backends, modes)
     met = [c["met"] for c in comp if "met" in c]
     if a.json:

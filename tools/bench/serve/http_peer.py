@@ -160,18 +160,20 @@ def run_conversations(a: argparse.Namespace, pkg, c: int, progress) -> tuple[lis
             warm = conv.build(conv.ConversationSpec(min(c, 2), 1, 8, 1, 2, seed=a.seed + 999))
             for k in urls:  # untimed: first connections and first requests of each engine
                 conv.run(urls[k], models[k], warm, c, 2)
-            rows: list[dict] = []
-            for rnd in range(a.rounds):
-                convs = conv.build(conv.ConversationSpec(**{**spec.__dict__, "seed": a.seed + 1000 * c + rnd}))
-                for label in (list(urls) if rnd % 2 == 0 else list(urls)[::-1]):
-                    progress.point(f"c={c} round {rnd + 1}/{a.rounds}: {label}")
-                    recs = conv.run(urls[label], models[label], convs, c, a.answer_len,
-                                    on_record=lambda r: progress.record(SimpleNamespace(tokens=a.answer_len,
-                                                                                        error=r["error"])))
-                    rows.append({"label": label, "round": rnd + 1, "concurrency": c, "threads": a.threads,
-                                 "device_blocks": blocks if label == "npuserve" else None,
-                                 "cache_ram_mib": a.cache_ram if label == "llama.cpp" else None,
-                                 **conv.summarize(recs)})
+            convs_of = paired.per_round(lambda rnd: conv.build(conv.ConversationSpec(
+                **{**spec.__dict__, "seed": a.seed + 1000 * c + rnd})))
+
+            def run(label: str, rnd: int, _group) -> dict:
+                convs = convs_of(rnd)
+                progress.point(f"c={c} round {rnd + 1}/{a.rounds}: {label}")
+                recs = conv.run(urls[label], models[label], convs, c, a.answer_len,
+                                on_record=lambda r: progress.record(SimpleNamespace(tokens=a.answer_len,
+                                                                                    error=r["error"])))
+                return {"label": label, "round": rnd + 1, "concurrency": c, "threads": a.threads,
+                        "device_blocks": blocks if label == "npuserve" else None,
+                        "cache_ram_mib": a.cache_ram if label == "llama.cpp" else None, **conv.summarize(recs)}
+
+            rows = paired.alternate(list(urls), a.rounds, run)
     finally:
         if peer is not None:
             peer.stop()

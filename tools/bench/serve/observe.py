@@ -25,7 +25,7 @@ import time
 import urllib.request
 
 from tools.json_lines import emit
-from tools.load.paired import medians
+from tools.load.paired import alternate, medians
 from tools.load.ports import free_port
 
 TARGETS = {"metrics": 0.97, "trace": 0.90}
@@ -108,11 +108,13 @@ def main(argv: list[str]) -> int:
     variants = ("plain", "metrics", "trace")
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="npsobs-") as tmp:
-        for r in range(a.rounds):
-            for v in variants:
-                if not a.json:
-                    print(f"bench-observe: round {r + 1}/{a.rounds}, {v} ...", file=sys.stderr, flush=True)
-                runs[v].append(_serve_run(a, v, tmp))
+
+        def run(v: str, r: int, _group) -> None:
+            if not a.json:
+                print(f"bench-observe: round {r + 1}/{a.rounds}, {v} ...", file=sys.stderr, flush=True)
+            runs[v].append(_serve_run(a, v, tmp))
+
+        alternate(variants, a.rounds, run, flip=lambda rnd, group: False)  # the same order every round
     micro = _micro()
     labelled = [{"label": v, **x} for v in variants for x in runs[v]]
     base = medians(labelled, "plain", ("tokens_per_s",))["tokens_per_s"]

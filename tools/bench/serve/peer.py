@@ -18,6 +18,7 @@ timed run), where npuserve's radix prefix cache should cut TTFT.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -265,23 +266,28 @@ def main(argv: list[str]) -> int:
         return 2
     tok = GgufTokenizer(pkg.gguf_path)
     workloads = ([] if a.only_shared_prefix else ["plain"]) + (["shared-prefix"] if a.shared_prefix or a.only_shared_prefix else [])
-    rows: list[Row] = []
-    for rnd in range(a.rounds):
-        for workload in workloads:
-            for c in a.concurrency:
-                n = c * a.requests_per_stream
-                plen = a.prompt_tokens if workload == "plain" else a.system_tokens
-                prompts, warm = make_prompts(tok, workload, n, plen)
-                order = ("npuserve", "llama.cpp") if (rnd + c) % 2 == 0 else ("llama.cpp", "npuserve")
-                for engine in order:
-                    print(f"round {rnd + 1}/{a.rounds}: {engine} c={c} {workload} ...", file=sys.stderr, flush=True)
-                    if engine == "npuserve":
-                        row = run_npuserve(a, pkg.path, prompts, warm, a.output_tokens, c, workload, rnd)
-                    else:
-                        row = run_llamacpp_server(a, pkg.gguf_path, prompts, warm, a.output_tokens, c, workload, rnd)
-                    rows.append(row)
-                    if a.json:
-                        emit("row", asdict(row))
+
+    @functools.cache
+    def prompts_of(workload: str, c: int) -> tuple[list[list[int]], list[list[int]]]:
+        plen = a.prompt_tokens if workload == "plain" else a.system_tokens
+        return make_prompts(tok, workload, c * a.requests_per_stream, plen)
+
+    def run(engine: str, rnd: int, group: tuple[str, int]) -> Row:
+        workload, c = group
+        prompts, warm = prompts_of(workload, c)
+        print(f"round {rnd + 1}/{a.rounds}: {engine} c={c} {workload} ...", file=sys.stderr, flush=True)
+        if engine == "npuserve":
+            row = run_npuserve(a, pkg.path, prompts, warm, a.output_tokens, c, workload, rnd)
+        else:
+            row = run_llamacpp_server(a, pkg.gguf_path, prompts, warm, a.output_tokens, c, workload, rnd)
+        if a.json:
+            emit("row", asdict(row))
+        return row
+
+    # npuserve first where round + concurrency is even
+    rows = paired.alternate(("npuserve", "llama.cpp"), a.rounds, run,
+                            groups=[(w, c) for w in workloads for c in a.concurrency],
+                            flip=lambda rnd, group: (rnd + group[1]) % 2 == 1)
     ratios = ratio_rows(rows)
     if a.json:
         for x in ratios:

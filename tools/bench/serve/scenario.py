@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tools.load import scenarios as sc
+from tools.load.paired import alternate, per_round
 from tools.load.runner import Record
 from tools.load.workload import Request
 
@@ -103,21 +104,22 @@ def run_rounds(s: sc.Scenario, opts: dict, routes: list[Route], make_requests: C
     Each round draws its own requests (`make_requests(round)`, a seed per round): both servers cache
     prompts (llama.cpp's server per slot, npuserve's prefix cache), and a prompt seen in the round
     before would skip its prefill."""
-    rows = []
-    for rnd in range(rounds):
-        requests = make_requests(rnd)
-        for route in routes if rnd % 2 == 0 else routes[::-1]:
-            if on_start:
-                on_start(f"{s.name} round {rnd + 1}/{rounds}: {route.label}")
-            before = route.generated()
-            recs = route.send(requests)
-            after = settled(route.generated)
-            generated = None if before is None or after is None else after - before
-            route.records[rnd + 1] = recs
-            route.requests[rnd + 1] = requests
-            rows.append({"label": route.label, "round": rnd + 1, "scenario": s.name,
-                         **sc.measure(s, recs, requests, opts, generated)})
-    return rows
+    requests_of = per_round(make_requests)
+
+    def run(route: Route, rnd: int, _group) -> dict:
+        requests = requests_of(rnd)
+        if on_start:
+            on_start(f"{s.name} round {rnd + 1}/{rounds}: {route.label}")
+        before = route.generated()
+        recs = route.send(requests)
+        after = settled(route.generated)
+        generated = None if before is None or after is None else after - before
+        route.records[rnd + 1] = recs
+        route.requests[rnd + 1] = requests
+        return {"label": route.label, "round": rnd + 1, "scenario": s.name,
+                **sc.measure(s, recs, requests, opts, generated)}
+
+    return alternate(routes, rounds, run)
 
 
 # ------------------------------------------------------------------ output

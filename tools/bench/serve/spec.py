@@ -216,26 +216,25 @@ def main(argv: list[str]) -> int:
     rows: list[Row] = []
     try:
         local_daemon.wait_healthy(d.endpoint, d, timeout=300)
-        for rnd in range(a.rounds):
-            for workload in a.workloads.split(","):
-                for c in a.streams:
-                    prompts = make_prompts(tok, workload, c * a.requests_per_stream)
-                    sides = [SPEC, PLAIN] + ([PEER] if a.peer else [])
-                    if (rnd + c) % 2:
-                        sides.reverse()
-                    for side in sides:
-                        print(f"round {rnd + 1}/{a.rounds}: {side} {workload} streams={c} ...", file=sys.stderr,
-                              flush=True)
-                        if side == PEER:
-                            row = run_llamacpp_server(a, pkg.gguf_path, prompts, [], a.output_tokens, c, workload,
-                                                      rnd, tune=ngram_tune(3, a.max_draft_tokens), engine=PEER)
-                            row = Row(PEER, workload, c, rnd + 1, row.tokens_per_s, row.tpot_p50_ms, row.ttft_p50_ms)
-                        else:
-                            row = run_npuserve(d.endpoint, prompts, a.output_tokens, c, workload, rnd + 1,
-                                               side == SPEC)
-                        rows.append(row)
-                        if a.json:
-                            emit("row", asdict(row))
+
+        def run(side: str, rnd: int, group: tuple[str, int]) -> Row:
+            workload, c = group
+            prompts = make_prompts(tok, workload, c * a.requests_per_stream)
+            print(f"round {rnd + 1}/{a.rounds}: {side} {workload} streams={c} ...", file=sys.stderr, flush=True)
+            if side == PEER:
+                row = run_llamacpp_server(a, pkg.gguf_path, prompts, [], a.output_tokens, c, workload,
+                                          rnd, tune=ngram_tune(3, a.max_draft_tokens), engine=PEER)
+                row = Row(PEER, workload, c, rnd + 1, row.tokens_per_s, row.tpot_p50_ms, row.ttft_p50_ms)
+            else:
+                row = run_npuserve(d.endpoint, prompts, a.output_tokens, c, workload, rnd + 1, side == SPEC)
+            if a.json:
+                emit("row", asdict(row))
+            return row
+
+        # speculation first where round + streams is even
+        rows = paired.alternate([SPEC, PLAIN] + ([PEER] if a.peer else []), a.rounds, run,
+                                groups=[(w, c) for w in a.workloads.split(",") for c in a.streams],
+                                flip=lambda rnd, group: (rnd + group[1]) % 2 == 1)
     except BaseException:
         print(f"npuserve daemon log (tail):\n{d.log_tail()}", file=sys.stderr)
         raise
