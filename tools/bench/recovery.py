@@ -1,4 +1,4 @@
-"""`npuserve bench-recovery`: how long a chip is out of service after its worker is killed or hung.
+"""`npuserve bench recovery`: how long a chip is out of service after its worker is killed or hung.
 
 docs/serving.md promises that a worker that dies (`kill -9`) is back "in well
 under 2 s"; a hung one (SIGSTOP) is first found by the heartbeat
@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 from tools.json_lines import emit
 from tools.load import local_daemon
+from tools.bench.options import add
 
 TARGET_S = 2.0  # docs/serving.md: a dead worker is back well under this
 DETECT_SLACK_S = 0.5
@@ -50,7 +51,7 @@ class Fault:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="npuserve bench-recovery", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="npuserve bench recovery", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", action="append", choices=BACKENDS, default=[],
                    help="repeatable (default: ref and llamacpp)")
     p.add_argument("--fault", action="append", choices=tuple(FAULTS), default=[],
@@ -59,8 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--heartbeat-interval-ms", type=int, default=1000, help="recovery.heartbeat_interval_ms")
     p.add_argument("--heartbeat-timeout-ms", type=int, default=3000, help="recovery.heartbeat_timeout_ms")
     p.add_argument("--supervise-interval-ms", type=int, default=1000, help="recovery.supervise_interval_ms")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
-    p.add_argument("--json", action="store_true", help="JSON Lines: kind fault, row, summary")
+    add(p, "set", "json")
     a = p.parse_args(argv)
     a.backend = a.backend or ["ref", "llamacpp"]
     a.fault = a.fault or list(FAULTS)

@@ -1,4 +1,4 @@
-"""`npuserve bench-backend`: a chip backend's throughput in-process and through a worker.
+"""`npuserve bench micro backend`: a chip backend's throughput in-process and through a worker.
 
 Both modes run the very same job sequence through the same job code
 (`workers.execute_job.execute_job`: backend call + sampling); the worker mode adds
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from ipc.records import Job, JobStatus
 from tools.bench.micro.jobs import JobFactory, WorkerRunner, Workload, round_seconds
 from tools.json_lines import emit
+from tools.bench.options import add
 
 BATCHES = (1, 4, 8, 16)
 TARGET_RATIO = 0.80
@@ -144,16 +145,16 @@ def format_table(rows: list[Row]) -> str:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="npuserve bench-backend", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="npuserve bench micro backend", description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="ref", help="stub | sim | ref | ctypes (default ref)")
-    p.add_argument("--package", default=None, help="model package dir (ref; default: the tiny default package)")
+    add(p, "package", helps={"package": "model package dir (ref; default: the tiny default package)"})
     p.add_argument("--library", default=None,
                    help="vendor shared library (ctypes; default: the reference C library, compiled into a temp dir)")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=64, help="prefill tokens per lane")
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--seconds", type=float, default=0.6, help="minimum measuring time per row")
-    p.add_argument("--json", action="store_true", help="print one JSON row per line")
+    add(p, "json")
     p.add_argument("--tp", default=None,
                    help="comma-separated tensor-parallel degrees (ref only), e.g. 1,2: decode tokens/s per degree, "
                         "one process per rank, and the all-reduce vs a memcpy (tools/bench/micro/tp.py)")

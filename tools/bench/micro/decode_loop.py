@@ -1,5 +1,6 @@
-"""`npuserve bench-backend --backend ctypes --loop-steps N`: the autoregressive loop on the device against
-per-step host round trips: what running the whole loop on the device saves (docs/benchmarks.md).
+"""`npuserve bench micro decode-loop` (= `bench micro backend --backend ctypes --loop-steps N`): the
+autoregressive loop on the device against per-step host round trips: what running the whole loop on
+the device saves (docs/benchmarks.md).
 
 The same decode work (B lanes, `--decode-steps` tokens per lane per round after a `--prompt-len` prefill)
 three ways, on one chip library:

@@ -1,4 +1,4 @@
-"""`python -m tools.bench.micro.http_client`: what a streamed SSE event costs the load client, aiohttp against httpx.
+"""`npuserve bench micro http-client`: what a streamed SSE event costs the load client, aiohttp against httpx.
 
 Why `npuserve bench --openai` uses aiohttp: at 64 streams on 2 cores the
 client must not be the bottleneck. A minimal asyncio server in a process of
@@ -22,6 +22,7 @@ import time
 import orjson
 
 from tools.load.paired import alternate
+from tools.bench.options import add
 
 EVENT = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
          b'"text":" tok","logprobs":null,"finish_reason":null}]}\n\n')
@@ -110,12 +111,11 @@ def _measure(lib: str, url: str, streams: int, requests: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.bench.micro.http_client", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="npuserve bench micro http-client", description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--events", type=int, default=256, help="SSE events per request")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
+    add(ap, "json", rounds=3)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve:

@@ -1,4 +1,4 @@
-"""`npuserve bench-ipc`: one-way handoff latency of the shm ring vs other transports.
+"""`npuserve bench micro ipc`: one-way handoff latency of the shm ring vs other transports.
 
 What one "handoff" includes (the same for every transport, so the comparison
 is fair): the writer process holds the payload in a numpy uint8 array; the
@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from tools.load.report import pct
+from tools.bench.options import add
 
 PAYLOADS = (64, 600_000, 9_700_000)
 DEFAULT_ITERS = {64: 2000, 600_000: 300, 9_700_000: 40}
@@ -303,8 +304,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="npuserve bench-ipc", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="JSON Lines: one row per line, then the targets as a summary")
+    ap = argparse.ArgumentParser(prog="npuserve bench micro ipc", description=__doc__.split("\n\n")[0])
+    add(ap, "json")
     ap.add_argument("--iters", type=int, default=None, help="handoffs per payload size (default: 2000 / 300 / 40 by size)")
     ap.add_argument(
         "--spin-us", type=float, default=None,

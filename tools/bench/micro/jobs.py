@@ -1,4 +1,4 @@
-"""The job stream and the worker runner that `npuserve bench-backend`'s comparisons share.
+"""The job stream and the worker runner that `npuserve bench micro backend`'s comparisons share.
 
 `JobFactory` builds the prefill and decode jobs of B lanes over pre-assigned KV blocks (the same stream
 for every mode it is compared in); `WorkerRunner` runs jobs through a real worker process behind a

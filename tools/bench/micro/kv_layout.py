@@ -1,4 +1,4 @@
-"""`npuserve bench-kv-layout`: what the shared KV cell pool costs a burst prefill, against a stream per slot.
+"""`npuserve bench micro kv-layout`: what the shared KV cell pool costs a burst prefill, against a stream per slot.
 
 Why it exists: bench-peer's TTFT P99 at 32 streams is at parity, and this
 measures the one difference of layout in the prefill itself. npuserve's
@@ -28,6 +28,7 @@ import sys
 import time
 
 from tools.load.paired import alternate
+from tools.bench.options import THREADS, add
 
 LAYOUTS = ("shared", "per-sequence")
 
@@ -109,17 +110,15 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from workers.backends.llamacpp import default_threads
 
-    ap = argparse.ArgumentParser(prog="npuserve bench-kv-layout", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--package", help="GGUF package (default: Gemma 3 270M, imported on first use)")
+    ap = argparse.ArgumentParser(prog="npuserve bench micro kv-layout", description=__doc__.split("\n\n")[0])
+    add(ap, "package")
     ap.add_argument("--streams", type=int, default=32, help="prompts in the burst (bench-peer's concurrency)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=6, help="repetitions; each times every context, order flipping")
     ap.add_argument("--instances", type=int, default=2,
                     help="contexts of each layout (identical ones differ by a few per cent: the spread is shown)")
-    ap.add_argument("--threads", type=int, default=default_threads())
-    ap.add_argument("--json", action="store_true", help="JSON Lines: one row per decode, then the summary")
+    add(ap, "json", threads=THREADS)
     a = ap.parse_args(argv)
     if min(a.streams, a.prompt_tokens, a.reps, a.threads, a.instances) < 1:
         ap.error("--streams, --prompt-tokens, --reps, --threads and --instances must be positive")

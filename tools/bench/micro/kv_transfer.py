@@ -1,4 +1,4 @@
-"""`npuserve bench-kv-transfer`: the KV transfer path against a memcpy, and the promote/recompute break-even.
+"""`npuserve bench micro kv-transfer`: the KV transfer path against a memcpy, and the promote/recompute break-even.
 
 In one process, on the `ref` backend: a KV_EXPORT job of N blocks into the
 host slot pool and a KV_IMPORT job of them into other blocks, through the
@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from tools.json_lines import emit
+from tools.bench.options import add
 
 TARGET = 2.0  # export + import of 1,000 blocks <= 2x a memcpy of the same bytes (docs/benchmarks.md)
 
@@ -190,13 +191,15 @@ def llamacpp_break_even(rows: list[dict]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="npuserve bench-kv-transfer", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="npuserve bench micro kv-transfer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--backend", choices=("ref", "llamacpp"), default="ref")
-    ap.add_argument("--package", help="llamacpp: the GGUF package (default: Gemma 3 270M from its wheel)")
-    ap.add_argument("--threads", type=int, default=1, help="llamacpp: llama.cpp threads")
-    ap.add_argument("--json", action="store_true")
+    add(ap, "package", "json", threads=1,
+        helps={
+            "package": "llamacpp: the GGUF package (default: Gemma 3 270M from its wheel)",
+            "threads": "llamacpp: llama.cpp threads",
+        })
     a = ap.parse_args(argv)
     if a.backend == "llamacpp":
         return _main_llamacpp(a)

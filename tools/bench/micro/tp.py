@@ -1,4 +1,4 @@
-"""`npuserve bench-backend --tp 1,2`: decode tokens/s of the `ref` backend at TP degrees, and the all-reduce.
+"""`npuserve bench micro tp` (= `bench micro backend --tp 1,2`): `ref` decode tokens/s at TP degrees; the all-reduce.
 
 Each degree runs as that many rank processes (one BLAS thread each,
 `tools.tp_ranks`) over the same job sequence: one prefill of B lanes, then

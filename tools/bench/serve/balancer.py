@@ -1,4 +1,4 @@
-"""`npuserve bench-balancer`: what the balancer costs and what its routing buys, against the same daemons.
+"""`npuserve bench serve balancer`: what the balancer costs and what its routing buys, against the same daemons.
 
 One run starts `--daemons` stub board daemons (one chip each, tcp://) and
 balancers in front of them, then reports side by side:
@@ -29,6 +29,7 @@ from tools.load.fleet import Fleet
 from tools.load.local_balancer import LocalBalancer
 from tools.load.report import pct, summarize
 from tools.load.workload import Request
+from tools.bench.options import add
 
 POLICIES = ("round-robin", "least-load", "prefix")
 TARGET_ADDED_P50_MS = 0.5
@@ -36,16 +37,19 @@ TARGET_RATIO = 0.9
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="npuserve bench-balancer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="npuserve bench serve balancer", description=__doc__.split("\n\n")[0])
     p.add_argument("--daemons", type=int, default=2)
     p.add_argument("--latency-requests", type=int, default=300, help="sequential requests per side")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--requests", type=int, default=256, help="throughput requests per side")
     p.add_argument("--gen-tokens", type=int, default=256)
-    p.add_argument("--clients", type=int, default=2, help="client processes for the throughput runs")
-    p.add_argument("--rounds", type=int, default=2, help="throughput runs per side, in ABBA order")
+    add(p, clients=2, rounds=2,
+        helps={
+            "clients": "client processes for the throughput runs",
+            "rounds": "throughput runs per side, in ABBA order",
+        })
     p.add_argument("--prefix-requests", type=int, default=60)
-    p.add_argument("--json", action="store_true")
+    add(p, "json")
     return p.parse_args(argv)
 
 

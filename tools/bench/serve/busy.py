@@ -1,4 +1,4 @@
-"""`npuserve bench-busy`: keeping every chip busy, each executor mode against the synchronous run, in one run.
+"""`npuserve bench serve busy`: keeping every chip busy, each executor mode against the synchronous run, in one run.
 
 Runs `bench-serve` on each backend (`ref` and `sim` by default) in four
 executor modes, alternating their order every round so machine noise hits
@@ -32,6 +32,7 @@ import sys
 
 from tools.json_lines import emit
 from tools.load import paired
+from tools.bench.options import add
 
 MODES = {
     "sync": {"max_inflight": 1, "queue": False},
@@ -53,19 +54,19 @@ DELIVERED_TARGET = 0.99  # sim: delivered / predicted tokens/s, each mode
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="npuserve bench-busy", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="npuserve bench serve busy", description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", default="ref,sim", help="comma-separated: ref, sim, stub")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated, of: " + ", ".join(MODES))
-    p.add_argument("--rounds", type=int, default=2)
+    add(p, rounds=2)
     p.add_argument("--concurrency", type=int, default=32, help="32: two full B16 batches for ping/pong")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--chips", type=int, default=1)
     p.add_argument("--gen-mean", type=int, help="mean generated tokens (default: bench-serve's)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
+    add(p, "set")
     p.add_argument("--sim-host-ms", type=float, default=4.0,
                    help="sim: the host side of each step (h2d, launch, d2h) that an early hand-over hides "
                         "(LatencyModel.host_ms; default 4)")
-    p.add_argument("--json", action="store_true", help="JSON Lines: a `row` per run, `comparison` rows, a `summary`")
+    add(p, "json")
     return p.parse_args(argv)
 
 

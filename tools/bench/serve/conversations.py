@@ -1,4 +1,4 @@
-"""`npuserve bench --conversations N --turns T`: multi-turn conversations against KV tier configurations.
+"""`npuserve bench serve --conversations N --turns T`: multi-turn conversations against KV tier configurations.
 
 Each turn's prompt is the whole conversation so far plus a new user message,
 so every turn after the first repeats a prefix the board computed before.

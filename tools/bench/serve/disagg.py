@@ -1,4 +1,4 @@
-"""`npuserve bench-disagg`: prefill/decode disaggregation against co-location on the same two boards.
+"""`npuserve bench serve disagg`: prefill/decode disaggregation against co-location on the same two boards.
 
 One run starts two `sim` board daemons (one chip each, tcp://) and two
 balancers over them: `disaggregated` (board 0 prefills, board 1 decodes:
@@ -30,6 +30,7 @@ from tools.load.fleet import Fleet
 from tools.load.ports import free_port
 from tools.load.report import Slo, summarize, table
 from tools.load.workload import LengthDist, WorkloadSpec, build
+from tools.bench.options import add
 
 SIDES = ("disaggregated", "co-located")
 TARGET_GOODPUT_RATIO = 1.3
@@ -40,23 +41,20 @@ COLUMNS = [("label", "side"), ("rate", "rate/s"), ("requests", "reqs"), ("errors
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="npuserve bench-disagg", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="npuserve bench serve disagg", description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="1,2,3,4", help="arrival rates (requests/s), comma-separated")
     p.add_argument("--seconds", type=float, default=12.0, help="seconds of arrivals per point")
     p.add_argument("--prompt", default="fixed:1536", help="prompt lengths (as `npuserve bench --prompt`)")
     p.add_argument("--output", default="fixed:64", help="output lengths")
     p.add_argument("--slo", default="ttft=1s,tpot=40ms", help="goodput SLO (as `npuserve bench --slo`)")
     p.add_argument("--max-inflight", type=int, default=2, help="each board's executor.max_inflight")
-    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="sim latency model options for both boards (e.g. flops_per_token=3e10)")
+    add(p, "backend-option")
     p.add_argument("--transfer", choices=("disk", "zmq", "none"), default="disk",
                    help="disk: both boards get a disk KV tier and the decode board imports the prefill board's "
                         "blocks (board.handoff_peer_dirs); zmq: both get a disk tier of their own and the decode "
                         "board pulls the blocks from the prefill board's board.handoff_endpoint; none: the decode "
                         "board recomputes every prompt")
-    p.add_argument("--seed", type=int, default=27)
-    p.add_argument("--json", action="store_true", help="JSON Lines: a row per side and rate, then the summary")
-    p.add_argument("--plot", metavar="FILE.png", help="TPOT P99 and goodput against the rate (needs matplotlib)")
+    add(p, "json", "plot", seed=27, helps={"plot": "TPOT P99 and goodput against the rate (needs matplotlib)"})
     a = p.parse_args(argv)
     try:
         a.rate_list = [float(x) for x in a.rates.split(",") if x.strip()]

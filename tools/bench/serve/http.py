@@ -1,4 +1,4 @@
-"""`npuserve bench-http`: the HTTP front against ZeroMQ on one daemon, side by side, against the front's targets.
+"""`npuserve bench serve http`: the HTTP front against ZeroMQ on one daemon, side by side, against the front's targets.
 
 It starts one daemon (`stub`, or `llamacpp` on the Gemma package) and an
 HTTP front in front of it (`npuserve http --upstream` the daemon), then runs
@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from tools.load.paired import Target
+from tools.bench.options import THREADS, add
 
 # per backend: chips, concurrency, requests per slot, prompt, output, max_inflight, targets
 PRESETS = {
@@ -28,25 +29,23 @@ PRESETS = {
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from workers.backends.llamacpp import default_threads
     from tools.load.workload import LengthDist
 
-    p = argparse.ArgumentParser(prog="npuserve bench-http", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="npuserve bench serve http", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=tuple(PRESETS), default="stub")
-    p.add_argument("--package", help="llamacpp: GGUF package (default: Gemma 3 270M, imported on first use)")
-    p.add_argument("--threads", type=int, default=default_threads(), help="llamacpp: CPU threads of the chip worker")
+    add(p, "package", threads=THREADS,
+        helps={
+            "package": "llamacpp: GGUF package (default: Gemma 3 270M, imported on first use)",
+            "threads": "llamacpp: CPU threads of the chip worker",
+        })
     p.add_argument("--chips", type=int, help="chip workers (default: 2 stub, 1 llamacpp)")
     p.add_argument("--concurrency", type=int, help="streams outstanding at once (default: 64 stub, 8 llamacpp)")
     p.add_argument("--requests", type=int, help="requests per run (default: a few per stream)")
     p.add_argument("--prompt", help="prompt lengths, as `npuserve bench` (default per backend)")
     p.add_argument("--output", help="output lengths, as `npuserve bench` (default per backend)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs both routes, order flipping")
-    p.add_argument("--clients", type=int, default=2, help="client processes per run")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
+    add(p, "set", rounds=3, clients=2, seed=42)
     p.add_argument("--front-arg", action="append", default=[], metavar="ARG", help="extra argument for the front")
-    p.add_argument("--json", action="store_true", help="JSON Lines: one row per run, then the summary")
-    p.add_argument("--no-progress", action="store_true")
+    add(p, "json", "no-progress")
     a = p.parse_args(argv)
     chips, conc, per_slot, prompt, output, inflight, targets = PRESETS[a.backend]
     a.chips = a.chips or chips

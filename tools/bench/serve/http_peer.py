@@ -1,4 +1,4 @@
-"""`npuserve bench-http-peer`: npuserve against llama.cpp's own server, both over HTTP, on the same GGUF.
+"""`npuserve bench serve http-peer`: npuserve against llama.cpp's own server, both over HTTP, on the same GGUF.
 
 It starts both servers itself: llama.cpp's server (xllamacpp, llama.cpp's
 HTTP server and slots; `--parallel` = the concurrency) and an npuserve daemon
@@ -28,6 +28,7 @@ import argparse
 import sys
 
 from tools.load.paired import Target
+from tools.bench.options import THREADS, add
 
 TARGETS = [Target("tokens_per_s", "min", 1.0), Target("ttft_p99_ms", "max", 1.0)]
 CONVERSATION_TARGETS = [Target("ttft_p50_ms", "max", 0.7), Target("prompt_tokens_computed", "max", 1.0)]
@@ -35,19 +36,15 @@ CONVERSATION_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "ttft_p50_later_turns_ms",
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from workers.backends.llamacpp import default_threads
     from tools.load.workload import LengthDist
 
-    p = argparse.ArgumentParser(prog="npuserve bench-http-peer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--package", help="GGUF package (default: Gemma 3 270M, imported on first use)")
-    p.add_argument("--threads", type=int, default=default_threads(), help="CPU threads of each engine")
+    p = argparse.ArgumentParser(prog="npuserve bench serve http-peer", description=__doc__.split("\n\n")[0])
+    add(p, "package", threads=THREADS)
     p.add_argument("--concurrency", default="1,8", help="streams outstanding at once, a list (default 1,8)")
     p.add_argument("--per-stream", type=int, default=2, help="requests per stream")
     p.add_argument("--prompt", default="fixed:64", help="prompt lengths, as `npuserve bench`")
     p.add_argument("--output", default="fixed:32", help="output lengths, as `npuserve bench`")
-    p.add_argument("--rounds", type=int, default=2, help="rounds; each runs both engines, order flipping")
-    p.add_argument("--clients", type=int, default=1, help="client processes per run")
-    p.add_argument("--seed", type=int, default=42)
+    add(p, rounds=2, clients=1, seed=42)
     g = p.add_argument_group("conversations (--conversations N: the multi-turn workload instead)")
     g.add_argument("--conversations", type=int, default=0, help="this many conversations ...")
     g.add_argument("--turns", type=int, default=4, help="... of this many turns each")
@@ -58,17 +55,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--device-blocks", type=int, default=0, help="npuserve's kv.num_blocks (default: llama.cpp's "
                                                                 "context in 16-token blocks)")
     g.add_argument("--cache-ram", type=int, default=None, help="llama.cpp's --cache-ram MiB (default: its own)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="npuserve daemon config override")
+    add(p, "set")
     p.add_argument("--scenario", metavar="NAME",
                    help="a head-to-head scenario instead of uniform load: long-prompt, tenant-flood, burst, hangups "
                         "(tools/load/scenarios.py; docs/benchmarks.md)")
     p.add_argument("--scenario-option", action="append", default=[], metavar="KEY=VALUE", help="a scenario size")
     p.add_argument("--slots", type=int, default=8,
                    help="with --scenario: llama.cpp's slots = npuserve's admission.max_sequences (default 8)")
-    p.add_argument("--plot", metavar="FILE.png", help="with --scenario: its plot (long-prompt, tenant-flood)")
+    add(p, "plot", helps={"plot": "with --scenario: its plot (long-prompt, tenant-flood)"})
     p.add_argument("--records", metavar="FILE.jsonl", help="with --scenario: every request's record")
-    p.add_argument("--json", action="store_true", help="JSON Lines: one row per run, then the summary")
-    p.add_argument("--no-progress", action="store_true")
+    add(p, "json", "no-progress")
     a = p.parse_args(argv)
     try:
         a.concurrencies = [int(x) for x in a.concurrency.split(",") if x.strip()]

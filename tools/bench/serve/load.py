@@ -1,4 +1,4 @@
-"""`npuserve bench`: the load generator -- closed or open loop, sweeps, SLO goodput, the Pareto frontier.
+"""`npuserve bench serve`: the load generator -- closed or open loop, sweeps, SLO goodput, the Pareto frontier.
 
 Against `--endpoint` (a daemon or a balancer), `--openai URL` (any
 OpenAI-compatible server, over HTTP) or a daemon it starts itself
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from tools.load.progress import Progress
 from tools.load.report import Slo
+from tools.bench.options import add
 
 # per backend: (requests per concurrency slot, prompt, output) when not given
 DEFAULTS = {
@@ -67,7 +68,7 @@ def _slo(text: str) -> Slo:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
+def build_parser(prog: str = "npuserve bench serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("target")
     g.add_argument("--endpoint", help="drive this daemon or balancer instead of starting a daemon")
@@ -80,8 +81,7 @@ def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
     g.add_argument("--chips", type=int, default=2)
     g.add_argument("--max-inflight", type=int, default=2,
                    help="executor.max_inflight of the daemon (default 2: ping/pong hides the host round trip)")
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
-    g.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
+    add(g, "set", "backend-option")
     g.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the daemon it starts, e.g. --daemon-arg=--trace=/tmp/t.json")
     g.add_argument("--variant", action="append", type=_variant, default=[], metavar="NAME:KEY=VALUE,...",
@@ -99,8 +99,7 @@ def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
     g.add_argument("--prefixes", type=int, default=0, help="shared-prefix mode: N system prompts ...")
     g.add_argument("--prefix-len", type=int, default=0, help="... of this many tokens, shared by the requests")
     g.add_argument("--tenants", help="NAME:WEIGHT,... requests split between tenants by weight")
-    g.add_argument("--clients", type=int, default=2, help="client processes")
-    g.add_argument("--seed", type=int, default=42)
+    add(g, clients=2, seed=42)
     g.add_argument("--no-predict", action="store_true", help="skip the simulator's prediction (sim backend)")
     g = p.add_argument_group("scenario (tools/load/scenarios.py; docs/benchmarks.md, \"Scenarios\")")
     g.add_argument("--scenario", metavar="NAME",
@@ -109,20 +108,18 @@ def build_parser(prog: str = "npuserve bench") -> argparse.ArgumentParser:
     g.add_argument("--scenario-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a scenario size (e.g. long_prompt=3000); the output lists them all")
     g.add_argument("--quick", action="store_true", help="the scenario's short sizes (a plumbing check)")
-    g.add_argument("--rounds", type=int, default=1, help="scenario runs, one after another")
+    add(g, rounds=1, helps={"rounds": "scenario runs, one after another"})
     g.add_argument("--records", metavar="FILE.jsonl", help="with --scenario: every request's record, to recompute from")
     g = p.add_argument_group("output")
     g.add_argument("--slo", type=_slo, help="e.g. ttft=500ms,tpot=25ms: report goodput of requests meeting it")
-    g.add_argument("--json", action="store_true", help="JSON Lines: one row per point, then a summary")
-    g.add_argument("--plot", metavar="FILE.png", help="draw the throughput / TTFT-P99 plot (needs matplotlib)")
-    g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    add(g, "json", "plot", "no-progress", helps={"plot": "draw the throughput / TTFT-P99 plot (needs matplotlib)"})
     from tools.bench.serve.conversations import add_arguments
 
     add_arguments(p)
     return p
 
 
-def parse_args(argv: list[str], prog: str = "npuserve bench") -> argparse.Namespace:
+def parse_args(argv: list[str], prog: str = "npuserve bench serve") -> argparse.Namespace:
     p = build_parser(prog)
     a = p.parse_args(argv)
     if a.chips < 1 or a.concurrency < 1 or (a.rate is not None and a.rate <= 0) or a.clients < 1:

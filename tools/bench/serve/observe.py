@@ -1,4 +1,4 @@
-"""`npuserve bench-observe`: what metrics and tracing cost the daemon, side by side in one run.
+"""`npuserve bench serve observe`: what metrics and tracing cost the daemon, side by side in one run.
 
 Runs `bench-serve` (stub backend by default) alternately in three set-ups,
 `--rounds` times each, so machine noise hits all of them alike:
@@ -27,18 +27,19 @@ import urllib.request
 from tools.json_lines import emit
 from tools.load.paired import alternate, medians
 from tools.load.ports import free_port
+from tools.bench.options import add
 
 TARGETS = {"metrics": 0.97, "trace": 0.90}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="npuserve bench-observe", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="npuserve bench serve observe", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("stub", "sim", "ref"), default="stub")
-    p.add_argument("--rounds", type=int, default=2)
+    add(p, rounds=2)
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--scrape-interval", type=float, default=1.0)
-    p.add_argument("--json", action="store_true", help="JSON Lines: a `row` per set-up, then the in-process `summary`")
+    add(p, "json")
     return p.parse_args(argv)
 
 

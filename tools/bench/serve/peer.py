@@ -1,4 +1,4 @@
-"""`npuserve bench-peer`: npuserve (llamacpp backend) against llama.cpp's own server engine, side by side.
+"""`npuserve bench serve peer`: npuserve (llamacpp backend) against llama.cpp's own server engine, side by side.
 
 The same GGUF, the same total CPU threads, the same workload (prompt and
 output lengths, greedy, `ignore_eos`), in alternating runs: an npuserve
@@ -31,6 +31,7 @@ from tools.load import chip_runs, local_daemon, paired, runner
 from tools.load.report import summarize, table
 from tools.load.runner import Record
 from tools.load.workload import Request
+from tools.bench.options import THREADS, add
 
 TARGETS = {  # (metric, workload, concurrency): npuserve / llama.cpp at least (min) / at most (max) the bound
     ("tokens_per_s", "plain", 8): paired.Target("tokens_per_s", "min", 1.0),
@@ -234,12 +235,11 @@ def _interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from workers.backends.llamacpp import default_threads
 
     signal.signal(signal.SIGTERM, _interrupt)
 
-    ap = argparse.ArgumentParser(prog="npuserve bench-peer", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--package", help="GGUF package (default: Gemma 3 270M, imported on first use)")
+    ap = argparse.ArgumentParser(prog="npuserve bench serve peer", description=__doc__.split("\n\n")[0])
+    add(ap, "package")
     ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
     ap.add_argument("--shared-prefix", action="store_true", help="also run the shared-system-prompt workload")
     ap.add_argument("--only-shared-prefix", action="store_true", help=argparse.SUPPRESS)
@@ -247,12 +247,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--system-tokens", type=int, default=512, help="system prompt length (shared-prefix)")
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--requests-per-stream", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=default_threads(), help="total CPU threads of each engine")
+    add(ap, threads=THREADS, helps={"threads": "total CPU threads of each engine"})
     ap.add_argument("--chips", type=int, default=1, help="npuserve chip workers (threads are split over them)")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (the order flips every round)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="npuserve daemon config override, e.g. --set batch.mixed_batches=false")
-    ap.add_argument("--json", action="store_true", help="JSON Lines: a `row` per run, then a `ratio` per metric")
+    add(ap, "set", "json", rounds=2,
+        helps={
+            "set": "npuserve daemon config override, e.g. --set batch.mixed_batches=false",
+        })
     a = ap.parse_args(argv)
 
     from workers.gguf_package import GgufPackage

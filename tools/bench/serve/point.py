@@ -1,4 +1,4 @@
-"""`npuserve bench-serve`: the end-to-end serving benchmark, a preset of `npuserve bench`.
+"""`npuserve bench serve point`: the end-to-end serving benchmark, a preset of `npuserve bench serve`.
 
 One closed-loop point at `--concurrency` streamed requests with the simulator's
 gaussian lengths (`normal:P,200` prompts, `normal:G,50` outputs), from several
@@ -19,28 +19,27 @@ import argparse
 import sys
 
 from tools.bench.serve import load as bench
+from tools.bench.options import add
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="npuserve bench-serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="npuserve bench serve point", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("stub", "sim", "ref"), default="stub")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, help="total requests (default: a few per concurrency slot)")
     p.add_argument("--prompt-mean", type=int, help="mean prompt tokens")
     p.add_argument("--gen-mean", type=int, help="mean generated tokens")
     p.add_argument("--chips", type=int, default=2)
-    p.add_argument("--clients", type=int, default=2, help="client processes")
+    add(p, clients=2)
     p.add_argument("--endpoint", help="benchmark an already running daemon instead of starting one")
     p.add_argument("--max-inflight", type=int, default=2,
                    help="executor.max_inflight of the daemon (default 2: ping/pong hides the host round trip)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
-    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
+    add(p, "set", "backend-option")
     p.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `npuserve serve`, e.g. --daemon-arg=--trace=/tmp/t.json")
     p.add_argument("--compare-framing", action="store_true",
                    help="batched-events clients vs one-event-per-message clients on one daemon, rounds alternating")
-    p.add_argument("--rounds", type=int, default=3, help="with --compare-framing: paired rounds")
-    p.add_argument("--json", action="store_true")
+    add(p, "json", rounds=3, helps={"rounds": "with --compare-framing: paired rounds"})
     return p.parse_args(argv)
 
 
@@ -56,7 +55,7 @@ def compare_framing(a: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     from tools.load.progress import Progress
     from tools.load.workload import WorkloadSpec, build
 
-    ba = bench.parse_args(bench_argv(a), prog="npuserve bench-serve")
+    ba = bench.parse_args(bench_argv(a), prog="npuserve bench serve point")
     n = ba.requests or a.concurrency * 4
     progress = Progress(a.rounds * 2 * n, not (a.json or ba.no_progress))
     settings = [f"executor.max_inflight={a.max_inflight}", *a.set]
@@ -126,7 +125,7 @@ def bench_argv(a: argparse.Namespace) -> list[str]:
 
 def run(a: argparse.Namespace) -> dict:
     """The measured row of this preset (the simulator's prediction rides in it for `sim`)."""
-    ba = bench.parse_args(bench_argv(a), prog="npuserve bench-serve")
+    ba = bench.parse_args(bench_argv(a), prog="npuserve bench serve point")
     rows, _ = bench.run(ba)
     res = next(r for r in rows if not r["label"].startswith("predicted"))
     res["prompt_mean"], res["gen_mean"] = ba.prompt_dist.a, ba.output_dist.a

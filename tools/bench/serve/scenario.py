@@ -1,4 +1,4 @@
-"""Running a scenario (`tools.load.scenarios`): `npuserve bench --scenario` and `bench-http-peer --scenario`.
+"""Running a scenario (`tools.load.scenarios`): `npuserve bench serve --scenario` and `bench serve http-peer --scenario`.
 
 `npuserve bench --scenario NAME` runs it against one target (a daemon it
 starts, `--endpoint`, or `--openai URL`) and reports the scenario's metrics

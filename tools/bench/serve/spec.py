@@ -1,4 +1,4 @@
-"""`npuserve bench-spec`: speculative (n-gram) decoding against plain decoding, and against llama.cpp's server.
+"""`npuserve bench serve spec`: speculative (n-gram) decoding against plain decoding, and against llama.cpp's server.
 
 One npuserve daemon (llamacpp backend, `speculative.method = "ngram"`) serves
 both npuserve sides; each request says `speculative: "off"` or `"ngram"`, so
@@ -29,6 +29,7 @@ from tools.json_lines import emit
 from tools.load import local_daemon, paired, runner
 from tools.load.report import summarize, table
 from tools.load.workload import Request
+from tools.bench.options import THREADS, add
 
 SPEC, PLAIN, PEER = "npuserve-ngram", "npuserve-plain", "llama.cpp-ngram"
 TARGETS = {  # (workload, streams, subject, baseline): ratio of tokens_per_s at least
@@ -182,21 +183,18 @@ def _interrupt(signum, frame) -> None:
 
 def main(argv: list[str]) -> int:
     from tools.bench.serve.peer import default_package, run_llamacpp_server
-    from workers.backends.llamacpp import default_threads
 
     signal.signal(signal.SIGTERM, _interrupt)
-    ap = argparse.ArgumentParser(prog="npuserve bench-spec", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--package", help="GGUF package (default: Gemma 3 270M, imported on first use)")
+    ap = argparse.ArgumentParser(prog="npuserve bench serve spec", description=__doc__.split("\n\n")[0])
+    add(ap, "package")
     ap.add_argument("--streams", type=_ints, default=[1, 4, 16])
     ap.add_argument("--workloads", default="copy,free")
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--requests-per-stream", type=int, default=2)
     ap.add_argument("--max-draft-tokens", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=default_threads(), help="CPU threads of each engine")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (the order flips every round)")
+    add(ap, threads=THREADS, rounds=2)
     ap.add_argument("--peer", action="store_true", help="also llama.cpp's server with its n-gram speculation")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="npuserve config override")
-    ap.add_argument("--json", action="store_true", help="JSON Lines: a `row` per run, then a `ratio` per pair")
+    add(ap, "set", "json", helps={"set": "npuserve config override"})
     a = ap.parse_args(argv)
 
     from workers.gguf_package import GgufPackage

@@ -1,4 +1,4 @@
-"""`npuserve bench-structured`: what JSON-schema constraints cost, against no constraint and llama.cpp's server.
+"""`npuserve bench serve structured`: what JSON-schema constraints cost, against no constraint and llama.cpp's server.
 
 It starts an npuserve daemon on the `llamacpp` backend with its HTTP front
 and (unless `--no-peer`) llama.cpp's own server (xllamacpp) on the same GGUF
@@ -26,6 +26,7 @@ import statistics
 import sys
 
 from tools.load.paired import Target
+from tools.bench.options import THREADS, add
 
 SCHEMAS = [
     {"type": "object", "properties": {
@@ -49,21 +50,17 @@ TARGETS = {("npuserve+schema", "npuserve"): Target("tokens_per_s", "min", 0.9),
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from workers.backends.llamacpp import default_threads
     from tools.load.workload import LengthDist
 
-    p = argparse.ArgumentParser(prog="npuserve bench-structured", description=__doc__.split("\n\n")[0])
-    p.add_argument("--package", help="GGUF package (default: Gemma 3 270M, imported on first use)")
-    p.add_argument("--threads", type=int, default=default_threads(), help="CPU threads of each engine")
+    p = argparse.ArgumentParser(prog="npuserve bench serve structured", description=__doc__.split("\n\n")[0])
+    add(p, "package", threads=THREADS)
     p.add_argument("--concurrency", type=int, default=8, help="streams outstanding at once (default 8)")
     p.add_argument("--per-stream", type=int, default=2, help="requests per stream")
     p.add_argument("--prompt", default="fixed:64", help="prompt lengths, as `npuserve bench`")
     p.add_argument("--output", default="fixed:64", help="output lengths (max_tokens), as `npuserve bench`")
-    p.add_argument("--rounds", type=int, default=2, help="rounds; each runs every route, order flipping")
+    add(p, rounds=2)
     p.add_argument("--no-peer", action="store_true", help="without llama.cpp's server")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--json", action="store_true", help="JSON Lines: one row per run, then the summary")
-    p.add_argument("--no-progress", action="store_true")
+    add(p, "json", "no-progress", seed=42)
     a = p.parse_args(argv)
     try:
         a.prompt_dist, a.output_dist = LengthDist.parse(a.prompt), LengthDist.parse(a.output)
