@@ -9,11 +9,10 @@ over rounds, with each round's own ratio beside it.
 from __future__ import annotations
 
 import statistics
-import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
-from tools.load.report import summarize, table
+from tools.load.report import publish, summarize, table
 from tools.load.runner import Record
 from tools.load.workload import Request
 
@@ -176,20 +175,13 @@ def format_comparison(comparison: list[dict]) -> str:
 def report(prog: str, title: str, rows: list[dict], comparison: list[dict], as_json: bool, summary: dict) -> int:
     """Print the runs and the comparison (a table, or JSON Lines: the rows, then one summary); the exit status."""
     met = [c["met"] for c in comparison if "met" in c]
-    if as_json:
-        from tools.json_lines import emit
 
-        for r in rows:
-            emit("row", r)
-        emit("summary", {**summary, "comparison": comparison, "targets_met": all(met) if met else None})
-    else:
-        print(title)
-        print(table(rows))
-        print("(latencies in ms; subject against baseline on the medians over rounds below)")
+    def text() -> str:
+        lines = [title, table(rows), "(latencies in ms; subject against baseline on the medians over rounds below)"]
         for c in dict.fromkeys(x.get("concurrency") for x in comparison):
-            print(f" concurrency {c}:")
-            print(format_comparison([x for x in comparison if x.get("concurrency") == c]))
-    errors = sum(r["errors"] for r in rows)
-    if errors:
-        print(f"{prog}: {errors} requests failed (see error_codes)", file=sys.stderr)
-    return 0 if errors == 0 else 1
+            lines += [f" concurrency {c}:", format_comparison([x for x in comparison if x.get("concurrency") == c])]
+        return "\n".join(lines)
+
+    json_lines = [*(("row", r) for r in rows),
+                  ("summary", {**summary, "comparison": comparison, "targets_met": all(met) if met else None})]
+    return publish(prog, as_json, json_lines, text, rows)

@@ -123,17 +123,11 @@ def main(argv: list[str]) -> int:
     if min(a.streams, a.prompt_tokens, a.reps, a.threads, a.instances) < 1:
         ap.error("--streams, --prompt-tokens, --reps, --threads and --instances must be positive")
 
-    from tools.bench.serve.peer import default_package
+    from tools.bench.gguf import load_gguf
     from tools.json_lines import emit
-    from workers.gguf_package import GgufPackage
     from workers.llamacpp.tokenizer import GgufTokenizer
-    from workers.package_loader import load_package
 
-    pkg = load_package(a.package or default_package())
-    if not isinstance(pkg, GgufPackage):
-        print(f"npuserve bench-kv-layout: {pkg.path} is not a GGUF package (import one with `npuserve import-gguf`)",
-              file=sys.stderr)
-        return 2
+    pkg = load_gguf(a.package, "npuserve bench micro kv-layout")
     tok = GgufTokenizer(pkg.gguf_path)
 
     def progress(row: dict) -> None:

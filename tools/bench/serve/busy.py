@@ -32,6 +32,7 @@ import sys
 
 from tools.json_lines import emit
 from tools.load import paired
+from tools.load.report import publish
 from tools.bench.options import add
 
 MODES = {
@@ -154,34 +155,31 @@ def main(argv: list[str]) -> int:
     rows = paired.alternate(modes, a.rounds, run, groups=backends)
     comp = comparisons(rows, backends, modes)
     met = [c["met"] for c in comp if "met" in c]
-    if a.json:
-        for c in comp:
-            emit("comparison", c)
-        emit("summary", {"backends": backends, "modes": modes, "rounds": a.rounds, "concurrency": a.concurrency,
-                         "requests": a.requests, "chips": a.chips, "targets_met": all(met) if met else None})
-    else:
-        print(f"bench-busy: {a.requests} requests at concurrency {a.concurrency}, {a.chips} chip(s), "
-              f"{a.rounds} rounds (medians)")
-        print(f"  {'backend':<7} {'mode':<16} {'tok/s':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'busy':>6} "
-              f"{'predicted':>9} {'deliv.':>7} {'lanes':>6}")
+
+    def text() -> str:
+        out = [f"bench-busy: {a.requests} requests at concurrency {a.concurrency}, {a.chips} chip(s), "
+               f"{a.rounds} rounds (medians)",
+               f"  {'backend':<7} {'mode':<16} {'tok/s':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'busy':>6} "
+               f"{'predicted':>9} {'deliv.':>7} {'lanes':>6}"]
         for backend in backends:
             for mode in modes:
                 def med(k: str, fmt: str) -> str:
                     v = _median(rows, backend, mode, k)
                     return "-" if v is None else format(v, fmt)
-                print(f"  {backend:<7} {mode:<16} {med('tokens_per_s', '.1f'):>8} {med('tpot_p50_ms', '.2f'):>9} "
-                      f"{med('tpot_p99_ms', '.2f'):>9} {med('device_busy', '.3f'):>6} "
-                      f"{med('predicted_tokens_per_s', '.1f'):>9} {med('delivered_of_predicted', '.3f'):>7} "
-                      f"{med('mean_decode_lanes', '.2f'):>6}")
+                out.append(f"  {backend:<7} {mode:<16} {med('tokens_per_s', '.1f'):>8} {med('tpot_p50_ms', '.2f'):>9} "
+                           f"{med('tpot_p99_ms', '.2f'):>9} {med('device_busy', '.3f'):>6} "
+                           f"{med('predicted_tokens_per_s', '.1f'):>9} {med('delivered_of_predicted', '.3f'):>7} "
+                           f"{med('mean_decode_lanes', '.2f'):>6}")
         for c in comp:
             verdict = "" if "met" not in c else f"  [target {c['target']}: {'met' if c['met'] else 'MISSED'}, " \
                                                  f"margin {c['margin']:+.4f}]"
-            print(f"  {c['backend']} {c['subject']} vs {c['baseline']}: {c['metric']} {c['subject_median']:.3f} "
-                  f"vs {c['baseline_median']:.3f} = {c['ratio']:.3f}x{verdict}")
-    errors = sum(r["errors"] for r in rows)
-    if errors:
-        print(f"bench-busy: {errors} requests failed", file=sys.stderr)
-    return 0 if errors == 0 else 1
+            out.append(f"  {c['backend']} {c['subject']} vs {c['baseline']}: {c['metric']} {c['subject_median']:.3f} "
+                       f"vs {c['baseline_median']:.3f} = {c['ratio']:.3f}x{verdict}")
+        return "\n".join(out)
+
+    summary = {"backends": backends, "modes": modes, "rounds": a.rounds, "concurrency": a.concurrency,
+               "requests": a.requests, "chips": a.chips, "targets_met": all(met) if met else None}
+    return publish("bench-busy", a.json, [*(("comparison", c) for c in comp), ("summary", summary)], text, rows)
 
 
 if __name__ == "__main__":

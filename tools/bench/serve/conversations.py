@@ -24,7 +24,6 @@ prompts are replayed; a fresh device-only daemon gives the cold start.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 import sys

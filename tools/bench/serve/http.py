@@ -64,7 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def daemon_settings(a: argparse.Namespace) -> list[str]:
     out = [f"executor.max_inflight={a.max_inflight}", "kv.prefix_cache=false"]
     if a.backend == "llamacpp":
-        from tools.bench.serve.peer import default_package
+        from tools.bench.gguf import default_package
 
         out += [f"model.package=\"{a.package or default_package()}\"",
                 f"board.threads_per_chip={max(1, a.threads // a.chips)}", "admission.deadline_default_ms=3600000"]

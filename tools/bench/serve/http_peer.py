@@ -183,83 +183,68 @@ CONVERSATION_COLUMNS = [("label", "engine"), ("round", "round"), ("concurrency",
                         ("prompt_tokens", "of prompt"), ("hit_rate", "hit rate")]
 
 
-def conversations_main(a: argparse.Namespace, pkg) -> int:
+def per_concurrency(a: argparse.Namespace, run, total: int) -> tuple[list[dict], list[dict]]:
+    """`run(c, progress)` -> (rows, comparison) for every concurrency of `a`, one progress bar over all."""
     from tools.load.progress import Progress
-    from tools.load import paired
-    from tools.load.report import table
 
-    total = sum(2 * a.rounds * a.conversations * a.turns for _ in a.concurrencies)
     progress = Progress(total, not a.no_progress)
     rows: list[dict] = []
     comparison: list[dict] = []
     try:
         for c in a.concurrencies:
-            r, cmp = run_conversations(a, pkg, c, progress)
+            r, cmp = run(c, progress)
             rows += r
             comparison += cmp
     finally:
         progress.close()
-    met = [x["met"] for x in comparison if "met" in x]
-    if a.json:
-        from tools.json_lines import emit
+    return rows, comparison
 
-        for r in rows:
-            emit("row", r)
-        emit("summary", {"package": pkg.name, "threads": a.threads, "workload": "conversations",
-                         "conversations": a.conversations, "turns": a.turns, "npuserve_kv": "device prefix cache"
-                         if not any(s.startswith("kv.host_pool_mb") for s in a.set) else "with host tier",
-                         "comparison": comparison, "targets_met": all(met) if met else None})
-    else:
-        print(f"bench-http-peer --conversations: {pkg.name}, {a.conversations} conversations x {a.turns} turns "
-              f"(first {a.first_len}, then {a.turn_len} + {a.answer_len}-token answers), {a.threads} thread(s) "
-              f"each, greedy, {a.rounds} rounds; llama.cpp with its host prompt cache (--cache-ram "
-              f"{a.cache_ram if a.cache_ram is not None else 'default'}), npuserve on its device prefix cache"
-              f"{'' if not a.set else ' + ' + ', '.join(a.set)}")
-        print(table(rows, CONVERSATION_COLUMNS))
-        print("(TTFT in ms at the client, over HTTP; npuserve against llama.cpp on the medians over rounds)")
+
+def conversations_main(a: argparse.Namespace, pkg) -> int:
+    from tools.load import paired
+    from tools.load.report import publish, table
+
+    rows, comparison = per_concurrency(a, lambda c, progress: run_conversations(a, pkg, c, progress),
+                                       sum(2 * a.rounds * a.conversations * a.turns for _ in a.concurrencies))
+    met = [x["met"] for x in comparison if "met" in x]
+    summary = {"package": pkg.name, "threads": a.threads, "workload": "conversations",
+               "conversations": a.conversations, "turns": a.turns, "npuserve_kv": "device prefix cache"
+               if not any(s.startswith("kv.host_pool_mb") for s in a.set) else "with host tier",
+               "comparison": comparison, "targets_met": all(met) if met else None}
+
+    def text() -> str:
+        out = [f"bench-http-peer --conversations: {pkg.name}, {a.conversations} conversations x {a.turns} turns "
+               f"(first {a.first_len}, then {a.turn_len} + {a.answer_len}-token answers), {a.threads} thread(s) "
+               f"each, greedy, {a.rounds} rounds; llama.cpp with its host prompt cache (--cache-ram "
+               f"{a.cache_ram if a.cache_ram is not None else 'default'}), npuserve on its device prefix cache"
+               f"{'' if not a.set else ' + ' + ', '.join(a.set)}",
+               table(rows, CONVERSATION_COLUMNS),
+               "(TTFT in ms at the client, over HTTP; npuserve against llama.cpp on the medians over rounds)"]
         for c in a.concurrencies:
-            print(f" concurrency {c}:")
-            print(paired.format_comparison([x for x in comparison if x.get("concurrency") == c]))
-    errors = sum(r["errors"] for r in rows)
-    if errors:
-        print(f"bench-http-peer: {errors} requests failed", file=sys.stderr)
-    return 0 if errors == 0 else 1
+            out += [f" concurrency {c}:", paired.format_comparison([x for x in comparison if x.get("concurrency") == c])]
+        return "\n".join(out)
+
+    return publish("bench-http-peer", a.json, [*(("row", r) for r in rows), ("summary", summary)], text, rows)
 
 
 def main(argv: list[str]) -> int:
-    from tools.load.progress import Progress
-    from tools.bench.serve.peer import default_package
+    from tools.bench.gguf import load_gguf
     from tools.load import paired
-    from workers.gguf_package import GgufPackage
-    from workers.package_loader import load_package
 
     a = parse_args(argv)
     from tools.bench.serve.peer import _interrupt
     import signal
 
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: both servers are stopped
-    pkg = load_package(a.package or default_package())
-    if not isinstance(pkg, GgufPackage):
-        print(f"npuserve bench-http-peer: {pkg.path} is not a GGUF package; import one with "
-              f"`npuserve import-gguf`", file=sys.stderr)
-        return 2
+    pkg = load_gguf(a.package, "npuserve bench serve http-peer")
     if a.conversations:
         return conversations_main(a, pkg)
     if a.scenario:
         from tools.bench.serve.scenario import peer_main
 
         return peer_main(a, pkg)
-    total = sum(2 * a.rounds * c * a.per_stream for c in a.concurrencies)
-    progress = Progress(total, not a.no_progress)
-    rows: list[dict] = []
-    comparison: list[dict] = []
-    try:
-        for c in a.concurrencies:
-            r, cmp = run_concurrency(a, pkg, c, progress)
-            rows += r
-            comparison += cmp
-    finally:
-        progress.close()
+    rows, comparison = per_concurrency(a, lambda c, progress: run_concurrency(a, pkg, c, progress),
+                                       sum(2 * a.rounds * c * a.per_stream for c in a.concurrencies))
     title = (f"bench-http-peer: {pkg.name}, {a.threads} thread(s) each, prompt {a.prompt_dist}, output "
              f"{a.output_dist}, greedy, ignore_eos, {a.rounds} rounds; npuserve = daemon + HTTP front, "
              f"llama.cpp = its own server; both over HTTP")

@@ -214,38 +214,21 @@ def predict(a: argparse.Namespace, settings: list[str], pt: dict, reqs, model: d
 
 
 def run_variant(a: argparse.Namespace, v: Variant, progress: Progress) -> list[dict]:
-    from tools.load import local_daemon, runner
+    from tools.bench.serve.server import open_server
     from tools.load.chip_runs import daemon_run, sim_run
     from tools.load.report import summarize
 
     settings = [f"executor.max_inflight={a.max_inflight}", *a.set, *v.settings]
-    d = None
     rows = []
     external = a.endpoint or a.openai
-    try:
-        if a.openai:
-            from tools.load.openai_load import probe
-
-            endpoint = None
-            served = probe(a.openai, a.api_key)
-            model = {"vocab_size": served["vocab_size"], "max_seq": served["max_seq"]}
-        else:
-            if a.endpoint:
-                endpoint = a.endpoint
-            else:
-                d = local_daemon.start(backend=a.backend, chips=a.chips, settings=settings,
-                                       backend_options=a.backend_option, prefix="npb-", extra=a.daemon_arg)
-                endpoint = d.endpoint
-            model = local_daemon.wait_healthy(endpoint, d)["model"]
+    with open_server(a, settings, "npb-") as server:
         for i, pt in enumerate(points(a)):
-            reqs = workload(a, pt, i, model)
+            reqs = workload(a, pt, i, server.model)
             label = v.name
             progress.point(f"{label} " + (f"c={pt['concurrency']}" if pt.get("concurrency") else f"rate={pt['rate']}"))
-            before = _stats_or_none(endpoint)
-            recs = runner.run(endpoint, reqs, concurrency=pt.get("concurrency"), clients=a.clients,
-                              on_record=progress.record, openai=a.openai, api_key=a.api_key,
-                              model=a.model or (served["id"] if a.openai else None))
-            after = _stats_or_none(endpoint)
+            before = _stats_or_none(server.endpoint)
+            recs = server.send(reqs, concurrency=pt.get("concurrency"), clients=a.clients, on_record=progress.record)
+            after = _stats_or_none(server.endpoint)
             row = {"label": label, "backend": a.backend if not external else None, "chips": a.chips,
                    "concurrency": pt.get("concurrency"), "rate": pt.get("rate"), **summarize(recs, a.slo),
                    "prompt": str(a.prompt_dist), "output": str(a.output_dist), "settings": settings}
@@ -253,18 +236,12 @@ def run_variant(a: argparse.Namespace, v: Variant, progress: Progress) -> list[d
                 row["daemon_run"] = daemon_run(before, after, row["seconds"])
             except (KeyError, TypeError):
                 row["daemon_run"] = None
-            sim = predict(a, settings, pt, reqs, model)
+            sim = predict(a, settings, pt, reqs, server.model)
             row["predicted_tokens_per_s"] = None if sim is None else round(sim.throughput_tok_s, 1)
             row["predicted_ttft_p99_ms"] = None if sim is None else round(sim.ttft_p99_ms, 1)
             row["predicted_run"] = None if sim is None else sim_run(sim)
             rows.append(row)
-    finally:
-        if d is not None:
-            failed = any(r["errors"] for r in rows)
-            code = d.stop()
-            if failed or code != 0:
-                sys.stderr.write(f"bench: daemon exited {code}; log tail:\n{d.log_tail()}\n")
-            d.cleanup()
+            server.failed = server.failed or bool(row["errors"])
     return rows
 
 

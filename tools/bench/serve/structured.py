@@ -155,17 +155,11 @@ def run(a: argparse.Namespace, pkg, progress) -> tuple[list[dict], dict]:
 
 def main(argv: list[str]) -> int:
     from tools.load.progress import Progress
-    from tools.bench.serve.peer import default_package
-    from tools.load.report import table
-    from workers.gguf_package import GgufPackage
-    from workers.package_loader import load_package
+    from tools.bench.gguf import load_gguf
+    from tools.load.report import publish, table
 
     a = parse_args(argv)
-    pkg = load_package(a.package or default_package())
-    if not isinstance(pkg, GgufPackage):
-        print(f"npuserve bench-structured: {pkg.path} is not a GGUF package; import one with "
-              f"`npuserve import-gguf`", file=sys.stderr)
-        return 2
+    pkg = load_gguf(a.package, "npuserve bench serve structured")
     routes = 2 if a.no_peer else 3
     progress = Progress(routes * a.rounds * a.concurrency * a.per_stream, not a.no_progress)
     try:
@@ -175,27 +169,19 @@ def main(argv: list[str]) -> int:
     comparison = compare(rows)
     summary = {"package": pkg.name, "threads": a.threads, "concurrency": a.concurrency, **extra,
                "comparison": comparison, "targets_met": all(c["met"] for c in comparison) if comparison else None}
-    if a.json:
-        from tools.json_lines import emit
-
-        for r in rows:
-            emit("row", r)
-        emit("summary", summary)
-    else:
-        print(f"bench-structured: {pkg.name}, {a.threads} thread(s) each, {a.concurrency} streams, prompt "
-              f"{a.prompt_dist}, output {a.output_dist}, greedy, {a.rounds} rounds; a mix of {len(SCHEMAS)} "
-              f"JSON schemas in `json_schema`")
-        print(table(rows))
+    def text() -> str:
+        out = [f"bench-structured: {pkg.name}, {a.threads} thread(s) each, {a.concurrency} streams, prompt "
+               f"{a.prompt_dist}, output {a.output_dist}, greedy, {a.rounds} rounds; a mix of {len(SCHEMAS)} "
+               f"JSON schemas in `json_schema`", table(rows)]
         for c in comparison:
-            print(f"  {c['metric']:<13} {c['subject']} {c['subject_median']:,.3f} vs {c['baseline']} "
-                  f"{c['baseline_median']:,.3f}: ratio {c['ratio']} [target {c['target']}: "
-                  f"{'met' if c['met'] else 'MISSED'}]")
-        print(f"  schema compile time P50 (daemon, at admission): {extra['schema_compile_ms_p50']} ms; "
-              f"mask time per lane and step (workers): {extra['mask_us_per_lane_step']} us")
-    errors = sum(r["errors"] for r in rows)
-    if errors:
-        print(f"bench-structured: {errors} requests failed (see error_codes)", file=sys.stderr)
-    return 0 if errors == 0 else 1
+            out.append(f"  {c['metric']:<13} {c['subject']} {c['subject_median']:,.3f} vs {c['baseline']} "
+                       f"{c['baseline_median']:,.3f}: ratio {c['ratio']} [target {c['target']}: "
+                       f"{'met' if c['met'] else 'MISSED'}]")
+        out.append(f"  schema compile time P50 (daemon, at admission): {extra['schema_compile_ms_p50']} ms; "
+                   f"mask time per lane and step (workers): {extra['mask_us_per_lane_step']} us")
+        return "\n".join(out)
+
+    return publish("bench-structured", a.json, [*(("row", r) for r in rows), ("summary", summary)], text, rows)
 
 
 if __name__ == "__main__":
