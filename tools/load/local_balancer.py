@@ -12,21 +12,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from tools.load import child_process
+from tools.load.child_process import Child
 from tools.load.ports import free_port
 
 
 @dataclass
-class LocalBalancer:
-    proc: subprocess.Popen
-    endpoint: str
-    log_path: str
-
-    def log_tail(self, n: int = 3000) -> str:
-        return child_process.log_tail(self.log_path, n)
-
-    def stop(self, timeout: float = 30.0) -> int:
-        return child_process.stop(self.proc, timeout)
+class LocalBalancer(Child):
+    endpoint: str = ""
 
 
 def start(flags: list[str], log_dir: str, name: str) -> LocalBalancer:
@@ -37,4 +29,4 @@ def start(flags: list[str], log_dir: str, name: str) -> LocalBalancer:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "engine.balancer.main", "--endpoint", endpoint, *flags],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return LocalBalancer(proc, endpoint, log_path)
+    return LocalBalancer(proc, log_path, endpoint=endpoint)
