@@ -102,18 +102,19 @@ def start(*, backend: str, chips: int, settings: list[str] | tuple[str, ...] = (
           backend_options: list[str] | tuple[str, ...] = (), prefix: str = "npl-",
           env: dict | None = None, wrap: list[str] | None = None, extra: list[str] | tuple[str, ...] = (),
           endpoint: str | None = None, board: str | None = None,
-          limits: tuple[str, ...] = LOAD_SETTINGS) -> LocalDaemon:
+          limits: tuple[str, ...] = LOAD_SETTINGS, python: str = sys.executable, cwd: str | None = None) -> LocalDaemon:
     """Start `python -m engine.daemon.main` in a fresh private directory, on an ipc:// endpoint there
     unless `endpoint` names one (tcp://, for several daemons behind a balancer).
 
     `wrap` prefixes the command (e.g. a namespace launcher for the /dev/shm chaos scenario); `extra`
     is appended to it (more `npuserve serve` flags, e.g. `--trace FILE`); `limits` are the admission
-    settings that come before `settings`.
+    settings that come before `settings`; `python` and `cwd` run another source tree's daemon (with its
+    PYTHONPATH in `env`).
     """
     _exit_on_sigterm()
     tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     endpoint = endpoint or f"ipc://{tmp}/d.sock"
-    cmd = [sys.executable, "-m", "engine.daemon.main", "--backend", backend, "--chips", str(chips),
+    cmd = [python, "-m", "engine.daemon.main", "--backend", backend, "--chips", str(chips),
            "--runtime-dir", tmp, "--endpoint", endpoint, "--board", board or f"l{os.getpid() % 100000}"]
     for kv in (*limits, *settings):
         cmd += ["--set", kv]
@@ -124,7 +125,7 @@ def start(*, backend: str, chips: int, settings: list[str] | tuple[str, ...] = (
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([*(wrap or []), *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=root, env=env)
+                                stdin=subprocess.DEVNULL, cwd=cwd or root, env=env)
     return LocalDaemon(proc, endpoint, tmp, log_path, _tmp=tmp)
 
 

@@ -69,18 +69,13 @@ def _children(pid: int) -> list[int]:
 def run_per_process(tree: str, python: str, nice: int, concurrency: int) -> dict:
     """bench-serve --endpoint against a daemon started here: CPU per token of the daemon, its workers and
     the client processes (bench-serve's own), apart."""
-    import tempfile
+    from tools.load import local_daemon
 
-    tmp = tempfile.mkdtemp(prefix="npab-", dir="/tmp")
-    ep = f"ipc://{tmp}/d.sock"
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    pre = ["nice", "-n", str(nice)] if nice else []
-    cmd = [*pre, python, "-m", "engine.daemon.main", "--backend", "stub", "--chips", "2", "--runtime-dir", tmp,
-           "--endpoint", ep, "--board", f"ab{os.getpid() % 100000}"]
-    for kv in _DAEMON_SETTINGS:
-        cmd += ["--set", kv]
-    with open(os.path.join(tmp, "daemon.log"), "wb") as log:
-        d = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    daemon = local_daemon.start(backend="stub", chips=2, settings=_DAEMON_SETTINGS, limits=(), prefix="npab-",
+                                env=env, wrap=["nice", "-n", str(nice)] if nice else None,
+                                board=f"ab{os.getpid() % 100000}", python=python, cwd=tree)
+    d, tmp, ep = daemon.proc, daemon.runtime_dir, daemon.endpoint
     try:
         deadline = time.monotonic() + 120
         while not (os.path.exists(f"{tmp}/d.sock") and len(_children(d.pid)) >= 2):
@@ -96,12 +91,7 @@ def run_per_process(tree: str, python: str, nice: int, concurrency: int) -> dict
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # bench-serve and its clients, reaped in run_once
         after = [_proc_cpu(d.pid)] + [_proc_cpu(w) for w in workers]
     finally:
-        d.send_signal(2)
-        try:
-            d.wait(30)
-        except subprocess.TimeoutExpired:
-            d.kill()
-            d.wait()
+        daemon.stop()
     res["daemon_s"] = after[0] - before[0]
     res["workers_s"] = sum(after[1:]) - sum(before[1:])
     res["clients_s"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
