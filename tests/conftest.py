@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from engine import errors as _errors
+from tools.load.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 90.0
@@ -537,9 +538,6 @@ def wait_for_log(d: "DaemonProc", event: str, timeout: float = 30.0, count: int 
 
 
 # -- the OpenAI-compatible HTTP front (engine/http) -----------------------------------------------
-from tools.load.ports import free_port  # noqa: E402  (one home for a free loopback port)
-
-
 @dataclass
 class HttpFrontProc:
     """A real `npuserve http` process; `url` is its base URL (http://127.0.0.1:PORT)."""

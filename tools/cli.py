@@ -54,28 +54,20 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def resolve(argv: list[str]) -> tuple[str, list[str]]:
-    """(module, its argv) for `npuserve ARGV`; an old `bench-*` name becomes the `npuserve bench` it stands for."""
+def main(argv: list[str] | None = None) -> int:
     from tools.bench.main import ALIASES
 
-    name, rest = argv[0], argv[1:]
-    if name in ALIASES:
-        name, rest = "bench", [*ALIASES[name], *rest]
-    return COMMANDS[name][0], rest
-
-
-def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
-    from tools.bench.main import ALIASES
-
-    if argv[0] not in COMMANDS and argv[0] not in ALIASES:
-        print(f"npuserve: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+    name, rest = argv[0], argv[1:]
+    if name in ALIASES:  # an old `bench-*` name: the `npuserve bench ...` it stands for, same flags
+        name, rest = "bench", [*ALIASES[name], *rest]
+    if name not in COMMANDS:
+        print(f"npuserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module, rest = resolve(argv)
-    return int(importlib.import_module(module).main(rest) or 0)
+    return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
 
 
 if __name__ == "__main__":
