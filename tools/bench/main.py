@@ -9,10 +9,10 @@
 * `bench micro NAME [OPTIONS]`: in-process measurements, `MICRO`.
 * `bench recovery [OPTIONS]`: a chip back in service after its worker is killed or hung.
 
-`npuserve bench [OPTIONS]` (no sub-command) is `bench serve [OPTIONS]`, as it
-was before the tree; `npuserve bench --help` shows the tree. The
-commands before this tree (`bench-peer`, `bench-http`, ...) are `ALIASES`:
-hidden from `npuserve --help`, same flags, dispatched here.
+`npuserve bench [OPTIONS]` (no sub-command) is `bench serve [OPTIONS]`;
+`npuserve bench --help` shows the tree. The `bench-*` names of the published
+CLI (`bench-peer`, `bench-http`, ...) are `ALIASES`: hidden from
+`npuserve --help`, same flags, each the `npuserve bench ...` it names.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ MICRO: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 RECOVERY = ("tools.bench.recovery", (), "a chip back in service after its worker is killed or hung")
 
-# The commands before the tree, hidden from `npuserve --help`: old name -> the `npuserve bench` argv it stands for.
+# The published `bench-*` names, hidden from `npuserve --help`: name -> the `npuserve bench` argv it stands for.
 ALIASES: dict[str, tuple[str, ...]] = {
     "bench-serve": ("serve", "point"),
     "bench-http": ("serve", "http"),
