@@ -27,9 +27,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from tools.bench.options import add
 from tools.json_lines import emit
 from tools.load import local_daemon
-from tools.bench.options import add
+from tools.load.report import publish
 
 TARGET_S = 2.0  # docs/serving.md: a dead worker is back well under this
 DETECT_SLACK_S = 0.5
@@ -204,7 +205,7 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-def print_table(rows: list[dict]) -> None:
+def format_table(rows: list[dict]) -> str:
     head = ("backend", "fault", "n", "back P50", "back max", "detect P50", "detect max", "restart P50",
             "restart max", "target", "verdict")
     lines = [head]
@@ -216,9 +217,9 @@ def print_table(rows: list[dict]) -> None:
                       _fmt(r["back_max_s"]), _fmt(r["detect_p50_s"]), _fmt(r["detect_max_s"]),
                       _fmt(r["restart_p50_s"]), _fmt(r["restart_max_s"]), r["target"], verdict))
     widths = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
-    for ln in lines:
-        print("  ".join(str(x).ljust(w) for x, w in zip(ln, widths)).rstrip())
-    print("seconds from the signal; back = health says up with a new worker and a 1-token request is served")
+    return "\n".join(["  ".join(str(x).ljust(w) for x, w in zip(ln, widths)).rstrip() for ln in lines]
+                     + ["seconds from the signal; back = health says up with a new worker and a 1-token request is "
+                        "served"])
 
 
 def main(argv: list[str]) -> int:
@@ -228,14 +229,10 @@ def main(argv: list[str]) -> int:
     for backend in a.backend:
         rows += run_backend(backend, a, faults)
     met = all(r["met"] for r in rows)
-    if a.json:
-        for r in rows:
-            emit("row", r)
-        emit("summary", {"target_s": TARGET_S, "met": met, "rows": len(rows),
-                         "worst_kill_back_max_s": _stat([r["back_max_s"] for r in rows if r["fault"] == "kill"], max),
-                         "worst_restart_max_s": _stat([r["restart_max_s"] for r in rows], max)})
-    else:
-        print_table(rows)
+    summary = {"target_s": TARGET_S, "met": met, "rows": len(rows),
+               "worst_kill_back_max_s": _stat([r["back_max_s"] for r in rows if r["fault"] == "kill"], max),
+               "worst_restart_max_s": _stat([r["restart_max_s"] for r in rows], max)}
+    publish("bench-recovery", a.json, [*(("row", r) for r in rows), ("summary", summary)], lambda: format_table(rows))
     return 0 if all(r["recovered"] == r["faults"] for r in rows) else 1
 
 

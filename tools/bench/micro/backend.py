@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from ipc.records import Job, JobStatus
 from tools.bench.micro.jobs import JobFactory, WorkerRunner, Workload, round_seconds
-from tools.json_lines import emit
 from tools.bench.options import add
+from tools.load.report import publish
 
 BATCHES = (1, 4, 8, 16)
 TARGET_RATIO = 0.80
@@ -239,20 +239,15 @@ def _run(args, backend, options: dict, package: str | None, batches: tuple[int, 
         worker.close()
         backend.unload()
     rows.sort(key=lambda r: (r.mode != "in-process", r.phase != "prefill", r.batch))
-    if args.json:
-        for r in rows:
-            emit("row", r.to_dict())
-    else:
-        print(f"backend {args.backend}, prompt {args.prompt_len} tokens/lane, {args.decode_steps} decode steps/round, "
-              f"BLAS threads {worker_blas or 'default'} in both modes, one job in flight")
-        print(format_table(rows))
+    lines = [("row", r.to_dict()) for r in rows]
+    text = [f"backend {args.backend}, prompt {args.prompt_len} tokens/lane, {args.decode_steps} decode steps/round, "
+            f"BLAS threads {worker_blas or 'default'} in both modes, one job in flight", format_table(rows)]
     rat = ratios(rows)
     if args.backend == "ref" and ("decode", 16) in rat:  # the target is about the ref model's compute
         r = rat[("decode", 16)]
-        verdict = "ok" if r >= TARGET_RATIO else "BELOW TARGET"
-        if args.json:
-            emit("summary", {"decode_b16_worker_vs_in_process": round(r, 4), "target": TARGET_RATIO,
-                             "ok": r >= TARGET_RATIO})
-        else:
-            print(f"worker/in-process decode tokens/s at B=16: {r:.1%} (target >= {TARGET_RATIO:.0%}: {verdict})")
+        lines.append(("summary", {"decode_b16_worker_vs_in_process": round(r, 4), "target": TARGET_RATIO,
+                                  "ok": r >= TARGET_RATIO}))
+        text.append(f"worker/in-process decode tokens/s at B=16: {r:.1%} (target >= {TARGET_RATIO:.0%}: "
+                    f"{'ok' if r >= TARGET_RATIO else 'BELOW TARGET'})")
+    publish("bench-backend", args.json, lines, lambda: "\n".join(text))
     return 0

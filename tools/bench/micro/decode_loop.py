@@ -24,7 +24,7 @@ import statistics
 
 from ipc.records import JobStatus
 from tools.bench.micro.jobs import JobFactory, WorkerRunner, Workload, round_seconds
-from tools.json_lines import emit
+from tools.load.report import publish
 
 WAYS = ("per-step", "host-loop", "device-loop")
 MODES = ("in-process", "worker")
@@ -122,14 +122,10 @@ def run(args, options: dict, batches: tuple[int, ...]) -> int:
         host.close()
         device.close()
         backend.unload()
-    if args.json:
-        for r in rows:
-            emit("loop_row", r)
-        for c in compare(rows):
-            emit("loop_summary", c)
-        return 0
-    print(f"ctypes library {options['library']}: prompt {args.prompt_len} tokens/lane, {args.decode_steps} decode "
-          f"tokens/lane per round; sampling temperature {workload.temperature}, top_p {workload.top_p}, top_k "
-          f"{workload.top_k}, logprobs on; one job in flight")
-    print(format_table(rows, steps))
+    publish("bench-backend --loop-steps", args.json,
+            [*(("loop_row", r) for r in rows), *(("loop_summary", c) for c in compare(rows))],
+            lambda: f"ctypes library {options['library']}: prompt {args.prompt_len} tokens/lane, {args.decode_steps} "
+                    f"decode tokens/lane per round; sampling temperature {workload.temperature}, top_p "
+                    f"{workload.top_p}, top_k {workload.top_k}, logprobs on; one job in flight\n"
+                    + format_table(rows, steps))
     return 0

@@ -21,8 +21,9 @@ import time
 
 import orjson
 
-from tools.load.paired import alternate
 from tools.bench.options import add
+from tools.load.paired import alternate
+from tools.load.report import publish
 
 EVENT = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
          b'"text":" tok","logprobs":null,"finish_reason":null}]}\n\n')
@@ -139,19 +140,12 @@ def main(argv: list[str]) -> int:
     med = {lib: statistics.median(r["cpu_us_per_event"] for r in rows if r["client"] == lib) for lib in libs}
     summary = {"cpu_us_per_event": med,
                "httpx_over_aiohttp": round(med["httpx"] / med["aiohttp"], 2) if "httpx" in med else None}
-    if a.json:
-        from tools.json_lines import emit
-
-        for r in rows:
-            emit("row", r)
-        emit("summary", summary)
-    else:
-        print(f"{a.streams} streams, {a.requests} requests of {a.events} events each, per round")
-        print(f"{'client':<8} {'round':>5} {'events/s':>10} {'cpu µs/event':>13}")
-        for r in rows:
-            print(f"{r['client']:<8} {r['round']:>5} {r['events_per_s']:>10,} {r['cpu_us_per_event']:>13.2f}")
-        print("medians: " + ", ".join(f"{k} {v:.2f} µs/event" for k, v in med.items())
-              + (f"; httpx / aiohttp = {summary['httpx_over_aiohttp']}x" if summary["httpx_over_aiohttp"] else ""))
+    publish("bench-http-client", a.json, [*(("row", r) for r in rows), ("summary", summary)], lambda: "\n".join([
+        f"{a.streams} streams, {a.requests} requests of {a.events} events each, per round",
+        f"{'client':<8} {'round':>5} {'events/s':>10} {'cpu µs/event':>13}",
+        *(f"{r['client']:<8} {r['round']:>5} {r['events_per_s']:>10,} {r['cpu_us_per_event']:>13.2f}" for r in rows),
+        "medians: " + ", ".join(f"{k} {v:.2f} µs/event" for k, v in med.items())
+        + (f"; httpx / aiohttp = {summary['httpx_over_aiohttp']}x" if summary["httpx_over_aiohttp"] else "")]))
     return 0
 
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from tools.load.report import pct
 from tools.bench.options import add
+from tools.load.report import pct, publish
 
 PAYLOADS = (64, 600_000, 9_700_000)
 DEFAULT_ITERS = {64: 2000, 600_000: 300, 9_700_000: 40}
@@ -317,15 +317,10 @@ def main(argv: list[str]) -> int:
     iters = dict(DEFAULT_ITERS) if args.iters is None else {s: args.iters for s in PAYLOADS}
     t = time.monotonic()
     rows = run(iters, None if args.spin_us is None else args.spin_us * 1e-6)
-    if args.json:
-        from tools.json_lines import emit
-
-        for r in rows:
-            emit("row", r)
-        emit("summary", targets(rows))
-    else:
-        print(format_table(rows))
-        print(f"\n({time.monotonic() - t:.1f} s, {os.cpu_count()} CPUs; one-way handoff = writer's array -> reader's usable array)")
+    elapsed = time.monotonic() - t
+    publish("bench-ipc", args.json, [*(("row", r) for r in rows), ("summary", targets(rows))],
+            lambda: format_table(rows) + f"\n\n({elapsed:.1f} s, {os.cpu_count()} CPUs; one-way handoff = writer's "
+                                         f"array -> reader's usable array)")
     return 0
 
 

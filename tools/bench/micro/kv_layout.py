@@ -27,8 +27,9 @@ import statistics
 import sys
 import time
 
-from tools.load.paired import alternate
 from tools.bench.options import THREADS, add
+from tools.load.paired import alternate
+from tools.load.report import publish
 
 LAYOUTS = ("shared", "per-sequence")
 
@@ -124,7 +125,6 @@ def main(argv: list[str]) -> int:
         ap.error("--streams, --prompt-tokens, --reps, --threads and --instances must be positive")
 
     from tools.bench.gguf import load_gguf
-    from tools.json_lines import emit
     from workers.llamacpp.tokenizer import GgufTokenizer
 
     pkg = load_gguf(a.package, "npuserve bench micro kv-layout")
@@ -139,22 +139,22 @@ def main(argv: list[str]) -> int:
     finally:
         tok.close()
     summary = summarise(rows)
-    if a.json:
-        for r in rows:
-            emit("row", r)
-        emit("summary", {**summary, "target": None})
-        return 0
-    print(f"one llama_decode of {a.streams} prompts x {a.prompt_tokens} tokens ({pkg.name}, {a.threads} threads), "
-          f"{a.instances} context(s) of each layout, {a.reps} repetitions, order flipping")
-    print(f"{'layout':<13} {'ctx':>3} {'rep':>3} {'ms':>9} {'tok/s':>9}")
-    for r in rows:
-        print(f"{r['layout']:<13} {r['instance']:>3} {r['rep']:>3} {r['ms']:>9,.1f} {r['tokens_per_s']:>9,.1f}")
-    med = summary["median_ms"]
-    print("medians by context: " + ", ".join(f"{k} {v:,.1f} ms" for k, v in summary["instance_median_ms"].items()))
-    print(f"medians: shared {med['shared']:,.1f} ms, per-sequence {med['per-sequence']:,.1f} ms; "
-          f"per-sequence / shared = {summary['per_sequence_over_shared']:.3f}; largest spread between contexts of "
-          f"one layout {summary['instance_spread']:.3f}x (no target: the head start of llama.cpp server's layout "
-          f"on a burst prefill, where it exceeds that spread)")
+
+    def text() -> str:
+        med = summary["median_ms"]
+        return "\n".join([
+            f"one llama_decode of {a.streams} prompts x {a.prompt_tokens} tokens ({pkg.name}, {a.threads} threads), "
+            f"{a.instances} context(s) of each layout, {a.reps} repetitions, order flipping",
+            f"{'layout':<13} {'ctx':>3} {'rep':>3} {'ms':>9} {'tok/s':>9}",
+            *(f"{r['layout']:<13} {r['instance']:>3} {r['rep']:>3} {r['ms']:>9,.1f} {r['tokens_per_s']:>9,.1f}"
+              for r in rows),
+            "medians by context: " + ", ".join(f"{k} {v:,.1f} ms" for k, v in summary["instance_median_ms"].items()),
+            f"medians: shared {med['shared']:,.1f} ms, per-sequence {med['per-sequence']:,.1f} ms; "
+            f"per-sequence / shared = {summary['per_sequence_over_shared']:.3f}; largest spread between contexts of "
+            f"one layout {summary['instance_spread']:.3f}x (no target: the head start of llama.cpp server's layout "
+            f"on a burst prefill, where it exceeds that spread)"])
+
+    publish("bench-kv-layout", a.json, [*(("row", r) for r in rows), ("summary", {**summary, "target": None})], text)
     return 0
 
 

@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-from tools.json_lines import emit
 from tools.bench.options import add
+from tools.load.report import publish
 
 TARGET = 2.0  # export + import of 1,000 blocks <= 2x a memcpy of the same bytes (docs/benchmarks.md)
 
@@ -205,43 +205,42 @@ def main(argv: list[str]) -> int:
         return _main_llamacpp(a)
     row = measure(a.blocks, a.repeats)
     even = break_even()
-    if a.json:
-        emit("row", row)
+
+    def text() -> str:
+        out = [f"ref: {row['blocks']} blocks, {row['bytes'] / 2**20:.1f} MiB: export {row['export_ms']} ms, import "
+               f"{row['import_ms']} ms, memcpy {row['memcpy_ms']} ms",
+               f"  export+import = {row['round_trip_vs_memcpy']}x one memcpy ({row['round_trip_vs_two_memcpy']}x two); "
+               f"target <= {TARGET}x: {'met' if row['met'] else 'MISSED'}; bytes equal: {row['bytes_equal']}"]
         for r in even:
-            emit("break_even", r)
-        emit("summary", {"met": row["met"], "round_trip_vs_memcpy": row["round_trip_vs_memcpy"],
-                         "target": row["target"]})
-        return 0
-    print(f"ref: {row['blocks']} blocks, {row['bytes'] / 2**20:.1f} MiB: export {row['export_ms']} ms, import "
-          f"{row['import_ms']} ms, memcpy {row['memcpy_ms']} ms")
-    print(f"  export+import = {row['round_trip_vs_memcpy']}x one memcpy ({row['round_trip_vs_two_memcpy']}x two); "
-          f"target <= {TARGET}x: {'met' if row['met'] else 'MISSED'}; bytes equal: {row['bytes_equal']}")
-    for r in even:
-        be = "never" if r["break_even_tokens"] is None else f"{r['break_even_tokens']} tokens"
-        print(f"break-even prefix ({r['backend']}): promote beats recompute from {be}")
+            be = "never" if r["break_even_tokens"] is None else f"{r['break_even_tokens']} tokens"
+            out.append(f"break-even prefix ({r['backend']}): promote beats recompute from {be}")
+        return "\n".join(out)
+
+    summary = {"met": row["met"], "round_trip_vs_memcpy": row["round_trip_vs_memcpy"], "target": row["target"]}
+    publish("bench-kv-transfer", a.json, [("row", row), *(("break_even", r) for r in even), ("summary", summary)],
+            text)
     return 0
 
 
 def _main_llamacpp(a) -> int:
     rows = measure_llamacpp(a.package, min(a.blocks, 32), max(1, min(a.repeats, 5)), a.threads)
     even = llamacpp_break_even(rows)
-    if a.json:
-        for r in rows:
-            emit("row", r)
-        emit("break_even", even)
-        emit("summary", {"measured_break_even_tokens": even["measured_break_even_tokens"],
-                         "model_break_even_tokens": even["model_break_even_tokens"]})
-        return 0
-    print(f"llamacpp ({rows[0]['model']}, {rows[0]['threads']} thread(s)): recompute vs promote, medians")
-    print(f"{'blocks':>6} {'tokens':>6} {'prefill ms':>11} {'export ms':>10} {'import ms':>10} {'import/prefill':>15}")
-    for r in rows:
-        print(f"{r['blocks']:>6} {r['tokens']:>6} {r['prefill_ms']:>11.2f} {r['export_ms']:>10.2f} "
-              f"{r['import_ms']:>10.2f} {r['import_vs_prefill']:>15.4f}")
-    m = even["measured_break_even_tokens"]
-    print(f"break-even prefix (llamacpp, measured): promote beats recompute from "
-          f"{'never' if m is None else f'{m} tokens'} (smallest measured: {even['smallest_measured_tokens']})")
-    mm = even["model_break_even_tokens"]
-    print(f"break-even prefix (llamacpp, declared cost model): {'never' if mm is None else f'{mm} tokens'}")
+
+    def text() -> str:
+        m, mm = even["measured_break_even_tokens"], even["model_break_even_tokens"]
+        return "\n".join([
+            f"llamacpp ({rows[0]['model']}, {rows[0]['threads']} thread(s)): recompute vs promote, medians",
+            f"{'blocks':>6} {'tokens':>6} {'prefill ms':>11} {'export ms':>10} {'import ms':>10} {'import/prefill':>15}",
+            *(f"{r['blocks']:>6} {r['tokens']:>6} {r['prefill_ms']:>11.2f} {r['export_ms']:>10.2f} "
+              f"{r['import_ms']:>10.2f} {r['import_vs_prefill']:>15.4f}" for r in rows),
+            f"break-even prefix (llamacpp, measured): promote beats recompute from "
+            f"{'never' if m is None else f'{m} tokens'} (smallest measured: {even['smallest_measured_tokens']})",
+            f"break-even prefix (llamacpp, declared cost model): {'never' if mm is None else f'{mm} tokens'}"])
+
+    summary = {"measured_break_even_tokens": even["measured_break_even_tokens"],
+               "model_break_even_tokens": even["model_break_even_tokens"]}
+    publish("bench-kv-transfer", a.json, [*(("row", r) for r in rows), ("break_even", even), ("summary", summary)],
+            text)
     return 0
 
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from ipc.allreduce import AllReduce, create_group
 from ipc.records import JobKind, Lane, build_job
-from tools.json_lines import emit
 from tools.load.paired import alternate
+from tools.load.report import publish
 from tools.tp_ranks import run_group
 from workers.control import worker_environ
 
@@ -141,45 +141,43 @@ def run(args, package: str, batches: list[int]) -> int:
     d_model, layers = pkg.dims.d_model, pkg.dims.layers
     ars = [measure_allreduce(w, b * d_model) for w in degrees if w > 1 for b in batches]
     speedup = {r["batch"]: r["vs_tp1"] for r in rows if r["tp"] == 2}
-    if args.json:
-        for r in rows:
-            emit("tp_row", r)
-        for a in ars:
-            emit("allreduce", a | {"per_layer_us": 2 * a["allreduce_us"], "layers": layers})
-        summary = {"model": pkg.name, "d_model": d_model, "layers": layers,
-                   "tp2_vs_tp1_decode_b16": speedup.get(16),
-                   "tp2_vs_tp1_decode_b16_by_compute_cpu": next(
-                       (r["vs_tp1_compute_cpu"] for r in rows if r["tp"] == 2 and r["batch"] == 16), None),
-                   "target_speedup": TARGET_SPEEDUP,
-                   "target_allreduce_vs_memcpy": TARGET_ALLREDUCE_VS_MEMCPY}
-        emit("tp_summary", summary)
-        return 0
-    print(f"model {pkg.name}: {layers} layers, d_model {d_model}, heads {pkg.dims.heads}/{pkg.dims.kv_heads}, "
-          f"ffn {pkg.dims.ffn_dim}; one BLAS thread per rank; {args.tp_repeats} repetitions, median")
-    print("| B | TP | decode tok/s | step ms | vs TP=1 | all-reduce wait µs/call "
-          "| rank 0 compute CPU ms/step | vs TP=1 by compute CPU |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['batch']} | {r['tp']} | {r['tokens_per_s']:,.1f} | {r['step_ms']:,.1f} | {r['vs_tp1']:.2f}x | "
-              f"{r['allreduce_wait_us_per_call']:,.0f} | "
-              f"{r['compute_cpu_ms_per_step']:,.1f} | {r['vs_tp1_compute_cpu']:.2f}x |")
-    print()
-    print("| world | bytes | all-reduce µs | memcpy µs | ratio | per layer (2 all-reduces) µs |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for a in ars:
-        print(f"| {a['world']} | {a['bytes']:,} | {a['allreduce_us']:.1f} | {a['memcpy_us']:.1f} | "
-              f"{a['allreduce_vs_memcpy']:.1f}x | {2 * a['allreduce_us']:.1f} |")
-    for a in ars:
-        if a["bytes"] == 16 * d_model * 4:
-            r = a["allreduce_vs_memcpy"]
-            print(f"all-reduce of a B=16 activation ({a['bytes']:,} bytes, {a['world']} ranks): {r:.1f}x a memcpy "
-                  f"(target <= {TARGET_ALLREDUCE_VS_MEMCPY}x: {'ok' if r <= TARGET_ALLREDUCE_VS_MEMCPY else 'BELOW TARGET'})")
-    if 16 in speedup:
-        s = speedup[16]
-        print(f"TP=2 / TP=1 decode tokens/s at B=16: {s:.2f}x (target >= {TARGET_SPEEDUP}x: "
-              f"{'ok' if s >= TARGET_SPEEDUP else 'BELOW TARGET'})")
-    return 0
+    summary = {"model": pkg.name, "d_model": d_model, "layers": layers, "tp2_vs_tp1_decode_b16": speedup.get(16),
+               "tp2_vs_tp1_decode_b16_by_compute_cpu": next(
+                   (r["vs_tp1_compute_cpu"] for r in rows if r["tp"] == 2 and r["batch"] == 16), None),
+               "target_speedup": TARGET_SPEEDUP, "target_allreduce_vs_memcpy": TARGET_ALLREDUCE_VS_MEMCPY}
 
+    def text() -> str:
+        out = [f"model {pkg.name}: {layers} layers, d_model {d_model}, heads {pkg.dims.heads}/{pkg.dims.kv_heads}, "
+               f"ffn {pkg.dims.ffn_dim}; one BLAS thread per rank; {args.tp_repeats} repetitions, median",
+               "| B | TP | decode tok/s | step ms | vs TP=1 | all-reduce wait µs/call "
+               "| rank 0 compute CPU ms/step | vs TP=1 by compute CPU |",
+               "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in rows:
+            out.append(f"| {r['batch']} | {r['tp']} | {r['tokens_per_s']:,.1f} | {r['step_ms']:,.1f} | "
+                       f"{r['vs_tp1']:.2f}x | {r['allreduce_wait_us_per_call']:,.0f} | "
+                       f"{r['compute_cpu_ms_per_step']:,.1f} | {r['vs_tp1_compute_cpu']:.2f}x |")
+        out += ["", "| world | bytes | all-reduce µs | memcpy µs | ratio | per layer (2 all-reduces) µs |",
+                "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for a in ars:
+            out.append(f"| {a['world']} | {a['bytes']:,} | {a['allreduce_us']:.1f} | {a['memcpy_us']:.1f} | "
+                       f"{a['allreduce_vs_memcpy']:.1f}x | {2 * a['allreduce_us']:.1f} |")
+        for a in ars:
+            if a["bytes"] == 16 * d_model * 4:
+                r = a["allreduce_vs_memcpy"]
+                out.append(f"all-reduce of a B=16 activation ({a['bytes']:,} bytes, {a['world']} ranks): {r:.1f}x a "
+                           f"memcpy (target <= {TARGET_ALLREDUCE_VS_MEMCPY}x: "
+                           f"{'ok' if r <= TARGET_ALLREDUCE_VS_MEMCPY else 'BELOW TARGET'})")
+        if 16 in speedup:
+            s = speedup[16]
+            out.append(f"TP=2 / TP=1 decode tokens/s at B=16: {s:.2f}x (target >= {TARGET_SPEEDUP}x: "
+                       f"{'ok' if s >= TARGET_SPEEDUP else 'BELOW TARGET'})")
+        return "\n".join(out)
+
+    lines = [*(("tp_row", r) for r in rows),
+             *(("allreduce", a | {"per_layer_us": 2 * a["allreduce_us"], "layers": layers}) for a in ars),
+             ("tp_summary", summary)]
+    publish("bench-backend --tp", args.json, lines, text)
+    return 0
 
 if __name__ == "__main__":
     _ar_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

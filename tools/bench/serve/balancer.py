@@ -23,13 +23,12 @@ import random
 import sys
 import time
 
-from tools.json_lines import emit
+from tools.bench.options import add
 from tools.load import local_daemon, paired, runner
 from tools.load.fleet import Fleet
 from tools.load.local_balancer import LocalBalancer
-from tools.load.report import pct, summarize
+from tools.load.report import pct, publish, summarize
 from tools.load.workload import Request
-from tools.bench.options import add
 
 POLICIES = ("round-robin", "least-load", "prefix")
 TARGET_ADDED_P50_MS = 0.5
@@ -171,27 +170,30 @@ def run(a: argparse.Namespace) -> dict:
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
     res = run(a)
-    if a.json:
-        for section in ("latency", "throughput", "routing"):
-            emit("row", {"section": section, **res[section]})
-        return 0
     lat, thr = res["latency"], res["throughput"]
-    print(f"bench-balancer: {a.daemons} stub daemons (1 chip each), tcp:// loopback")
-    print(f"{'latency (1-token request)':<28} {'direct':>10} {'via balancer':>13} {'added':>8}   target")
-    for q in (50, 99):
-        added = lat[f"added_p{q}_ms"]
-        tgt = f"<= {TARGET_ADDED_P50_MS} ms ({'met' if added <= TARGET_ADDED_P50_MS else 'MISSED'})" if q == 50 else ""
-        print(f"  P{q} ms{'':<21} {lat[f'direct_p{q}_ms']:>10} {lat[f'via_p{q}_ms']:>13} {added:>8}   {tgt}")
-    d, v = thr["direct"], thr["via"]
-    verdict = "met" if thr["ratio"] >= TARGET_RATIO else "MISSED"
-    print(f"{'throughput (stub tokens/s)':<28} {d['tokens_per_s']:>10} {v['tokens_per_s']:>13} "
-          f"{thr['ratio']:>7}x   >= {TARGET_RATIO}x ({verdict})")
-    print(f"  concurrency {a.concurrency}, {a.requests} requests x {a.gen_tokens} tokens per run, {a.rounds} runs "
-          f"per side (ABBA), mean of runs; runs: direct {d['runs_tokens_per_s']}, via {v['runs_tokens_per_s']}; "
-          f"errors {d['errors']} / {v['errors']}")
-    print(f"{'shared-prefix workload':<28} {'hit rate':>10} {'TTFT P50':>10} {'TTFT P99':>10}")
-    for pol, s in res["routing"].items():
-        print(f"  {pol:<26} {s['prefix_hit_rate']:>10} {s['ttft_p50_ms']:>10} {s['ttft_p99_ms']:>10}")
+
+    def text() -> str:
+        out = [f"bench-balancer: {a.daemons} stub daemons (1 chip each), tcp:// loopback",
+               f"{'latency (1-token request)':<28} {'direct':>10} {'via balancer':>13} {'added':>8}   target"]
+        for q in (50, 99):
+            added = lat[f"added_p{q}_ms"]
+            tgt = f"<= {TARGET_ADDED_P50_MS} ms ({'met' if added <= TARGET_ADDED_P50_MS else 'MISSED'})" if q == 50 \
+                else ""
+            out.append(f"  P{q} ms{'':<21} {lat[f'direct_p{q}_ms']:>10} {lat[f'via_p{q}_ms']:>13} {added:>8}   {tgt}")
+        d, v = thr["direct"], thr["via"]
+        verdict = "met" if thr["ratio"] >= TARGET_RATIO else "MISSED"
+        out += [f"{'throughput (stub tokens/s)':<28} {d['tokens_per_s']:>10} {v['tokens_per_s']:>13} "
+                f"{thr['ratio']:>7}x   >= {TARGET_RATIO}x ({verdict})",
+                f"  concurrency {a.concurrency}, {a.requests} requests x {a.gen_tokens} tokens per run, {a.rounds} "
+                f"runs per side (ABBA), mean of runs; runs: direct {d['runs_tokens_per_s']}, via "
+                f"{v['runs_tokens_per_s']}; errors {d['errors']} / {v['errors']}",
+                f"{'shared-prefix workload':<28} {'hit rate':>10} {'TTFT P50':>10} {'TTFT P99':>10}"]
+        for pol, s in res["routing"].items():
+            out.append(f"  {pol:<26} {s['prefix_hit_rate']:>10} {s['ttft_p50_ms']:>10} {s['ttft_p99_ms']:>10}")
+        return "\n".join(out)
+
+    publish("bench-balancer", a.json, [("row", {"section": s, **res[s]}) for s in ("latency", "throughput", "routing")],
+            text)
     return 0
 
 

@@ -30,10 +30,10 @@ import argparse
 import statistics
 import sys
 
+from tools.bench.options import add
 from tools.json_lines import emit
 from tools.load import paired
 from tools.load.report import publish
-from tools.bench.options import add
 
 MODES = {
     "sync": {"max_inflight": 1, "queue": False},

@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 
-from tools.json_lines import emit
+from tools.load.report import publish
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -209,24 +209,23 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _print(a: argparse.Namespace, rows: list[dict]) -> None:
-    if a.json:
+    def text() -> str:
+        out = [f"conversations {a.conversations} x {a.turns} turns on {a.backend}, {a.chips} chip(s), "
+               f"{a.device_blocks} device blocks per chip",
+               f"{'tiers':9} {'TTFT p50':>9} {'p99':>9} {'later p50':>9} {'computed':>9} {'of prompt':>9} "
+               f"{'hit rate':>8} {'host hit':>8} {'disk hit':>8}"]
         for r in rows:
-            emit(r.pop("kind"), r)
-        return
-    print(f"conversations {a.conversations} x {a.turns} turns on {a.backend}, {a.chips} chip(s), "
-          f"{a.device_blocks} device blocks per chip")
-    print(f"{'tiers':9} {'TTFT p50':>9} {'p99':>9} {'later p50':>9} {'computed':>9} {'of prompt':>9} "
-          f"{'hit rate':>8} {'host hit':>8} {'disk hit':>8}")
-    for r in rows:
-        if r["kind"] != "conversations":
-            continue
-        print(f"{r['label']:9} {r['ttft_p50_ms']:>9} {r['ttft_p99_ms']:>9} {r['ttft_p50_later_turns_ms']:>9} "
-              f"{r['prompt_tokens_computed']:>9} {r['prompt_tokens']:>9} {r['hit_rate']:>8} "
-              f"{r['host_hit_blocks']:>8} {r['disk_hit_blocks']:>8}")
-    for r in rows:
-        if r["kind"] == "restart":
-            print(f"restart: TTFT p50 warm {r['ttft_p50_warm_ms']} ms, replay after restart "
-                  f"{r['ttft_p50_replay_ms']} ms ({r['replay_vs_warm']}x warm; target <= 1.5x), cold "
-                  f"{r['ttft_p50_cold_ms']} ms ({r['cold_vs_replay']}x the replay; target >= 3x)")
+            if r["kind"] == "conversations":
+                out.append(f"{r['label']:9} {r['ttft_p50_ms']:>9} {r['ttft_p99_ms']:>9} "
+                           f"{r['ttft_p50_later_turns_ms']:>9} {r['prompt_tokens_computed']:>9} {r['prompt_tokens']:>9} "
+                           f"{r['hit_rate']:>8} {r['host_hit_blocks']:>8} {r['disk_hit_blocks']:>8}")
+        for r in rows:
+            if r["kind"] == "restart":
+                out.append(f"restart: TTFT p50 warm {r['ttft_p50_warm_ms']} ms, replay after restart "
+                           f"{r['ttft_p50_replay_ms']} ms ({r['replay_vs_warm']}x warm; target <= 1.5x), cold "
+                           f"{r['ttft_p50_cold_ms']} ms ({r['cold_vs_replay']}x the replay; target >= 3x)")
+        return "\n".join(out)
+
+    publish("bench", a.json, [(r["kind"], {k: v for k, v in r.items() if k != "kind"}) for r in rows], text)
 
 

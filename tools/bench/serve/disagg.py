@@ -24,13 +24,13 @@ import os
 import random
 import sys
 
+from tools.bench.options import add
 from tools.json_lines import emit
 from tools.load import local_daemon, paired, runner
 from tools.load.fleet import Fleet
 from tools.load.ports import free_port
-from tools.load.report import Slo, summarize, table
+from tools.load.report import Slo, publish, summarize, table
 from tools.load.workload import LengthDist, WorkloadSpec, build
-from tools.bench.options import add
 
 SIDES = ("disaggregated", "co-located")
 TARGET_GOODPUT_RATIO = 1.3
@@ -207,19 +207,20 @@ def main(argv: list[str]) -> int:
              f"SLO {a.slo}, transfer {a.transfer}")
     if a.plot:
         plot(res["rows"], a.plot, title)
-    if a.json:
-        emit("summary", {"verdict": v, "handoffs": res["handoffs"], "workload": res["workload"]})
-        return 0
-    print(f"bench-disagg: {title}")
-    print(table(res["rows"], COLUMNS))
-    print(f"hand-offs: {res['handoffs']}")
-    if v["co_located_tpot_breaks_at_rate"] is None:
-        print(f"co-located TPOT P99 met the SLO ({a.slo}) at every rate: no break point; goodput ratios by rate "
-              f"{v['goodput_ratio_by_rate']}")
-    else:
-        print(f"co-located TPOT P99 breaks {a.slo} at {v['co_located_tpot_breaks_at_rate']:g} req/s: disaggregated "
-              f"goodput {v['goodput_ratio_there']}x co-located, target >= {TARGET_GOODPUT_RATIO}x "
-              f"({'met' if v['met'] else 'MISSED'}, {v['vs_target']} of target)")
+
+    def text() -> str:
+        if v["co_located_tpot_breaks_at_rate"] is None:
+            verdict = (f"co-located TPOT P99 met the SLO ({a.slo}) at every rate: no break point; goodput ratios by "
+                       f"rate {v['goodput_ratio_by_rate']}")
+        else:
+            verdict = (f"co-located TPOT P99 breaks {a.slo} at {v['co_located_tpot_breaks_at_rate']:g} req/s: "
+                       f"disaggregated goodput {v['goodput_ratio_there']}x co-located, target >= "
+                       f"{TARGET_GOODPUT_RATIO}x ({'met' if v['met'] else 'MISSED'}, {v['vs_target']} of target)")
+        return "\n".join([f"bench-disagg: {title}", table(res["rows"], COLUMNS), f"hand-offs: {res['handoffs']}",
+                          verdict])
+
+    publish("bench-disagg", a.json, [("summary", {"verdict": v, "handoffs": res["handoffs"],
+                                                  "workload": res["workload"]})], text)
     return 0
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools.load.paired import Target
 from tools.bench.options import THREADS, add
+from tools.load.paired import Target
 
 # per backend: chips, concurrency, requests per slot, prompt, output, max_inflight, targets
 PRESETS = {

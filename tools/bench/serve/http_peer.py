@@ -27,8 +27,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools.load.paired import Target
 from tools.bench.options import THREADS, add
+from tools.load.paired import Target
 
 TARGETS = [Target("tokens_per_s", "min", 1.0), Target("ttft_p99_ms", "max", 1.0)]
 CONVERSATION_TARGETS = [Target("ttft_p50_ms", "max", 0.7), Target("prompt_tokens_computed", "max", 1.0)]

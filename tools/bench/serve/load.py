@@ -17,9 +17,9 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
+from tools.bench.options import add
 from tools.load.progress import Progress
 from tools.load.report import Slo
-from tools.bench.options import add
 
 # per backend: (requests per concurrency slot, prompt, output) when not given
 DEFAULTS = {
@@ -319,28 +319,30 @@ def run(a: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     return rows, compare(rows)
 
 
-def print_text(rows: list[dict], comparison: list[dict]) -> None:
+def format_text(rows: list[dict], comparison: list[dict]) -> str:
     from tools.load.report import table
 
-    print(table(rows))
-    print("(latencies in ms; frontier * = on the throughput / TTFT-P99 Pareto frontier of its run label)")
+    out = [table(rows)]
+    out.append("(latencies in ms; frontier * = on the throughput / TTFT-P99 Pareto frontier of its run label)")
     for r in rows:
         ran, pred = r.get("daemon_run"), r.get("predicted_run")
         if r.get("errors"):
-            print(f"  {r['label']}: {r['errors']} requests failed, by code {r['error_codes']}"
-                  + (" (400 with --text: this daemon does not accept `text` prompts)" if "400" in r["error_codes"]
-                     and any("--text" in x for x in sys.argv) else ""))
+            out.append(f"  {r['label']}: {r['errors']} requests failed, by code {r['error_codes']}"
+                       + (" (400 with --text: this daemon does not accept `text` prompts)" if "400" in r["error_codes"]
+                          and any("--text" in x for x in sys.argv) else ""))
         if r.get("predicted_tokens_per_s"):
-            print(f"  {r['label']} c={r['concurrency']}: delivered {100 * r['tokens_per_s'] / r['predicted_tokens_per_s']:.1f} % "
-                  f"of predicted; device busy {ran['device_busy']} (simulator {pred['device_busy']})")
+            delivered = 100 * r["tokens_per_s"] / r["predicted_tokens_per_s"]
+            out.append(f"  {r['label']} c={r['concurrency']}: delivered {delivered:.1f} % of predicted; device busy "
+                       f"{ran['device_busy']} (simulator {pred['device_busy']})")
         if r.get("tenants"):
             parts = ", ".join(f"{t}: {s['requests']} req {s['tokens_per_s']} tok/s TTFT p99 {s['ttft_p99_ms']}"
                               for t, s in r["tenants"].items())
-            print(f"  {r['label']} tenants: {parts}")
+            out.append(f"  {r['label']} tenants: {parts}")
     for c in comparison:
         ratio = "-" if c["ratio"] is None else f"{c['ratio']:.2f}x"
-        print(f"  at TTFT P99 <= {c['ttft_p99_budget_ms']:,.0f} ms: {c['variant']} {c['tokens_per_s']} tok/s vs "
-              f"{c['baseline']} {c['baseline_tokens_per_s']} tok/s = {ratio}")
+        out.append(f"  at TTFT P99 <= {c['ttft_p99_budget_ms']:,.0f} ms: {c['variant']} {c['tokens_per_s']} tok/s vs "
+                   f"{c['baseline']} {c['baseline_tokens_per_s']} tok/s = {ratio}")
+    return "\n".join(out)
 
 
 def main(argv: list[str]) -> int:
@@ -353,17 +355,14 @@ def main(argv: list[str]) -> int:
         from tools.bench.serve.scenario import bench_main
 
         return bench_main(a)
-    rows, comparison = run(a)
-    if a.json:
-        from tools.json_lines import emit
+    from tools.load.report import publish
 
-        for r in rows:
-            emit("row", r)
-        best = max((c["ratio"] for c in comparison if c["ratio"] is not None), default=None)
-        emit("summary", {"points": len(rows), "errors": sum(r.get("errors", 0) for r in rows),
-                         "comparison": comparison, "best_ratio": best})
-    else:
-        print_text(rows, comparison)
+    rows, comparison = run(a)
+    best = max((c["ratio"] for c in comparison if c["ratio"] is not None), default=None)
+    summary = {"points": len(rows), "errors": sum(r.get("errors", 0) for r in rows), "comparison": comparison,
+               "best_ratio": best}
+    code = publish("bench", a.json, [*(("row", r) for r in rows), ("summary", summary)],
+                   lambda: format_text(rows, comparison), rows)
     if a.plot:
         from tools.load.plot import pareto_png
 
@@ -371,7 +370,7 @@ def main(argv: list[str]) -> int:
                  f"output {a.output_dist}")
         pareto_png(rows, a.plot, title)
         print(f"bench: plot written to {a.plot}", file=sys.stderr)
-    return 0 if all(r.get("errors", 0) == 0 for r in rows) else 1
+    return code
 
 
 if __name__ == "__main__":

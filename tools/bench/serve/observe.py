@@ -24,10 +24,10 @@ import threading
 import time
 import urllib.request
 
-from tools.json_lines import emit
-from tools.load.paired import alternate, medians
-from tools.load.ports import free_port
 from tools.bench.options import add
+from tools.load.paired import alternate, medians
+from tools.load.report import publish
+from tools.load.ports import free_port
 
 TARGETS = {"metrics": 0.97, "trace": 0.90}
 
@@ -133,14 +133,10 @@ def main(argv: list[str]) -> int:
     budget_us = 1e6 / base if base else None
     micro["plain_us_per_token"] = round(budget_us, 3) if budget_us else None
     micro["metrics_share_of_token"] = round(micro["metrics_us_per_token"] / budget_us, 4) if budget_us else None
-    if a.json:
-        for row in rows:
-            emit("row", row)
-        emit("summary", {"variant": "in-process", **micro})
-    else:
-        print(f"bench-observe: {a.backend} backend, {a.requests} requests at concurrency {a.concurrency}, "
-              f"{a.rounds} rounds (median)")
-        print(f"  {'variant':<8} {'tokens/s':>10} {'vs plain':>9} {'target':>7}  runs")
+
+    def text() -> str:
+        out = [f"bench-observe: {a.backend} backend, {a.requests} requests at concurrency {a.concurrency}, "
+               f"{a.rounds} rounds (median)", f"  {'variant':<8} {'tokens/s':>10} {'vs plain':>9} {'target':>7}  runs"]
         for row in rows:
             tgt = "" if row["target_ratio"] is None else f">= {row['target_ratio']:.2f}"
             verdict = "" if row["ok"] is None else ("ok" if row["ok"] else "MISSED")
@@ -149,9 +145,13 @@ def main(argv: list[str]) -> int:
                 extra = f"  ({row['scrapes']} scrapes)"
             if row["trace_bytes"] is not None:
                 extra = f"  (trace file {row['trace_bytes'] / 1e6:.1f} MB)"
-            print(f"  {row['variant']:<8} {row['tokens_per_s']:>10.1f} {row['ratio_to_plain']:>9.3f} {tgt:>7} "
-                  f"{verdict:<6} {row['runs']}{extra}")
-        print(f"  in-process: metrics {micro['metrics_us_per_token']} µs per generated token "
-              f"({100 * (micro['metrics_share_of_token'] or 0):.1f} % of the plain run's "
-              f"{micro['plain_us_per_token']} µs per token); trace {micro['trace_us_per_event']} µs per event")
-    return 0 if all(r["ok"] is not False and r["errors"] == 0 for r in rows) else 1
+            out.append(f"  {row['variant']:<8} {row['tokens_per_s']:>10.1f} {row['ratio_to_plain']:>9.3f} {tgt:>7} "
+                       f"{verdict:<6} {row['runs']}{extra}")
+        out.append(f"  in-process: metrics {micro['metrics_us_per_token']} µs per generated token "
+                   f"({100 * (micro['metrics_share_of_token'] or 0):.1f} % of the plain run's "
+                   f"{micro['plain_us_per_token']} µs per token); trace {micro['trace_us_per_event']} µs per event")
+        return "\n".join(out)
+
+    failed = publish("bench-observe", a.json,
+                     [*(("row", row) for row in rows), ("summary", {"variant": "in-process", **micro})], text, rows)
+    return 1 if failed or any(r["ok"] is False for r in rows) else 0

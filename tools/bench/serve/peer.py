@@ -26,12 +26,12 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+from tools.bench.options import THREADS, add
 from tools.json_lines import emit
 from tools.load import chip_runs, local_daemon, paired, runner
 from tools.load.report import publish, summarize, table
 from tools.load.runner import Record
 from tools.load.workload import Request
-from tools.bench.options import THREADS, add
 
 TARGETS = {  # (metric, workload, concurrency): npuserve / llama.cpp at least (min) / at most (max) the bound
     ("tokens_per_s", "plain", 8): paired.Target("tokens_per_s", "min", 1.0),

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools.bench.serve import load as bench
 from tools.bench.options import add
+from tools.bench.serve import load as bench
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -143,29 +143,29 @@ def main(argv: list[str]) -> int:
                  f"clients that did not (target: batched tokens/s >= {FRAMING_TARGET_MIN:g}x)")
         return paired.report("bench-serve", title, rows, comparison, a.json,
                              {"backend": a.backend, "concurrency": a.concurrency})
-    res = run(a)
-    if a.json:
-        from tools.json_lines import emit
+    from tools.load.report import publish
 
-        emit("row", res)
-    else:
-        print(f"bench-serve: {a.backend} backend, {a.chips} chips, concurrency {a.concurrency}, "
-              f"{res['requests']} requests ({res['errors']} errors), {res['generated_tokens']} tokens "
-              f"in {res['seconds']} s")
-        print(f"  generated tokens/s  {res['tokens_per_s']}")
+    res = run(a)
+
+    def text() -> str:
+        out = [f"bench-serve: {a.backend} backend, {a.chips} chips, concurrency {a.concurrency}, "
+               f"{res['requests']} requests ({res['errors']} errors), {res['generated_tokens']} tokens "
+               f"in {res['seconds']} s", f"  generated tokens/s  {res['tokens_per_s']}"]
         if res["predicted_tokens_per_s"] is not None:
             pct = 100 * res["tokens_per_s"] / res["predicted_tokens_per_s"]
-            print(f"  predicted tokens/s  {res['predicted_tokens_per_s']}  (delivered {pct:.1f} %)")
-        print(f"  TTFT p50/p99 ms     {res['ttft_p50_ms']} / {res['ttft_p99_ms']}")
-        print(f"  TPOT p50/p99 ms     {res['tpot_p50_ms']} / {res['tpot_p99_ms']}")
+            out.append(f"  predicted tokens/s  {res['predicted_tokens_per_s']}  (delivered {pct:.1f} %)")
+        out += [f"  TTFT p50/p99 ms     {res['ttft_p50_ms']} / {res['ttft_p99_ms']}",
+                f"  TPOT p50/p99 ms     {res['tpot_p50_ms']} / {res['tpot_p99_ms']}"]
         for label, ran in (("daemon", res["daemon_run"]), ("simulator", res["predicted_run"])):
             if ran is not None:
                 busy = ", ".join(f"{100 * b:.1f} %" for b in ran["device_busy"])
-                print(f"  {label + ':':<11} {ran['window_s']} s, device busy per chip {busy}; "
-                      f"{ran['decode_jobs']} decode jobs ({ran['mean_decode_lanes']} lanes), "
-                      f"{ran['prefill_jobs']} prefill jobs")
-        print(f"  (= npuserve bench {' '.join(bench_argv(a))})")
-    return 0 if res["errors"] == 0 else 1
+                out.append(f"  {label + ':':<11} {ran['window_s']} s, device busy per chip {busy}; "
+                           f"{ran['decode_jobs']} decode jobs ({ran['mean_decode_lanes']} lanes), "
+                           f"{ran['prefill_jobs']} prefill jobs")
+        out.append(f"  (= npuserve bench serve {' '.join(bench_argv(a))})")
+        return "\n".join(out)
+
+    return publish("bench-serve", a.json, [("row", res)], text, [res])
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ import signal
 import sys
 from dataclasses import asdict, dataclass
 
+from tools.bench.options import THREADS, add
 from tools.json_lines import emit
 from tools.load import local_daemon, paired, runner
 from tools.load.report import publish, summarize, table
 from tools.load.workload import Request
-from tools.bench.options import THREADS, add
 
 SPEC, PLAIN, PEER = "npuserve-ngram", "npuserve-plain", "llama.cpp-ngram"
 TARGETS = {  # (workload, streams, subject, baseline): ratio of tokens_per_s at least

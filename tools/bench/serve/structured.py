@@ -25,8 +25,8 @@ import argparse
 import statistics
 import sys
 
-from tools.load.paired import Target
 from tools.bench.options import THREADS, add
+from tools.load.paired import Target
 
 SCHEMAS = [
     {"type": "object", "properties": {
