@@ -27,13 +27,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
 from engine.daemon.constraint_cache import BOARD_CACHE
 from engine.core.model_state import ModelState
+from engine.daemon.observability import exposition
 from engine.daemon.observability.chip_occupancy import ChipOccupancy
 from engine.daemon.observability.kv_tier_metrics import tier_families
 from engine.daemon.observability.loop_histogram import LoopHistogram
@@ -366,9 +367,9 @@ class MetricsRecorder:
 
     # -- HTTP --------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> None:
-        """Start the /metrics HTTP server (a prometheus_client thread). Raises MetricsPortBusy."""
+        """Start the /metrics HTTP server (a thread; text or OpenMetrics, same names). Raises MetricsPortBusy."""
         try:
-            self._server, self._server_thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server, self._server_thread = exposition.serve(host, port, [self.registry])
         except OSError as e:
             why = "is in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror}"
             raise MetricsPortBusy(f"metrics port {host}:{port} {why}; choose another with --metrics-port "
