@@ -61,7 +61,9 @@ def render(sources: Iterable[Collector], accept: str | None) -> tuple[bytes, str
     (body, Content-Type). Sample names are the same in both formats."""
     reg = _Checked(sources)
     if wants_openmetrics(accept):
-        return om_format.generate_latest(reg, escaping=om_format.ALLOWUTF8), OPENMETRICS_CONTENT_TYPE
+        if hasattr(om_format, "ALLOWUTF8"):  # prometheus_client >= 0.22 escapes; older ones wrote names as given
+            return om_format.generate_latest(reg, escaping=om_format.ALLOWUTF8), OPENMETRICS_CONTENT_TYPE
+        return om_format.generate_latest(reg), OPENMETRICS_CONTENT_TYPE
     return text_format.generate_latest(reg), TEXT_CONTENT_TYPE
 
 
