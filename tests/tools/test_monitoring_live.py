@@ -1,5 +1,5 @@
 """A real Prometheus against a live ref board, a balancer and two HTTP fronts, with the files
-`npuserve install-monitoring` writes (scrape and evaluation every second, `for: 1s`, 10 s rate windows).
+`npuserve install-monitoring` writes (scrape and evaluation every second, `for: 1s`, 6 s rate windows).
 
 One module-scoped set-up for every test (processes start once); the tests run in file order because the
 later ones inject faults: names first, then an idle board, then load, a KV flood, a killed worker and last a
@@ -33,7 +33,9 @@ from tools.monitoring import dashboard, dashboard_png, install_cmd
 
 pytestmark = pytest.mark.integration
 
-PROMETHEUS = shutil.which("prometheus")
+PROMETHEUS = shutil.which("prometheus") or shutil.which("prometheus", path="/usr/bin")  # Debian's place
+RATE_S = 6
+RATE_WINDOW = f"{RATE_S}s"  # the rules' rate window here: six scrapes
 HANG_GUARD_S = 180.0  # a hang guard only: every wait ends as soon as Prometheus reports the state
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 # Documented series: the tables of observability.md (boards), http.md (fronts) and balancer.md (balancers).
@@ -195,7 +197,7 @@ def prom(stack):
         "--out", d, "--host", "testhost", "--boards", f"0=127.0.0.1:{stack.board_metrics}",
         "--balancer", f"127.0.0.1:{stack.balancer_metrics}",
         "--http", ",".join(f.url.removeprefix("http://") for f in stack.fronts),
-        "--scrape-interval", "1s", "--evaluation-interval", "1s", "--rate-window", "10s", "--for", "1s"])
+        "--scrape-interval", "1s", "--evaluation-interval", "1s", "--rate-window", RATE_WINDOW, "--for", "1s"])
     assert rc == 0
     p = Prometheus(d)
     try:
@@ -300,7 +302,7 @@ def test_openmetrics_and_text_name_every_sample_alike(stack):
 def test_idle_healthy_board_fires_nothing(stack, prom):
     # judged after the alert rules have run over a whole rate window (and `for:`) of scrapes of the idle stack
     start = prom.now()
-    wait_for(lambda: prom.last_alert_evaluation() > start + 12, "twelve seconds of alert evaluations")
+    wait_for(lambda: prom.last_alert_evaluation() > start + RATE_S + 2, "a rate window and more of alert evaluations")
     assert prom.alerts() == [], prom.alerts()
 
 
@@ -347,7 +349,7 @@ def test_prometheus_stores_every_documented_metric_by_its_documented_name(stack,
 def test_every_dashboard_query_returns_series(stack, prom, load, tmp_path):
     import httpx
 
-    qs = dashboard.queries(rate_interval="10s")
+    qs = dashboard.queries(rate_interval=RATE_WINDOW)
     assert len(qs) >= 25
     for front in stack.fronts:  # the "HTTP errors" query needs an error: a body without a prompt is a 400
         assert httpx.post(front.url + "/v1/completions", json={"model": "tiny"}, timeout=30).status_code == 400
@@ -360,7 +362,7 @@ def test_every_dashboard_query_returns_series(stack, prom, load, tmp_path):
     assert not left, f"panels with a query that returns nothing: {left}"
     now = prom.now()
     out = tmp_path / "dashboard.png"
-    drawn = dashboard_png.render(prom.url, str(out), now - 60, now, step=1.0, rate_interval="10s")
+    drawn = dashboard_png.render(prom.url, str(out), now - 60, now, step=1.0, rate_interval=RATE_WINDOW)
     assert out.stat().st_size > 10_000 and all(n > 0 for n in drawn.values()), drawn
     if os.environ.get("NPUSERVE_DASHBOARD_PNG"):  # how docs/img/monitoring-dashboard.png was made
         shutil.copy(out, os.environ["NPUSERVE_DASHBOARD_PNG"])
