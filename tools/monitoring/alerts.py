@@ -82,7 +82,9 @@ def recording_rules(p: Params) -> list[tuple[str, str]]:
     rules = [
         ("board:npuserve_generation_tokens:rate", rate("generation_tokens_total")),
         ("board:npuserve_prompt_tokens:rate", rate("prompt_tokens_total")),
-        ("board:npuserve_requests:rate", f"{rate('request_success_total')} + {rate('request_failure_total')}"),
+        # success and failure summed as one selector: the failure counter has no series before the first failure
+        ("board:npuserve_requests:rate", f"sum by ({BY}) (rate({{__name__=~\"npuserve:request_(success|failure)_total\","
+                                         f"{B}}}[{w}]))"),
         ("board:npuserve_errors:rate", rate("request_failure_total")),
         ("board:npuserve_error_ratio:rate", "board:npuserve_errors:rate / board:npuserve_requests:rate"),
     ]

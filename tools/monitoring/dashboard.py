@@ -62,8 +62,7 @@ PANELS: tuple[Panel, ...] = (
             f"(npuserve:kv_tier_capacity_blocks{{{RAW}}})", "{{tier}} {{host}}/{{board}}")),
           "device: blocks held over all blocks; host and disk tiers (when configured): blocks held over capacity"),
     Panel("Chip busy fraction", "percentunit",
-          ((f"npuserve:chip_busy_fraction{{{RAW}}}", "chip {{chip}} {{host}}/{{board}}"),
-           (f"board:npuserve_chips_up:sum{{{SEL}}}", "chips up {{host}}/{{board}}"))),
+          ((f"npuserve:chip_busy_fraction{{{RAW}}}", "chip {{chip}} {{host}}/{{board}}"),)),
     Panel("Chip idle gaps", "s",
           ((f"histogram_quantile(0.5, sum by (host, board, chip, le) (rate(npuserve:chip_idle_gap_seconds_bucket"
             f"{{{RAW}}}[{RI}])))", "p50 chip {{chip}} {{host}}/{{board}}"),
@@ -87,8 +86,9 @@ PANELS: tuple[Panel, ...] = (
     Panel("Balancer backends", "short",
           ((f"npuserve:balancer_backends_up{{{BAL}}}", "up {{host}}"),
            (f"npuserve:balancer_backends_total{{{BAL}}}", "configured {{host}}"))),
-    Panel("Scrape health", "short",
-          (('up{job=~"npuserve-.*",host=~"$host"}', "{{role}} {{instance}}"),)),
+    Panel("Targets and chips up", "short",
+          (('up{job=~"npuserve-.*",host=~"$host"}', "{{role}} {{instance}}"),
+           (f"board:npuserve_chips_up:sum{{{SEL}}}", "chips up {{host}}/{{board}}"))),
 )
 
 
