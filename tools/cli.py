@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import-gguf": ("tools.import_gguf", "make a model package around a GGUF file (llamacpp backend)"),
     "simulate": ("tools.simulate", "run the scheduler core against a virtual clock"),
     "install-systemd": ("tools.install_systemd_cmd", "install the npuserve@.service unit and a board config"),
+    "install-monitoring": ("tools.monitoring.install_cmd", "write Prometheus config, alert rules and their tests, a Grafana dashboard"),
     "bench": ("tools.bench.main", "benchmarks: bench serve | bench micro NAME | bench recovery"),
     "soak": ("tools.soak.main", "steady mixed load for a duration, checking invariants, leaks and errors"),
     "chaos": ("tools.chaos.main", "named fault scenarios under load, each with its invariant checks"),
