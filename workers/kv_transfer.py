@@ -73,7 +73,9 @@ class HostKv:
         src = job.src_blocks.tolist()
         host = [r for r, w in enumerate(where) if w == HOST]
         try:
-            if host:  # every host record checked in one pass, gathered in one copy
+            if len(host) == len(chains):  # every record checked and gathered in one pass, into place
+                self._pool().read_many(src, self.layout, chains, n_item, out=rows)
+            elif host:
                 rows[host] = self._pool().read_many([src[r] for r in host], self.layout, [chains[r] for r in host],
                                                     n_item)
             for r, w in enumerate(where):

@@ -72,8 +72,9 @@ class PagedKvCache:
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
         b = self.check_blocks(blocks, "swap_out")
         out = np.empty((len(b),) + self.block_shape(), dtype=np.float32)
-        out[:, 0] = self.k[:, b].swapaxes(0, 1)
-        out[:, 1] = self.v[:, b].swapaxes(0, 1)
+        for j, cache in enumerate((self.k, self.v)):  # per layer: a row gather, no transposed temporary
+            for layer in range(self.layers):
+                out[:, j, layer] = cache[layer][b]
         return out
 
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
@@ -83,5 +84,7 @@ class PagedKvCache:
             raise ValueError(f"swap_in: data shape {tuple(data.shape)}, expected {expected}")
         if len(np.unique(b)) != len(b):
             raise ValueError("swap_in: a block appears twice")
-        self.k[:, b] = np.asarray(data[:, 0], dtype=np.float32).swapaxes(0, 1)
-        self.v[:, b] = np.asarray(data[:, 1], dtype=np.float32).swapaxes(0, 1)
+        data = np.asarray(data, dtype=np.float32)
+        for j, cache in enumerate((self.k, self.v)):
+            for layer in range(self.layers):
+                cache[layer][b] = data[:, j, layer]
