@@ -72,6 +72,24 @@ def rows_crc32c(src: np.ndarray, src_off: np.ndarray, nbytes: int, dst: np.ndarr
     return out
 
 
+def copy_rows(src: np.ndarray, src_off: np.ndarray, nbytes: int, dst: np.ndarray, dst_off: np.ndarray) -> bool:
+    """Copy the rows as `rows_crc32c` does, without a checksum, in one C call; False (nothing copied) when
+    the C library is unavailable, so the caller uses its own NumPy copy."""
+    lib = native_lib.library()
+    if lib is None:
+        return False
+    src_off = np.ascontiguousarray(src_off, np.int64)
+    dst_off = np.ascontiguousarray(dst_off, np.int64)
+    n = len(src_off)
+    if (src.ndim != 1 or dst.ndim != 1 or src.dtype != np.uint8 or dst.dtype != np.uint8 or not dst.flags.writeable
+            or len(dst_off) != n or (n and (src_off.min() < 0 or src_off.max() + nbytes > src.size
+                                            or dst_off.min() < 0 or dst_off.max() + nbytes > dst.size))):
+        raise ValueError("copy_rows: a row lies outside its buffer")
+    if n:
+        lib.npi_crc32c_rows(_ptr(src), _ptr(src_off), _ptr(dst), _ptr(dst_off), nbytes, n, None)
+    return True
+
+
 def native() -> bool:
     """Whether the C routine is in use (the benchmark prints which path it measured)."""
     return native_lib.library() is not None

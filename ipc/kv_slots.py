@@ -105,6 +105,13 @@ _HEADER_DTYPE = np.dtype([("magic", "<u8"), ("layout", "<u8"), ("n", "<u8"), ("c
 assert _HEADER_DTYPE.itemsize == HEADER_BYTES
 
 
+def _chain_rows(chains) -> np.ndarray:
+    """Chain hashes as [n, 16] uint8: a list of bytes (each padded or cut to 16), or such an array as is."""
+    if isinstance(chains, np.ndarray):
+        return chains.reshape(-1, 16)
+    return np.frombuffer(b"".join(c.ljust(16, b"\0")[:16] for c in chains), np.uint8).reshape(-1, 16)
+
+
 class KvSlotPool:
     """`slots` records of `slot_bytes` each in one shared-memory segment (the board's host KV tier)."""
 
@@ -147,7 +154,7 @@ class KvSlotPool:
             raise ValueError(f"host slot outside 0..{self.slots - 1}")
         return idx * self.slot_bytes + HEADER_BYTES
 
-    def write_many(self, slots: list[int], layout: int, rows: np.ndarray, chains: list[bytes]) -> None:
+    def write_many(self, slots: list[int], layout: int, rows: np.ndarray, chains: list[bytes] | np.ndarray) -> None:
         """Records of rows[i] (contiguous [n, ...]) into slots[i]: headers cleared, payloads copied and
         summed in one pass, then the headers (so a record torn by a crash reads as empty)."""
         data = np.ascontiguousarray(rows).view(np.uint8).reshape(len(slots), -1)
@@ -162,10 +169,10 @@ class KvSlotPool:
         h["crc"] = rows_crc32c(data.reshape(-1), np.arange(len(slots), dtype=np.int64) * nbytes, nbytes,
                                np.frombuffer(self.seg.buf, np.uint8), dst_off)
         h["magic"], h["layout"], h["n"], h["algo"] = MAGIC, layout, nbytes, ALGO_CRC32C
-        h["chain"] = np.frombuffer(b"".join(c.ljust(16, b"\0")[:16] for c in chains), np.uint8).reshape(-1, 16)
+        h["chain"] = _chain_rows(chains)
         hv[idx] = h
 
-    def read_many(self, slots: list[int], layout: int, chains: list[bytes], nbytes: int,
+    def read_many(self, slots: list[int], layout: int, chains: list[bytes] | np.ndarray, nbytes: int,
                   out: np.ndarray | None = None) -> np.ndarray:
         """The payloads of the records in `slots` ([n, nbytes] copy, into `out` when given: a C-contiguous
         uint8 array of that shape), each checked like `read_record` (RecordRefused naming the first bad
@@ -173,7 +180,7 @@ class KvSlotPool:
         idx = np.asarray(slots, np.int64)
         src_off = self._offsets(idx)
         h = self.headers()[idx]
-        want = np.frombuffer(b"".join(c.ljust(16, b"\0")[:16] for c in chains), np.uint8).reshape(-1, 16)
+        want = _chain_rows(chains)
         for cause, bad in (("empty", h["magic"] != MAGIC), ("layout", h["layout"] != layout),
                            ("chain", (h["chain"] != want).any(axis=1)), ("layout", h["n"] != nbytes)):
             if bad.any():

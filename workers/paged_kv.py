@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ipc.kv_checksum import copy_rows
+
 
 class PagedKvCache:
     def __init__(self, *, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> None:
@@ -72,10 +74,25 @@ class PagedKvCache:
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
         b = self.check_blocks(blocks, "swap_out")
         out = np.empty((len(b),) + self.block_shape(), dtype=np.float32)
-        for j, cache in enumerate((self.k, self.v)):  # per layer: a row gather, no transposed temporary
-            for layer in range(self.layers):
-                out[:, j, layer] = cache[layer][b]
+        flat = out.reshape(-1).view(np.uint8)
+        for j, cache in enumerate((self.k, self.v)):
+            dev, host = self._row_offsets(b, j)
+            if not copy_rows(cache.reshape(-1).view(np.uint8), dev, self._row_bytes, flat, host):
+                for layer in range(self.layers):  # per layer: a row gather, no transposed temporary
+                    out[:, j, layer] = cache[layer][b]
         return out
+
+    @property
+    def _row_bytes(self) -> int:
+        return int(np.prod(self.k.shape[2:])) * 4  # one layer of one block: contiguous in both formats
+
+    def _row_offsets(self, b: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Byte offsets of blocks b's rows of K (j=0) or V (j=1), in the cache and in the swap format."""
+        layers = np.arange(self.layers, dtype=np.int64)
+        row = self._row_bytes
+        dev = (layers[None, :] * self.num_blocks + b[:, None]) * row
+        host = ((np.arange(len(b), dtype=np.int64)[:, None] * 2 + j) * self.layers + layers[None, :]) * row
+        return dev.reshape(-1), host.reshape(-1)
 
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
         b = self.check_blocks(blocks, "swap_in")
@@ -84,7 +101,10 @@ class PagedKvCache:
             raise ValueError(f"swap_in: data shape {tuple(data.shape)}, expected {expected}")
         if len(np.unique(b)) != len(b):
             raise ValueError("swap_in: a block appears twice")
-        data = np.asarray(data, dtype=np.float32)
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        flat = data.reshape(-1).view(np.uint8)
         for j, cache in enumerate((self.k, self.v)):
-            for layer in range(self.layers):
-                cache[layer][b] = data[:, j, layer]
+            dev, host = self._row_offsets(b, j)
+            if not copy_rows(flat, host, self._row_bytes, cache.reshape(-1).view(np.uint8), dev):
+                for layer in range(self.layers):
+                    cache[layer][b] = data[:, j, layer]

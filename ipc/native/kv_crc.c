@@ -6,7 +6,8 @@
  * bytes are read once. Other CPUs get a table-driven CRC-32C with the same result.
  *
  * Rows: row i starts at src + src_off[i] and is copied (when dst is not NULL) to dst + dst_off[i];
- * out[i] receives its CRC-32C (initial value 0, the usual final xor, as google-crc32c computes it).
+ * out[i] receives its CRC-32C (initial value 0, the usual final xor, as the crc32c package computes it);
+ * with out NULL the rows are only copied.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -140,6 +141,10 @@ int npi_crc32c_hardware(void) {
 
 void npi_crc32c_rows(const uint8_t *src, const int64_t *src_off, uint8_t *dst, const int64_t *dst_off, size_t len,
                      size_t n, uint32_t *out) {
+    if (!out) { /* a plain gather/scatter of rows: no checksum wanted */
+        for (size_t i = 0; i < n; i++) memcpy(dst + dst_off[i], src + src_off[i], len);
+        return;
+    }
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     if (have_hw()) {
         rows_hw(src, src_off, dst, dst_off, len, n, out);
