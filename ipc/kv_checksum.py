@@ -44,31 +44,38 @@ def rows_crc32c(src: np.ndarray, src_off: np.ndarray, nbytes: int, dst: np.ndarr
     """CRC-32C of the rows src[src_off[i]:src_off[i] + nbytes] ([n] uint32), each copied to
     dst[dst_off[i]:...] as it is read when `dst` is given (so the sum is of the bytes copied).
 
+    A row may be made of parts: src_off [n, parts], part p of row i at src_off[i, p] (nbytes each), the
+    row's CRC over its parts in order, copied to dst[dst_off[i] + p * nbytes:...] (a gather: a block
+    spread over the layers of a device cache into one record).
     `src`, `dst`: flat uint8 arrays (a segment's whole buffer, or contiguous rows); offsets are checked."""
     src_off = np.ascontiguousarray(src_off, np.int64)
-    n = len(src_off)
+    n, parts = (src_off.shape[0], src_off.shape[1]) if src_off.ndim == 2 else (len(src_off), 1)
     if src.ndim != 1 or src.dtype != np.uint8 or (n and (src_off.min() < 0 or src_off.max() + nbytes > src.size)):
         raise ValueError("rows_crc32c: a source row lies outside the source buffer")
     if dst is not None:
         dst_off = np.ascontiguousarray(dst_off, np.int64)
-        if (dst.ndim != 1 or dst.dtype != np.uint8 or not dst.flags.writeable or len(dst_off) != n
-                or (n and (dst_off.min() < 0 or dst_off.max() + nbytes > dst.size))):
+        if (dst.ndim != 1 or dst.dtype != np.uint8 or not dst.flags.writeable or dst_off.shape != (n,)
+                or (n and (dst_off.min() < 0 or dst_off.max() + parts * nbytes > dst.size))):
             raise ValueError("rows_crc32c: a destination row lies outside the destination buffer")
     out = np.empty(n, np.uint32)
     if n == 0:
         return out
     lib = native_lib.library()
     if lib is not None:
-        lib.npi_crc32c_rows(_ptr(src), _ptr(src_off), None if dst is None else _ptr(dst),
-                            None if dst is None else _ptr(dst_off), nbytes, n, _ptr(out))
+        lib.npi_crc32c_parts(_ptr(src), _ptr(src_off), parts, None if dst is None else _ptr(dst),
+                             None if dst is None else _ptr(dst_off), nbytes, n, _ptr(out))
         return out
-    for i, o in enumerate(src_off.tolist()):
-        row = src[o:o + nbytes]
-        if dst is not None:
-            d = int(dst_off[i])
-            dst[d:d + nbytes] = row
-            row = dst[d:d + nbytes]  # the sum is of the bytes copied, as in the C path
-        out[i] = _crc32c.crc32c(row)
+    offs = src_off.reshape(n, parts).tolist()
+    for i in range(n):
+        crc = 0
+        for p, o in enumerate(offs[i]):
+            part = src[o:o + nbytes]
+            if dst is not None:
+                d = int(dst_off[i]) + p * nbytes
+                dst[d:d + nbytes] = part
+                part = dst[d:d + nbytes]  # the sum is of the bytes copied, as in the C path
+            crc = _crc32c.crc32c(part, crc)
+        out[i] = crc
     return out
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -105,6 +106,15 @@ _HEADER_DTYPE = np.dtype([("magic", "<u8"), ("layout", "<u8"), ("n", "<u8"), ("c
 assert _HEADER_DTYPE.itemsize == HEADER_BYTES
 
 
+class ScatteredRows(NamedTuple):
+    """Records' payloads where they lie: row i is the parts buf[offsets[i, p]:... + part_bytes] in order
+    (a device cache's block spread over its layers), so `write_many` copies them once, straight into slots."""
+
+    buf: np.ndarray  # flat uint8
+    offsets: np.ndarray  # [n, parts] int64 byte offsets
+    part_bytes: int
+
+
 def _chain_rows(chains) -> np.ndarray:
     """Chain hashes as [n, 16] uint8: a list of bytes (each padded or cut to 16), or such an array as is."""
     if isinstance(chains, np.ndarray):
@@ -154,11 +164,19 @@ class KvSlotPool:
             raise ValueError(f"host slot outside 0..{self.slots - 1}")
         return idx * self.slot_bytes + HEADER_BYTES
 
-    def write_many(self, slots: list[int], layout: int, rows: np.ndarray, chains: list[bytes] | np.ndarray) -> None:
-        """Records of rows[i] (contiguous [n, ...]) into slots[i]: headers cleared, payloads copied and
-        summed in one pass, then the headers (so a record torn by a crash reads as empty)."""
-        data = np.ascontiguousarray(rows).view(np.uint8).reshape(len(slots), -1)
-        nbytes = data.shape[1]
+    def write_many(self, slots: list[int], layout: int, rows: np.ndarray | ScatteredRows,
+                   chains: list[bytes] | np.ndarray) -> None:
+        """Records of rows[i] (contiguous [n, ...], or ScatteredRows) into slots[i]: headers cleared, payloads
+        copied and summed in one pass, then the headers (so a record torn by a crash reads as empty)."""
+        if isinstance(rows, ScatteredRows):
+            src, src_off, part = rows.buf, rows.offsets, rows.part_bytes
+            nbytes = rows.offsets.shape[1] * part
+        else:
+            data = np.ascontiguousarray(rows).view(np.uint8).reshape(len(slots), -1)
+            nbytes = part = data.shape[1]
+            src, src_off = data.reshape(-1), np.arange(len(slots), dtype=np.int64) * nbytes
+        if len(src_off) != len(slots):
+            raise ValueError(f"{len(src_off)} rows for {len(slots)} slots")
         if HEADER_BYTES + nbytes > self.slot_bytes:
             raise ValueError(f"a payload of {nbytes} bytes does not fit a slot of {self.slot_bytes}")
         idx = np.asarray(slots, np.int64)
@@ -166,8 +184,7 @@ class KvSlotPool:
         hv = self.headers()
         hv[idx] = np.zeros((), _HEADER_DTYPE)
         h = np.zeros(len(slots), _HEADER_DTYPE)
-        h["crc"] = rows_crc32c(data.reshape(-1), np.arange(len(slots), dtype=np.int64) * nbytes, nbytes,
-                               np.frombuffer(self.seg.buf, np.uint8), dst_off)
+        h["crc"] = rows_crc32c(src, src_off, part, np.frombuffer(self.seg.buf, np.uint8), dst_off)
         h["magic"], h["layout"], h["n"], h["algo"] = MAGIC, layout, nbytes, ALGO_CRC32C
         h["chain"] = _chain_rows(chains)
         hv[idx] = h

@@ -27,6 +27,7 @@ _P, _SZ, _I, _I64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int
 _SIGS = {
     "npi_crc32c_hardware": (_I, []),
     "npi_crc32c_rows": (None, [_P, _P, _P, _P, _SZ, _SZ, _P]),
+    "npi_crc32c_parts": (None, [_P, _P, _SZ, _P, _P, _SZ, _SZ, _P]),
     "npi_ar_sum": (None, [_P, _SZ, _I, _SZ, _P]),
     "npi_ar_shared": (_I, [_P, _SZ, _I, _I, _P, _SZ, _P, _P, _SZ, _SZ, _I64, _P, _I64, _P]),
     "npi_ar_step": (_I, [_P, _P, _P, _SZ, _I64]),

@@ -73,6 +73,11 @@ class HostKv:
             raise ValueError("transfer job: one chain hash and one place per block")
         chains = _ChainList(chain_rows)
         if job.kind == JobKind.KV_EXPORT:
+            rows_in_place = getattr(self.backend, "swap_out_rows", None)
+            if rows_in_place is not None and all(w == HOST for w in where):  # device -> slots in one pass
+                self._pool().write_many(job.dst_blocks.tolist(), self.layout,
+                                        rows_in_place(np.asarray(job.src_blocks)), chain_rows)
+                return
             data = self.backend.swap_out(np.asarray(job.src_blocks))
             slots = job.dst_blocks.tolist()
             host = [i for i, w in enumerate(where) if w & HOST]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ipc.kv_checksum import copy_rows
+from ipc.kv_slots import ScatteredRows
 
 
 class PagedKvCache:
@@ -21,8 +22,8 @@ class PagedKvCache:
         if min(layers, num_blocks, block_size, kv_heads, head_dim) <= 0:
             raise ValueError("every KV cache dimension must be positive")
         shape = (layers, num_blocks, block_size, kv_heads, head_dim)
-        self.k = np.zeros(shape, dtype=np.float32)
-        self.v = np.zeros(shape, dtype=np.float32)
+        self._kv = np.zeros((2,) + shape, dtype=np.float32)  # one buffer: a block's rows are offsets into it
+        self.k, self.v = self._kv[0], self._kv[1]
         self.layers = layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -81,6 +82,15 @@ class PagedKvCache:
                 for layer in range(self.layers):  # per layer: a row gather, no transposed temporary
                     out[:, j, layer] = cache[layer][b]
         return out
+
+    def host_rows(self, blocks: np.ndarray) -> ScatteredRows:
+        """Blocks' swap format as rows in place (part (j, layer) of a block: one layer of K or V), no copy:
+        a transfer gathers them straight into host slots (ipc.kv_slots.KvSlotPool.write_many)."""
+        b = self.check_blocks(blocks, "host_rows")
+        row = self._row_bytes
+        jl = np.arange(2 * self.layers, dtype=np.int64)  # j * layers + layer, the swap format's order
+        offs = (jl[None, :] * self.num_blocks + b[:, None]) * row
+        return ScatteredRows(self._kv.reshape(-1).view(np.uint8), offs, row)
 
     @property
     def _row_bytes(self) -> int:
