@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import sweep_shm
+from shm_sweep import sweep_shm
 from ipc.ring import REWIND_AFTER, Ring
 
 PREFIX = "npuservetestfp"

@@ -17,10 +17,10 @@ import signal
 import time
 
 import pytest
-from balancer_procs import balancer, tcp_daemon  # noqa: F401  (fixture)
+from balancer_procs import tcp_daemon
 from raw_streams import gen_msg, run_streams, streamed_tokens, terminal_events
 
-from conftest import wait_until
+from waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import orjson
 import pytest
 import zmq
 
-from conftest import shm_objects_of
+from daemon_procs import shm_objects_of
 from engine.errors import ServerError
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-from conftest import shm_objects_of, wait_until
+from daemon_procs import shm_objects_of
+from waiting import wait_until
 from engine.errors import ClientError
 from workers.model_maker import make_model
 from workers.package_loader import load_package

@@ -122,7 +122,8 @@ def test_a_degree_the_package_does_not_support_fails_start_up_with_exit_2(short_
     import subprocess
     import sys
 
-    from conftest import ROOT, shm_objects_of
+    from daemon_procs import shm_objects_of
+    from repo_root import ROOT
 
     # The built-in tiny model has 4 query heads over 2 KV heads: degrees 1 and 2 only.
     p = subprocess.Popen([sys.executable, "-m", "engine.daemon.main", "--backend", "ref", "--chips", "3",

@@ -11,7 +11,7 @@ import openai
 import orjson
 import pytest
 
-from conftest import wait_until
+from waiting import wait_until
 from workers.model_maker import make_model
 from workers.package_loader import load_package
 
