@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN §3, checked on the source itself.
+"""The layering rules (docs/architecture.md#layout), checked on the source itself.
 
 `ipc` is transport only and must not import `engine` or `workers`;
 `workers` must not import `engine`; the sans-I/O core must not touch

@@ -248,7 +248,7 @@ class WorkerProcess:
                         self.queued_step_tokens.record(job, outcome.tokens)
             finally:
                 self._set_in_job(False)
-            # the chip's idle gap before this job: what keeping it busy (issue 23) is measured by
+            # the chip's idle gap before this job: what keeping the chip busy is measured by (chip_occupancy)
             last, self._device_end_ns = self._device_end_ns, time.monotonic_ns()
             self._occupancy = (start_ns, -1 if last == 0 else max(0, start_ns - last) // 1000)
             self.write_result(job, outcome, t0)

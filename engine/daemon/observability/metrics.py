@@ -16,7 +16,8 @@ Two kinds of figures, two ways across the thread boundary:
 Labels are bounded: model_name, chip, queue, kind, profile, state, reason
 (codes from the core, a fixed set) and tenant only for tenants named in the
 configuration (all others are summed as "other"). A request or job id never
-becomes a label; they go to traces (seed 001 §16).
+becomes a label (unbounded label values grow a scraper's memory without
+end); they go to traces (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def constraint_families(b: _Builder) -> None:
 
 
 def _lifecycle_families(gens: "Generations") -> list[Family]:
-    """Model generations by state, their requests, and the loads and unloads so far (seed 001 §16 "model")."""
+    """Model generations by state, their requests, and the loads and unloads so far (docs/observability.md)."""
     recs = sorted(gens.models.generations.values(), key=lambda r: r.id)
     fams = [Family("gauge", "model_generation_state", "1 for the lifecycle state each model generation is in.",
                    ("model_name", "generation", "state"),

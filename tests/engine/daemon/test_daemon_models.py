@@ -1,4 +1,4 @@
-"""Model lifecycle on a real daemon (issue 12): load/unload/replace/rollback/models over the wire.
+"""Model lifecycle on a real daemon (docs/models.md#model-lifecycle): load/unload/replace/rollback/models over the wire.
 
 Real daemon and worker processes (ref backend, the NumPy transformer), real
 packages built by workers/model_maker.py under a model root.

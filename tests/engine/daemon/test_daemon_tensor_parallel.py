@@ -1,4 +1,4 @@
-"""Tensor-parallel replicas in the daemon (issue 28): 2 chips as 1 replica and as 2 replicas serve the
+"""Tensor-parallel replicas in the daemon (docs/backends.md): 2 chips as 1 replica and as 2 replicas serve the
 same request mix with the oracle's tokens; a rank killed or stopped mid-job fails or requeues every lane,
 the replica's workers restart together, and no shared memory is left (the fixture checks)."""
 
