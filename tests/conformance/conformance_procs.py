@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -20,7 +19,7 @@ from daemon_procs import START_TIMEOUT_S, DaemonProc, DaemonSet
 from repo_root import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "engine", "balancer"))  # the balancer tests' process helpers
-from balancer_procs import BalancerProc, tcp_endpoint, write_config  # noqa: E402
+from balancer_procs import BalancerProc, start_balancer, stop_and_check, tcp_endpoint  # noqa: E402
 
 
 class Procs(DaemonSet):
@@ -40,15 +39,7 @@ class Procs(DaemonSet):
         return d, ep_tcp
 
     def balancer(self, backends: list, policy: str = "round-robin") -> BalancerProc:
-        n = len(self.balancers)
-        endpoint = tcp_endpoint()
-        cfg = write_config(os.path.join(self.dir, f"bal{n}.toml"), endpoint=endpoint, backends=backends,
-                           policy=policy)
-        log_path = os.path.join(self.dir, f"bal{n}.log")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "engine.balancer.main", "--config", cfg], cwd=ROOT,
-                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        b = BalancerProc(proc, endpoint, self.dir, log_path, config_path=cfg)
+        b = start_balancer(self.dir, len(self.balancers), backends=backends, policy=policy)
         self.balancers.append(b)
         b.wait_backends_up(len(backends), timeout=START_TIMEOUT_S)
         return b
@@ -58,12 +49,7 @@ class Procs(DaemonSet):
         return "\n".join(f"--- {p.log_path}\n{p.log()[-n:]}" for p in [*self.daemons, *self.balancers])
 
     def close(self) -> list[str]:
-        problems = []
-        for b in self.balancers:
-            rc = b.stop() if b.proc.poll() is None else b.proc.returncode
-            if rc != 0:
-                problems.append(f"balancer {b.pid} exited {rc}:\n{b.log()[-3000:]}")
-        problems += super().close()
+        problems = stop_and_check(self.balancers) + super().close()
         shutil.rmtree(self.dir, ignore_errors=True)
         return problems
 

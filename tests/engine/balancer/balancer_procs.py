@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
 from daemon_procs import DaemonProc
+from repo_root import ROOT
 from tools.load.ports import free_port
 
 START_TIMEOUT_S = 60.0
@@ -50,6 +54,29 @@ def write_config(path: str, *, endpoint: str, backends: list[str] | list[dict], 
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
     return path
+
+
+def start_balancer(directory: str, n: int, *, backends: list, policy: str = "round-robin", extra_toml: str = "",
+                   endpoint: str | None = None) -> BalancerProc:
+    """Balancer number `n` of a test (its config and log in `directory`) on a tcp:// endpoint; not yet waited for."""
+    endpoint = endpoint or tcp_endpoint()
+    cfg = write_config(os.path.join(directory, f"bal{n}.toml"), endpoint=endpoint, backends=backends,
+                       policy=policy, extra=extra_toml)
+    log_path = os.path.join(directory, f"bal{n}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "engine.balancer.main", "--config", cfg], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return BalancerProc(proc, endpoint, directory, log_path, config_path=cfg)
+
+
+def stop_and_check(balancers: list[BalancerProc]) -> list[str]:
+    """Stop each (unless it exited) and return the exits that were not the expected one."""
+    problems = []
+    for b in balancers:
+        rc = b.stop() if b.proc.poll() is None else b.proc.returncode
+        if b.expect_exit is not None and rc != b.expect_exit:
+            problems.append(f"balancer {b.pid} exited {rc}:\n{b.log()[-3000:]}")
+    return problems
 
 
 def tcp_daemon(daemon, **kw):
