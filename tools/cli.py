@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-backend": ("tools.bench_backend", "benchmark a chip backend in-process and through a worker"),
     "bench-serve": ("tools.bench_serve", "benchmark a daemon end to end through the client library"),
     "install-systemd": ("tools.install_systemd_cmd", "install the npuserve@.service unit and a board config"),
+    "install-monitoring": ("tools.monitoring.install_cmd", "write Prometheus config, alert rules and their tests, a Grafana dashboard"),
     "bench-observe": ("tools.bench_observe", "what metrics and tracing cost the daemon, side by side"),
     "bench-busy": ("tools.bench_busy", "keeping every chip busy: queued next steps and ping/pong against one in flight"),
     "bench": ("tools.bench", "load generator: closed/open loop, sweeps, SLO goodput, Pareto frontier"),
