@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from engine.core.actions import Action
 from engine.core.chip_state import ChipState, InflightJob
+from engine.core.logprob_asks import lane_asks
 from engine.core.request_record import RequestRecord
 from engine.core.requests import TERMINAL_STATES, RequestState
 from engine.core.sched.admission import Admission
 from engine.core.sched.lifecycle import Lifecycle
 from engine.core.sched.output import Output
 from engine.core.sched.state import SchedState, block_end
+from engine.core.stop_conditions import StopReason
 from ipc.records import JobResult
 
 S = RequestState
@@ -73,6 +75,15 @@ class Completion:
                 r.move(S.PREFILL_READY)
                 ch.prefill.push(rid, r.prefill_target, front=True)
                 r.ready_since = now
+                continue
+            if r.sampling[4] > 1 or r.params.prompt_logprobs is not None:  # alternatives, prompt logprobs
+                lane_lps, ok = lane_asks(r, result, lane, lps, out)
+                if not ok:
+                    self.lifecycle.fail_bad_token(r, ch, "the chip returned no prompt logprobs", now, out)
+                elif r.stop.exhausted():  # max_tokens 0: the prompt's logprobs were the answer
+                    self.output.finish(r, StopReason.LENGTH, now, out)
+                else:
+                    accept(r, ch, toks, lane_lps, lane, lane + 1, now, out)
                 continue
             accept(r, ch, toks, lps, lane, lane + 1, now, out)  # the lane's run: its one token
 
