@@ -362,8 +362,9 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "tenant": (_name, "default"),
         "priority": (_int(PRIORITY_MIN, PRIORITY_MAX), 0),
         "logprobs": (_bool, False),
-        "top_logprobs": (_int(0, MAX_TOP), 0),  # alternatives per token (implies logprobs)
-        "prompt_logprobs": (_nullable(_int(0, MAX_TOP)), None),  # the prompt's logprobs, this many alternatives
+        # absent unless asked, so a balancer forwards nothing an older board would not know
+        "top_logprobs": (_int(0, MAX_TOP), _ABSENT),  # alternatives per token (implies logprobs)
+        "prompt_logprobs": (_nullable(_int(0, MAX_TOP)), _ABSENT),  # the prompt's logprobs, this many alternatives
         "stream": (_bool, True),
         "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
         "constraint": (_nullable(_constraint), _ABSENT),  # structured output: kind + body (absent: none)
@@ -447,6 +448,8 @@ def validate_request(obj: Any) -> dict:
         if len(given) > 1:
             raise ProtocolError("conflicting_fields", f"{', '.join(given)}: op {op!r} takes exactly one of "
                                                       f"them, got both", rid)
+    if op == "generate" and out["max_tokens"] == 0 and out.get("prompt_logprobs") is None:
+        raise ProtocolError("out_of_range", "max_tokens: must be >= 1 (0 only with prompt_logprobs)", rid)
     return out
 
 

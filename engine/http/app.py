@@ -28,6 +28,7 @@ from engine.http.api_keys import ApiKeys
 from engine.http.chat_template import no_template
 from engine.http.metrics import HttpMetrics
 from engine.http import kv_transfer
+from engine.http.logprob_objects import completion_answer, prompt_text
 from engine.http.openai_error import OpenAIError, bad, from_upstream
 from engine.http.openai_request import GenerateRequest, parse_chat, parse_completion, tenant_of_user
 from engine.http.openai_response import (
@@ -331,15 +332,15 @@ class Front:
         created = int(time.time())
         if req.kind == "chat":
             d = dones[0]
-            lp = chat_logprobs(d.get("tokens") or [], d.get("logprobs") or [], token_text) if req.logprobs else None
+            lp = chat_logprobs(d.get("tokens") or [], d.get("logprobs") or [], token_text,
+                               d.get("top_logprobs")) if req.logprobs else None
             obj = chat_object(new_id("chat"), prep.model, created, d.get("text") or "", d.get("finish_reason"),
                               d.get("usage") or {}, lp)
         else:
             choices = []
             for i, d in enumerate(dones):
-                lp = completion_logprobs(d.get("tokens") or [], d.get("logprobs") or [], token_text) \
-                    if req.logprobs else None
-                choices.append(completion_choice(i, d.get("text") or "", d.get("finish_reason"), lp))
+                choices.append(completion_answer(req, i, d, prep.texts[i] if prep.texts[i] is not None
+                                                 else req.prompts[i], token_text))
             obj = completion_object(new_id("completion"), prep.model, created, choices,
                                     [d.get("usage") or {} for d in dones])
         if req.handoff is not None and req.handoff.get("export"):  # vllm-router's prefill leg
@@ -353,9 +354,10 @@ class Front:
         req = prep.req
         served = prep.served
         n = len(prep.msgs)
+        token_text = served.token_text if served else (lambda t: f"token_id:{t}")
         enc = StreamEncoder(ChunkWriter(req.kind, new_id(req.kind), prep.model, req.include_usage), n,
-                            logprobs=req.logprobs,
-                            token_text=served.token_text if served else (lambda t: f"token_id:{t}"))
+                            logprobs=req.logprobs, token_text=token_text,
+                            echo=[prompt_text(p, token_text) for p in req.prompts] if req.echo else None)
         metrics = self.metrics
         first_at: list[float] = []
 
