@@ -339,8 +339,7 @@ class Front:
         else:
             choices = []
             for i, d in enumerate(dones):
-                choices.append(completion_answer(req, i, d, prep.texts[i] if prep.texts[i] is not None
-                                                 else req.prompts[i], token_text))
+                choices.append(completion_answer(req, i, d, req.prompts[i], token_text))
             obj = completion_object(new_id("completion"), prep.model, created, choices,
                                     [d.get("usage") or {} for d in dones])
         if req.handoff is not None and req.handoff.get("export"):  # vllm-router's prefill leg
