@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from engine.http import kv_transfer
 from engine.http.openai_error import bad
+from engine.http.choices import MAX_CHOICES
 from engine.http.response_format import FIELDS as CONSTRAINT_FIELDS, constraint_of
 from ipc.schema import NAME_RE, SPECULATIVE_METHODS
 
@@ -50,6 +51,8 @@ class GenerateRequest:
     top_logprobs: int = 0  # alternatives per token (completions: logprobs = N; chat: top_logprobs)
     echo: bool = False  # completions: the prompt before the completion (its logprobs too, with logprobs)
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs with this many alternatives
+    n: int = 1  # choices returned per prompt (engine/http/choices.py)
+    best_of: int | None = None  # completions: choices generated per prompt, the n best returned
 
 
 # -- field checks ------------------------------------------------------------------------------------
@@ -133,9 +136,6 @@ def _falsy(v: Any) -> bool:
 
 
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v is None or v == 1 and type(v) is int, "only n = 1 is supported (send one request per "
-                                                            "choice)"),
-    "best_of": (lambda v: v is None or v == 1 and type(v) is int, "only best_of = 1 is supported"),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
     "presence_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 0), "penalties are not "
                                                                                        "supported (send 0)"),
@@ -164,8 +164,8 @@ _IGNORED = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoni
 
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "user",
-                     "priority", "speculative", "prompt_logprobs", kv_transfer.FIELD}) | CONSTRAINT_FIELDS
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo"} | set(_NEUTRAL) | _IGNORED
+                     "priority", "speculative", "prompt_logprobs", "n", kv_transfer.FIELD}) | CONSTRAINT_FIELDS
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of"} | set(_NEUTRAL) | _IGNORED
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "add_generation_prompt", "chat_template_kwargs"} \
     | set(_NEUTRAL) | _IGNORED
 
@@ -262,6 +262,12 @@ def _common(body: dict, kind: str, default_temperature: float) -> GenerateReques
         sampling["constraint"] = constraint
     req = GenerateRequest(kind, model, stream, include_usage, False, user, sampling)
     req.handoff = kv_transfer.handoff_of(body.get(kv_transfer.FIELD))
+    if body.get("n") is not None:
+        req.n = _int("n", body["n"], 1, MAX_CHOICES)
+    if body.get("best_of") is not None:
+        req.best_of = _int("best_of", body["best_of"], req.n, MAX_CHOICES)
+        if stream and req.best_of > req.n:
+            raise bad("best_of", "cannot be streamed (the best choices are known at the end)", "unsupported_value")
     if body.get("prompt_logprobs") is not None:
         req.prompt_logprobs = _int("prompt_logprobs", body["prompt_logprobs"], 0, MAX_TOP_LOGPROBS)
         if stream:
