@@ -101,10 +101,10 @@ def test_max_tokens_stop_seed_and_temperature(oai, lib):
 
 
 BAD = [
-    ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
@@ -292,3 +292,17 @@ def test_an_upstream_that_stops_answering_ends_streams_in_flight_and_comes_back(
     wait_until(lambda: front.get("/health")[0] == 200, timeout=60, what="/health 200 again")
     with openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0) as c:
         assert c.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("body,code", [
+    ({"logprobs": 2}, "top_logprobs_unsupported"),
+    ({"echo": True, "logprobs": 0, "max_tokens": 0}, "prompt_logprobs_unsupported"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs_unsupported"),
+])
+def test_logprobs_a_device_sampling_backend_cannot_give_are_400_with_their_code(board, body, code):
+    _, front = board
+    r = httpx.post(front.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, **body},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == code
+    ok = httpx.post(front.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200  # the board keeps serving
