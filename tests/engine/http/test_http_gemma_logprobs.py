@@ -113,3 +113,29 @@ def test_top_logprobs_streamed_and_not_over_http(gemma_board):
     content = c.choices[0].logprobs.content
     assert content and all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.top_logprobs[2].logprob
                            for e in content)
+
+
+def test_chat_n_choices_streamed_and_not(gemma_board):
+    """Chat with n = 2, streamed and not (the tokens themselves are compared on the ref board, whose results
+    do not depend on the batch the choices share: test_http_choices.py)."""
+    _, front = gemma_board
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    with openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0, timeout=120) as oai:
+        r = oai.chat.completions.create(model=ALIAS, messages=msgs, n=2, max_tokens=5, temperature=1.0, seed=9,
+                                        logprobs=True, top_logprobs=2)
+        one = oai.chat.completions.create(model=ALIAS, messages=msgs, max_tokens=5, temperature=1.0, seed=9)
+        chunks = list(oai.chat.completions.create(model=ALIAS, messages=msgs, n=2, max_tokens=5, temperature=1.0,
+                                                  seed=9, stream=True, stream_options={"include_usage": True}))
+    assert [c.index for c in r.choices] == [0, 1] and all(c.message.content for c in r.choices)
+    assert all(len(e.top_logprobs) == 2 for c in r.choices for e in c.logprobs.content)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    streamed = {0: "", 1: ""}
+    ends = {}
+    for ch in chunks:
+        for c in ch.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                ends[c.index] = c.finish_reason
+    assert streamed[0] and streamed[1] and set(ends) == {0, 1}
+    assert chunks[-1].usage.prompt_tokens == one.usage.prompt_tokens
