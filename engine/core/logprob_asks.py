@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from engine.core.actions import EmitTokens
-from ipc.logprob_wants import PROMPT, want_code
+from ipc.logprob_wants import want_code
 
 
 class TokenLogprob(NamedTuple):
@@ -41,7 +41,7 @@ def prompt_lane_want(r, start: int, sample: bool) -> int:
     p = r.params
     if p.prompt_logprobs is None or start != 0 or not sample or r.prompt_logprobs_sent:
         return r.sampling[4]
-    return want_code(True, max(p.top_logprobs, p.prompt_logprobs), prompt=True) | PROMPT
+    return want_code(True, max(p.top_logprobs, p.prompt_logprobs), prompt=True)
 
 
 def whole_prompt(r) -> bool:

@@ -61,9 +61,12 @@ def params_from(msg: dict, tokenizer=None) -> GenerateParams:
     return GenerateParams(**fields)
 
 
-def logprob_refusal(params: GenerateParams, info) -> tuple[str, str] | None:
+def logprob_refusal(params: GenerateParams, info, handoff: dict | None = None) -> tuple[str, str] | None:
     """(reason, message) of a 400 when the generation's backend cannot give the logprobs asked for."""
     extra = {} if info is None else info.extra
+    if params.prompt_logprobs is not None and handoff is not None and not handoff.get("export"):
+        return "prompt_logprobs_unsupported", ("prompt_logprobs: a decode leg's prompt was computed by the "
+                                               "prefill board, which answers them")
     name = "this" if info is None else f"the {info.name}"
     if params.top_logprobs and extra.get("samples_on_device"):
         return "top_logprobs_unsupported", (f"top_logprobs: {name} backend samples on the device and returns no "
@@ -111,7 +114,7 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
             fe.error(conn, cid, 400, "constraint_unsupported", f"constraint: the {g.info.name} backend samples on "
                                                                "the device, so no token mask can apply")
             return []
-        refused = logprob_refusal(params, g.info)
+        refused = logprob_refusal(params, g.info, msg.get("handoff"))
         if refused is not None:
             fe.error(conn, cid, 400, *refused)
             return []

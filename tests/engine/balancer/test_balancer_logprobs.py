@@ -32,3 +32,12 @@ def test_requests_that_ask_nothing_send_no_new_fields_upstream():
     core = make()
     (s,) = sends(core.submit(1, gen(max_tokens=2), 0.1))
     assert "top_logprobs" not in s.msg and "prompt_logprobs" not in s.msg
+
+
+def test_disaggregated_legs_ask_the_prompt_logprobs_of_the_prefill_leg_only():
+    from engine.balancer.pd_routing import decode_msg, prefill_msg
+
+    m = gen(prompt_logprobs=0, max_tokens=0)
+    assert prefill_msg(m, [])["max_tokens"] == 0 and prefill_msg(m, [])["prompt_logprobs"] == 0
+    assert prefill_msg(gen(max_tokens=5), [])["max_tokens"] == 1
+    assert "prompt_logprobs" not in decode_msg(gen(prompt_logprobs=2), {"x": 1})

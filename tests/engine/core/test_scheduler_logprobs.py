@@ -133,3 +133,16 @@ def test_max_tokens_0_without_prompt_logprobs_and_out_of_range_counts_are_refuse
     ex.submit(2, params(top_logprobs=21))
     assert ex.terminal[1].code == 400 and ex.terminal[1].reason == "invalid_max_tokens"
     assert ex.terminal[2].code == 400 and ex.terminal[2].reason == "invalid_logprobs"
+
+
+def test_a_failed_job_recomputes_the_prompt_and_its_logprobs_go_out_once():
+    s = make_scheduler()
+    ex = LogprobExecutor(s)
+    ex.fail_jobs = {1}  # the whole-prompt job fails on the chip: the request is recomputed
+    ex.submit(1, params(n_prompt=12, max_tokens=4, prompt_logprobs=1))
+    ex.run()
+    prompt_jobs = [job for _, job in ex.jobs
+                   if any(job.lane_valid[i] and job.want_logprobs[i] & PROMPT for i in range(job.batch))]
+    assert [job.job_id for job in prompt_jobs][:1] == [1] and len(prompt_jobs) == 2
+    assert sum(a.prompt_logprobs is not None for a in ex.emits) == 1
+    assert len(ex.tokens[1]) == 4 and ex.terminal[1].finish_reason == "length"
