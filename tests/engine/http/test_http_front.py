@@ -306,3 +306,21 @@ def test_logprobs_a_device_sampling_backend_cannot_give_are_400_with_their_code(
     assert r.status_code == 400 and r.json()["error"]["code"] == code
     ok = httpx.post(front.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200  # the board keeps serving
+
+
+def test_a_hang_up_ends_every_choice_of_an_n_request(board, lib):
+    _, front = board
+    before = cancelled_count(lib)
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 2000, "temperature": 1.0, "seed": 1, "n": 3,
+            "stream": True}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", front.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = set()
+            for line in r.iter_lines():  # until every choice streams: all three are running upstream
+                if line.startswith("data: {"):
+                    seen |= {c["index"] for c in orjson.loads(line[6:])["choices"]}
+                if seen == {0, 1, 2}:
+                    break
+    wait_until(lambda: cancelled_count(lib) == before + 3, timeout=30, what="every choice cancelled upstream")
+    wait_until(lambda: lib.stats()["daemon"]["active_requests"] == 0, timeout=30, what="nothing left running")
