@@ -18,7 +18,7 @@ from engine.core.sched.lifecycle import Lifecycle
 from engine.core.sched.output import Output
 from engine.core.sched.state import SchedState, block_end
 from engine.core.stop_conditions import StopReason
-from ipc.records import JobResult
+from ipc.records import JobKind, JobResult
 
 S = RequestState
 _NO_LPS: tuple[float, ...] = ()
@@ -44,6 +44,8 @@ class Completion:
         lps = [] if lps is None or not any_sampled else lps.tolist()
         start_lens = job.start_lens
         dropped, followable = job.dropped, ch.followable if st.follow else None
+        # alternatives ride in decode results that have them; prompt logprobs only in prefill jobs
+        asks = result.top_ids is not None or job.kind is not JobKind.DECODE
         for lane, (rid, seq_id, new_len, sampled) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens,
                                                                    job.sampled)):
             if dropped and rid in dropped:
@@ -76,7 +78,7 @@ class Completion:
                 ch.prefill.push(rid, r.prefill_target, front=True)
                 r.ready_since = now
                 continue
-            if r.sampling[4] > 1 or r.params.prompt_logprobs is not None:  # alternatives, prompt logprobs
+            if asks and (r.sampling[4] > 1 or r.params.prompt_logprobs is not None):  # logprobs beyond the token's
                 lane_lps, ok = lane_asks(r, result, lane, lps, out)
                 if not ok:
                     self.lifecycle.fail_bad_token(r, ch, "the chip returned no prompt logprobs", now, out)
