@@ -2,9 +2,11 @@
 
 The wire gives, per generated token, `top_logprobs` [[id, logprob], ...] and,
 once, `prompt_logprobs` {tokens, logprobs (the first null), top_logprobs}
-(docs/protocol.md). Here they become the legacy completions object (`tokens`,
-`token_logprobs`, `top_logprobs` as {text: logprob} dicts, `text_offset`), the
-chat object's `top_logprobs` entries, and vLLM's `prompt_logprobs` list.
+(docs/protocol.md). Here the prompt's become the legacy completions object of
+the echoed prompt (`tokens`, `token_logprobs`, `top_logprobs` as {text: logprob}
+dicts, the first null, `text_offset`) joined before the completion's, and vLLM's
+`prompt_logprobs` list; the generated tokens' alternatives are shaped by
+`openai_response.completion_logprobs` / `chat_logprobs`.
 """
 
 from __future__ import annotations
