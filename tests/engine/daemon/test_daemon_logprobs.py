@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conftest import daemon_process
+from daemon_procs import daemon_process
 
 from engine.client import Client, ClientError
 
