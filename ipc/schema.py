@@ -55,6 +55,7 @@ MAX_NEW_TOKENS = 1 << 20
 DEFAULT_MAX_TOKENS = 16
 MAX_TEMPERATURE = 100.0
 MAX_STOP_TOKEN_IDS = 256
+MAX_CHOICES = 16  # `n` of a generate
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_TOKENS = 64
 MAX_STOP_STRING_CHARS = 256
@@ -365,6 +366,7 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         # absent unless asked, so a balancer forwards nothing an older board would not know
         "top_logprobs": (_int(0, MAX_TOP), _ABSENT),  # alternatives per token (implies logprobs)
         "prompt_logprobs": (_nullable(_int(0, MAX_TOP)), _ABSENT),  # the prompt's logprobs, this many alternatives
+        "n": (_int(1, MAX_CHOICES), _ABSENT),  # choices of the prompt; absent = 1 (events then carry no index)
         "stream": (_bool, True),
         "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
         "constraint": (_nullable(_constraint), _ABSENT),  # structured output: kind + body (absent: none)

@@ -40,6 +40,7 @@ from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_stats import JobCounts, queue_stats, scheduler_stats
 from engine.core.sched.admission import Admission
 from engine.core.sched.admission_rules import CapacityBudget, ModelLimits
+from engine.core.sched.choices import HeldChoices, choice_params
 from engine.core.sched.completion import Completion
 from engine.core.sched.job_builder import JobBuilder
 from engine.core.sched.launch import Launcher
@@ -94,6 +95,7 @@ class Scheduler:
         self._tier_jobs = TierJobs(st, self._admission, self._lifecycle, self._completion)
         self._builder = JobBuilder(st, self._admission)
         self._launcher = Launcher(st, self._tier_jobs)
+        self._held = HeldChoices()  # choices of n > 1 requests waiting for their leader's prompt (choices.py)
 
     # ------------------------------------------------------------------ events
     def submit(self, request_id: int, params: GenerateParams, now: float) -> list[Action]:
@@ -128,8 +130,29 @@ class Scheduler:
         self._admission.enqueue(r)
         return []
 
+    def submit_choices(self, request_ids: list[int], params: GenerateParams, now: float) -> list[Action]:
+        """A request with n = len(request_ids) choices, choice k as request request_ids[k] (engine/core/sched/
+        choices.py): the others start once choice 0 has computed the prompt, and share its KV blocks."""
+        per = choice_params(params, len(request_ids))
+        out = self.submit(request_ids[0], per[0], now)
+        self._st.counters["choices_forked"] += len(request_ids) - 1
+        self._held.hold(request_ids[0], list(zip(request_ids[1:], per[1:])))
+        return self._release_choices(now, out)
+
+    def _release_choices(self, now: float, out: list[Action], everything: bool = False) -> list[Action]:
+        if self._held:
+            for rid, p in self._held.due(self._st.requests, everything):
+                out += self.submit(rid, p, now)
+        return out
+
     def cancel(self, request_id: int, now: float) -> list[Action]:
         st = self._st
+        held = self._held.drop(request_id) if self._held else None
+        if held is not None:  # a choice not started yet: it ends here, having computed nothing
+            st.counters["cancelled"] += 1
+            st.counters["finished_cancelled"] += 1
+            usage = {"prompt_tokens": len(held.prompt), "completion_tokens": 0, "cached_tokens": 0}
+            return [FinishRequest(request_id, "cancelled", usage, {"ttft_ms": None, "tpot_ms": None, "e2e_ms": None})]
         r = st.requests.get(request_id)
         if r is None or r.terminal:
             return []
@@ -168,7 +191,7 @@ class Scheduler:
             self._completion.complete_steps(ch, job, result, now, out)
         else:
             self._completion.complete_job(ch, job, result, now, out)
-        return out
+        return self._release_choices(now, out)
 
     def on_chip_down(self, chip: int, now: float) -> list[Action]:
         return self._lifecycle.chip_down(chip, now)
@@ -193,6 +216,7 @@ class Scheduler:
         life.expire_deadlines(now, out)
         life.expire_queue_waits(now, out)
         life.expire_jobs(now, out)
+        self._release_choices(now, out)
         self._admission.admit(now)
         if st.tiers is not None:
             self._tier_jobs.launch_transfers(now, out)
@@ -286,11 +310,12 @@ class Scheduler:
         Jobs still on a chip keep their KV until their results drain (or the
         chip is declared down); everything else is released at once.
         """
-        return self._lifecycle.end_live(now, message)
+        out = self._release_choices(now, [], everything=True)  # held choices end with the live ones
+        return out + self._lifecycle.end_live(now, message)
 
     def has_work(self) -> bool:
         st = self._st
-        return bool(st.requests) or any(ch.inflight for ch in st.chips.values())
+        return bool(st.requests) or bool(self._held) or any(ch.inflight for ch in st.chips.values())
 
     # ----------------------------------------------------------------- stats
     def queue_stats(self, now: float) -> dict[str, dict[str, dict[str, float]]]:
