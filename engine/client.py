@@ -273,6 +273,33 @@ class Client:
             self._forget(rid)
         return b.result
 
+    def generate_choices(self, prompt: Prompt, n: int, *, timeout: float | None = ..., id: str | None = None,
+                         **sampling) -> list[Result]:
+        """Run one request with `n` choices (wire field `n`) to completion: their Results, by `index`.
+
+        The server computes the prompt once; choice k samples with its own seed stream (docs/protocol.md).
+        An error event of any choice raises (the other choices are cancelled)."""
+        rid = id or self.new_id()
+        deadline = self._deadline(timeout)
+        msg = build_generate(rid, prompt, False, sampling)
+        if n != 1:
+            msg["n"] = n
+        self._start(rid, msg)
+        builders = [ResultBuilder() for _ in range(n)]
+        left = n
+        try:
+            while left:
+                ev = self._next(rid, deadline)
+                b = builders[ev.get("index", 0) if n > 1 else 0]
+                b.feed(ev)
+                left -= ev.get("ev") == "done"
+        except ClientError:
+            self._abandon(rid, cancel=True)
+            raise
+        finally:
+            self._forget(rid)
+        return [b.result for b in builders]
+
     def stream(self, prompt: Prompt, *, timeout: float | None = ..., id: str | None = None,
                result: list | None = None, **sampling) -> Iterator[list[int]]:
         """Yield token chunks as the server streams them.

@@ -79,9 +79,15 @@ class Stream:
     handoff: dict | None = None  # a prefill leg's hand-off descriptor, sent in its `done`
     pending_top: list | None = None  # alternatives of the pending tokens (requests that asked for them)
     prompt_lp: dict | None = None  # the prompt's logprobs, until sent (requests that asked for them)
+    index: int | None = None  # the choice of a request with n > 1 (its events say so); None: n = 1
 
     def __post_init__(self) -> None:
-        self.tokens_prefix = encode(_event_envelope("tokens", self.cid))[:-1] + b',"tokens":'
+        self.tokens_prefix = encode(self.indexed(_event_envelope("tokens", self.cid)))[:-1] + b',"tokens":'
+
+    def indexed(self, ev: dict) -> dict:
+        if self.index is not None:
+            ev["index"] = self.index
+        return ev
 
 
 @dataclass
@@ -121,6 +127,7 @@ class Frontend:
         self.counters = FrontendCounters()
         self._by_rid: dict[int, Stream] = {}
         self._by_key: dict[tuple[Conn, str], int] = {}
+        self._choices: dict[int, list[int]] = {}  # first choice's rid -> every choice's (requests with n > 1)
         self._dirty: dict[int, Stream] = {}  # streams with pending tokens this turn
         self._dead: set[Conn] = set()
         self._batched: collections.OrderedDict[Conn, None] = collections.OrderedDict()
@@ -217,6 +224,30 @@ class Frontend:
         self.counters.requests += 1
         return True
 
+    def open_choices(self, rids: list[int], conn: Conn, cid: str, stream: bool, logprobs: bool,
+                     text: bool = False, generation: int = 0) -> bool:
+        """Register a generate with n = len(rids) > 1 choices, choice k as request rids[k] (its events carry
+        `index` k); the id stays in flight until every choice has ended. False when `cid` is in flight."""
+        if not self.open(rids[0], conn, cid, stream, logprobs, text, generation):
+            return False
+        for k, rid in enumerate(rids):
+            if k:
+                self._by_rid[rid] = Stream(rid, conn, cid, stream, pending_lp=[] if logprobs else None,
+                                           pending_text=[] if text else None, generation=generation, index=k)
+            else:
+                st = self._by_rid[rid]
+                st.index = 0
+                st.__post_init__()  # its tokens events carry the index too
+        self._choices[rids[0]] = list(rids)
+        return True
+
+    def lookup_all(self, conn: Conn, cid: str) -> list[int]:
+        """The live requests of id `cid`: its choices not ended yet (one request when n = 1)."""
+        rid = self._by_key.get((conn, cid))
+        if rid is None:
+            return []
+        return [r for r in self._choices.get(rid, (rid,)) if r in self._by_rid]
+
     def set_handoff(self, rid: int, desc: dict) -> None:
         st = self._by_rid.get(rid)
         if st is not None:
@@ -230,7 +261,14 @@ class Frontend:
 
     def _close(self, st: Stream) -> None:
         del self._by_rid[st.rid]
-        del self._by_key[(st.conn, st.cid)]
+        key = (st.conn, st.cid)
+        if st.index is not None:  # a choice: the id is in flight until its last choice ends
+            leader = self._by_key[key]
+            if any(r in self._by_rid for r in self._choices[leader]):
+                self._dirty.pop(st.rid, None)
+                return
+            del self._choices[leader]
+        del self._by_key[key]
         self._dirty.pop(st.rid, None)
 
     # -- outbound ----------------------------------------------------------------
@@ -279,6 +317,7 @@ class Frontend:
                             text=None if st.pending_text is None else "".join(st.pending_text),
                             top_logprobs=st.pending_top, prompt_logprobs=st.prompt_lp)
             self.counters.tokens_out += len(st.pending)
+        st.indexed(ev)
         if st.generation:
             ev["generation"] = st.generation
         if st.handoff is not None:  # an export leg's hand-off descriptor, for the decode leg
@@ -294,7 +333,7 @@ class Frontend:
         if st.stream:
             self._flush_one(st, final=True)
         self._close(st)
-        self.send(st.conn, error_event(st.cid, code, reason, message, retryable, retry_after_ms))
+        self.send(st.conn, st.indexed(error_event(st.cid, code, reason, message, retryable, retry_after_ms)))
 
     def reply(self, conn: Conn, cid: str, ev: str, body: dict) -> None:
         self.send(conn, reply_event(cid, ev, body))
@@ -374,13 +413,13 @@ class Frontend:
                 return None
         self.counters.tokens_out += len(toks)
         if top is not None or prompt_lp is not None:
-            return encode(tokens_event(st.cid, toks, lp, text, top, prompt_lp))
+            return encode(st.indexed(tokens_event(st.cid, toks, lp, text, top, prompt_lp)))
         if lp is None:
             # Same bytes as encode(tokens_event(...)) without building the dict: one event per token is
             # the daemon's hottest path.
             tail = b"}" if text is None else b',"text":' + orjson.dumps(text) + b"}"
             return st.tokens_prefix + orjson.dumps(toks, option=_NUMPY) + tail
-        return encode(tokens_event(st.cid, toks, lp, text))
+        return encode(st.indexed(tokens_event(st.cid, toks, lp, text)))
 
     def send(self, conn: Conn, event: dict) -> None:
         self.send_bytes(conn, encode(event))

@@ -118,10 +118,23 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         if refused is not None:
             fe.error(conn, cid, 400, *refused)
             return []
-        rid = gens.next_request_id()
-        if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), params.logprobs,
-                       text=g.tokenizer is not None, generation=g.id):
+        n = msg.get("n", 1)
+        if n > 1 and "handoff" in msg:
+            fe.error(conn, cid, 400, "conflicting_fields", "n, handoff: a prefill/decode leg has one choice")
+            return []
+        rids = [gens.next_request_id() for _ in range(n)]
+        rid = rids[0]
+        opened = fe.open(rid, conn, cid, bool(msg.get("stream", True)), params.logprobs,
+                         text=g.tokenizer is not None, generation=g.id) if n == 1 else \
+            fe.open_choices(rids, conn, cid, bool(msg.get("stream", True)), params.logprobs,
+                            text=g.tokenizer is not None, generation=g.id)
+        if not opened:
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
+            return []
+        if n > 1:  # the choices share the prompt's computation (engine/core/sched/choices.py)
+            for r in rids:
+                gens.admit(r, g)
+            o.apply(g.scheduler.submit_choices(rids, params, now), g, now)
             return []
         if "handoff" in msg:
             tr = o.transfers
@@ -139,12 +152,12 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         o.apply(g.scheduler.submit(rid, params, now), g, now)
         return []
     if op == "cancel":
-        rid = fe.lookup(conn, cid)
-        if rid is not None and o.transfers is not None:
-            o.transfers.client.cancel(rid, now)  # a pull in progress ends; the request is submitted to be cancelled
-        g = None if rid is None else gens.generation_of(rid)
-        if g is not None and g.scheduler is not None:
-            o.apply(g.scheduler.cancel(rid, now), g, now)
+        for rid in fe.lookup_all(conn, cid):  # every choice of a request with n > 1
+            if o.transfers is not None:
+                o.transfers.client.cancel(rid, now)  # a pull in progress ends; the request is submitted to be cancelled
+            g = gens.generation_of(rid)
+            if g is not None and g.scheduler is not None:
+                o.apply(g.scheduler.cancel(rid, now), g, now)
         return []
     if op == "health":
         fe.reply(conn, cid, "health", o.views.health(now))
