@@ -6,6 +6,7 @@ import pytest
 
 from engine.http.choices import choice_seed  # the front's derivation: the wire gives the same choices
 from engine.errors import ClientError
+from ipc.codec import encode
 from workers.oracle import Oracle
 
 pytestmark = pytest.mark.integration
@@ -29,3 +30,26 @@ def test_n3_choices_are_the_seeded_n1_requests_and_share_the_prompt(daemon):
     assert [r.usage["cached_tokens"] for r in results] == [0, 48, 48]
     # the prompt once, then per other choice only its partial last block
     assert after["prefill_tokens"] - before["prefill_tokens"] == len(PROMPT) + 2 * (len(PROMPT) - 48)
+
+
+def test_streamed_choices_carry_their_index_and_one_cancel_ends_them_all(daemon):
+    d = daemon(backend="ref", chips=1)
+    with d.client(timeout=120) as c:
+        one = c.generate(PROMPT, max_tokens=2)  # n = 1: no index anywhere
+        c.expect("s")
+        c.send_raw(encode({"v": 1, "op": "generate", "id": "s", "prompt": PROMPT, "max_tokens": 2048 - len(PROMPT),
+                           "ignore_eos": True, "n": 3}))
+        seen: set[int] = set()
+        while len(seen) < 3:  # every choice streams (the siblings start once the prompt is computed)
+            ev = c.next_event("s")
+            assert ev["ev"] == "tokens", ev.get("message")
+            seen.add(ev["index"])
+        c.cancel("s")
+        ends: dict[int, dict] = {}
+        while len(ends) < 3:
+            ev = c.next_event("s")
+            if ev["ev"] != "tokens":
+                assert ev["index"] not in ends, ev
+                ends[ev["index"]] = ev
+    assert "index" not in repr(one)
+    assert {k: (e["ev"], e["finish_reason"]) for k, e in ends.items()} == {k: ("done", "cancelled") for k in range(3)}
