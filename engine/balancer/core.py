@@ -31,6 +31,7 @@ from engine.balancer.actions import (CloseBackend, EmitTokens, FailRequest, Fini
 from engine.balancer.backend_state import Backend, BackendSpec, Health, HealthPolicy
 from engine.balancer.pd_routing import (Stage, choose_decode, continues_after_prefill, decode_msg, first_stage,
                                         for_stage, pd_enabled, prefill_msg, shows_first_token)
+from engine.balancer.choices import ChoiceGroups
 from engine.balancer.prefix_index import PrefixIndex, block_hashes, text_block_hashes
 from engine.balancer.routing import RoutingPolicy, choose, imbalanced
 from engine.balancer.stats_merge import merge_stats
@@ -112,6 +113,7 @@ class BalancerCore:
         self.rng = rng or random.Random()
         self.backends: dict[str, Backend] = {}
         self.index = PrefixIndex(config.prefix_capacity_blocks)
+        self.choices = ChoiceGroups()  # requests with n > 1 (engine/balancer/choices.py)
         self.accepting = True
         self.drain_deadline: float | None = None  # admin drain with timeout_ms: live requests end then
         self.started_at = now
@@ -206,7 +208,7 @@ class BalancerCore:
         dl = msg.get("deadline_ms")
         pool = msg.get("pool") or self._pool_for(msg["priority"])
         r = BRequest(rid, msg, now, None if dl is None else now + dl / 1000.0, pool, self._hashes(msg))
-        r.stage = first_stage(msg, 0, self.pd)
+        r.stage = first_stage(msg, 0, self.pd) if msg.get("n", 1) == 1 else Stage.WHOLE  # choices: one board
         self._reqs[rid] = r
         return self._dispatch(r, now)
 
@@ -231,9 +233,10 @@ class BalancerCore:
         """The client vanished: cancel upstream and forget (its events have nowhere to go)."""
         out: list = []
         for rid in rids:
-            r = self._reqs.get(rid)
+            r = self._reqs.get(self.choices.leader(rid))
             if r is None:
                 continue
+            self.choices.forget(r.rid)
             self.counters["cancelled_dead_clients"] += 1
             if r.state is not ReqState.PENDING:
                 out.append(SendUpstream(r.backend, _cancel_msg(r.uid)))
@@ -278,6 +281,17 @@ class BalancerCore:
 
     def _on_stream_event(self, b: Backend, r: BRequest, ev: dict, now: float) -> list:
         kind = ev["ev"]
+        if "index" in ev:
+            choice = self.choices.on_event(r.rid, ev)
+            if choice is not None:
+                out, ended = choice
+                if r.state is ReqState.SENT:
+                    r.state = ReqState.STREAMING
+                    b.on_success()
+                if ended:
+                    self.counters["finished_choices"] += 1
+                    self._drop(r)
+                return out
         if kind == "tokens":
             toks = ev["tokens"]
             if "prompt_logprobs" in ev and r.msg.get("max_tokens"):  # relayed once: a resumed leg does not ask
@@ -385,6 +399,9 @@ class BalancerCore:
             r.last_retry_after_ms = None
             if r.cancelling:
                 out += self._finish(r, "cancelled", now)
+            elif self.choices.started(rid):  # not migrated: a choice's continuation would be another's
+                out += self._fail(r, 503, "stream_broken", f"the stream broke ({r.last_error[2]}); a request "
+                                  "with n > 1 is not migrated", True, self._retry_after_ms(r, now))
             elif r.streamed:
                 out += self._migrate(r, now)
             else:

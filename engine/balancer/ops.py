@@ -42,15 +42,21 @@ def handle(bal: BalancerPorts, conn: "Conn", msg: dict, now: float) -> list:
     fe = bal.frontend
     core = bal.core
     if op == "generate":
+        n = msg.get("n", 1)
         rid = bal.next_request_id()
-        if not fe.open(rid, conn, cid, bool(msg["stream"]), bool(msg["logprobs"] or msg.get("top_logprobs"))):
+        rids = [rid] if n == 1 else [bal.next_request_id() for _ in range(n)]  # the choices' client streams
+        lp = bool(msg["logprobs"] or msg.get("top_logprobs"))
+        if not (fe.open(rid, conn, cid, bool(msg["stream"]), lp) if n == 1 else
+                fe.open_choices(rids, conn, cid, bool(msg["stream"]), lp)):
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
+        if n > 1:  # the choices stay together on one board (engine/balancer/choices.py)
+            core.choices.add(rid, rids)
         msg["tenant"] = tenant_for(conn, msg["tenant"])
         return core.submit(rid, msg, now)
     if op == "cancel":
         rid = fe.lookup(conn, cid)
-        return [] if rid is None else core.cancel(rid, now)
+        return [] if rid is None else core.cancel(core.choices.leader(rid), now)
     if op == "health":
         fe.reply(conn, cid, "health", {**core.health(now), "pid": os.getpid()})
         return []

@@ -214,14 +214,14 @@ class Balancer:
 
     def _apply(self, actions: list, now: float) -> None:
         fe, core = self.frontend, self.core
-        todo = collections.deque(actions)
+        todo = collections.deque(core.choices.fan(actions))
         while todo:
             a = todo.popleft()
             t = type(a)
             if t is SendUpstream:
                 link = self.links.get(a.backend)
                 if link is None or not link.send(a.msg):
-                    todo.extend(core.on_send_failed(a.backend, a.msg, now))
+                    todo.extend(core.choices.fan(core.on_send_failed(a.backend, a.msg, now)))
             elif t is EmitTokens:
                 fe.emit(a.request_id, a.tokens, a.logprobs, a.text, a.top_logprobs, a.prompt_logprobs)
             elif t is FinishRequest:

@@ -135,6 +135,9 @@ class Scheduler:
         choices.py): the others start once choice 0 has computed the prompt, and share its KV blocks."""
         per = choice_params(params, len(request_ids))
         out = self.submit(request_ids[0], per[0], now)
+        if out and isinstance(out[0], FailRequest) and request_ids[0] not in self._st.requests:
+            # refused at the door: every choice is, the same way (a client or balancer may then retry it whole)
+            return out + [dataclasses.replace(out[0], request_id=rid) for rid in request_ids[1:]]
         self._st.counters["choices_forked"] += len(request_ids) - 1
         self._held.hold(request_ids[0], list(zip(request_ids[1:], per[1:])))
         return self._release_choices(now, out)

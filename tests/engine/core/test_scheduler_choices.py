@@ -81,3 +81,12 @@ def test_shutdown_ends_held_choices_too():
     ex.handle(s.tick(0.0))
     ex.handle(s.shutdown(0.0))
     assert set(ex.terminal) == {1, 2}
+
+
+def test_a_refused_request_refuses_every_choice_alike():
+    s = make_scheduler(SchedulerConfig(max_waiting_requests=1))
+    ex = FakeExecutor(s)
+    ex.submit(1, params(n_prompt=PROMPT, max_tokens=4))
+    ex.handle(s.submit_choices([2, 3, 4], params(n_prompt=PROMPT, max_tokens=4), 0.0))
+    assert {rid: (t.code, t.reason) for rid, t in ex.terminal.items()} == {r: (429, "queue_full") for r in (2, 3, 4)}
+    assert not s._held
