@@ -3,7 +3,8 @@
 `--text` sends text and prints the text the daemon decodes with the model's
 own tokenizer (streamed as it comes, never half a character); `--prompt-tokens`
 sends token ids and prints the generated ids. `--stop` ends the answer at a
-string (repeatable).
+string (repeatable). `--n N` asks for N choices of the prompt (computed once): they are printed when all
+have ended, one a line as `[k] answer` (with `--json`, one object a line with its `index`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-logprobs", type=int, metavar="N", help="also each token's N most likely alternatives")
     p.add_argument("--prompt-logprobs", type=int, metavar="N",
                    help="also the prompt tokens' logprobs, with N alternatives (--max-tokens 0: only those)")
+    p.add_argument("--n", type=int, default=1, metavar="N",
+                   help="N choices of the prompt (1..16; printed when all have ended, one a line)")
     p.add_argument("--no-stream", action="store_true", help="wait for the whole answer instead of streaming")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before giving up (default 60)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -63,6 +66,13 @@ def main(argv: list[str]) -> int:
     as_text = a.text is not None
     try:
         with Client(a.endpoint or default_endpoint(), timeout=a.timeout) as c:
+            if a.n != 1:
+                for k, r in enumerate(c.generate_choices(prompt, a.n, **sampling)):
+                    if a.json:
+                        sys.stdout.buffer.write(orjson.dumps({"index": k, **_json(r)}) + b"\n")
+                    else:
+                        print(f"[{k}] " + (r.text or "" if as_text else ",".join(map(str, r.tokens))))
+                return 0
             if a.json or a.no_stream:
                 r = c.generate(prompt, **sampling)
                 if not a.json:
@@ -87,21 +97,24 @@ def main(argv: list[str]) -> int:
         print(f"npuserve generate: {e}", file=sys.stderr)
         return 1
     if a.json:
-        out = {"tokens": r.tokens, "text": r.text, "finish_reason": r.finish_reason,
-               "usage": r.usage, "timing": r.timing}
-        if r.logprobs is not None:
-            out["logprobs"] = r.logprobs
-        if r.top_logprobs is not None:
-            out["top_logprobs"] = r.top_logprobs
-        if r.prompt_logprobs is not None:
-            out["prompt_logprobs"] = r.prompt_logprobs
-        sys.stdout.buffer.write(orjson.dumps(out) + b"\n")
+        sys.stdout.buffer.write(orjson.dumps(_json(r)) + b"\n")
     else:
         u = r.usage
         print(f"[{r.finish_reason}; prompt {u.get('prompt_tokens')} + completion {u.get('completion_tokens')} "
               f"tokens, cached {u.get('cached_tokens')}; ttft {_ms(r.timing.get('ttft_ms'))}, "
               f"e2e {_ms(r.timing.get('e2e_ms'))}]", file=sys.stderr)
     return 0
+
+
+def _json(r) -> dict:
+    out = {"tokens": r.tokens, "text": r.text, "finish_reason": r.finish_reason, "usage": r.usage, "timing": r.timing}
+    if r.logprobs is not None:
+        out["logprobs"] = r.logprobs
+    if r.top_logprobs is not None:
+        out["top_logprobs"] = r.top_logprobs
+    if r.prompt_logprobs is not None:
+        out["prompt_logprobs"] = r.prompt_logprobs
+    return out
 
 
 def _ms(v) -> str:

@@ -41,6 +41,12 @@ def test_generate_health_stats_commands(daemon):
     assert r.returncode == 0, r.stderr
     assert [int(x) for x in r.stdout.strip().split(",")] == out["tokens"]  # stub: same prompt, same seed
 
+    r = npuserve("generate", "--endpoint", d.endpoint, "--prompt-tokens", "1,2,3", "--max-tokens", "6", "--n", "2",
+                 "--json")
+    assert r.returncode == 0, r.stderr
+    choices = [orjson.loads(ln) for ln in r.stdout.splitlines()]
+    assert [c["index"] for c in choices] == [0, 1] and choices[0]["tokens"] == out["tokens"]  # choice 0 is n = 1's
+
     r = npuserve("generate", "--endpoint", d.endpoint, "--text", "hello", "--max-tokens", "4", "--json")
     assert orjson.loads(r.stdout)["usage"]["prompt_tokens"] == 5
 
