@@ -206,6 +206,30 @@ class AsyncClient:
             self._forget(rid)
         return b.result
 
+    async def generate_choices(self, prompt: Prompt, n: int, *, timeout: float | None = ..., id: str | None = None,
+                               **sampling) -> list[Result]:
+        """One request with `n` choices (wire field `n`) run to completion: their Results, by `index`. An error of
+        any choice raises (the others are cancelled)."""
+        rid = id or self.new_id()
+        deadline = self._deadline(timeout)
+        msg = build_generate(rid, prompt, False, sampling)
+        if n != 1:
+            msg["n"] = n
+        q = await self._start(rid, msg, deadline)
+        builders = [ResultBuilder() for _ in range(n)]
+        left = n
+        try:
+            while left:
+                ev = await self._get(q, rid)
+                builders[ev.get("index", 0) if n > 1 else 0].feed(ev)
+                left -= ev.get("ev") == "done"
+        except ClientError:
+            await self._send_quiet(build_cancel(rid))
+            raise
+        finally:
+            self._forget(rid)
+        return [b.result for b in builders]
+
     def stream(self, prompt: Prompt, *, timeout: float | None = ..., id: str | None = None,
                result: list | None = None, **sampling) -> AsyncIterator[list[int]]:
         """Yield token chunks; leaving the loop early cancels the request on the server (when the iterator

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine.http.choices import choice_seed  # the front's derivation: the wire gives the same choices
+from engine.async_client import AsyncClient
 from engine.errors import ClientError
 from ipc.codec import encode
 from workers.oracle import Oracle
@@ -24,6 +27,11 @@ def test_n3_choices_are_the_seeded_n1_requests_and_share_the_prompt(daemon):
         with pytest.raises(ClientError) as e:
             c.generate_choices(PROMPT, 17, max_tokens=1)
     assert (e.value.code, e.value.reason) == (400, "out_of_range") and "n:" in str(e.value)
+    async def run():
+        async with AsyncClient(d.endpoint, timeout=120) as ac:
+            return await ac.generate_choices(PROMPT, 3, max_tokens=6, seed=11, temperature=0.9)
+
+    assert [r.tokens for r in asyncio.run(run())] == [r.tokens for r in results]  # the async client's too
     for k, r in enumerate(results):
         assert r.tokens == oracle.run(PROMPT, 6, 0.9, seed=choice_seed(11, k))[0], k
         assert r.finish_reason == "length"
