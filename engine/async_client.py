@@ -302,6 +302,31 @@ class AsyncClient:
             if not finished:
                 self.cancel_nowait(rid)
 
+    async def choice_batches(self, msg: dict, *, timeout: float | None = ...) -> AsyncIterator[list[dict]]:
+        """`stream_batches` of a generate with `n` > 1: its events (each with its choice's `index`) until every
+        choice's terminal event, or one without `index` (the request refused whole, e.g. by a server that does
+        not know `n`). Leaving the loop early cancels every choice."""
+        rid, left = msg["id"], msg["n"]
+        q = await self._start(rid, msg, self._deadline(timeout))
+        finished = False
+        try:
+            while True:
+                batch = [await self._get(q, rid)]
+                while not q.empty():
+                    batch.append(q.get_nowait())
+                for ev in batch:
+                    if ev.get("ev") in ("done", "error"):
+                        left = left - 1 if "index" in ev else 0
+                if left <= 0:
+                    finished = True
+                    yield batch
+                    return
+                yield batch
+        finally:
+            self._forget(rid)
+            if not finished:
+                self.cancel_nowait(rid)
+
     def cancel_nowait(self, id: str) -> None:
         """`cancel` without awaiting (safe in a `finally` of a cancelled task): a non-blocking send."""
         if self._closed:

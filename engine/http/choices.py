@@ -1,13 +1,15 @@
-"""`n` > 1 and `best_of` at the HTTP front: a request's choices as sibling upstream requests.
+"""`n` > 1 and `best_of` at the HTTP front: a request's choices upstream.
 
-Each prompt's m choices (m = `best_of` or `n`) are m wire `generate` requests with
-the same prompt. Choice 0 of each prompt (its leader) is sent at once; its siblings
-follow when the leader's first event arrives, that is once the board has computed
-the prompt: their prompt's full KV blocks are then the board's prefix-cache hit
-(shared, reference-counted), so the prompt is computed once, except the tokens
-of its last partial block, which each sibling recomputes (`usage` and the board's
-`prefix_hit_tokens` show it). A balancer routes the siblings by the prompt's
-prefix like the leader.
+Each prompt's m choices (m = `best_of` or `n`) are one wire `generate` with `n`
+= m (docs/protocol.md, "Several choices"): the board computes the prompt once
+and a balancer keeps the choices on one board. An upstream older than the
+field (400 `unknown_field` naming `n`; remembered per upstream client) gets m
+sibling requests instead: choice 0 of each prompt (its leader) is sent at
+once, its siblings when the leader's first event arrives, that is once the
+board has computed the prompt, so their prompt's full KV blocks are the
+board's prefix-cache hit. Either way each other choice recomputes the tokens
+of the prompt's last partial block (`usage` and the board's
+`prefix_hit_tokens` show it).
 
 Seeds: choice k of a request with seed s samples with seed
 (s + k * 0x9E3779B97F4A7C15) mod 2^64, so choice 0 is what n = 1 gives and the
@@ -47,9 +49,18 @@ def expand(msgs: list[dict], m: int, score: bool) -> list[dict]:
     return out
 
 
+def _refuses_n(batch: list[dict]) -> bool:
+    """The upstream does not know the wire field `n` (a server older than it)."""
+    ev = batch[0]
+    return ev.get("ev") == "error" and "index" not in ev and ev.get("reason") == "unknown_field" \
+        and str(ev.get("message", "")).startswith("n:")
+
+
 async def staggered_batches(client, msgs: list[dict], m: int) -> AsyncIterator[tuple[int, list[dict]]]:
-    """(choice index, batch) of the choices' upstream streams; a prompt's siblings start when its leader's
-    first batch has come. Closing it cancels them all."""
+    """(choice index, batch) of the choices' upstream streams. Each prompt's m choices are one upstream request
+    with the wire field `n` (the board computes the prompt once and keeps them together); from an upstream that
+    does not know `n` (remembered on the client), m sibling requests: the prompt's siblings start when its
+    leader's first batch has come. Closing it cancels them all."""
     q: asyncio.Queue = asyncio.Queue()
     started = [asyncio.Event() for _ in range(0, len(msgs), m)]
 
@@ -65,7 +76,34 @@ async def staggered_batches(client, msgs: list[dict], m: int) -> AsyncIterator[t
         finally:
             group.set()  # a leader that failed: its siblings go on (and report what they get)
 
-    tasks = [asyncio.ensure_future(pump(i, msg)) for i, msg in enumerate(msgs)]
+    async def wire(g: int) -> None:
+        """Prompt g's choices as one upstream request with `n`; falls back to siblings when refused for it."""
+        base = g * m
+        if getattr(client, "wire_n", True) and hasattr(client, "choice_batches"):
+            open_ = set(range(m))
+            async with contextlib.aclosing(client.choice_batches(dict(msgs[base], n=m))) as it:
+                async for batch in it:
+                    if not open_ or (len(open_) == m and _refuses_n(batch)):
+                        break
+                    per: dict[int, list[dict]] = {}
+                    for ev in batch:
+                        ks = [ev["index"]] if "index" in ev else sorted(open_)  # no index: the whole request's
+                        for k in ks:
+                            e = {key: v for key, v in ev.items() if key != "index"}
+                            per.setdefault(k, []).append(e)
+                            if e.get("ev") in ("done", "error"):
+                                open_.discard(k)
+                    for k, evs in per.items():
+                        q.put_nowait((base + k, evs))
+                else:
+                    return
+            if open_ != set(range(m)):
+                return
+            client.wire_n = False
+        await asyncio.gather(*(pump(base + k, msgs[base + k]) for k in range(m)))
+
+    tasks = [asyncio.ensure_future(wire(g)) for g in range(len(started))] if m > 1 else \
+        [asyncio.ensure_future(pump(i, msg)) for i, msg in enumerate(msgs)]
     try:
         left = len(msgs)
         while left:

@@ -119,3 +119,50 @@ def test_siblings_start_only_after_their_leaders_first_event():
         first = log.index(f"first p{p}c0")
         assert all(log.index(f"send p{p}c{k}") > first for k in (1, 2)), log
     assert log.index("send p1c0") < log.index("first p0c0")  # leaders do not wait for each other
+
+
+def test_n_goes_to_the_board_as_the_wire_field(board):
+    """An upstream that knows `n` gets each prompt's choices as one request: the board forks them itself."""
+    d, front = board
+    with Client(d.endpoint, timeout=120) as lib, \
+            openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0, timeout=120) as oai:
+        forked0 = _find(lib.stats(), "choices_forked") or 0
+        oai.completions.create(prompt=[PROMPT, PROMPT[:20]], model=None, n=3, max_tokens=2, seed=5)
+        assert (_find(lib.stats(), "choices_forked") or 0) - forked0 == 2 * 2
+
+
+def test_an_upstream_without_n_gets_sibling_requests_and_is_remembered():
+    """A server older than the wire field answers 400 unknown_field naming `n`: the front falls back to
+    staggered sibling requests, the same choices, and asks that upstream with `n` no more."""
+    import asyncio
+
+    from engine.http.choices import staggered_batches
+
+    sent: list[dict] = []
+
+    class OldServer:
+        def choice_batches(self, msg):
+            async def gen():
+                sent.append(msg)
+                yield [{"ev": "error", "code": 400, "reason": "unknown_field",
+                        "message": "n: unknown field for op 'generate'"}]
+            return gen()
+
+        def stream_batches(self, msg):
+            async def gen():
+                sent.append(msg)
+                yield [{"ev": "done", "tokens": [msg["seed"]]}]
+            return gen()
+
+    client = OldServer()
+
+    async def run():
+        msgs = [{"id": f"c{k}", "seed": 10 + k} for k in range(3)]
+        return [(i, b) async for i, b in staggered_batches(client, msgs, 3)]
+
+    got = asyncio.run(run())
+    assert sorted((i, b[-1]["tokens"]) for i, b in got) == [(0, [10]), (1, [11]), (2, [12])]
+    assert [m.get("n") for m in sent] == [3, None, None, None] and client.wire_n is False
+    sent.clear()
+    asyncio.run(run())
+    assert [m.get("n") for m in sent] == [None, None, None]
