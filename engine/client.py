@@ -30,6 +30,7 @@ SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
     "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "pool", "speculative",
     "constraint",  # structured output: {"kind": ..., "body": ...} (docs/protocol.md)
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
 })
 
 # How long the receiving thread holds the socket lock per poll while other

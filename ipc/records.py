@@ -73,6 +73,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ipc.lane_penalties import ARRAY_NAMES as _PENALTY_ARRAYS, JobPenalties, LanePenalty
+
 
 class JobKind(enum.IntEnum):
     PREFILL = 1
@@ -178,6 +180,8 @@ class Job:
     # speculative verification: draft tokens at the end of each lane ([B] or empty: no drafts)
     draft_lens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
     draft_src: np.ndarray = field(default_factory=lambda: _EMPTY_U8)
+    # sampling penalties (ipc.lane_penalties): None when no lane has any; three extra ring arrays otherwise
+    penalties: JobPenalties | None = None
 
     @property
     def constrained(self) -> bool:
@@ -229,6 +233,8 @@ class Job:
             raise ValueError("block_tables must be [B, M]")
         if self.constrained:
             self._validate_constraints(b)
+        if self.penalties is not None:
+            self.penalties.validate(b)
         valid = self.lane_valid != 0
         # a valid decode lane carries exactly one token; an inactive lane never carries any
         bad_count = counts != valid if self.kind == JobKind.DECODE else (counts != 0) > valid
@@ -268,8 +274,11 @@ class Job:
     def array_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """{name: (shape, dtype str)} of the record `pack_into` fills (reserve ring space with it)."""
         n32, nf32, nu8, n64 = self._group_sizes()
-        return {"meta": ((_JOB_META_LEN,), "<i8"), "i32": ((n32,), "<i4"), "f32": ((nf32,), "<f4"),
+        spec = {"meta": ((_JOB_META_LEN,), "<i8"), "i32": ((n32,), "<i4"), "f32": ((nf32,), "<f4"),
                 "u8": ((nu8,), "|u1"), "u64": ((n64,), "<u8")}
+        if self.penalties is not None:
+            spec.update(self.penalties.array_spec())
+        return spec
 
     def _group_sizes(self) -> tuple[int, int, int, int]:
         bt = self.block_tables
@@ -326,6 +335,8 @@ class Job:
             dst["i32"][dst["i32"].shape[0] - self.draft_lens.size:] = self.draft_lens
         if self.draft_src.size:
             dst["u8"][dst["u8"].shape[0] - self.draft_src.size:] = self.draft_src
+        if self.penalties is not None:
+            self.penalties.pack_into(dst)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The job as a ring record: {name: array}. Raises ValueError for a field of the wrong rank."""
@@ -376,6 +387,9 @@ class Job:
             extra["draft_lens"] = i32[i32.shape[0] - ndl:]
         if nds:
             extra["draft_src"] = u8[u8.shape[0] - nds:]
+        if _PENALTY_ARRAYS[0] in a:
+            pen = {k: (np.array(a[k]) if copy else a[k]) for k in _PENALTY_ARRAYS}
+            extra["penalties"] = JobPenalties.from_arrays(pen, nlv)
         return cls(
             job_id=m[0], generation=m[1], kind=_member(_KIND_OF, JobKind, m[2]), return_logits=bool(m[3]),
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
@@ -518,11 +532,13 @@ class Lane(NamedTuple):
     grammar: str = ""  # sampling prefill lanes only
     drafts: int = 0  # the last `drafts` tokens are speculative drafts to verify
     draft_model: bool = False  # the worker's draft model proposes them (the tokens sent are placeholders)
+    penalty: LanePenalty | None = None  # sampling penalties (ipc.lane_penalties); None: none
 
 
 # Lane field positions, for build_job's columns (zip(*lanes))
 _TOKENS, _START, _BLOCK_TABLE, _SAMPLE, _TEMPERATURE, _TOP_P, _TOP_K, _SEED, _WANT_LOGPROBS, _CONSTRAINT = range(10)
 _DRAFTS, _DRAFT_MODEL = Lane._fields.index("drafts"), Lane._fields.index("draft_model")
+_PENALTY = Lane._fields.index("penalty")
 assert Lane._fields[:10] == ("tokens", "start", "block_table", "sample", "temperature", "top_p", "top_k", "seed",
                              "want_logprobs", "constraint")
 _NO_COLUMNS: tuple = ((),) * len(Lane._fields)
@@ -618,6 +634,8 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
     )
     if n and any(cols[_CONSTRAINT]):
         _add_constraints(job, lanes, b)
+    if n and any(p is not None for p in cols[_PENALTY]):
+        job.penalties = JobPenalties.build([None if ln is None else ln.penalty for ln in lanes], b)
     return job
 
 

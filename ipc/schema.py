@@ -24,6 +24,8 @@ from typing import Any
 
 import orjson
 
+from ipc import sampling_fields
+
 PROTOCOL_VERSION = 1
 
 REQUEST_OPS = ("generate", "cancel", "health", "stats", "load", "unload", "replace", "rollback",
@@ -263,6 +265,10 @@ def _constraint(name: str, value: Any) -> dict:
     return {"kind": kind, "body": body}
 
 
+def _logit_bias(name: str, value: Any) -> dict[str, float]:
+    return sampling_fields.logit_bias(name, value, _FieldError, TOKEN_ID_MAX)
+
+
 def _nullable(check: Checker) -> Checker:
     def nullable(name: str, value: Any) -> Any:
         return None if value is None else check(name, value)
@@ -360,6 +366,13 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "tenant": (_name, "default"),
         "priority": (_int(PRIORITY_MIN, PRIORITY_MAX), 0),
         "logprobs": (_bool, False),
+        # penalties and filters beyond top-p/top-k (vLLM's semantics: docs/protocol.md#sampling)
+        "presence_penalty": (_float(-2.0, 2.0), _ABSENT),
+        "frequency_penalty": (_float(-2.0, 2.0), _ABSENT),
+        "repetition_penalty": (_float(0.0, 100.0, lo_open=True), _ABSENT),
+        "min_p": (_float(0.0, 1.0), _ABSENT),
+        "min_tokens": (_int(0, MAX_NEW_TOKENS), _ABSENT),
+        "logit_bias": (_logit_bias, _ABSENT),
         "stream": (_bool, True),
         "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
         "constraint": (_nullable(_constraint), _ABSENT),  # structured output: kind + body (absent: none)

@@ -19,6 +19,7 @@ from workers.draft_model import DraftModel
 from workers.kv_transfer import HostKv
 from workers.lane_sampling import sample_lanes
 from workers.multi_step import next_step
+from workers.penalties import PenaltyBook, PenaltyError
 from workers.spec_verify import verify_drafts
 
 
@@ -40,7 +41,8 @@ class JobOutcome:
 
 
 def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, host_kv: HostKv | None = None,
-                constraints: ConstraintBook | None = None, draft: DraftModel | None = None) -> JobOutcome:
+                constraints: ConstraintBook | None = None, draft: DraftModel | None = None,
+                penalties: PenaltyBook | None = None) -> JobOutcome:
     """Run one job on the backend and sample its lanes.
 
     Inputs may be read-only ring views; nothing here writes to them.
@@ -49,6 +51,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
     such lanes and no book fails.
     `draft`: the chip's draft model (speculative.draft_package): it proposes
     the drafts of `draft_src` lanes and mirrors every job's KV.
+    `penalties`: the token counts of penalised lanes (workers/penalties.py);
+    such lanes run one step per job, without drafts.
     """
     b = job.batch
     tokens = np.full(b, -1, np.int32)
@@ -79,6 +83,9 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         if job.draft_lens.size and job.constrained and job.constraint_id[job.draft_lens != 0].any():
             # spec_verify's row_mask hook would need the matcher advanced through each draft: not done
             raise ConstraintError("a constrained lane cannot carry draft tokens")
+        penalised = job.penalties is not None and bool(job.penalties.active.any())
+        if penalised and (job.decode_steps > 1 or job.draft_lens.size):
+            raise PenaltyError("a penalised lane runs one step per job, without draft tokens")
         if draft is None and device_loop_job(job):
             looped = backend.decode_steps(job)  # None: no device loop, the host loop below
             if looped is not None:
@@ -95,7 +102,7 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         accepted = accepted_lps = accepted_toks = None
         if out.logits is not None:
             if lanes.size:
-                sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks)
+                sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks, penalties)
             if job.draft_lens.size:
                 if out.draft_logits is None:
                     raise RuntimeError("the backend cannot verify draft tokens (no draft_logits)")
@@ -103,6 +110,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         elif out.tokens is not None:
             if job.constrained and job.constraint_id[lanes].any():
                 raise ConstraintError("this backend samples on the device: constrained lanes need logits")
+            if penalised and job.penalties.active[lanes].any():
+                raise PenaltyError("this backend samples on the device: penalised lanes need logits")
             tokens[lanes] = out.tokens[lanes]
         else:
             raise RuntimeError("backend returned neither logits nor tokens")
@@ -142,7 +151,7 @@ def device_loop_job(job: Job) -> bool:
     no constrained lane (its mask is the host's), no draft tokens, and no logits to return. The worker
     also keeps the host loop when it has a draft model (it mirrors every step's KV)."""
     return (job.kind == JobKind.DECODE and job.decode_steps > 1 and not job.constrained and not job.draft_lens.size
-            and not job.return_logits and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
+            and job.penalties is None            and not job.return_logits and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
 
 
 def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:

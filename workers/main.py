@@ -37,6 +37,7 @@ from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode
 from workers.draft_model import DraftModel
 from workers.execute_job import JobOutcome, execute_job
 from workers.follow_tokens import FollowTokens, UnresolvedFollow
+from workers.penalties import PenaltyBook
 from workers.kv_transfer import HostKv
 
 _PR_SET_PDEATHSIG = 1
@@ -81,6 +82,7 @@ class WorkerProcess:
                  constraints: ConstraintBook | None = None):
         self.config = config
         self.constraints = constraints
+        self.penalties = PenaltyBook()  # penalised requests' token counts (workers/penalties.py)
         self.sock = sock
         self.job_ring = job_ring
         self.result_ring = result_ring
@@ -243,7 +245,8 @@ class WorkerProcess:
                     outcome = JobOutcome(JobStatus.INVALID, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                                          0, f"invalid job: {exc}")
                 else:
-                    outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints, self.draft)
+                    outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints, self.draft,
+                                          self.penalties)
                     if job.follow and outcome.status == JobStatus.OK:  # a step may be queued behind its lanes
                         self.follow.record(job, outcome.tokens)
             finally:

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.core.constraint_spec import ConstraintSpec
+from engine.core.penalty_spec import PenaltySpec
 
 
 class RequestState(enum.Enum):
@@ -88,3 +89,10 @@ class GenerateParams:
     prefix_salt: str = ""
     speculative: str | None = None  # "off" | "ngram"; None: the board's speculative.method
     constraint: ConstraintSpec | None = None  # structured output, compiled by the daemon at admission
+    penalties: PenaltySpec | None = None  # penalties, logit bias, min_p, min_tokens (None: all neutral)
+
+    @property
+    def host_stepped(self) -> bool:
+        """Whether each token needs the worker's per-request state (a constraint matcher, penalty counts):
+        then no multi-step decode, queued next step or drafts."""
+        return self.constraint is not None or self.penalties is not None

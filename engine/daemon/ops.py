@@ -28,6 +28,7 @@ from engine.daemon.handoff.shm import advertise, take_from_host_pool
 from engine.daemon.log import log
 from engine.daemon.models import admin_ops
 from engine.core.model_table import RouteOutcome
+from engine.core.penalty_spec import set_fields as penalty_fields, spec_of as penalties_of
 
 if TYPE_CHECKING:
     from engine.daemon.frontend import Conn, Frontend
@@ -55,6 +56,7 @@ def params_from(msg: dict, tokenizer=None) -> GenerateParams:
             fields["constraint"] = BOARD_CACHE.get(c["kind"], c["body"])
         except ConstraintRejected as e:
             raise TextRejected("invalid_constraint", str(e)) from None
+    fields["penalties"] = penalties_of(msg)
     return GenerateParams(**fields)
 
 
@@ -94,6 +96,11 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         if params.constraint is not None and g.info is not None and g.info.extra.get("samples_on_device"):
             fe.error(conn, cid, 400, "constraint_unsupported", f"constraint: the {g.info.name} backend samples on "
                                                                "the device, so no token mask can apply")
+            return []
+        if params.penalties is not None and g.info is not None and g.info.extra.get("samples_on_device"):
+            name = penalty_fields(msg)[0]
+            fe.error(conn, cid, 400, f"{name}_unsupported", f"{name}: the {g.info.name} backend samples on the "
+                                                           "device, so no penalty or bias can apply")
             return []
         rid = gens.next_request_id()
         if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from engine.core.actions import Action, SubmitJob
 from engine.core.chip_state import ChipState, InflightJob
 from engine.core.constraint_spec import lane_fields
+from engine.core.penalty_spec import lane_penalty
 from engine.core.request_record import RequestRecord
 from engine.core.requests import RequestState
 from engine.core.sched.job_builder import JobPlan
@@ -71,7 +72,7 @@ class Launcher:
         st = self.st
         kind, decode, batch, steps, follow = plan.kind, plan.decode, plan.batch, plan.steps, st.follow
         queuing = queued is not None and any(queued)
-        if drafts is None and kind is JobKind.DECODE and all(r.params.constraint is None for r in decode):
+        if drafts is None and kind is JobKind.DECODE and not any(r.params.host_stepped for r in decode):
             # the common job, one per decode step: packed from columns, no Lane per lane
             toks = [r.tokens[s] for r, s in zip(decode, starts)] if not queuing else \
                 [FOLLOW_PREVIOUS if q else r.tokens[s] for r, s, q in zip(decode, starts, queued)]
@@ -136,7 +137,7 @@ class Launcher:
               drafts: list[int] | None = None, draft_model: bool = False) -> Lane:
         """The one place a request becomes a job lane (per-lane inputs the chip needs go here)."""
         p = r.params
-        if p.constraint is None and not drafts:  # the common lane, positionally (one per generated token)
+        if not p.host_stepped and not drafts:  # the common lane, positionally (one per generated token)
             return Lane(r.tokens[start:end], start, ch.kv.block_table_view(r.seq_id), sample, p.temperature,
                         p.top_p, p.top_k, p.seed, p.logprobs)
         # block_table_view: not copied, build_job copies it into the record before the KV changes again
@@ -147,4 +148,7 @@ class Launcher:
             drafts=len(drafts) if drafts else 0, draft_model=draft_model,
             **(_NO_CONSTRAINT if p.constraint is None else
                lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
+            penalty=None if p.penalties is None or not sample else
+            lane_penalty(p.penalties, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target,
+                         r.stop.eos_ids | r.stop.stop_token_ids),
         )

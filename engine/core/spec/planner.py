@@ -95,7 +95,7 @@ class SpecPlanner:
         if room <= 0 or decode_lanes > self.max_batch_lanes:
             return [], False
         method = self.method_for(r.params.speculative)
-        if method == "off" or r.params.constraint is not None:  # structured output: the mask is not drafted
+        if method == "off" or r.params.host_stepped:  # structured output, penalties: not drafted
             return [], False
         lane = r.spec
         if lane is None:
