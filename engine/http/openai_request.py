@@ -19,6 +19,7 @@ from typing import Any, Callable
 from engine.http import kv_transfer
 from engine.http.openai_error import bad
 from engine.http.response_format import FIELDS as CONSTRAINT_FIELDS, constraint_of
+from engine.http.sampling_penalties import FIELDS as PENALTY_FIELDS, penalty_fields
 from ipc.schema import NAME_RE, SPECULATIVE_METHODS
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions body (one choice each)
@@ -134,18 +135,10 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v is None or v == 1 and type(v) is int, "only best_of = 1 is supported"),
     "echo": (_falsy, "echo is not supported (the prompt is not returned)"),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
-    "presence_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 0), "penalties are not "
-                                                                                       "supported (send 0)"),
-    "frequency_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 0), "penalties are not "
-                                                                                        "supported (send 0)"),
-    "repetition_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 1), "penalties are not "
-                                                                                         "supported (send 1)"),
-    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
     "no_stop_trim": (_falsy, "no_stop_trim is not supported (stop strings are always cut from the text)"),
     "skip_special_tokens": (lambda v: v is None or v is True, "special tokens are never part of the text; "
                                                              "skip_special_tokens = false is not supported"),
     "return_hidden_states": (_falsy, "hidden states are not returned"),
-    "min_tokens": (lambda v: v is None or v == 0 and type(v) is int, "min_tokens is not supported (send 0)"),
     "continue_final_message": (_falsy, "continue_final_message is not supported"),
     "tools": (lambda v: v is None or v == [], "tool calling is not supported"),
     "functions": (lambda v: v is None or v == [], "function calling is not supported"),
@@ -161,7 +154,7 @@ _IGNORED = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoni
 
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "user",
-                     "priority", "speculative", kv_transfer.FIELD}) | CONSTRAINT_FIELDS
+                     "priority", "speculative", kv_transfer.FIELD}) | CONSTRAINT_FIELDS | PENALTY_FIELDS
 COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL) | _IGNORED
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "add_generation_prompt", "chat_template_kwargs"} \
     | set(_NEUTRAL) | _IGNORED
@@ -174,8 +167,6 @@ def _check_fields(body: Any, known: frozenset | set) -> None:
         if name not in known:
             raise bad(name, "unrecognized request argument", "unknown_field")
     for name, (neutral, what) in _NEUTRAL.items():
-        if name == "min_tokens" and body.get(name) == 1 and kv_transfer.is_prefill_leg(body):
-            continue  # vllm-router's prefill leg: one token, whose text the router drops
         if name in body and not neutral(body[name]):
             raise bad(name, what, "unsupported_value")
     for name in ("separate_reasoning", "stream_reasoning", "include_reasoning", "parallel_tool_calls"):
@@ -241,6 +232,7 @@ def _common(body: dict, kind: str, default_temperature: float) -> GenerateReques
     constraint = constraint_of(body)
     if constraint is not None:
         sampling["constraint"] = constraint
+    sampling.update(penalty_fields(body))
     req = GenerateRequest(kind, model, stream, include_usage, False, user, sampling)
     req.handoff = kv_transfer.handoff_of(body.get(kv_transfer.FIELD))
     return req

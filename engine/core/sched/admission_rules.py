@@ -98,7 +98,8 @@ def validate_params(p: GenerateParams, limits: ModelLimits) -> AdmissionDecision
             if not 0 <= t < limits.vocab_size:
                 return bad("token_out_of_range", f"logit_bias: token id {t} is outside [0, {limits.vocab_size})")
         if pen.min_tokens > p.max_tokens:
-            return bad("invalid_min_tokens", f"min_tokens ({pen.min_tokens}) exceeds max_tokens ({p.max_tokens})")
+            return bad("invalid_min_tokens", f"min_tokens: must be at most max_tokens ({p.max_tokens}), got "
+                                             f"{pen.min_tokens}")
     if len(p.continuation) > p.max_tokens:
         return bad("continuation_too_long", "continuation is longer than max_tokens")
     total = len(p.prompt) + p.max_tokens

@@ -65,9 +65,10 @@ def test_too_many_prompts():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("best_of", 2), ("echo", True), ("suffix", "x"), ("presence_penalty", 0.5), ("frequency_penalty", 1),
-    ("logit_bias", {"1": 2}), ("no_stop_trim", True), ("skip_special_tokens", False), ("return_hidden_states", True),
-    ("min_tokens", 3), ("logprobs", 2), ("max_tokens", 0), ("max_tokens", 1.5), ("temperature", -1),
+    ("n", 2), ("best_of", 2), ("echo", True), ("suffix", "x"), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+    ("logit_bias", {"1": 101}), ("logit_bias", {"x": 1}), ("logit_bias", [1]), ("repetition_penalty", 0),
+    ("min_p", 2), ("min_p", "0.1"), ("min_tokens", -1), ("min_tokens", 1.5), ("no_stop_trim", True), ("skip_special_tokens", False), ("return_hidden_states", True),
+    ("logprobs", 2), ("max_tokens", 0), ("max_tokens", 1.5), ("temperature", -1),
     ("temperature", True), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("seed", 2**64), ("stop", [""]),
     ("stop", ["x"] * 17), ("stop", 5), ("stream", "yes"), ("stream_options", {"include_usage": True}),
     ("user", 5), ("model", ""), ("stop_token_ids", [-1]), ("priority", 101), ("unknown_thing", 1),
