@@ -1,0 +1,162 @@
+"""Penalised sampling in the worker against the NumPy reference (tests/penalty_reference.py): the job record's
+penalty arrays, the counts a rebuild lane carries and a decode lane advances, every parameter alone and mixed
+in a batch of 16 beside plain lanes, and a retried or rebuilt state."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from ipc.lane_penalties import JobPenalties, LanePenalty
+from ipc.records import Job, JobKind, Lane, build_job
+from penalty_reference import Params, reference_token
+from workers.lane_sampling import sample_lanes
+from workers.penalties import PenaltyBook, PenaltyError
+
+V = 512
+EOS = 3
+
+
+def _params(rng: random.Random) -> Params:
+    """One lane's parameters: each penalty on or off, greedy or seeded, with or without top-k."""
+    return Params(
+        temperature=rng.choice([0.0, 0.7, 1.0, 1.5]), top_k=rng.choice([0, 0, 1, 20]), seed=rng.randrange(1 << 40),
+        presence_penalty=rng.choice([0.0, 1.5, -0.5]), frequency_penalty=rng.choice([0.0, 0.8, -1.0]),
+        repetition_penalty=rng.choice([1.0, 1.3, 0.7]), min_p=rng.choice([0.0, 0.05, 0.3]),
+        min_tokens=rng.choice([0, 0, 5]),
+        logit_bias=tuple(sorted({rng.randrange(V): rng.choice([-100.0, -3.0, 4.5, 100.0]) for _ in range(3)}.items()))
+        if rng.random() < 0.5 else (),
+    )
+
+
+def _lane_penalty(key: int, p: Params, prompt, output, rebuild: bool) -> LanePenalty:
+    done = len(output)
+    return LanePenalty(key, done, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p,
+                       p.min_tokens, rebuild, list(prompt) + list(output) if rebuild else (),
+                       [i for i, _ in p.logit_bias] if rebuild else (),
+                       [b for _, b in p.logit_bias] if rebuild else (), [EOS] if rebuild else ())
+
+
+def _logits(rng: np.random.Generator, b: int) -> np.ndarray:
+    z = rng.normal(0, 3, (b, V)).astype(np.float32)
+    z[:, EOS] += 6  # EOS likely: min_tokens must hold it off
+    return z
+
+
+def _wire(job: Job) -> Job:
+    return Job.from_arrays(job.to_arrays())
+
+
+def _run_lanes(lanes: list[Lane], logits: np.ndarray, book: PenaltyBook, kind=JobKind.PREFILL) -> np.ndarray:
+    job = _wire(build_job(kind, lanes))
+    tokens = np.full(job.batch, -1, np.int32)
+    lps = np.zeros(job.batch, np.float32)
+    sample_lanes(job, logits, np.arange(job.batch), tokens, lps, penalties=book)
+    return tokens
+
+
+def test_the_penalty_arrays_survive_the_wire_and_bad_ones_are_refused():
+    p = Params(presence_penalty=0.5, logit_bias=((7, 2.0), (9, -1.0)), min_tokens=2)
+    lanes = [Lane([1, 2, 3], 0, [0], penalty=_lane_penalty(11, p, [1, 2], [3], True)), Lane([4], 0, [1]),
+             Lane([5, 6], 0, [2], penalty=_lane_penalty(12, p, [5], [6], False))]
+    job = build_job(JobKind.PREFILL, lanes)
+    back = _wire(job)
+    back.validate()
+    pen = back.penalties
+    assert pen.active.tolist() == [1, 0, 1] and pen.rebuild.tolist() == [1, 0, 0] and pen.key.tolist() == [11, 0, 12]
+    assert pen.lane_history(0).tolist() == [1, 2, 3] and pen.lane_history(2).tolist() == []
+    assert [a.tolist() for a in pen.lane_bias(0)] == [[7, 9], [2.0, -1.0]] and pen.lane_stop_ids(0).tolist() == [EOS]
+    assert build_job(JobKind.PREFILL, [Lane([1], 0, [0])]).penalties is None  # plain jobs carry none
+    arrays = job.to_arrays()
+    arrays["pen_i32"] = arrays["pen_i32"][:-1]
+    with pytest.raises(ValueError):
+        Job.from_arrays(arrays)
+    bad = _wire(job)
+    bad.penalties.min_p[0] = 2.0
+    with pytest.raises(ValueError, match="out of range"):
+        bad.validate()
+
+
+def test_a_batch_of_16_mixed_lanes_samples_what_the_reference_samples_step_after_step():
+    """16 lanes, each penalty on or off, beside plain lanes; a prefill then decode steps whose input token is
+    the lane's last sample (the book counts it once); each lane's token equals the reference's, and equals
+    the token it samples alone."""
+    rng = random.Random(5)
+    nrng = np.random.default_rng(5)
+    n = 16
+    params = [_params(rng) if i % 4 != 3 else None for i in range(n)]  # every fourth lane plain (greedy)
+    prompts = [[rng.randrange(V) for _ in range(rng.randrange(1, 12))] for _ in range(n)]
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    book = PenaltyBook()
+    for step in range(12):
+        logits = _logits(nrng, n)
+        lanes = []
+        for i in range(n):
+            pos = len(prompts[i]) + len(outputs[i])
+            toks = prompts[i] if step == 0 else [outputs[i][-1]]
+            start = 0 if step == 0 else pos - 1
+            p = params[i]
+            pen = None if p is None else _lane_penalty(100 + i, p, prompts[i], outputs[i], step == 0)
+            base = p or Params()
+            lanes.append(Lane(toks, start, [i], True, base.temperature, 1.0, base.top_k, base.seed, False,
+                              penalty=pen))
+        got = _run_lanes(lanes, logits, book, JobKind.PREFILL if step == 0 else JobKind.DECODE)
+        for i in range(n):
+            p = params[i] or Params()
+            want = reference_token(logits[i], prompts[i], outputs[i], p, len(prompts[i]) + len(outputs[i]), [EOS])
+            assert got[i] == want, (step, i, p)
+            if step in (0, 7) and params[i] is not None:  # alone in a job of its own, from a fresh book
+                alone = _run_lanes([Lane(list(prompts[i]) + outputs[i], 0, [0], True, p.temperature, 1.0, p.top_k,
+                                         p.seed, False, penalty=_lane_penalty(1, p, prompts[i], outputs[i], True))],
+                                   logits[i:i + 1], PenaltyBook())
+                assert alone[0] == want
+        for i in range(n):
+            outputs[i].append(int(got[i]))
+    assert sum(o.count(EOS) for o, p in zip(outputs, params) if p and p.min_tokens) < 16  # min_tokens held EOS off
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.0), ("frequency_penalty", 1.0), ("repetition_penalty", 1.8), ("logit_bias", ((7, 30.0),)),
+    ("min_p", 0.5), ("min_tokens", 4),
+])
+def test_each_parameter_alone_changes_the_greedy_or_seeded_token_as_the_reference_does(field, value):
+    nrng = np.random.default_rng(1)
+    prompt, output = [7, 8, 9], [7, 7, 20]
+    changed = 0
+    for temperature in (0.0, 1.0):
+        for seed in range(20):
+            p = Params(temperature=temperature, seed=seed, **{field: value})
+            logits = _logits(nrng, 1)
+            lane = Lane(prompt + output, 0, [0], True, temperature, 1.0, 0, seed, False,
+                        penalty=_lane_penalty(1, p, prompt, output, True))
+            got = int(_run_lanes([lane], logits, PenaltyBook())[0])
+            assert got == reference_token(logits[0], prompt, output, p, 6, [EOS])
+            changed += got != reference_token(logits[0], prompt, output, Params(temperature=temperature, seed=seed),
+                                              6, [EOS])
+    assert changed > 0  # the parameter really acts on these rows
+
+
+def test_a_retried_job_counts_its_input_once_and_a_lost_state_fails_the_job():
+    p = Params(frequency_penalty=2.0)
+    book = PenaltyBook()
+    nrng = np.random.default_rng(2)
+    _run_lanes([Lane([1, 2], 0, [0], penalty=_lane_penalty(5, p, [1, 2], [], True))], _logits(nrng, 1), book)
+    dec = [Lane([9], 2, [0], penalty=_lane_penalty(5, p, [1, 2], [9], False))]
+    logits = _logits(nrng, 1)
+    first = _run_lanes(dec, logits, book, JobKind.DECODE)
+    again = _run_lanes(dec, logits, book, JobKind.DECODE)  # the same job once more (a retry)
+    assert first[0] == again[0] == reference_token(logits[0], [1, 2], [9], p, 3)
+    with pytest.raises(PenaltyError, match="no penalty state"):
+        _run_lanes([Lane([9], 2, [0], penalty=_lane_penalty(6, p, [1, 2], [9], False))], logits, book,
+                   JobKind.DECODE)
+    with pytest.raises(PenaltyError, match="counted"):  # a step skipped: the counts would be wrong
+        _run_lanes([Lane([4], 4, [0], penalty=_lane_penalty(5, p, [1, 2], [9, 4, 4], False))], logits, book,
+                   JobKind.DECODE)
+
+
+def test_job_penalties_build_pads_missing_lanes():
+    jp = JobPenalties.build([None, LanePenalty(3, 0)], 4)
+    jp.validate(4)
+    assert jp.active.tolist() == [0, 1, 0, 0] and jp.history_start.tolist() == [0, 0, 0, 0, 0]
