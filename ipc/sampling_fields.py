@@ -28,9 +28,9 @@ def logit_bias(name: str, value: Any, error, token_id_max: int) -> dict[str, flo
         if int(k) > token_id_max:
             raise error("out_of_range", f"{name}: token id {k} is outside [0, {token_id_max}]")
         if type(v) not in (int, float) or not math.isfinite(v):
-            raise error("bad_type", f"{name}[{k}]: must be a finite number, got {str(v)[:40]!r}")
+            raise error("bad_type", f"{name}: the bias of token {k} must be a finite number, got {str(v)[:40]!r}")
         if not -LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX:
-            raise error("out_of_range", f"{name}[{k}]: must be in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], "
-                                        f"got {v}")
+            raise error("out_of_range", f"{name}: the bias of token {k} must be in [-{LOGIT_BIAS_MAX:g}, "
+                                        f"{LOGIT_BIAS_MAX:g}], got {v}")
         out[k] = float(v)
     return out
