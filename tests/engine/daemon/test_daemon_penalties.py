@@ -123,6 +123,18 @@ def test_penalised_requests_requeued_off_a_dead_worker_continue_exactly(board):
     assert got == fault_free and counters.get("requeued", 0) > 0
 
 
+def test_min_tokens_holds_off_a_stop_sequence_the_output_reaches_early(board):
+    with board.client(timeout=60) as c:
+        plain = c.generate(REPEAT, max_tokens=12, ignore_eos=True).tokens
+        stop = [[plain[1]]]
+        early = c.generate(REPEAT, max_tokens=12, ignore_eos=True, stop=stop)
+        held = c.generate(REPEAT, max_tokens=12, ignore_eos=True, stop=stop, min_tokens=6)
+    assert early.tokens == plain[:1] and early.finish_reason == "stop"
+    later = [i for i in range(6, 12) if plain[i] == plain[1]]  # the first match after 6 tokens ends it
+    want = (plain[:later[0]], "stop") if later else (plain, "length")
+    assert (held.tokens, held.finish_reason) == want
+
+
 @pytest.mark.parametrize("fields,field,reason", [
     ({"min_p": 2}, "min_p", "out_of_range"),
     ({"presence_penalty": -2.5}, "presence_penalty", "out_of_range"),
