@@ -50,6 +50,10 @@ constrained (C = B then; else C = 0 and they are empty):
 * grammar[G] uint8 with grammar_start[C+1]: for a sampling prefill lane, the
   UTF-8 llguidance grammar (decode lanes carry only the id).
 
+Sampling penalties (presence/frequency/repetition, logit bias, min_p,
+min_tokens), present only when some lane has one: `Job.penalties`, three
+extra ring arrays laid out by `ipc.lane_penalties`.
+
 A decode lane's token may be FOLLOW_PREVIOUS (-1) instead of an id: "the token
 this lane's previous job samples", so the scheduler can queue step N+1 while
 step N runs and the chip need not wait for the scheduler's turn between steps
