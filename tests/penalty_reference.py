@@ -100,13 +100,14 @@ class ModelSteps:
         self.block_size = backend.describe().kv.block_size
 
     def run(self, prompt: list[int], max_tokens: int, p: Params, eos: set[int], stop_token_ids=(),
-            continuation=()) -> tuple[list[int], str]:
-        """(output tokens after `continuation`, finish reason), sampled with `reference_token`."""
+            continuation=(), masked=()) -> tuple[list[int], str]:
+        """(output tokens after `continuation`, finish reason), sampled with `reference_token`; `masked`: more
+        ids min_tokens masks (an EOS the request ignores)."""
         toks = list(prompt) + list(continuation)
         table = list(range(math.ceil((len(toks) + max_tokens + 1) / self.block_size)))
         step = self.backend.prefill(build_job(JobKind.PREFILL, [Lane(toks, 0, table)]))
         output = list(continuation)
-        stop_ids = sorted(set(eos) | set(stop_token_ids))
+        stop_ids = sorted(set(eos) | set(stop_token_ids) | set(masked))
         while True:
             t = reference_token(step.logits[0], prompt, output, p, len(prompt) + len(output), stop_ids)
             if t in eos:

@@ -19,7 +19,7 @@ from workers.draft_model import DraftModel
 from workers.kv_transfer import HostKv
 from workers.lane_sampling import sample_lanes
 from workers.multi_step import next_step
-from workers.penalties import PenaltyBook, PenaltyError
+from workers.penalties import PenaltyBook, PenaltyError, count_looped, device_penalties
 from workers.spec_verify import verify_drafts
 
 
@@ -52,7 +52,7 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
     `draft`: the chip's draft model (speculative.draft_package): it proposes
     the drafts of `draft_src` lanes and mirrors every job's KV.
     `penalties`: the token counts of penalised lanes (workers/penalties.py);
-    such lanes run one step per job, without drafts.
+    such lanes carry no drafts.
     """
     b = job.batch
     tokens = np.full(b, -1, np.int32)
@@ -84,11 +84,16 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
             # spec_verify's row_mask hook would need the matcher advanced through each draft: not done
             raise ConstraintError("a constrained lane cannot carry draft tokens")
         penalised = job.penalties is not None and bool(job.penalties.active.any())
-        if penalised and (job.decode_steps > 1 or job.draft_lens.size):
-            raise PenaltyError("a penalised lane runs one step per job, without draft tokens")
+        if penalised and job.draft_lens.size:
+            raise PenaltyError("a penalised lane cannot carry draft tokens")
+        if penalised and penalties is None:
+            raise PenaltyError("penalised lanes in a job run without a penalty book")
         if draft is None and device_loop_job(job):
-            looped = backend.decode_steps(job)  # None: no device loop, the host loop below
-            if looped is not None:
+            dev_pen = device_penalties(job, penalties) if penalised else None
+            looped = backend.decode_steps(job, dev_pen) if penalised else backend.decode_steps(job)
+            if looped is not None:  # None: no device loop (for these lanes), the host loop below
+                if penalised:
+                    count_looped(job, penalties, looped[0])
                 return JobOutcome(JobStatus.OK, *looped, None, (time.perf_counter_ns() - t0) // 1000)
         if draft is not None and job.draft_src.size:
             job = draft.propose(job)
@@ -126,7 +131,7 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
             for _ in range(job.decode_steps - 1):
                 step = next_step(step, steps[-1])
                 t, lp = np.full(b, -1, np.int32), np.zeros(b, np.float32)
-                _step_tokens(step, backend.decode(step), lanes, t, lp)
+                _step_tokens(step, backend.decode(step), lanes, t, lp, penalties)
                 if draft is not None:
                     draft.mirror(step)
                 steps.append(t)
@@ -147,18 +152,20 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
 
 def device_loop_job(job: Job) -> bool:
     """Whether a job's steps may all run on the device (`ChipBackend.decode_steps`): a multi-step decode
-    whose every valid lane samples with the plain sampler, with nothing the host must do between steps:
-    no constrained lane (its mask is the host's), no draft tokens, and no logits to return. The worker
-    also keeps the host loop when it has a draft model (it mirrors every step's KV)."""
+    whose every valid lane samples, with nothing the host must do between steps: no constrained lane (its
+    mask is the host's), no draft tokens, and no logits to return. Penalised lanes go too when the backend's
+    loop takes penalties (else it declines and the host loop runs). The worker also keeps the host loop when
+    it has a draft model (it mirrors every step's KV)."""
     return (job.kind == JobKind.DECODE and job.decode_steps > 1 and not job.constrained and not job.draft_lens.size
-            and job.penalties is None            and not job.return_logits and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
+            and not job.return_logits and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
 
 
-def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+                 penalties: PenaltyBook | None = None) -> None:
     """One step's tokens into `tokens`/`logprobs`: sampled from its logits, or as the backend chose them."""
     if out.logits is not None:
         if lanes.size:
-            sample_lanes(job, out.logits, lanes, tokens, logprobs)
+            sample_lanes(job, out.logits, lanes, tokens, logprobs, penalties=penalties)
     elif out.tokens is not None:
         tokens[lanes] = out.tokens[lanes]
     else:

@@ -162,3 +162,73 @@ def sample_penalized(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np
     tokens[lanes] = t
     for lane, tok in zip(lanes.tolist(), t.tolist()):
         logprobs[lane] = token_logprob(logits[lane], tok) if job.want_logprobs[lane] else 0.0
+
+
+@dataclass
+class DevicePenalties:
+    """A multi-step job's penalties as a device loop takes them (npuserve_chip.h's simpler_lane_penalties):
+    per lane [B] the values, and each lane's counts before step 0 (distinct prompt/output ids, output counts)."""
+
+    arrays: dict[str, np.ndarray]
+
+    def c_arrays(self) -> dict[str, np.ndarray]:
+        return self.arrays
+
+
+def device_penalties(job: Job, book: PenaltyBook) -> DevicePenalties:
+    """The penalties of a multi-step decode job's lanes, from `book` (each penalised lane's state advanced by
+    its input token, as step 0 of the host loop would)."""
+    pen = job.penalties
+    b = job.batch
+    on = (pen.active != 0) & (job.lane_valid != 0)
+    seen_ids: list[np.ndarray] = []
+    seen_counts: list[np.ndarray] = []
+    bias_ids: list[np.ndarray] = []
+    bias_values: list[np.ndarray] = []
+    stop_ids: list[np.ndarray] = []
+    for lane in range(b):
+        if not on[lane]:
+            for parts in (seen_ids, seen_counts, bias_ids, bias_values, stop_ids):
+                parts.append(np.zeros(0, np.int32))
+            continue
+        st = book.state(job, lane)
+        out = np.fromiter(st.counts.keys(), np.int32, len(st.counts))
+        cnt = np.fromiter(st.counts.values(), np.int32, len(st.counts))
+        ids = np.union1d(st.prompt_ids, out).astype(np.int32)
+        counts = np.zeros(ids.shape[0], np.int32)
+        counts[np.searchsorted(ids, out)] = cnt
+        seen_ids.append(ids)
+        seen_counts.append(counts)
+        bias_ids.append(st.bias_ids)
+        bias_values.append(st.bias_values)
+        stop_ids.append(st.stop_ids)
+
+    def starts(parts: list[np.ndarray]) -> np.ndarray:
+        s = np.zeros(b + 1, np.int32)
+        s[1:] = np.cumsum([p.shape[0] for p in parts])
+        return s
+
+    def cat(parts: list[np.ndarray], dtype) -> np.ndarray:
+        return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(0), dtype=dtype)
+
+    def lanes(values: np.ndarray, neutral, dtype) -> np.ndarray:
+        return np.ascontiguousarray(np.where(on, values, neutral), dtype=dtype)
+
+    return DevicePenalties({
+        "presence": lanes(pen.presence, 0.0, np.float32), "frequency": lanes(pen.frequency, 0.0, np.float32),
+        "repetition": lanes(pen.repetition, 1.0, np.float32), "min_p": lanes(pen.min_p, 0.0, np.float32),
+        "min_tokens": lanes(pen.min_tokens, 0, np.int32), "done": lanes(pen.done, 0, np.int32),
+        "seen_start": starts(seen_ids), "seen_ids": cat(seen_ids, np.int32), "seen_counts": cat(seen_counts, np.int32),
+        "bias_start": starts(bias_ids), "bias_ids": cat(bias_ids, np.int32),
+        "bias_values": cat(bias_values, np.float32), "stop_start": starts(stop_ids), "stop_ids": cat(stop_ids, np.int32),
+    })
+
+
+def count_looped(job: Job, book: PenaltyBook, tokens: np.ndarray) -> None:
+    """After a device loop ran `job`'s n steps (tokens [B, n]): count steps 0..n-2's samples (the inputs of
+    steps 1..n-1) in the penalised lanes' states; the last one is the next job's input, counted then."""
+    pen = job.penalties
+    for lane in np.flatnonzero((pen.active != 0) & (job.lane_valid != 0)).tolist():
+        st = book.state(job, lane)  # already advanced by the input token: no change
+        for t in tokens[lane, :-1].tolist():
+            st.count(int(t))

@@ -4,9 +4,9 @@ presence/frequency/repetition penalties, logit bias, min_p and min_tokens
 (vLLM's semantics: workers/penalties.py applies them). The daemon builds a
 `PenaltySpec` from the validated wire fields at admission (`spec_of`), only
 when some value is not neutral; the scheduler threads it onto each sampling
-lane (`lane_penalty`). A request with one runs one decode step per job: no
-multi-step decode, queued next step or speculative drafts (the worker's
-counts advance token by token).
+lane (`lane_penalty`). A request with one takes multi-step decode (the worker
+advances its counts step by step, on the host or in a device loop that takes
+penalties) but no queued next step or speculative drafts.
 """
 
 from __future__ import annotations

@@ -94,5 +94,5 @@ class GenerateParams:
     @property
     def host_stepped(self) -> bool:
         """Whether each token needs the worker's per-request state (a constraint matcher, penalty counts):
-        then no multi-step decode, queued next step or drafts."""
+        then no queued next step or drafts (and, for a constraint, no multi-step decode)."""
         return self.constraint is not None or self.penalties is not None

@@ -160,3 +160,67 @@ def test_job_penalties_build_pads_missing_lanes():
     jp = JobPenalties.build([None, LanePenalty(3, 0)], 4)
     jp.validate(4)
     assert jp.active.tolist() == [0, 1, 0, 0] and jp.history_start.tolist() == [0, 0, 0, 0, 0]
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    from workers.backends.ctypes_backend import build_reference_library
+
+    return str(build_reference_library(tmp_path_factory.mktemp("penalties")))
+
+
+LOOP_PARAMS = [Params(frequency_penalty=1.5, presence_penalty=0.5), Params(repetition_penalty=1.6, temperature=1.0, seed=4),
+               Params(min_tokens=7, min_p=0.2, temperature=1.4, seed=9, logit_bias=((42, 6.0), (43, -100.0))),
+               Params(temperature=0.9, top_k=8, seed=2, frequency_penalty=-1.0), None, Params(temperature=0.8, seed=6)]
+LOOP_PROMPTS = [[5, 6, 5, 6], [9] * 7, [1, 2, 3], [77, 78], [10, 11, 12], [200]]
+
+
+@pytest.mark.parametrize("loop", ["device", "host"])
+def test_multi_step_jobs_equal_the_reference_on_the_device_loop_and_on_the_host_loop(library, loop, tmp_path,
+                                                                                      monkeypatch):
+    """A prefill, a 4-step and a 3-step decode job and a one-step job of six lanes (four penalised, two plain):
+    the reference chip library's device loop (its C port of the penalties) and the worker's host loop (a
+    library without the device loop) both give each lane the reference's tokens."""
+    from penalty_reference import ModelSteps
+    from workers.backends.ctypes_backend import CtypesBackend
+    from workers.execute_job import execute_job
+
+    trace = tmp_path / "loop.trace"
+    monkeypatch.setenv("REF_LOOP_TRACE", str(trace))
+    chip = CtypesBackend(library=library, chip_id=0, block_size=16, num_blocks=64, device_loop=loop == "device")
+    chip.load(None)
+    ref = CtypesBackend(library=library, chip_id=1, block_size=16, num_blocks=64)
+    ref.load(None)
+    eos = 257
+    book = PenaltyBook()
+    n = len(LOOP_PROMPTS)
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(n)]
+    outputs: list[list[int]] = [[] for _ in range(n)]
+
+    def lanes_at(first: bool) -> list[Lane]:
+        out = []
+        for i, (prompt, p) in enumerate(zip(LOOP_PROMPTS, LOOP_PARAMS)):
+            base = p or Params()
+            done = len(outputs[i])
+            pen = None if p is None else LanePenalty(
+                i + 1, done, base.presence_penalty, base.frequency_penalty, base.repetition_penalty, base.min_p,
+                base.min_tokens, first, list(prompt) if first else (), [t for t, _ in base.logit_bias] if first else (),
+                [b for _, b in base.logit_bias] if first else (), [eos] if first else ())
+            toks, start = (prompt, 0) if first else ([outputs[i][-1]], len(prompt) + done - 1)
+            out.append(Lane(toks, start, tables[i], True, base.temperature, 1.0, base.top_k, base.seed, True,
+                            penalty=pen))
+        return out
+
+    for kind, steps in ((JobKind.PREFILL, 1), (JobKind.DECODE, 4), (JobKind.DECODE, 3), (JobKind.DECODE, 1)):
+        job = _wire(build_job(kind, lanes_at(kind is JobKind.PREFILL), decode_steps=steps))
+        res = execute_job(chip, job, penalties=book)
+        assert res.status.name == "OK", res.error
+        toks = res.tokens.reshape(n, -1)
+        for i in range(n):
+            outputs[i] += toks[i].tolist()
+    model = ModelSteps(ref)
+    for i, (prompt, p) in enumerate(zip(LOOP_PROMPTS, LOOP_PARAMS)):
+        want, _ = model.run(prompt, 9, p or Params(), set(), masked=[eos])
+        assert outputs[i] == want, (i, p)
+    loops = trace.read_text().splitlines() if trace.exists() else []
+    assert len(loops) == (2 if loop == "device" else 0)  # both multi-step jobs ran on the device, or none

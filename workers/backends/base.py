@@ -171,7 +171,7 @@ class ChipBackend(abc.ABC):
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
         """Write host KV content (from swap_out) into `blocks`."""
 
-    def decode_steps(self, job: Job) -> tuple[np.ndarray, np.ndarray] | None:
+    def decode_steps(self, job: Job, penalties=None) -> tuple[np.ndarray, np.ndarray] | None:
         """A multi-step decode job's `job.decode_steps` steps on the device, each step fed the token the step
         before sampled there, with `workers.sampling`'s sampler.
 
@@ -180,6 +180,8 @@ class ChipBackend(abc.ABC):
         backend has no device loop (the default), so the worker runs the host loop. The worker asks only for
         jobs the device can sample alone (`workers.execute_job.device_loop_job`). A backend with one says so in
         `describe().extra["device_decode_loop"]`.
+        `penalties` (`workers.penalties.DevicePenalties`): the lanes' penalties and counts before step 0;
+        a backend whose device loop cannot apply them returns None (the host loop applies them).
         """
         return None
 

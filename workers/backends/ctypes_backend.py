@@ -75,6 +75,7 @@ _REQUIRED = ("simpler_abi_version", "simpler_model_describe", "simpler_model_pre
 DEVICE_KV = ("simpler_kv_block_bytes", "simpler_kv_init", "simpler_kv_copy_out", "simpler_kv_copy_in",
              "simpler_model_prefill_paged", "simpler_model_decode_paged")  # optional, all or none
 DEVICE_LOOP = "simpler_model_decode_steps_paged"  # optional; needs the device-resident KV group
+DEVICE_LOOP_PENALIZED = "simpler_model_decode_steps_penalized_paged"  # optional, beside DEVICE_LOOP
 
 
 class NativeLibraryError(BackendError):
@@ -161,6 +162,11 @@ def _bind(lib: ctypes.CDLL, library: str) -> None:
         fn = getattr(lib, DEVICE_LOOP)
         fn.argtypes = [c_int, c_int, c_int, vp, vp, vp, vp, c_int, vp, vp, vp, vp, vp, vp]
         fn.restype = c_int
+        if hasattr(lib, DEVICE_LOOP_PENALIZED):
+            fn = getattr(lib, DEVICE_LOOP_PENALIZED)
+            fn.argtypes = [c_int, c_int, c_int, vp, vp, vp, vp, c_int, vp, vp, vp, vp,
+                           ctypes.POINTER(SimplerLanePenalties), vp, vp]
+            fn.restype = c_int
 
 
 def device_kv_of(lib: ctypes.CDLL) -> bool:
@@ -176,6 +182,14 @@ def _file_sha256(path: str) -> str:
 
 def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
+
+
+class SimplerLanePenalties(ctypes.Structure):
+    """npuserve_chip.h's simpler_lane_penalties: pointers to the per-lane arrays (workers.penalties)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "presence", "frequency", "repetition", "min_p", "min_tokens", "done", "seen_start", "seen_ids",
+        "seen_counts", "bias_start", "bias_ids", "bias_values", "stop_start", "stop_ids")]
 
 
 class CtypesBackend(ChipBackend):
@@ -220,6 +234,7 @@ class CtypesBackend(ChipBackend):
         self.device_kv = device_kv_of(self._lib)
         # multi-step decode jobs run on the device (_bind made sure the library has device KV then)
         self.device_loop = bool(device_loop) and hasattr(self._lib, DEVICE_LOOP)
+        self.device_loop_penalized = self.device_loop and hasattr(self._lib, DEVICE_LOOP_PENALIZED)
         self._device_loaded = False
         # bytes per token of a block in the transfer format: the library's own (device) or kv_in's (host)
         self.block_token_bytes = self._device_block_token_bytes() if self.device_kv else self.kv_bytes_per_token
@@ -452,14 +467,14 @@ class CtypesBackend(ChipBackend):
                 raise self._fail("simpler_model_decode_paged", rc, job)
         return StepOutput(logits=logits)
 
-    def decode_steps(self, job: Job) -> tuple[np.ndarray, np.ndarray] | None:
+    def decode_steps(self, job: Job, penalties=None) -> tuple[np.ndarray, np.ndarray] | None:
         """All `job.decode_steps` steps in one `simpler_model_decode_steps_paged` call, sampled on the device.
 
         Tokens int32 [B, n] (-1 on inactive lanes) and logprobs float32 [B, n] (0 where a lane does not want
         them), as the worker's host loop returns them; None without the symbol. Every lane's table is
         checked to reach its last step's position before the call, so a rejected job writes no KV.
         """
-        if not self.device_loop:
+        if not self.device_loop or (penalties is not None and not self.device_loop_penalized):
             return None
         if job.kind != JobKind.DECODE:
             raise ValueError(f"decode_steps called with a {job.kind.name} job")
@@ -487,13 +502,22 @@ class CtypesBackend(ChipBackend):
         top_p = np.ascontiguousarray(job.top_p, dtype=np.float32)
         top_k = np.ascontiguousarray(job.top_k, dtype=np.int32)
         seed = np.ascontiguousarray(job.seed, dtype=np.uint64)
-        rc = getattr(self._lib, DEVICE_LOOP)(
-            self.chip_id, b, n, _ptr(tokens), _ptr(valid), _ptr(starts), _ptr(tables), int(tables.shape[1]),
-            _ptr(temperature), _ptr(top_p), _ptr(top_k), _ptr(seed), _ptr(out_tokens),
-            _ptr(out_logprobs) if want.any() else None,
-        )
+        head = (self.chip_id, b, n, _ptr(tokens), _ptr(valid), _ptr(starts), _ptr(tables), int(tables.shape[1]),
+                _ptr(temperature), _ptr(top_p), _ptr(top_k), _ptr(seed))
+        tail = (_ptr(out_tokens), _ptr(out_logprobs) if want.any() else None)
+        if penalties is None:
+            symbol = DEVICE_LOOP
+            rc = getattr(self._lib, DEVICE_LOOP)(*head, *tail)
+        else:
+            symbol = DEVICE_LOOP_PENALIZED
+            arrays = penalties.c_arrays()  # kept alive for the call
+            if any(arrays[k].shape != (b,) for k in ("presence", "min_tokens", "done")):
+                raise ValueError(f"job {job.job_id}: penalties for another batch than {b}")
+            st = SimplerLanePenalties(*(arrays[name].ctypes.data if arrays[name].size else None
+                                        for name, _ in SimplerLanePenalties._fields_))
+            rc = getattr(self._lib, DEVICE_LOOP_PENALIZED)(*head, ctypes.byref(st), *tail)
         if rc != 0:
-            raise self._fail(DEVICE_LOOP, rc, job)
+            raise self._fail(symbol, rc, job)
         out_logprobs[~want] = 0.0
         return out_tokens, out_logprobs
 

@@ -28,9 +28,10 @@
  * Device-resident KV (simpler_kv_*, simpler_model_*_paged; at the end): the
  * chip's paged cache lives in this library, npuserve names block ids.
  *
- * Device-side multi-step decode (simpler_model_decode_steps_paged; at the very
- * end): n decode steps on the paged pool, each sampled here by a C port of
- * workers/sampling.py (the sampler section below). `ref_sample_rows` exposes
+ * Device-side multi-step decode (simpler_model_decode_steps_paged and its
+ * penalised variant; at the very end): n decode steps on the paged pool, each
+ * sampled here by a C port of workers/sampling.py (the sampler section below)
+ * and of workers/penalties.py. `ref_sample_rows` exposes
  * that sampler alone for the tests; it is not part of the ABI.
  * REF_LOOP_TRACE=PATH in the environment: each call of the loop appends a line
  * "chip batch n_steps" to PATH (a test's evidence that the loop ran, from
@@ -543,20 +544,92 @@ static void trace_loop(int chip_id, int batch, int n_steps) {
 }
 
 /*
+ * Penalties (workers/penalties.py, in its order and float32 operations) on a
+ * copy z of lane b's logits at its step k: min_tokens, logit bias,
+ * repetition, frequency, presence; min_p once the row is final (below).
+ * counts/seen: the lane's output counts and prompt-or-output marks [vocab].
+ */
+static void penalize_row(float* z, int v, const simpler_lane_penalties* pen, int b, int32_t done,
+                         const int32_t* counts, const uint8_t* seen) {
+    if (done < pen->min_tokens[b])
+        for (int32_t j = pen->stop_start[b]; j < pen->stop_start[b + 1]; j++)
+            if (pen->stop_ids[j] >= 0 && pen->stop_ids[j] < v) z[pen->stop_ids[j]] = -INFINITY;
+    for (int32_t j = pen->bias_start[b]; j < pen->bias_start[b + 1]; j++)
+        if (pen->bias_ids[j] >= 0 && pen->bias_ids[j] < v) z[pen->bias_ids[j]] += pen->bias_values[j];
+    float r = pen->repetition[b], f = pen->frequency[b], p = pen->presence[b];
+    if (r != 1.0f)
+        for (int i = 0; i < v; i++)
+            if (seen[i]) z[i] = z[i] > 0 ? z[i] / r : z[i] * r;
+    if (f == 0.0f && p == 0.0f) return;
+    for (int i = 0; i < v; i++) {
+        if (counts[i] <= 0) continue;
+        if (f != 0.0f) {
+            volatile float d = f * (float)counts[i]; /* rounded to float32 before the subtraction, as numpy */
+            z[i] -= d;
+        }
+        if (p != 0.0f) z[i] -= p;
+    }
+}
+
+/* min_p: -inf where (z - max z) / temperature < ln(min_p), the scaling sample_row applies. */
+static void min_p_filter(float* z, int v, float temperature, float min_p) {
+    if (!(min_p > 0.0f) || !(temperature > 0.0f)) return;
+    float zmax = -INFINITY;
+    for (int i = 0; i < v; i++)
+        if (z[i] > zmax) zmax = z[i];
+    float t = (double)temperature >= 1e-30 ? temperature : (float)1e-30;
+    double lm = log((double)min_p);
+    for (int i = 0; i < v; i++) {
+        float s = (z[i] - zmax) / t;
+        if ((double)s < lm) z[i] = -INFINITY;
+    }
+}
+
+static int check_penalties(const simpler_lane_penalties* pen, int batch, const uint8_t* lane_valid, int v) {
+    if (pen->presence == NULL || pen->frequency == NULL || pen->repetition == NULL || pen->min_p == NULL ||
+        pen->min_tokens == NULL || pen->done == NULL || pen->seen_start == NULL || pen->bias_start == NULL ||
+        pen->stop_start == NULL)
+        return SIMPLER_E_INVALID;
+    const int32_t* starts[3] = {pen->seen_start, pen->bias_start, pen->stop_start};
+    for (int a = 0; a < 3; a++) {
+        if (starts[a][0] != 0) return SIMPLER_E_INVALID;
+        for (int b = 0; b < batch; b++)
+            if (starts[a][b + 1] < starts[a][b]) return SIMPLER_E_INVALID;
+    }
+    if ((pen->seen_start[batch] && (pen->seen_ids == NULL || pen->seen_counts == NULL)) ||
+        (pen->bias_start[batch] && (pen->bias_ids == NULL || pen->bias_values == NULL)) ||
+        (pen->stop_start[batch] && pen->stop_ids == NULL))
+        return SIMPLER_E_INVALID;
+    for (int b = 0; b < batch; b++) {
+        if (!lane_valid[b]) continue;
+        if (!(pen->repetition[b] > 0.0f) || !isfinite(pen->repetition[b]) || !isfinite(pen->presence[b]) ||
+            !isfinite(pen->frequency[b]) || !(pen->min_p[b] >= 0.0f && pen->min_p[b] <= 1.0f) ||
+            pen->done[b] < 0)
+            return SIMPLER_E_INVALID;
+        for (int32_t j = pen->seen_start[b]; j < pen->seen_start[b + 1]; j++)
+            if (pen->seen_ids[j] < 0 || pen->seen_ids[j] >= v || pen->seen_counts[j] < 0) return SIMPLER_E_INVALID;
+        for (int32_t j = pen->bias_start[b]; j < pen->bias_start[b + 1]; j++)
+            if (!isfinite(pen->bias_values[j])) return SIMPLER_E_INVALID;
+    }
+    return SIMPLER_OK;
+}
+
+/*
  * Multi-step decode on the device: step-major (every valid lane's step k
  * before any step k + 1, as a compiled batch runs), each step a paged_extend
- * (verify the lane's history, write its new KV entry) and a sample.
+ * (verify the lane's history, write its new KV entry) and a sample; with
+ * `pen`, the lanes' penalties first (their counts advance by each sample).
  */
-int simpler_model_decode_steps_paged(int chip_id, int batch, int n_steps, const int32_t* tokens,
-                                     const uint8_t* lane_valid, const int32_t* start,
-                                     const int32_t* block_tables, int table_stride,
-                                     const float* temperature, const float* top_p, const int32_t* top_k,
-                                     const uint64_t* seed, int32_t* out_tokens, float* out_logprobs) {
+static int decode_steps(int chip_id, int batch, int n_steps, const int32_t* tokens, const uint8_t* lane_valid,
+                        const int32_t* start, const int32_t* block_tables, int table_stride,
+                        const float* temperature, const float* top_p, const int32_t* top_k, const uint64_t* seed,
+                        const simpler_lane_penalties* pen, int32_t* out_tokens, float* out_logprobs) {
     const ref_pool* p = pool_of(chip_id);
     if (p == NULL || batch <= 0 || n_steps <= 0 || tokens == NULL || lane_valid == NULL || start == NULL ||
         block_tables == NULL || table_stride <= 0 || temperature == NULL || top_p == NULL || top_k == NULL ||
         seed == NULL || out_tokens == NULL)
         return SIMPLER_E_INVALID;
+    if (pen != NULL && check_penalties(pen, batch, lane_valid, REF_VOCAB) != SIMPLER_OK) return SIMPLER_E_INVALID;
     for (int b = 0; b < batch; b++) { /* everything checked before the first step writes anything */
         if (!lane_valid[b]) continue;
         const int32_t* table = block_tables + (size_t)b * (size_t)table_stride;
@@ -569,31 +642,83 @@ int simpler_model_decode_steps_paged(int chip_id, int batch, int n_steps, const 
     }
     trace_loop(chip_id, batch, n_steps);
     float* logits = malloc((size_t)REF_VOCAB * sizeof(float));
+    float* z = pen != NULL ? malloc((size_t)REF_VOCAB * sizeof(float)) : NULL;
+    int32_t* counts = pen != NULL ? calloc((size_t)batch * REF_VOCAB, sizeof(int32_t)) : NULL;
+    uint8_t* seen = pen != NULL ? calloc((size_t)batch * REF_VOCAB, 1) : NULL;
     int32_t* cur = malloc((size_t)batch * sizeof(int32_t));
     sample_scratch sc;
-    int rc = scratch_init(&sc, REF_VOCAB) && logits != NULL && cur != NULL ? SIMPLER_OK : SIMPLER_E_DEVICE;
+    int rc = scratch_init(&sc, REF_VOCAB) && logits != NULL && cur != NULL &&
+                     (pen == NULL || (z != NULL && counts != NULL && seen != NULL))
+                 ? SIMPLER_OK
+                 : SIMPLER_E_DEVICE;
     if (cur != NULL) memcpy(cur, tokens, (size_t)batch * sizeof(int32_t));
+    if (rc == SIMPLER_OK && pen != NULL)
+        for (int b = 0; b < batch; b++)
+            for (int32_t j = pen->seen_start[b]; lane_valid[b] && j < pen->seen_start[b + 1]; j++) {
+                counts[(size_t)b * REF_VOCAB + pen->seen_ids[j]] = pen->seen_counts[j];
+                seen[(size_t)b * REF_VOCAB + pen->seen_ids[j]] = 1;
+            }
     for (int k = 0; k < n_steps && rc == SIMPLER_OK; k++) {
         for (int b = 0; b < batch && rc == SIMPLER_OK; b++) {
             if (!lane_valid[b]) continue;
             const int32_t* table = block_tables + (size_t)b * (size_t)table_stride;
             rc = paged_extend(chip_id, &cur[b], 1, start[b] + k, table, table_stride, logits, REF_VOCAB);
             if (rc != SIMPLER_OK) break;
+            const float* row = logits;
+            if (pen != NULL) {
+                memcpy(z, logits, (size_t)REF_VOCAB * sizeof(float));
+                penalize_row(z, REF_VOCAB, pen, b, pen->done[b] + k, counts + (size_t)b * REF_VOCAB,
+                             seen + (size_t)b * REF_VOCAB);
+                if (top_k[b] != 1) min_p_filter(z, REF_VOCAB, temperature[b], pen->min_p[b]);
+                row = z;
+            }
             int32_t tok;
             float zmax;
-            rc = sample_row(logits, REF_VOCAB, temperature[b], top_p[b], top_k[b],
+            rc = sample_row(row, REF_VOCAB, temperature[b], top_p[b], top_k[b],
                             lane_uniform(seed[b], (int64_t)start[b] + k + 1), &sc, &tok, &zmax);
             if (rc != SIMPLER_OK) break;
             size_t at = (size_t)b * (size_t)n_steps + (size_t)k;
             out_tokens[at] = tok;
-            if (out_logprobs != NULL) out_logprobs[at] = logprob_of(logits, REF_VOCAB, zmax, tok);
+            if (out_logprobs != NULL) {
+                float raw_max = logits[0];
+                for (int i = 1; i < REF_VOCAB; i++)
+                    if (logits[i] > raw_max) raw_max = logits[i];
+                out_logprobs[at] = logprob_of(logits, REF_VOCAB, raw_max, tok); /* the model's own */
+            }
+            if (pen != NULL) {
+                counts[(size_t)b * REF_VOCAB + tok]++;
+                seen[(size_t)b * REF_VOCAB + tok] = 1;
+            }
             cur[b] = tok;
         }
     }
     scratch_free(&sc);
     free(logits);
+    free(z);
+    free(counts);
+    free(seen);
     free(cur);
     return rc;
+}
+
+int simpler_model_decode_steps_paged(int chip_id, int batch, int n_steps, const int32_t* tokens,
+                                     const uint8_t* lane_valid, const int32_t* start,
+                                     const int32_t* block_tables, int table_stride,
+                                     const float* temperature, const float* top_p, const int32_t* top_k,
+                                     const uint64_t* seed, int32_t* out_tokens, float* out_logprobs) {
+    return decode_steps(chip_id, batch, n_steps, tokens, lane_valid, start, block_tables, table_stride, temperature,
+                        top_p, top_k, seed, NULL, out_tokens, out_logprobs);
+}
+
+int simpler_model_decode_steps_penalized_paged(int chip_id, int batch, int n_steps, const int32_t* tokens,
+                                               const uint8_t* lane_valid, const int32_t* start,
+                                               const int32_t* block_tables, int table_stride,
+                                               const float* temperature, const float* top_p, const int32_t* top_k,
+                                               const uint64_t* seed, const simpler_lane_penalties* penalties,
+                                               int32_t* out_tokens, float* out_logprobs) {
+    if (penalties == NULL) return SIMPLER_E_INVALID;
+    return decode_steps(chip_id, batch, n_steps, tokens, lane_valid, start, block_tables, table_stride, temperature,
+                        top_p, top_k, seed, penalties, out_tokens, out_logprobs);
 }
 #endif /* REF_DEVICE_LOOP */
 #endif /* REF_DEVICE_KV */

@@ -216,7 +216,7 @@ class JobBuilder:
             return 1
         horizon = now + cfg.decode_steps_deadline_margin_s
         for r in chosen:
-            if r.job_id is not None or r.params.host_stepped \
+            if r.job_id is not None or r.params.constraint is not None \
                     or (r.deadline is not None and r.deadline <= horizon):
                 return 1
             n = min(n, r.stop.max_tokens - r.stop.produced, st.model.max_seq - r.committed)

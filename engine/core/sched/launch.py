@@ -149,6 +149,6 @@ class Launcher:
             **(_NO_CONSTRAINT if p.constraint is None else
                lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
             penalty=None if p.penalties is None or not sample else
-            lane_penalty(p.penalties, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target,
-                         r.stop.eos_ids | r.stop.stop_token_ids),
+            lane_penalty(p.penalties, r.request_id, r.tokens, len(p.prompt), min(end, len(r.tokens)),
+                         r.prefill_target, r.stop.eos_ids | r.stop.stop_token_ids),  # a multi-step job's end: ahead
         )

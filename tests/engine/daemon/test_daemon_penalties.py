@@ -1,8 +1,9 @@
 """Penalties, logit bias, min_p and min_tokens through real daemons, against the NumPy reference
 (tests/penalty_reference.py) run on the model's own logits: alone and among 16 concurrent streams with plain
-ones beside them, with queued next steps and n-gram speculation on (penalised lanes take one step per job;
-the plain ones keep both), after a balancer-style resume and after a requeue off a dead worker, and with
-multi-step decode on the reference chip library's device loop; out-of-range values are 400s naming the field."""
+ones beside them, with queued next steps and n-gram speculation on (penalised lanes take neither; the plain
+ones keep both), after a balancer-style resume and after a requeue off a dead worker, and with
+multi-step decode on the reference chip library's device loop and its preemptions; out-of-range values are
+400s naming the field."""
 
 from __future__ import annotations
 
@@ -164,17 +165,23 @@ def test_a_backend_that_samples_on_the_device_refuses_penalties_naming_the_param
         assert len(c.generate([1, 2, 3], max_tokens=4, presence_penalty=0.0, logit_bias={}).tokens) == 4  # neutral
 
 
-def test_multi_step_decode_and_preemption_leave_penalised_lanes_equal_to_the_reference(daemon, tmp_path):
-    """executor.decode_steps = 4 on the reference chip library: plain lanes run multi-step jobs (the device
-    loop); penalised requests run one step per job with host sampling. 20 KV blocks of 16 for 12 sequences of
-    up to ~70 tokens: the scheduler preempts, and a preempted request re-prefills its prompt and output, from
-    which the worker rebuilds its counts. Every penalised stream equals the reference on the library's logits."""
+def test_multi_step_decode_on_the_device_loop_and_preemption_keep_penalised_lanes_equal_to_the_reference(
+        daemon, tmp_path):
+    """executor.decode_steps = 4 on the reference chip library: penalised lanes run multi-step jobs in its
+    device loop (its C port of the penalties), beside plain ones. 20 KV blocks of 16 for 12 sequences of up
+    to ~70 tokens: the scheduler preempts, and a preempted request re-prefills its prompt and output, from
+    which the worker rebuilds its counts. Every penalised stream equals the reference on the library's
+    logits."""
     from workers.backends.ctypes_backend import CtypesBackend, build_reference_library
 
     library = str(build_reference_library(tmp_path))
+    trace = tmp_path / "loop.trace"
     d = daemon(backend="ctypes", settings={"model.ctypes_library": library, "executor.decode_steps": 4,
-                                           "kv.num_blocks": 20, "admission.max_waiting_requests": 64})
+                                           "kv.num_blocks": 20, "admission.max_waiting_requests": 64},
+               env={"REF_LOOP_TRACE": str(trace)})
     pen = [(p[:30], 40, prm) for p, _, prm in PENALISED[:8]]
+    alone = _gather(d, [(p, n, dict(prm.wire(), ignore_eos=True)) for p, n, prm in pen[:2]])
+    assert trace.exists() and len(trace.read_text().splitlines()) > 0  # penalised lanes only: the device loop ran
     reqs = [(p, n, dict(prm.wire(), ignore_eos=True)) for p, n, prm in pen] + \
         [(p, 40, dict(kw, ignore_eos=True)) for p, _, kw in PLAIN[:4]]
     got = _gather(d, reqs)
@@ -187,3 +194,4 @@ def test_multi_step_decode_and_preemption_leave_penalised_lanes_equal_to_the_ref
     lib_model = ModelSteps(backend)
     for (prompt, n, prm), r in zip(pen, got):
         assert (r.tokens, r.finish_reason) == lib_model.run(prompt, n, prm, set()), prm
+    assert [r.tokens for r in alone] == [r.tokens for r in got[:2]]
