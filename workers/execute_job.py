@@ -84,8 +84,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
             # spec_verify's row_mask hook would need the matcher advanced through each draft: not done
             raise ConstraintError("a constrained lane cannot carry draft tokens")
         penalised = job.penalties is not None and bool(job.penalties.active.any())
-        if penalised and job.draft_lens.size:
-            raise PenaltyError("a penalised lane cannot carry draft tokens")
+        if penalised and job.draft_lens.size and (job.penalties.active[job.draft_lens != 0] != 0).any():
+            raise PenaltyError("a penalised lane cannot carry draft tokens")  # its counts would need each draft
         if penalised and penalties is None:
             raise PenaltyError("penalised lanes in a job run without a penalty book")
         if draft is None and device_loop_job(job):

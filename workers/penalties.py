@@ -35,7 +35,7 @@ from ipc.records import Job
 from workers.constraints import LaneMask
 from workers.sampling import sample, token_logprob
 
-_MAX_STATES = 4096  # requests whose counts a worker keeps (live lanes of a chip are far fewer)
+_MAX_STATES = 1024  # requests whose counts a worker keeps, least recently used first out (a chip's live lanes: fewer)
 
 
 class PenaltyError(RuntimeError):

@@ -224,3 +224,31 @@ def test_multi_step_jobs_equal_the_reference_on_the_device_loop_and_on_the_host_
         assert outputs[i] == want, (i, p)
     loops = trace.read_text().splitlines() if trace.exists() else []
     assert len(loops) == (2 if loop == "device" else 0)  # both multi-step jobs ran on the device, or none
+
+
+def test_a_penalised_lane_beside_drafted_lanes_in_a_verification_job_samples_the_reference():
+    """Speculation skips penalised lanes, but their one-token lanes share verification jobs with lanes that
+    carry drafts: such a job runs, and the penalised lane samples what the reference samples."""
+    from penalty_reference import ModelSteps
+    from workers.backends.ref import RefBackend
+    from workers.execute_job import execute_job
+
+    chip = RefBackend()
+    chip.load(None)
+    ref = RefBackend()
+    ref.load(None)
+    p = Params(frequency_penalty=1.5, repetition_penalty=1.3, temperature=0.9, seed=3)
+    pa, pb = [5, 6, 7, 8], [9, 9, 9]
+    book = PenaltyBook()
+    pen0 = LanePenalty(1, 0, 0.0, 1.5, 1.3, 0.0, 0, True, pb, (), (), ())
+    first = execute_job(chip, _wire(build_job(JobKind.PREFILL, [
+        Lane(pa, 0, [0, 1]), Lane(pb, 0, [2, 3], True, 0.9, 1.0, 0, 3, False, penalty=pen0)])), penalties=book)
+    a0, b0 = first.tokens.tolist()
+    pen1 = LanePenalty(1, 1, 0.0, 1.5, 1.3, 0.0, 0, False)
+    verify = _wire(build_job(JobKind.PREFILL, [
+        Lane([a0, 11, 12], len(pa), [0, 1], drafts=2),
+        Lane([b0], len(pb), [2, 3], True, 0.9, 1.0, 0, 3, False, penalty=pen1)]))
+    assert verify.draft_lens.tolist() == [2, 0]
+    out = execute_job(chip, verify, penalties=book)
+    assert out.status.name == "OK", out.error
+    assert [b0, int(out.tokens[1])] == ModelSteps(ref).run(pb, 2, p, set())[0]
