@@ -195,3 +195,24 @@ def test_multi_step_decode_on_the_device_loop_and_preemption_keep_penalised_lane
     for (prompt, n, prm), r in zip(pen, got):
         assert (r.tokens, r.finish_reason) == lib_model.run(prompt, n, prm, set()), prm
     assert [r.tokens for r in alone] == [r.tokens for r in got[:2]]
+
+
+def test_the_cli_generate_flags_send_the_penalties(board):
+    import subprocess
+    import sys
+
+    import orjson
+
+    from conftest import ROOT
+
+    prompt, n, prm = PENALISED[8]
+    cmd = [sys.executable, "-m", "tools.cli", "generate", "--endpoint", board.endpoint, "--json",
+           "--prompt-tokens", ",".join(map(str, prompt)), "--max-tokens", str(n), "--temperature", "0.8",
+           "--seed", "99", "--frequency-penalty", "-0.5", "--presence-penalty", "0.5", "--repetition-penalty", "1.1",
+           "--min-p", "0.05", "--min-tokens", "3", "--logit-bias", "33=2"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    with board.client(timeout=60) as c:
+        assert orjson.loads(r.stdout)["tokens"] == c.generate(prompt, max_tokens=n, **prm.wire()).tokens
+    bad = subprocess.run(cmd[:-1] + ["33"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "ID=BIAS" in bad.stderr
