@@ -1,7 +1,7 @@
 """Penalties, logit bias, min_p and min_tokens through real daemons, against the NumPy reference
 (tests/penalty_reference.py) run on the model's own logits: alone and among 16 concurrent streams with plain
-ones beside them, with queued next steps and n-gram speculation on (penalised lanes take neither; the plain
-ones keep both), after a balancer-style resume and after a requeue off a dead worker, and with
+ones beside them, with queued next steps on, and with n-gram speculation on (penalised lanes take neither;
+the plain ones keep them), after a balancer-style resume and after a requeue off a dead worker, and with
 multi-step decode on the reference chip library's device loop and its preemptions; out-of-range values are
 400s naming the field."""
 
@@ -49,8 +49,7 @@ PLAIN = [  # beside them: the plain sampler, queued next steps, n-gram drafts
 @pytest.fixture(scope="module")
 def board():
     with daemon_process("ref", chips=2, settings={
-            "recovery.heartbeat_timeout_ms": 120_000, "executor.queue_next_step": True,
-            "speculative.method": "ngram", "speculative.max_draft_tokens": 4}) as d:
+            "recovery.heartbeat_timeout_ms": 120_000, "executor.queue_next_step": True}) as d:
         yield d
 
 
@@ -80,12 +79,26 @@ def test_sixteen_concurrent_streams_and_each_alone_equal_the_reference(board, mo
     with board.client(timeout=60) as c:
         for (prompt, n, prm), r in zip(PENALISED, got):
             assert c.generate(prompt, max_tokens=n, **prm.wire()).tokens == r.tokens  # alone
+        counters = c.stats()["scheduler"]["counters"]
+    assert counters["queued_steps"] > 0 and counters.get("failed_jobs", 0) == 0, counters  # the mode was on
+    assert len(got[7].tokens) >= 12  # min_tokens: EOS held off while fewer than 12
+
+
+def test_penalised_lanes_beside_speculating_ones_equal_the_reference(daemon, model):
+    """n-gram speculation on: the plain greedy lanes verify drafts (in jobs the penalised lanes share, one
+    token each), and every stream equals the reference or the oracle."""
+    d = daemon(backend="ref", settings={"speculative.method": "ngram", "speculative.max_draft_tokens": 4})
+    pen = PENALISED[:4]
+    plain = [(REPEAT, 30, dict(temperature=0.0)), (REPEAT[:40], 30, dict(temperature=0.0))]
+    got = _gather(d, [(p, n, prm.wire()) for p, n, prm in pen] + plain)
+    for (prompt, n, prm), r in zip(pen, got):
+        assert (r.tokens, r.finish_reason) == model.run(prompt, n, prm, EOS), prm
+    oracle = Oracle()
+    for (prompt, n, kw), r in zip(plain, got[len(pen):]):
+        assert (r.tokens, r.finish_reason) == oracle.run(prompt, n, **kw)
+    with d.client(timeout=30) as c:
         stats = c.stats()["scheduler"]
-    counters = stats["counters"]
-    assert counters["queued_steps"] > 0 and counters.get("failed_jobs", 0) == 0, counters  # both modes were on
-    assert stats["speculative"]["num_drafts"] > 0, stats["speculative"]
-    min_tokens_run = got[7]
-    assert len(min_tokens_run.tokens) >= 12  # EOS held off while fewer than min_tokens
+    assert stats["speculative"]["num_drafts"] > 0 and stats["counters"].get("failed_jobs", 0) == 0, stats
 
 
 def test_a_resumed_stream_continues_exactly(board, model):
