@@ -74,6 +74,10 @@ class PenaltyBook:
             hist = pen.lane_history(lane)
             if hist.shape[0] < done:
                 raise PenaltyError(f"lane {lane}: {hist.shape[0]} history tokens for {done} output tokens")
+            for name, ids in (("history", hist), ("logit bias", pen.lane_bias(lane)[0]),
+                              ("stop", pen.lane_stop_ids(lane))):
+                if ids.size and ids.min() < 0:
+                    raise PenaltyError(f"lane {lane}: a negative token id in its {name}")
             cut = hist.shape[0] - done
             st = PenaltyState(np.unique(hist[:cut]).astype(np.int32))
             for t in hist[cut:].tolist():

@@ -252,3 +252,21 @@ def test_a_penalised_lane_beside_drafted_lanes_in_a_verification_job_samples_the
     out = execute_job(chip, verify, penalties=book)
     assert out.status.name == "OK", out.error
     assert [b0, int(out.tokens[1])] == ModelSteps(ref).run(pb, 2, p, set())[0]
+
+
+def test_a_hostile_penalty_record_fails_its_job_and_the_next_one_runs():
+    from workers.backends.ref import RefBackend
+    from workers.execute_job import execute_job
+
+    chip = RefBackend()
+    chip.load(None)
+    book = PenaltyBook()
+    bad = LanePenalty(1, 0, 0.0, 1.0, 1.0, 0.0, 2, True, [5, 6], [-3], [1.0], [3])
+    out = execute_job(chip, _wire(build_job(JobKind.PREFILL, [Lane([5, 6], 0, [0], penalty=bad)])), penalties=book)
+    assert out.status.name == "FAILED" and "negative token id" in out.error
+    job = _wire(build_job(JobKind.PREFILL, [Lane([5, 6], 0, [0], penalty=bad._replace(bias_ids=[3]))]))
+    job.penalties.min_p[0] = 7.0  # out of range on the wire
+    assert execute_job(chip, job, penalties=book).status.name == "INVALID"
+    good = bad._replace(bias_ids=[3])
+    out = execute_job(chip, _wire(build_job(JobKind.PREFILL, [Lane([5, 6], 0, [0], penalty=good)])), penalties=book)
+    assert out.status.name == "OK" and len(book) == 1
