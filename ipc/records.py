@@ -54,14 +54,14 @@ Sampling penalties (presence/frequency/repetition, logit bias, min_p,
 min_tokens), present only when some lane has one: `Job.penalties`, three
 extra ring arrays laid out by `ipc.lane_penalties`.
 
-A decode lane's token may be FOLLOW_PREVIOUS (-1) instead of an id: "the token
+A decode lane's token may be QUEUED_STEP_TOKEN (-1) instead of an id: "the token
 this lane's previous job samples", so the scheduler can queue step N+1 while
 step N runs and the chip need not wait for the scheduler's turn between steps
 (`executor.queue_next_step`, docs/architecture.md). The worker resolves it
 from its own last sample for the lane, found by (position, the block holding
 position - 1): that block was written by step N, so no other lane holds it
-then. A follow token it cannot resolve (step N failed) makes the job INVALID.
-The worker keeps the samples only of jobs that have `follow` set (meta[26]:
+then. A queued-step token it cannot resolve (step N failed) makes the job INVALID.
+The worker keeps the samples only of jobs that have `queue_next_step` set (meta[26]:
 the scheduler queues next steps), not one dict entry per generated token for
 nothing.
 """
@@ -107,7 +107,7 @@ def _member(table: dict, enum_cls: type, value: int):
     return enum_cls(value) if m is None else m  # an unknown value raises ValueError, as the enum call did
 
 
-FOLLOW_PREVIOUS = -1  # a lane's token: the one the lane's previous job samples (resolved by the worker)
+QUEUED_STEP_TOKEN = -1  # a lane's token: the one the lane's previous job samples (resolved by the worker)
 
 
 class ResultMeta:
@@ -131,7 +131,7 @@ class ResultMeta:
 
 
 RESULT_META_LEN = ResultMeta.LEN
-# 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps, 2 draft sizes, follow
+# 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps, 2 draft sizes, queue_next_step
 _JOB_META_LEN = 27
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_U64 = np.zeros(0, dtype=np.uint64)
@@ -172,8 +172,8 @@ class Job:
     # scheduler truncates each lane at its end (EOS, stop, max tokens) and rolls the KV past it back.
     decode_steps: int = 1
     # Queued next steps (executor.queue_next_step): the scheduler may queue a step behind this job's lanes
-    # naming FOLLOW_PREVIOUS, so the worker keeps their samples (otherwise it keeps none: work per token).
-    follow: bool = False
+    # naming QUEUED_STEP_TOKEN, so the worker keeps their samples (otherwise it keeps none: work per token).
+    queue_next_step: bool = False
     constraint_id: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
     constraint_key: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
     constraint_done: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
@@ -320,7 +320,7 @@ class Job:
             self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
             self.want_logprobs.size, self.seed.size, self.submitted_ns,
             self.constraint_id.size, self.replay.size, self.grammar.size, self.decode_steps,
-            self.draft_lens.size, self.draft_src.size, int(self.follow),
+            self.draft_lens.size, self.draft_src.size, int(self.queue_next_step),
         )
         np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
                         bt.ravel(), self.src_blocks, self.dst_blocks), out=dst["i32"][:n32_plain], casting="unsafe")
@@ -399,7 +399,7 @@ class Job:
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
             top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7],
             dst_blocks=i32[o7:o8], temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv],
-            sample=u8[nlv:nlv + nsm], want_logprobs=u8[nlv + nsm:u], seed=u64[:nseed], submitted_ns=m[19], decode_steps=max(1, m[23]), follow=bool(m[26]), **extra,
+            sample=u8[nlv:nlv + nsm], want_logprobs=u8[nlv + nsm:u], seed=u64[:nseed], submitted_ns=m[19], decode_steps=max(1, m[23]), queue_next_step=bool(m[26]), **extra,
         )
 
     @classmethod
@@ -550,7 +550,7 @@ _NO_COLUMNS: tuple = ((),) * len(Lane._fields)
 
 def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, generation: int = 0,
               batch: int | None = None, table_width: int | None = None, return_logits: bool = False,
-              decode_steps: int = 1, follow: bool = False) -> Job:
+              decode_steps: int = 1, queue_next_step: bool = False) -> Job:
     """Pack per-lane inputs into a Job; `None` lanes (and lanes past len(lanes) up to `batch`) are inactive.
 
     The packed layout (query_start offsets, -1 padded block tables,
@@ -634,7 +634,7 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
         query_start=query_start, lane_valid=lane_valid, context_lens=context_lens,
         block_tables=block_tables, sample=sample, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, want_logprobs=want_logprobs, return_logits=return_logits,
-        decode_steps=decode_steps, draft_lens=draft_lens, draft_src=draft_src, follow=follow,
+        decode_steps=decode_steps, draft_lens=draft_lens, draft_src=draft_src, queue_next_step=queue_next_step,
     )
     if n and any(cols[_CONSTRAINT]):
         _add_constraints(job, lanes, b)
@@ -645,7 +645,7 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
 
 def decode_job(tokens: Sequence[int], starts: Sequence[int], tables: Sequence[Sequence[int]],
                sampling: Sequence[tuple], *, job_id: int = 0, generation: int = 0, batch: int | None = None,
-               table_width: int | None = None, decode_steps: int = 1, follow: bool = False) -> Job:
+               table_width: int | None = None, decode_steps: int = 1, queue_next_step: bool = False) -> Job:
     """A decode job of n sampling, unconstrained lanes in slots 0..n-1 (the rest of `batch` inactive), from
     columns: lane i's input token tokens[i] at position starts[i], its block table tables[i] and its
     sampling[i] = (temperature, top_p, top_k, seed, want_logprobs).
@@ -686,7 +686,7 @@ def decode_job(tokens: Sequence[int], starts: Sequence[int], tables: Sequence[Se
         positions=np.array(starts, np.int32), query_start=query_start, lane_valid=lane_valid,
         context_lens=context_lens, block_tables=block_tables, sample=lane_valid, temperature=temperature,
         top_p=top_p, top_k=top_k, seed=seed, want_logprobs=want_logprobs, decode_steps=decode_steps,
-        follow=follow,
+        queue_next_step=queue_next_step,
     )
 
 

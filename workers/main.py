@@ -36,9 +36,9 @@ from workers.constraints import ConstraintBook, ConstraintError, lltokenizer_for
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
 from workers.draft_model import DraftModel
 from workers.execute_job import JobOutcome, execute_job
-from workers.follow_tokens import FollowTokens, UnresolvedFollow
-from workers.penalties import PenaltyBook
+from workers.queued_step_tokens import QueuedStepTokens, UnresolvedQueuedStep
 from workers.kv_transfer import HostKv
+from workers.penalties import PenaltyBook
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_DEATH_SIGNAL = signal.SIGUSR1
@@ -96,7 +96,7 @@ class WorkerProcess:
         self.slow_s = 0.0
         self._device_end_ns = 0  # time.monotonic_ns() when the last backend call ended (0: none yet)
         self._occupancy = (0, -1)  # (device_start_ns, idle_us) of the job being answered
-        self.follow = FollowTokens(backend.describe().kv.block_size)  # queued next steps' input tokens
+        self.queued_step_tokens = QueuedStepTokens(backend.describe().kv.block_size)  # queued next steps' input tokens
         self.host_kv: HostKv | None = None  # the board's host KV pool, once the link sent KV_POOL
         self.running = True
         self.poller = zmq.Poller()
@@ -239,19 +239,19 @@ class WorkerProcess:
             start_ns = time.monotonic_ns()
             try:
                 try:
-                    self.follow.resolve(job)
-                except UnresolvedFollow as exc:
+                    self.queued_step_tokens.resolve(job)
+                except UnresolvedQueuedStep as exc:
                     b = job.batch
                     outcome = JobOutcome(JobStatus.INVALID, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                                          0, f"invalid job: {exc}")
                 else:
                     outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints, self.draft,
                                           self.penalties)
-                    if job.follow and outcome.status == JobStatus.OK:  # a step may be queued behind its lanes
-                        self.follow.record(job, outcome.tokens)
+                    if job.queue_next_step and outcome.status == JobStatus.OK:  # a step may be queued behind its lanes
+                        self.queued_step_tokens.record(job, outcome.tokens)
             finally:
                 self._set_in_job(False)
-            # the chip's idle gap before this job: what keeping it busy (issue 23) is measured by
+            # the chip's idle gap before this job: what keeping the chip busy is measured by (chip_occupancy)
             last, self._device_end_ns = self._device_end_ns, time.monotonic_ns()
             self._occupancy = (start_ns, -1 if last == 0 else max(0, start_ns - last) // 1000)
             self.write_result(job, outcome, t0)

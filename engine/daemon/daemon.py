@@ -1,6 +1,6 @@
 """The daemon's single-threaded event loop: sockets in, core actions out.
 
-Everything that changes state happens here, on one thread (DESIGN §2): the
+Everything that changes state happens here, on one thread (one owner of the state, so no locks): the
 zmq.Poller waits on the client ROUTER sockets, one control socket and one
 result doorbell fd per chip and a self-pipe that signals write to; each
 wake-up feeds what arrived into the sans-I/O scheduler core, calls `tick`,

@@ -193,6 +193,10 @@ class RefBackend(OneStepBackend):
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
         self._loaded()[2].swap_in(blocks, data)
 
+    def swap_out_rows(self, blocks: np.ndarray):
+        """What swap_out would return, as rows in place in the cache (ipc.kv_slots.ScatteredRows)."""
+        return self._loaded()[2].host_rows(blocks)
+
 
 _ORACLES: dict[tuple[str, str], Transformer] = {}
 

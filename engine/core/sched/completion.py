@@ -41,7 +41,7 @@ class Completion:
         lps = result.logprobs
         lps = [] if lps is None or not any_sampled else lps.tolist()
         start_lens = job.start_lens
-        dropped, followable = job.dropped, ch.followable if st.follow else None
+        dropped, queueable = job.dropped, ch.queueable if st.queue_next_step else None
         for lane, (rid, seq_id, new_len, sampled) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens,
                                                                    job.sampled)):
             if dropped and rid in dropped:
@@ -51,10 +51,10 @@ class Completion:
             if job.drafts is not None and job.drafts[lane]:
                 self._complete_verify(ch, job, lane, r, result, toks, lps, now, out)
                 continue
-            nxt = r.next_job  # a queued next step takes the lane over (KV: the hand-off at commit)
+            nxt = r.next_job  # a queued next step takes the lane over (KV: promoted at commit)
             r.job_id, r.next_job = nxt, None
-            if followable is not None and nxt is None:
-                followable.pop(rid, None)
+            if queueable is not None and nxt is None:
+                queueable.pop(rid, None)
             if r.state in TERMINAL_STATES:  # cancelled / expired / shut down while running: drop the output
                 if len(r.tokens) >= new_len:
                     kv.commit(seq_id, job_id, r.tokens)

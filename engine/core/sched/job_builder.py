@@ -54,12 +54,12 @@ class JobBuilder:
         decode_failed = False  # no decode job could go this time (no KV room): the slot goes to prompts
         while ch.in_service:
             n = len(ch.inflight) - ch.transfers
-            # With queued next steps the chip takes one job past the limit while a running lane may be
-            # followed: its next step, or a prompt's job in its place (the chip then runs that instead).
-            if n >= limit and not (n == limit and st.follow and ch.followable):
+            # With queued next steps the chip takes one job past the limit while a running lane may
+            # get a queued step: its next step, or a prompt's job in its place (the chip then runs that instead).
+            if n >= limit and not (n == limit and st.queue_next_step and ch.queueable):
                 return
             classes = ch.prefill.nonempty()
-            if not decode_failed and ((st.follow and ch.followable) or (
+            if not decode_failed and ((st.queue_next_step and ch.queueable) or (
                     ch.decode_ready and self._may_fire(st.planner.decode_hold(ch.decode_ready, st.requests, now)))):
                 classes.append(WorkClass.DECODE)
             cls = ch.wrr.pick(classes)
@@ -84,12 +84,12 @@ class JobBuilder:
     # ------------------------------------------------------------------ jobs
     def _decode(self, ch: ChipState, now: float) -> JobPlan | None:
         """One decode job; None when none could go. With queued next steps, the lanes running now that may
-        be followed are candidates beside the ready ones."""
+        get a queued step are candidates beside the ready ones."""
         st = self.st
         plan = st.planner
         pool: Collection[int] = ch.decode_ready
-        if st.follow and ch.followable:
-            pool = {**ch.decode_ready, **ch.followable}
+        if st.queue_next_step and ch.queueable:
+            pool = {**ch.decode_ready, **ch.queueable}
         cands = plan.decode_candidates(pool, st.requests)
         chosen = self._with_room(ch, plan.pick_lanes(cands, plan.decode_profile(len(cands))))
         if not chosen:
@@ -146,7 +146,7 @@ class JobBuilder:
         """The plan, with drafts where lanes speculate: only in a plain one-step job (a queued step or a
         multi-step job has no room for drafts); a verification job is prefill-like, one lane per request."""
         st = self.st
-        if st.spec.verify and steps == 1 and not (st.follow and any(r.job_id is not None for r in decode)):
+        if st.spec.verify and steps == 1 and not (st.queue_next_step and any(r.job_id is not None for r in decode)):
             planned = self._drafts(ch, decode, sum(e - s for _, s, e in prompts))
             if planned is not None:
                 return JobPlan(JobKind.PREFILL, decode, prompts, None, steps, planned[0],
@@ -173,7 +173,7 @@ class JobBuilder:
         chosen: list[RequestRecord] = []
         for r in picked:
             if r.job_id is not None:  # a queued next step: room for the position after its running job's
-                if r.request_id in ch.followable and self._room_for_next(ch, r):
+                if r.request_id in ch.queueable and self._room_for_next(ch, r):
                     chosen.append(r)
                 continue
             # committed < reserved: the next position already has KV room (_ensure_room's fast case)

@@ -17,10 +17,10 @@ from engine.core.requests import RequestState
 from engine.core.sched.job_builder import JobPlan
 from engine.core.sched.state import SchedState
 from engine.core.tier_jobs import TierJobs
-from ipc.records import FOLLOW_PREVIOUS, Job, JobKind, Lane, build_job, decode_job
+from ipc.records import QUEUED_STEP_TOKEN, Job, JobKind, Lane, build_job, decode_job
 
 S = RequestState
-_FOLLOW = (FOLLOW_PREVIOUS,)  # a queued next step's input token: the one the lane's running job samples
+_QUEUED_STEP_TOKENS = (QUEUED_STEP_TOKEN,)  # a queued next step's input token: the one the lane's running job samples
 _NO_CONSTRAINT: dict = {}  # the lane fields of an unconstrained request
 
 
@@ -37,7 +37,7 @@ class Launcher:
         job_id = next(st.job_ids)
         rs = decode + [r for r, _, _ in prompts]
         # a decode lane whose job is still running gets its next step queued: one position further on
-        queued = [r.job_id is not None for r in decode] if st.follow else None
+        queued = [r.job_id is not None for r in decode] if st.queue_next_step else None
         starts = [r.committed for r in decode] if queued is None else \
             [r.committed + q for r, q in zip(decode, queued)]
         ends = [s + steps for s in starts]
@@ -70,27 +70,27 @@ class Launcher:
                 model_drafts: list[bool] | None) -> Job:
         """The job record the chip runs."""
         st = self.st
-        kind, decode, batch, steps, follow = plan.kind, plan.decode, plan.batch, plan.steps, st.follow
+        kind, decode, batch, steps, queue_next_step = plan.kind, plan.decode, plan.batch, plan.steps, st.queue_next_step
         queuing = queued is not None and any(queued)
         if drafts is None and kind is JobKind.DECODE and not any(r.params.host_stepped for r in decode):
             # the common job, one per decode step: packed from columns, no Lane per lane
             toks = [r.tokens[s] for r, s in zip(decode, starts)] if not queuing else \
-                [FOLLOW_PREVIOUS if q else r.tokens[s] for r, s, q in zip(decode, starts, queued)]
+                [QUEUED_STEP_TOKEN if q else r.tokens[s] for r, s, q in zip(decode, starts, queued)]
             view = ch.kv.block_table_view  # not copied: decode_job copies the tables before the KV changes again
             return decode_job(toks, starts, [view(r.seq_id) for r in decode], [r.sampling for r in decode],
                               job_id=job_id, generation=st.model.generation, batch=batch,
-                              table_width=ch.max_blocks_per_seq, decode_steps=steps, follow=follow)
+                              table_width=ch.max_blocks_per_seq, decode_steps=steps, queue_next_step=queue_next_step)
         lane = self._lane
         if drafts is None:
             lanes_in = [lane(r, ch, s, e, smp) for r, s, e, smp in zip(rs, starts, ends, sampled)]
             if queuing:
-                lanes_in = [ln._replace(tokens=_FOLLOW) if i < len(queued) and queued[i] else ln
+                lanes_in = [ln._replace(tokens=_QUEUED_STEP_TOKENS) if i < len(queued) and queued[i] else ln
                             for i, ln in enumerate(lanes_in)]
         else:  # one lane per request: the speculating lanes' last token and drafts, the others as planned
             lanes_in = [lane(r, ch, s, e, smp, ds, bool(model_drafts and model_drafts[i]))
                         for i, (r, s, e, smp, ds) in enumerate(zip(rs, starts, ends, sampled, drafts))]
         return build_job(kind, lanes_in, job_id=job_id, generation=st.model.generation, batch=batch,
-                         table_width=ch.max_blocks_per_seq, decode_steps=steps, follow=follow)
+                         table_width=ch.max_blocks_per_seq, decode_steps=steps, queue_next_step=queue_next_step)
 
     def _start(self, ch: ChipState, plan: JobPlan, job_id: int, rs: list[RequestRecord], ends: list[int],
                queued: list[bool] | None, drafts: list[list[int]] | None, now: float) -> None:
@@ -109,13 +109,13 @@ class Launcher:
                 del ready[r.request_id]
                 r.move(S.DECODE_RUNNING)
         else:
-            followable = ch.followable
+            queueable = ch.queueable
             for i, r in enumerate(decode):
                 rid = r.request_id
-                if queued[i]:  # the hand-off: this job takes the lane when the running one commits
-                    kv.queue_next(r.seq_id, job_id, ends[i])
+                if queued[i]:  # the queued step: this job takes the lane when the running one commits
+                    kv.queue_next_step(r.seq_id, job_id, ends[i])
                     r.next_job = job_id
-                    del followable[rid]
+                    del queueable[rid]
                     st.counters["queued_steps"] += 1
                 else:
                     kv.begin_update(r.seq_id, job_id, ends[i])
@@ -123,7 +123,7 @@ class Launcher:
                     del ready[rid]
                     r.move(S.DECODE_RUNNING)
                     if plan.steps == 1 and drafts is None:
-                        ch.may_follow(r)
+                        ch.may_queue_step(r)
             for r, end in zip(rs[len(decode):], ends[len(decode):]):
                 kv.begin_update(r.seq_id, job_id, end)
                 r.job_id = job_id

@@ -73,7 +73,7 @@ class Output:
                 return i
             i += 1
         if r.job_id is not None:  # its queued next step already carries it (still DECODE_RUNNING)
-            ch.may_follow(r)
+            ch.may_queue_step(r)
         else:
             r.move(S.DECODE_READY)
             r.ready_since = now

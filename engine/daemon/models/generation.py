@@ -1,6 +1,6 @@
 """One model generation's processes and core: its chip links (workers, rings), scheduler and supervisor.
 
-A generation is a unit of its own (issue 12): its package, its scheduler core
+A generation is a unit of its own (docs/models.md#model-lifecycle): its package, its scheduler core
 with its own KV pool per chip, one worker per chip of the board and the rings
 between them. With `board.chips_per_replica` > 1 a "chip" of everything here is
 a tensor-parallel replica: its workers sit behind one `ReplicaLink`. Unloading it is stopping its workers, unlinking its shared

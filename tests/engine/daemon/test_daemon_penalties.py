@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import daemon_process
+from daemon_procs import daemon_process
 from engine.async_client import AsyncClient
 from engine.errors import InvalidRequest
 from penalty_reference import ModelSteps, Params
@@ -216,7 +216,7 @@ def test_the_cli_generate_flags_send_the_penalties(board):
 
     import orjson
 
-    from conftest import ROOT
+    from repo_root import ROOT
 
     prompt, n, prm = PENALISED[8]
     cmd = [sys.executable, "-m", "tools.cli", "generate", "--endpoint", board.endpoint, "--json",

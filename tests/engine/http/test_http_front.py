@@ -12,7 +12,10 @@ import httpx
 import openai
 import orjson
 import pytest
-from conftest import ROOT, daemon_process, http_front_process, start_http_front, wait_until
+from daemon_procs import daemon_process
+from http_front_procs import http_front_process, start_http_front
+from repo_root import ROOT
+from waiting import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.client import Client

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import daemon_process, http_front_process
+from daemon_procs import daemon_process
+from http_front_procs import http_front_process
 
 from engine.client import Client
 
