@@ -23,7 +23,8 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
 * temperature[B] f32, top_p[B] f32, top_k[B] int32 (0 = off), seed[B] uint64:
   sampling parameters. Sampling is deterministic per (seed, position of the
   sampled token) where that position is context_lens[lane].
-* want_logprobs[B] uint8.
+* want_logprobs[B] uint8: 0 none, 1 the sampled token's logprob; larger values also ask for the top-k
+  alternatives and the prompt's logprobs (`ipc.logprob_wants`).
 * src_blocks[K], dst_blocks[K] int32: block ids for KV copy jobs; for KV_EXPORT device blocks -> host
   slots, for KV_IMPORT host slots -> device blocks (the host tier, `ipc.kv_slots`).
 * draft_lens[B] int32 (optional, empty = none): speculative verification. The
@@ -423,6 +424,11 @@ _FLAT_FIELDS = ("tokens", "positions", "query_start", "lane_valid", *_LANE_FIELD
                 "draft_lens", "draft_src")
 
 
+# optional result arrays of the lanes that ask for more than the sampled token's logprob (ipc.logprob_wants)
+_LOGPROB_ARRAYS = (("top_ids", np.int32), ("top_logprobs", np.float32), ("prompt_logprobs", np.float32),
+                   ("prompt_start", np.int32), ("prompt_top_ids", np.int32), ("prompt_top_logprobs", np.float32))
+
+
 @dataclass
 class JobResult:
     """What a worker returns for one job. tokens[lane] is -1 where nothing was sampled."""
@@ -446,6 +452,14 @@ class JobResult:
     accepted: np.ndarray | None = None  # int32 [B]
     accepted_logprobs: np.ndarray | None = None  # float32 [sum(accepted)]
     accepted_tokens: np.ndarray | None = None  # int32 [sum(accepted)]
+    # lanes asking for alternatives (ipc.logprob_wants): the top K of each sampled token, K the job's largest ask
+    top_ids: np.ndarray | None = None  # int32 [B, K], -1 padded
+    top_logprobs: np.ndarray | None = None  # float32 [B, K]
+    # PROMPT lanes: each input token after the lane's first, given the ones before it; lane after lane
+    prompt_logprobs: np.ndarray | None = None  # float32 [R]
+    prompt_start: np.ndarray | None = None  # int32 [B+1]: lane i's entries are [prompt_start[i], prompt_start[i+1])
+    prompt_top_ids: np.ndarray | None = None  # int32 [R, K], -1 padded
+    prompt_top_logprobs: np.ndarray | None = None  # float32 [R, K]
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         S = ResultMeta
@@ -473,6 +487,10 @@ class JobResult:
             out["accepted_logprobs"] = np.ascontiguousarray(np.zeros(0) if lps is None else lps, dtype=np.float32)
             if self.accepted_tokens is not None:
                 out["accepted_tokens"] = _i32(self.accepted_tokens)
+        for name, dt in _LOGPROB_ARRAYS:
+            v = getattr(self, name)
+            if v is not None:
+                out[name] = np.ascontiguousarray(v, dtype=dt)
         return out
 
     @classmethod
@@ -501,6 +519,7 @@ class JobResult:
             accepted=np.array(a["accepted"]) if "accepted" in a else None,
             accepted_logprobs=np.array(a["accepted_logprobs"]) if "accepted_logprobs" in a else None,
             accepted_tokens=np.array(a["accepted_tokens"]) if "accepted_tokens" in a else None,
+            **{name: np.array(a[name]) for name, _ in _LOGPROB_ARRAYS if name in a},
         )
 
     @classmethod

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from ipc import sampling_fields
+from ipc.logprob_wants import MAX_TOP
 
 PROTOCOL_VERSION = 1
 
@@ -354,7 +355,7 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "model": (_nullable(_name), None),
         "prompt": (_tokens(1, MAX_PROMPT_TOKENS), _ABSENT),
         "text": (_text(0, MAX_TEXT_CHARS), _ABSENT),
-        "max_tokens": (_int(1, MAX_NEW_TOKENS), DEFAULT_MAX_TOKENS),
+        "max_tokens": (_int(0, MAX_NEW_TOKENS), DEFAULT_MAX_TOKENS),  # 0: only with prompt_logprobs
         "temperature": (_float(0.0, MAX_TEMPERATURE), 0.0),
         "top_p": (_float(0.0, 1.0, lo_open=True), 1.0),
         "top_k": (_int(0, TOKEN_ID_MAX), 0),
@@ -366,6 +367,9 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "tenant": (_name, "default"),
         "priority": (_int(PRIORITY_MIN, PRIORITY_MAX), 0),
         "logprobs": (_bool, False),
+        # absent unless asked, so a balancer forwards nothing an older board would not know
+        "top_logprobs": (_int(0, MAX_TOP), _ABSENT),  # alternatives per token (implies logprobs)
+        "prompt_logprobs": (_nullable(_int(0, MAX_TOP)), _ABSENT),  # the prompt's logprobs, this many alternatives
         # penalties and filters beyond top-p/top-k (vLLM's semantics: docs/protocol.md#sampling)
         "presence_penalty": (_float(-2.0, 2.0), _ABSENT),
         "frequency_penalty": (_float(-2.0, 2.0), _ABSENT),
@@ -456,6 +460,8 @@ def validate_request(obj: Any) -> dict:
         if len(given) > 1:
             raise ProtocolError("conflicting_fields", f"{', '.join(given)}: op {op!r} takes exactly one of "
                                                       f"them, got both", rid)
+    if op == "generate" and out["max_tokens"] == 0 and out.get("prompt_logprobs") is None:
+        raise ProtocolError("out_of_range", "max_tokens: must be >= 1 (0 only with prompt_logprobs)", rid)
     return out
 
 
@@ -493,7 +499,8 @@ def _logprob_list(logprobs: Any, n: int) -> list[float]:
     return out
 
 
-def tokens_event(id: str, tokens: Any, logprobs: Any = None, text: str | None = None) -> dict:
+def tokens_event(id: str, tokens: Any, logprobs: Any = None, text: str | None = None, top_logprobs: Any = None,
+                 prompt_logprobs: dict | None = None) -> dict:
     """New tokens of a streamed generate; `logprobs` only when the request asked for them.
 
     `text` is the decoded delta when the model has a tokenizer; it may lag the
@@ -504,10 +511,21 @@ def tokens_event(id: str, tokens: Any, logprobs: Any = None, text: str | None = 
     if text is not None:
         assert type(text) is str
         ev["text"] = text
-    assert ev["tokens"] or text, "a tokens event carries at least one token or some text"
+    assert ev["tokens"] or text or prompt_logprobs, "a tokens event carries a token, some text or prompt_logprobs"
     if logprobs is not None:
         ev["logprobs"] = _logprob_list(logprobs, len(ev["tokens"]))
+    _add_alternatives(ev, top_logprobs, prompt_logprobs)
     return ev
+
+
+def _add_alternatives(ev: dict, top_logprobs: Any, prompt_logprobs: dict | None) -> None:
+    """`top_logprobs` (per token, [[id, logprob], ...]) and `prompt_logprobs` ({tokens, logprobs, top_logprobs}:
+    one entry per prompt token, the first logprob null) of an event, when the request asked for them."""
+    if top_logprobs is not None:
+        assert len(top_logprobs) == len(ev["tokens"]), "one list of alternatives per token"
+        ev["top_logprobs"] = top_logprobs
+    if prompt_logprobs is not None:
+        ev["prompt_logprobs"] = prompt_logprobs
 
 
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -515,7 +533,8 @@ TIMING_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
 def done_event(id: str, finish_reason: str, usage: Mapping, timing: Mapping,
-               tokens: Any = None, logprobs: Any = None, text: str | None = None) -> dict:
+               tokens: Any = None, logprobs: Any = None, text: str | None = None, top_logprobs: Any = None,
+               prompt_logprobs: dict | None = None) -> dict:
     """The terminal event of a generate. With `stream: false` it also carries every token (and the text)."""
     assert finish_reason in FINISH_REASONS, finish_reason
     assert all(k in usage for k in USAGE_KEYS), f"usage needs {USAGE_KEYS}"
@@ -527,6 +546,9 @@ def done_event(id: str, finish_reason: str, usage: Mapping, timing: Mapping,
         ev["tokens"] = _int_list(tokens)
         if logprobs is not None:
             ev["logprobs"] = _logprob_list(logprobs, len(ev["tokens"]))
+        _add_alternatives(ev, top_logprobs, None)
+    if prompt_logprobs is not None:
+        ev["prompt_logprobs"] = prompt_logprobs
     if text is not None:
         assert type(text) is str
         ev["text"] = text
@@ -566,9 +588,10 @@ def validate_event(obj: Any) -> dict:
         if ev == "tokens":
             _event_tokens("tokens", obj.get("tokens"))
             _event_text(obj)
-            if not obj["tokens"] and not obj.get("text"):
+            if not obj["tokens"] and not obj.get("text") and "prompt_logprobs" not in obj:
                 raise _FieldError("out_of_range", "tokens: a tokens event carries at least one token or some text")
             _event_logprobs(obj)
+            _event_alternatives(obj)
         elif ev == "done":
             if obj.get("finish_reason") not in FINISH_REASONS:
                 raise _FieldError("out_of_range", f"finish_reason: must be one of {FINISH_REASONS}")
@@ -584,6 +607,7 @@ def validate_event(obj: Any) -> dict:
             if "tokens" in obj:
                 _event_tokens("tokens", obj["tokens"])
                 _event_logprobs(obj)
+            _event_alternatives(obj)
             _event_text(obj)
         elif ev == "error":
             code = obj.get("code")
@@ -608,6 +632,31 @@ def _event_logprobs(obj: dict) -> None:
         raise _FieldError("bad_type", "logprobs: must be a list with one number per token")
     if not all(type(x) in (int, float) for x in lp):
         raise _FieldError("bad_type", "logprobs: must be numbers")
+
+
+def _alternatives_ok(tops: Any) -> bool:
+    return type(tops) is list and all(
+        type(pair) is list and len(pair) == 2 and type(pair[0]) is int and type(pair[1]) in (int, float)
+        for pair in tops)
+
+
+def _event_alternatives(obj: dict) -> None:
+    tl = obj.get("top_logprobs")
+    if tl is not None and (type(tl) is not list or len(tl) != len(obj.get("tokens") or ())
+                           or not all(_alternatives_ok(t) for t in tl)):
+        raise _FieldError("bad_type", "top_logprobs: must be a list, per token, of [id, logprob] pairs")
+    pl = obj.get("prompt_logprobs")
+    if pl is None:
+        return
+    ok = type(pl) is dict and all(type(pl.get(k)) is list for k in ("tokens", "logprobs", "top_logprobs"))
+    if ok:
+        n = len(pl["tokens"])
+        ok = (len(pl["logprobs"]) == n and len(pl["top_logprobs"]) == n
+              and all(x is None or type(x) in (int, float) for x in pl["logprobs"])
+              and all(_alternatives_ok(t) for t in pl["top_logprobs"]))
+    if not ok:
+        raise _FieldError("bad_type", "prompt_logprobs: must be {tokens, logprobs, top_logprobs}, one entry per "
+                                      "prompt token each")
 
 
 def _event_text(obj: dict) -> None:

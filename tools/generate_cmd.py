@@ -59,6 +59,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tenant")
     p.add_argument("--model")
     p.add_argument("--logprobs", action="store_true", default=None)
+    p.add_argument("--top-logprobs", type=int, metavar="N", help="also each token's N most likely alternatives")
+    p.add_argument("--prompt-logprobs", type=int, metavar="N",
+                   help="also the prompt tokens' logprobs, with N alternatives (--max-tokens 0: only those)")
     p.add_argument("--no-stream", action="store_true", help="wait for the whole answer instead of streaming")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before giving up (default 60)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -71,9 +74,11 @@ def main(argv: list[str]) -> int:
     sampling = {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
                 "seed": a.seed, "stop_token_ids": a.stop_token_ids, "stop": a.stop, "ignore_eos": a.ignore_eos,
                 "deadline_ms": a.deadline_ms, "tenant": a.tenant, "model": a.model, "logprobs": a.logprobs,
+                "top_logprobs": a.top_logprobs, "prompt_logprobs": a.prompt_logprobs,
                 "presence_penalty": a.presence_penalty, "frequency_penalty": a.frequency_penalty,
                 "repetition_penalty": a.repetition_penalty, "min_p": a.min_p, "min_tokens": a.min_tokens,
                 "logit_bias": dict(a.logit_bias) if a.logit_bias else None}
+
     sampling = {k: v for k, v in sampling.items() if v is not None}
     as_text = a.text is not None
     try:
@@ -106,6 +111,10 @@ def main(argv: list[str]) -> int:
                "usage": r.usage, "timing": r.timing}
         if r.logprobs is not None:
             out["logprobs"] = r.logprobs
+        if r.top_logprobs is not None:
+            out["top_logprobs"] = r.top_logprobs
+        if r.prompt_logprobs is not None:
+            out["prompt_logprobs"] = r.prompt_logprobs
         sys.stdout.buffer.write(orjson.dumps(out) + b"\n")
     else:
         u = r.usage

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ipc.kv_slots import RecordRefused
+from ipc.logprob_wants import asks_more
 from ipc.records import Job, JobKind, JobStatus
 from workers.backends.base import ChipBackend
 from workers.constraints import ConstraintBook, ConstraintError
 from workers.draft_model import DraftModel
 from workers.kv_transfer import HostKv
 from workers.lane_sampling import sample_lanes
+from workers.logprob_alternatives import lane_alternatives, prompt_alternatives, prompt_lanes
 from workers.multi_step import next_step
 from workers.penalties import PenaltyBook, PenaltyError, count_looped, device_penalties
 from workers.spec_verify import verify_drafts
@@ -38,6 +40,7 @@ class JobOutcome:
     accepted: np.ndarray | None = None  # verification jobs: accepted drafts per lane
     accepted_logprobs: np.ndarray | None = None
     accepted_tokens: np.ndarray | None = None
+    extra: dict | None = None  # lanes asking for alternatives or prompt logprobs: JobResult's arrays by name
 
 
 def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, host_kv: HostKv | None = None,
@@ -105,6 +108,7 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
             lane_masks = masks.result() if masks is not None else None  # never leave the helper on a dead job
         device_us = (time.perf_counter_ns() - t0) // 1000
         accepted = accepted_lps = accepted_toks = None
+        extra = None
         if out.logits is not None:
             if lanes.size:
                 sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks, penalties)
@@ -112,6 +116,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
                 if out.draft_logits is None:
                     raise RuntimeError("the backend cannot verify draft tokens (no draft_logits)")
                 accepted, accepted_lps, accepted_toks = verify_drafts(job, out.draft_logits, tokens, logprobs)
+            if asks_more(job.want_logprobs):
+                extra = logprob_arrays(job, out, lanes)
         elif out.tokens is not None:
             if job.constrained and job.constraint_id[lanes].any():
                 raise ConstraintError("this backend samples on the device: constrained lanes need logits")
@@ -142,12 +148,28 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                           (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
     logits = out.logits if job.return_logits else None
-    spec = dict(accepted=accepted, accepted_logprobs=accepted_lps, accepted_tokens=accepted_toks)
+    spec = dict(accepted=accepted, accepted_logprobs=accepted_lps, accepted_tokens=accepted_toks, extra=extra)
     if job.constrained and constraints is not None:
         st = constraints.stats
         return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, masks=st.masks - masks0,
                           mask_us=st.mask_us - mask_us0, **spec)
     return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, **spec)
+
+
+def logprob_arrays(job: Job, out, lanes: np.ndarray) -> dict | None:
+    """The result arrays of the lanes asking for alternatives or prompt logprobs (one-step jobs only: the
+    scheduler keeps such lanes out of multi-step and speculative jobs)."""
+    arrays = {}
+    if job.decode_steps == 1:
+        tops = lane_alternatives(job, out.logits, lanes)
+        if tops is not None:
+            arrays["top_ids"], arrays["top_logprobs"] = tops
+    if prompt_lanes(job):
+        lps, starts, ids, tlps = prompt_alternatives(job, out.prompt_logits)
+        arrays["prompt_logprobs"], arrays["prompt_start"] = lps, starts
+        if ids is not None:
+            arrays["prompt_top_ids"], arrays["prompt_top_logprobs"] = ids, tlps
+    return arrays or None
 
 
 def device_loop_job(job: Job) -> bool:
@@ -157,7 +179,7 @@ def device_loop_job(job: Job) -> bool:
     loop takes penalties (else it declines and the host loop runs). The worker also keeps the host loop when
     it has a draft model (it mirrors every step's KV)."""
     return (job.kind == JobKind.DECODE and job.decode_steps > 1 and not job.constrained and not job.draft_lens.size
-            and not job.return_logits and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
+            and not job.return_logits and not asks_more(job.want_logprobs) and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
 
 
 def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,

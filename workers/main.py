@@ -270,8 +270,11 @@ class WorkerProcess:
         logits = outcome.logits
         status = outcome.status
         accepted = outcome.accepted if status == JobStatus.OK else None
+        extra = outcome.extra if status == JobStatus.OK else None
         spec = _result_spec(b, None if logits is None else logits.shape, job.decode_steps,
                             -1 if accepted is None else int(accepted.sum()))
+        if extra:  # lanes asking for alternatives or prompt logprobs (the rare path: a copy of the cached spec)
+            spec = {**spec, **{k: (v.shape, v.dtype.str) for k, v in extra.items()}}
         while True:
             try:
                 writer = self.result_ring.reserve(spec, timeout=self.interval)
@@ -279,7 +282,7 @@ class WorkerProcess:
             except RecordTooLarge:
                 _log("worker.result_too_large", job_id=job.job_id, shape=list(logits.shape) if logits is not None else None)
                 spec = _result_spec(b, None, job.decode_steps)
-                logits, status, accepted = None, JobStatus.FAILED, None
+                logits, status, accepted, extra = None, JobStatus.FAILED, None, None
                 outcome.tokens[:] = -1
                 outcome.logprobs[:] = 0
             except RingFull:
@@ -308,6 +311,9 @@ class WorkerProcess:
                 a["accepted"][:] = accepted
                 a["accepted_logprobs"][:] = outcome.accepted_logprobs
                 a["accepted_tokens"][:] = outcome.accepted_tokens
+            if extra:
+                for k, v in extra.items():
+                    a[k][...] = v
             meta[S.WORKER_US] = (time.perf_counter_ns() - t0_ns) // 1000  # last: it times the whole write
 
     # -- loop ------------------------------------------------------------

@@ -43,7 +43,7 @@ def handle(bal: BalancerPorts, conn: "Conn", msg: dict, now: float) -> list:
     core = bal.core
     if op == "generate":
         rid = bal.next_request_id()
-        if not fe.open(rid, conn, cid, bool(msg["stream"]), bool(msg["logprobs"])):
+        if not fe.open(rid, conn, cid, bool(msg["stream"]), bool(msg["logprobs"] or msg.get("top_logprobs"))):
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
         msg["tenant"] = tenant_for(conn, msg["tenant"])

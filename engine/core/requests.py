@@ -82,6 +82,8 @@ class GenerateParams:
     tenant: str = "default"
     priority: int = 0  # orders requests *within* a tenant only; weights come from configuration
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per sampled token (engine.core.logprob_asks)
+    prompt_logprobs: int | None = None  # the prompt's logprobs with this many alternatives; None: not asked
     # Tokens already produced for this request elsewhere (a balancer resuming a
     # broken stream): context after the prompt, counted toward max_tokens,
     # inside the stop-sequence window, never re-emitted.

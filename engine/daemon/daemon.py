@@ -382,7 +382,7 @@ class Daemon:
                     gens.ended(rid, t is FinishRequest)
                 continue
             if t is EmitTokens:
-                fe.emit(rid, a.tokens, a.logprobs, a.text)
+                fe.emit(rid, a.tokens, a.logprobs, a.text, a.top_logprobs, a.prompt_logprobs)
             elif t is FinishRequest:
                 fe.finish(rid, a.finish_reason, a.usage, a.timing)
                 gens.ended(rid, True)

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 # Wire fields of `generate` that are scheduler parameters (model/stream are the shell's).
 _PARAM_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
-                 "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "speculative")
+                 "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "speculative",
+                 "top_logprobs", "prompt_logprobs")
 NOT_IMPLEMENTED_OPS: frozenset[str] = frozenset()
 
 
@@ -48,6 +49,8 @@ def params_from(msg: dict, tokenizer=None) -> GenerateParams:
     Raises TextRejected when the text cannot be tokenized for this model, or its `constraint` does not
     compile (`invalid_constraint`)."""
     fields = {k: msg[k] for k in _PARAM_FIELDS if k in msg}
+    if fields.get("top_logprobs"):
+        fields["logprobs"] = True  # alternatives come with the chosen token's logprob
     fields["prompt"] = prompt_of(msg, tokenizer)
     fields["stop"], fields["stop_strings"] = split_stop(msg.get("stop", []))
     c = msg.get("constraint")
@@ -58,6 +61,22 @@ def params_from(msg: dict, tokenizer=None) -> GenerateParams:
             raise TextRejected("invalid_constraint", str(e)) from None
     fields["penalties"] = penalties_of(msg)
     return GenerateParams(**fields)
+
+
+def logprob_refusal(params: GenerateParams, info, handoff: dict | None = None) -> tuple[str, str] | None:
+    """(reason, message) of a 400 when the generation's backend cannot give the logprobs asked for."""
+    extra = {} if info is None else info.extra
+    if params.prompt_logprobs is not None and handoff is not None and not handoff.get("export"):
+        return "prompt_logprobs_unsupported", ("prompt_logprobs: a decode leg's prompt was computed by the "
+                                               "prefill board, which answers them")
+    name = "this" if info is None else f"the {info.name}"
+    if params.top_logprobs and extra.get("samples_on_device"):
+        return "top_logprobs_unsupported", (f"top_logprobs: {name} backend samples on the device and returns no "
+                                            "logits, so it has no alternatives to give")
+    if params.prompt_logprobs is not None and not extra.get("prompt_logprobs"):
+        return "prompt_logprobs_unsupported", (f"prompt_logprobs: {name} backend does not return the logits of "
+                                               "prompt positions (echo with logprobs needs them)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -102,8 +121,12 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
             fe.error(conn, cid, 400, f"{name}_unsupported", f"{name}: the {g.info.name} backend samples on the "
                                                            "device, so no penalty or bias can apply")
             return []
+        refused = logprob_refusal(params, g.info, msg.get("handoff"))
+        if refused is not None:
+            fe.error(conn, cid, 400, *refused)
+            return []
         rid = gens.next_request_id()
-        if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False)),
+        if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), params.logprobs,
                        text=g.tokenizer is not None, generation=g.id):
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []

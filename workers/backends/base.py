@@ -131,6 +131,10 @@ class StepOutput:
     # verification jobs (Job.draft_lens): logits [len(spec_verify.draft_rows(job)), V] of the draft rows.
     # A backend that makes them says so with describe().extra["spec_verify"] = True.
     draft_logits: np.ndarray | None = None
+    # lanes asking for their prompt's logprobs (ipc.logprob_wants.PROMPT): logits of the rows
+    # `workers.logprob_alternatives.prompt_rows(job)` names, in that order. A backend that makes them says so
+    # with describe().extra["prompt_logprobs"] = True.
+    prompt_logits: np.ndarray | None = None
 
 
 class BackendError(RuntimeError):

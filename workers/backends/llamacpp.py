@@ -55,6 +55,7 @@ import numpy as np
 from ipc.records import Job, JobKind
 from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLayout, KvTransferCost, OneStepBackend,
                                    StepOutput)
+from workers.logprob_alternatives import prompt_rows
 
 SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": True}
 
@@ -198,7 +199,8 @@ class LlamacppBackend(OneStepBackend):
             extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
                    "architecture": pkg.architecture, "bos_id": pkg.bos_id, "pad_id": pkg.pad_id,
                    "threads": self.threads, "n_seq_max": self.n_seq_max, "kv_cells": info["n_ctx"],
-                   "supports": dict(SUPPORTS), "tokenizer": dict(pkg.tokenizer), "spec_verify": True},
+                   "supports": dict(SUPPORTS), "tokenizer": dict(pkg.tokenizer), "spec_verify": True,
+                   "prompt_logprobs": True},
         )
 
     def health(self) -> dict:
@@ -249,10 +251,11 @@ class LlamacppBackend(OneStepBackend):
         out_rows[last] = lanes
         # verification: the draft rows' logits too, in rows b.. of the output (spec_verify.draft_rows order)
         n_draft = self._want_draft_rows(job, lane_list, counts, want, out_rows, b)
-        logits = self._out[:b]  # _want_draft_rows may have grown the buffer
+        n_prompt = self._want_prompt_rows(job, rows, want, out_rows, b + n_draft)
+        logits = self._out[:b]  # _want_draft_rows / _want_prompt_rows may have grown the buffer
         # Every lane valid and wanting logits (decode steps, mixed jobs of whole prompts): the logits are
         # read where llama.cpp wrote them, lane i in row i, instead of copied (a MB per lane on Gemma).
-        in_place = len(lane_list) == b and bool(emit.all()) and not n_draft
+        in_place = len(lane_list) == b and bool(emit.all()) and not n_draft and not n_prompt
         if in_place:
             rc, view = model.decode_in_place(job.tokens[rows], job.positions[rows], seq_ids, want)
         else:
@@ -269,7 +272,23 @@ class LlamacppBackend(OneStepBackend):
         quiet[lanes[emit]] = False
         if quiet.any():
             logits[quiet] = 0
-        return StepOutput(logits=logits, draft_logits=self._out[b:b + n_draft] if n_draft else None)
+        return StepOutput(logits=logits, draft_logits=self._out[b:b + n_draft] if n_draft else None,
+                          prompt_logits=self._out[b + n_draft:b + n_draft + n_prompt] if n_prompt else None)
+
+    def _want_prompt_rows(self, job: Job, rows: np.ndarray, want: np.ndarray, out_rows: np.ndarray, at: int) -> int:
+        """Ask for the logits of the rows prompt logprobs need (`prompt_rows`), into output rows at, at+1, ...;
+        returns how many. Only the lanes that ask pay: llama.cpp computes the output rows it is asked for."""
+        wanted = prompt_rows(job)
+        if not wanted.size:
+            return 0
+        where = np.searchsorted(rows, wanted)  # rows: the job's token indices in batch order (ascending)
+        want[where] = 1
+        out_rows[where] = np.arange(at, at + wanted.size)
+        if self._out.shape[0] < at + wanted.size:
+            grown = np.zeros((at + wanted.size, self._out.shape[1]), np.float32)
+            grown[:self._out.shape[0]] = self._out
+            self._out = grown
+        return int(wanted.size)
 
     def _want_draft_rows(self, job: Job, lane_list: list[int], counts: list[int], want: np.ndarray,
                          out_rows: np.ndarray, b: int) -> int:

@@ -27,6 +27,7 @@ from ipc.records import Job
 from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLayout, KvTransferCost, OneStepBackend,
                                    StepOutput)
 from workers.default_package import ensure_default_package
+from workers.logprob_alternatives import prompt_rows
 from workers.model_package import ModelPackage
 from workers.package_loader import load_package
 from workers.paged_kv import PagedKvCache
@@ -108,7 +109,7 @@ class RefBackend(OneStepBackend):
             extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
                    "bos_id": pkg.bos_id, "pad_id": pkg.pad_id, "dims": d.to_dict(),
                    "tp": {"rank": self.tp_rank, "world": self.tp_world},
-                   "spec_verify": self.tp_world == 1},  # draft rows: not proven across tensor-parallel ranks
+                   "spec_verify": self.tp_world == 1, "prompt_logprobs": True},  # draft rows: not proven across tensor-parallel ranks
         )
 
     def health(self) -> dict:
@@ -133,6 +134,11 @@ class RefBackend(OneStepBackend):
         # draft rows as indices into the selected (packed) rows
         packed_at = np.full(len(job.tokens), -1, np.int64)
         packed_at[rows] = np.arange(len(rows))
+        # prompt logprobs: the rows of the lanes that ask, after the draft rows
+        wanted_prompt = prompt_rows(job)
+        n_draft = len(want)
+        if wanted_prompt.size:
+            want = np.concatenate([np.asarray(want, np.int64).reshape(-1), wanted_prompt])
         extra = packed_at[want] if len(want) else None
         try:
             out = model.forward_paged(
@@ -151,7 +157,9 @@ class RefBackend(OneStepBackend):
                 self.collective.abort()
             raise BackendError(f"ref backend: {type(e).__name__}: {e}") from e
         logits[lanes] = out[:len(lanes)]
-        return StepOutput(logits=logits, draft_logits=out[len(lanes):] if extra is not None else None)
+        at = len(lanes)
+        return StepOutput(logits=logits, draft_logits=out[at:at + n_draft] if n_draft else None,
+                          prompt_logits=out[at + n_draft:] if wanted_prompt.size else None)
 
     @staticmethod
     def _validate(job: Job, pkg: ModelPackage, cache: PagedKvCache) -> np.ndarray:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from engine.core.batch_planner import PromptChunk
 from engine.core.chip_state import ChipState
+from engine.core.logprob_asks import whole_prompt
 from engine.core.prefill_queues import WorkClass
 from engine.core.request_record import RequestRecord
 from engine.core.sched.admission import Admission
@@ -103,7 +104,7 @@ class JobBuilder:
         st = self.st
         r = st.requests[rid]
         start = r.committed
-        end = st.planner.prefill_end(start, r.prefill_target)
+        end = r.prefill_target if whole_prompt(r) else st.planner.prefill_end(start, r.prefill_target)
         st.job_counts.prefill_job(end - start)
         return self._plan(ch, JobKind.PREFILL, [], [(r, start, end)], None)
 
@@ -216,7 +217,7 @@ class JobBuilder:
             return 1
         horizon = now + cfg.decode_steps_deadline_margin_s
         for r in chosen:
-            if r.job_id is not None or r.params.constraint is not None \
+            if r.job_id is not None or r.params.constraint is not None or r.params.top_logprobs \
                     or (r.deadline is not None and r.deadline <= horizon):
                 return 1
             n = min(n, r.stop.max_tokens - r.stop.produced, st.model.max_seq - r.committed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from engine.core.actions import Action, SubmitJob
 from engine.core.chip_state import ChipState, InflightJob
 from engine.core.constraint_spec import lane_fields
+from engine.core.logprob_asks import prompt_lane_want
 from engine.core.penalty_spec import lane_penalty
 from engine.core.request_record import RequestRecord
 from engine.core.requests import RequestState
@@ -137,14 +138,15 @@ class Launcher:
               drafts: list[int] | None = None, draft_model: bool = False) -> Lane:
         """The one place a request becomes a job lane (per-lane inputs the chip needs go here)."""
         p = r.params
+        want = r.sampling[4] if p.prompt_logprobs is None else prompt_lane_want(r, start, sample)
         if not p.host_stepped and not drafts:  # the common lane, positionally (one per generated token)
             return Lane(r.tokens[start:end], start, ch.kv.block_table_view(r.seq_id), sample, p.temperature,
-                        p.top_p, p.top_k, p.seed, p.logprobs)
+                        p.top_p, p.top_k, p.seed, want)
         # block_table_view: not copied, build_job copies it into the record before the KV changes again
         return Lane(
             tokens=r.tokens[start:end] if not drafts else r.tokens[start:start + 1] + drafts, start=start,
             block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=p.logprobs,
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=want,
             drafts=len(drafts) if drafts else 0, draft_model=draft_model,
             **(_NO_CONSTRAINT if p.constraint is None else
                lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
