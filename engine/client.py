@@ -30,6 +30,7 @@ SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
     "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "pool", "speculative",
     "constraint",  # structured output: {"kind": ..., "body": ...} (docs/protocol.md)
+    "adapter",  # a LoRA adapter loaded on the board (docs/lora.md)
 })
 
 # How long the receiving thread holds the socket lock per poll while other

@@ -88,3 +88,4 @@ class GenerateParams:
     prefix_salt: str = ""
     speculative: str | None = None  # "off" | "ngram"; None: the board's speculative.method
     constraint: ConstraintSpec | None = None  # structured output, compiled by the daemon at admission
+    adapter: int = -1  # the board's number of the LoRA adapter the request runs under; -1 = the base model

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from engine.core.batch_planner import PromptChunk
 from engine.core.chip_state import ChipState
+from engine.core.lora.job_adapters import within_slots
 from engine.core.prefill_queues import WorkClass
 from engine.core.request_record import RequestRecord
 from engine.core.sched.admission import Admission
@@ -92,6 +93,8 @@ class JobBuilder:
             pool = {**ch.decode_ready, **ch.followable}
         cands = plan.decode_candidates(pool, st.requests)
         chosen = self._with_room(ch, plan.pick_lanes(cands, plan.decode_profile(len(cands))))
+        if st.model.lora_slots:  # lanes of more adapters than the chip holds wait for a later job
+            chosen = within_slots(chosen, st.model.lora_slots)[0]
         if not chosen:
             return None
         batch = plan.fitting_profile(len(chosen))
@@ -127,6 +130,8 @@ class JobBuilder:
         if ch.decode_ready and (waiting or self._may_fire(plan.decode_hold(ch.decode_ready, requests, now))):
             cands = plan.decode_candidates(ch.decode_ready, requests)
             decode = self._with_room(ch, plan.mixed_decode_lanes(cands, budget, bool(waiting)))
+            if st.model.lora_slots:
+                decode = within_slots(decode, st.model.lora_slots)[0]
             if decode and not waiting and st.config.decode_steps > 1:
                 steps = self._steps_for(ch, decode, now)
                 if steps > 1:  # else a one-step mixed job, and the next prompt to arrive rides in one again
@@ -134,12 +139,30 @@ class JobBuilder:
                     st.job_counts.decode_job(batch, len(decode))
                     return self._plan(ch, JobKind.DECODE, decode, [], batch, steps)
         prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, budget - len(decode))
+        if st.model.lora_slots and prompts:
+            kept = self._prompts_within_slots(ch, decode, prompts)
+            left += sum(e - s for _, s, e in prompts) - sum(e - s for _, s, e in kept)
+            prompts = kept
         prompt_tokens = budget - len(decode) - left
         decode = plan.trim_decode(decode, prompt_tokens, left)
         if not decode and not prompts:
             return None
         st.job_counts.mixed_job(len(decode), len(prompts), prompt_tokens)
         return self._plan(ch, JobKind.PREFILL, decode, prompts, None)
+
+    def _prompts_within_slots(self, ch: ChipState, decode: list[RequestRecord],
+                              prompts: list[PromptChunk]) -> list[PromptChunk]:
+        """The prompt chunks whose adapters fit the job beside its decode lanes; the others go back to the
+        front of their queues, in order, for the next job."""
+        seen: set[int] = set()
+        within_slots(decode, self.st.model.lora_slots, seen)
+        kept, deferred = within_slots([r for r, _, _ in prompts], self.st.model.lora_slots, seen)
+        if not deferred:
+            return prompts
+        for r in reversed(deferred):
+            ch.prefill.push(r.request_id, r.prefill_target - r.committed, front=True)
+        keep = {id(r) for r in kept}
+        return [p for p in prompts if id(p[0]) in keep]
 
     def _plan(self, ch: ChipState, kind: JobKind, decode: list[RequestRecord], prompts: list[PromptChunk],
               batch: int | None, steps: int = 1) -> JobPlan:
