@@ -49,7 +49,9 @@ def board(files):
     for name in ("a0", "a1", "a2"):
         extra += ["--lora", f"{name}={adapters[name]}"]
     with daemon_process("ref", 1, settings={"lora.max_loaded_per_chip": 2, "lora.max_cached": 2,
-                                            "admission.max_waiting_requests": 256}, extra=extra) as d:
+                                            "admission.max_waiting_requests": 256,
+                                            "queues.tenants.fin.default_adapter": "a1",
+                                            "queues.tenants.ops.allowed_adapters": ["a0"]}, extra=extra) as d:
         yield d
 
 
@@ -105,9 +107,20 @@ def test_adapters_and_the_base_mixed_each_get_their_merged_models_tokens(board, 
     for i, (who, prompt, _) in enumerate(jobs):
         assert got[i] == expect(who, prompt, 6), (i, who)
     assert len({tuple(got[i]) for i in range(4)}) == 4  # four different models, not one
-    with board.client(timeout=10) as c:
-        lora = c.stats()["lora"]
+    with board.client(timeout=10) as c:  # the worker reports its slots with its heartbeats
+        wait_until(lambda: sum(ch["swaps"] for ch in c.stats()["lora"]["chips"]) >= 3, 30, what="the swaps")
+        st = c.stats()
+    lora = st["lora"]
     [chip] = lora["chips"]
+    samples = {(name, tuple(sorted(labels.items()))): v for f in st["metrics"] for name, labels, v in f["samples"]}
+
+    def metric(name: str, **labels) -> float:
+        return sum(v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == x
+                                                                              for k, x in labels.items()))
+    assert metric("npuserve:lora_swaps_total") == chip["swaps"] and metric("npuserve:lora_swap_seconds_total") > 0
+    assert metric("npuserve:lora_adapters_loaded") == chip["loaded"]
+    assert metric("npuserve:lora_requests_total", adapter="a1") == lora["adapters"]["a1"]["requests"]
+    assert metric("npuserve:lora_tokens_total", adapter="a2") == lora["adapters"]["a2"]["tokens"] > 0
     assert chip["slots"] == 2 and chip["loaded"] <= 2 and chip["swaps"] >= 3  # three adapters through two slots
     assert lora["adapters"]["a1"]["requests"] >= 4 and lora["adapters"]["a1"]["tokens"] >= 24
 
@@ -119,6 +132,17 @@ def test_an_unknown_adapter_is_404_adapter_not_found(board):
     with pytest.raises(ClientError) as e:
         _gen(board, [1, 2, 3], 2, model="nope")
     assert e.value.code == 404
+
+
+def test_a_tenant_gets_its_default_adapter_and_only_its_allowed_ones(board, expect):
+    prompt = _prompt(31, 7)
+    assert _gen(board, prompt, 4, tenant="fin").tokens == expect("a1", prompt, 4)  # its default adapter
+    assert _gen(board, prompt, 4, tenant="fin", adapter="a2").tokens == expect("a2", prompt, 4)  # named wins
+    assert _gen(board, prompt, 4, tenant="ops", adapter="a0").tokens == expect("a0", prompt, 4)
+    assert _gen(board, prompt, 4, tenant="ops").tokens == expect(None, prompt, 4)  # no default: the base
+    with pytest.raises(ClientError) as e:
+        _gen(board, prompt, 4, tenant="ops", model="a1")
+    assert (e.value.code, e.value.reason) == (403, "adapter_forbidden")
 
 
 def test_models_lists_each_adapter_with_its_parent(board):
