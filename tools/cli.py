@@ -48,6 +48,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-http-peer": ("tools.bench_http_peer", "benchmark npuserve against llama.cpp's server, both over HTTP"),
     "bench-structured": ("tools.bench_structured", "what JSON-schema constraints cost, against none and llama.cpp"),
     "bench-recovery": ("tools.bench_recovery", "time a chip back in service after its worker is killed or hung"),
+    "bench-lora": ("tools.load.lora_mix", "LoRA: 8 adapters in a uniform mix against base-only requests, paired (ref)"),
     "fuzz": ("tools.fuzz.main", "coverage-guided fuzzing (atheris) of the wire, HTTP and ring decoders"),
 }
 
