@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING
 
 from engine.daemon.log import log
 from engine.daemon.supervisor import ChipState
+from workers.gguf_package import GgufPackage
 from workers.lora.adapter_package import AdapterFacts, check_against_base, read_adapter_facts
+from workers.lora.gguf_adapter import check_gguf_against_base
 from workers.model_package import ARCHITECTURE, ModelPackage
 from workers.package_manifest import MANIFEST, PackageError
 from workers.transformer import weight_shapes
@@ -193,11 +195,15 @@ class LoraRegistry:
         if not slots:
             raise AdapterRefused("validate", f"backend {cfg.board.backend!r} serves no LoRA adapters")
         pkg = g.package
-        if not isinstance(pkg, ModelPackage):
-            raise AdapterRefused("validate", f"base model {g.alias!r} is not an npz package: an npz adapter "
-                                             "cannot adapt it")
         try:
-            check_against_base(facts, ARCHITECTURE, pkg.dims.layers, weight_shapes(pkg.dims, pkg.vocab_size))
+            if isinstance(pkg, ModelPackage):
+                check_against_base(facts, ARCHITECTURE, pkg.dims.layers, weight_shapes(pkg.dims, pkg.vocab_size))
+            elif isinstance(pkg, GgufPackage):  # llama.cpp's LoRA GGUF against the base GGUF, from the headers
+                if facts.format != "gguf":
+                    raise PackageError(f"{facts.path}: a {facts.format} adapter cannot adapt a GGUF model")
+                check_gguf_against_base(facts, pkg.gguf_path)
+            else:
+                raise PackageError(f"base model {g.alias!r} has no package to check the adapter against")
         except PackageError as e:
             raise AdapterRefused("validate", str(e)) from None
 

@@ -29,6 +29,7 @@ from workers.package_manifest import MANIFEST, PackageError, is_int, need, verif
 
 LORA_SCHEMA = "npuserve-lora/v1"
 ADAPTER_FILE = "adapter.npz"
+ADAPTER_FILES = {"npz": ADAPTER_FILE, "gguf": "adapter.gguf"}  # format -> its weights file
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 MAX_RANK = 1024
 
@@ -43,6 +44,7 @@ class AdapterFacts:
 
     path: str
     sha256: str  # of manifest.json: the adapter's identity (its KV differs from any other's)
+    format: str  # "npz" (ref, ctypes) or "gguf" (llamacpp)
     name: str
     rank: int
     alpha: float
@@ -65,7 +67,8 @@ def is_lora_manifest(m) -> bool:
 def check_lora_manifest(m, where: str) -> None:
     need(isinstance(m, dict), where, "must be a JSON object")
     need(m.get("schema") == LORA_SCHEMA, where, f"unsupported schema {m.get('schema')!r} (expected {LORA_SCHEMA!r})")
-    need(m.get("format", "npz") == "npz", where, f"format {m.get('format')!r}: this reader takes npz adapters")
+    fmt = m.get("format", "npz")
+    need(fmt in ADAPTER_FILES, where, f"format {fmt!r}: adapters are npz or gguf")
     need(is_int(m.get("rank")) and 0 < m["rank"] <= MAX_RANK, where, f"rank must be an integer in 1..{MAX_RANK}")
     alpha = m.get("alpha")
     need(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and np.isfinite(alpha) and alpha > 0,
@@ -77,10 +80,11 @@ def check_lora_manifest(m, where: str) -> None:
     need(isinstance(base, dict) and isinstance(base.get("architecture"), str) and is_int(base.get("layers"))
          and base["layers"] > 0, where, "base must name the base model's architecture and layer count")
     files = m.get("files")
-    need(isinstance(files, dict) and set(files) == {ADAPTER_FILE}, where, f"files must list exactly {ADAPTER_FILE}")
-    digest = files[ADAPTER_FILE]
+    wfile = ADAPTER_FILES[fmt]
+    need(isinstance(files, dict) and set(files) == {wfile}, where, f"files must list exactly {wfile}")
+    digest = files[wfile]
     need(isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest), where,
-         f"files[{ADAPTER_FILE!r}] is not a sha256 hex digest")
+         f"files[{wfile!r}] is not a sha256 hex digest")
 
 
 def read_adapter_facts(path: str, verify_files: bool = True) -> AdapterFacts:
@@ -102,7 +106,7 @@ def read_adapter_facts(path: str, verify_files: bool = True) -> AdapterFacts:
     if verify_files:
         verify_listed_files(path, m["files"])
     base = m["base"]
-    return AdapterFacts(path=path, sha256=hashlib.sha256(raw).hexdigest(), name=str(m.get("name", os.path.basename(path))),
+    return AdapterFacts(path=path, sha256=hashlib.sha256(raw).hexdigest(), format=m.get("format", "npz"), name=str(m.get("name", os.path.basename(path))),
                         rank=m["rank"], alpha=float(m["alpha"]), targets=tuple(m["targets"]),
                         base_architecture=base["architecture"], base_layers=base["layers"],
                         base_name=str(base.get("name", "")), base_sha256=str(base.get("sha256", "")), manifest=m)
@@ -148,6 +152,7 @@ def check_against_base(facts: AdapterFacts, architecture: str, layers: int,
 
     Reads the npz headers only: nothing is loaded for an adapter of another base."""
     where = os.path.join(facts.path, MANIFEST)
+    need(facts.format == "npz", where, f"a {facts.format} adapter cannot adapt an npz model")
     need(facts.base_architecture == architecture, where,
          f"made for architecture {facts.base_architecture!r}, the base model is {architecture!r}")
     need(facts.base_layers == layers, where, f"made for {facts.base_layers} layers, the base model has {layers}")
@@ -188,6 +193,8 @@ class LoraWeights:
 def read_adapter(facts: AdapterFacts) -> LoraWeights:
     """The tensors, re-hashed against the manifest as they are parsed (a file swapped since the check is refused)."""
     fpath = os.path.join(facts.path, ADAPTER_FILE)
+    if facts.format != "npz":
+        raise PackageError(f"{facts.path}: a {facts.format} adapter, not npz")
     try:
         with open(fpath, "rb") as f:
             data = f.read()

@@ -1,4 +1,5 @@
-"""`npuserve make-lora`: a random test adapter for a base package, in the base package's adapter format.
+"""`npuserve make-lora`: a random test adapter for a base package, in the base package's adapter format
+(an npz adapter for an `.npz` base, llama.cpp's LoRA GGUF for a GGUF base: `workers.lora.gguf_adapter`).
 
 The low-rank factors are random (B is not zero, unlike a training init) and
 sized so the adapter visibly changes the base model's greedy choices: the
@@ -19,7 +20,7 @@ import numpy as np
 from workers.lora.adapter_package import ADAPTER_FILE, LORA_SCHEMA, TARGETS, tensor_names
 from workers.model_package import ARCHITECTURE, ModelPackage
 from workers.package_loader import load_package
-from workers.package_manifest import PackageError, write_manifest
+from workers.package_manifest import write_manifest
 from workers.transformer import weight_shapes
 
 DEFAULT_TARGETS = ("wq", "wv")
@@ -41,8 +42,10 @@ def make_lora(base: str, out_dir: str, *, rank: int = 8, targets: Sequence[str] 
     if not alpha > 0:
         raise ValueError("alpha must be positive")
     pkg = load_package(base)
-    if not isinstance(pkg, ModelPackage):
-        raise PackageError(f"{pkg.path}: make-lora writes npz adapters; this base is a {type(pkg).__name__}")
+    if not isinstance(pkg, ModelPackage):  # a GGUF base: llama.cpp's LoRA GGUF
+        from workers.lora.gguf_adapter import make_gguf_lora
+        return make_gguf_lora(pkg, out_dir, rank=rank, targets=targets, seed=seed, alpha=alpha,
+                              name=name or os.path.basename(out_dir), strength=strength)
     dims = pkg.dims
     shapes = weight_shapes(dims, pkg.vocab_size)
     rng = np.random.default_rng(seed)
