@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from engine.core.batch_planner import PromptChunk
 from engine.core.chip_state import ChipState
+from engine.core.lora.adapter_groups import AdapterGroups
 from engine.core.lora.job_adapters import within_slots
 from engine.core.prefill_queues import WorkClass
 from engine.core.request_record import RequestRecord
@@ -39,6 +40,7 @@ class JobBuilder:
     def __init__(self, st: SchedState, admission: Admission) -> None:
         self.st = st
         self.admission = admission
+        self.groups = AdapterGroups()  # backends that run one adapter per job (st.model.lora_mixed False)
 
     def plans(self, ch: ChipState, now: float) -> Iterator[JobPlan]:
         """The chip's next jobs while it has free slots; launch each before asking for the next."""
@@ -93,8 +95,8 @@ class JobBuilder:
             pool = {**ch.decode_ready, **ch.followable}
         cands = plan.decode_candidates(pool, st.requests)
         chosen = self._with_room(ch, plan.pick_lanes(cands, plan.decode_profile(len(cands))))
-        if st.model.lora_slots:  # lanes of more adapters than the chip holds wait for a later job
-            chosen = within_slots(chosen, st.model.lora_slots)[0]
+        if st.model.lora_slots:  # lanes of more adapters than the chip holds (or of another group) wait
+            chosen = self._decode_adapters(ch, chosen)
         if not chosen:
             return None
         batch = plan.fitting_profile(len(chosen))
@@ -108,6 +110,8 @@ class JobBuilder:
         start = r.committed
         end = st.planner.prefill_end(start, r.prefill_target)
         st.job_counts.prefill_job(end - start)
+        if st.model.lora_slots and not st.model.lora_mixed:
+            self.groups.ran(ch.chip, r.params.adapter, [])
         return self._plan(ch, JobKind.PREFILL, [], [(r, start, end)], None)
 
     def _mixed(self, ch: ChipState, budget: int, now: float) -> JobPlan | None:
@@ -123,6 +127,9 @@ class JobBuilder:
         st = self.st
         plan, requests = st.planner, st.requests
         decode: list[RequestRecord] = []
+        grouped = bool(st.model.lora_slots) and not st.model.lora_mixed
+        if grouped:  # one adapter per job: the overdue group first (AdapterGroups)
+            self._group, self._deferred = self.groups.forced(ch.chip), []
         waiting = len(ch.prefill)
         if waiting and not ch.decode_ready:
             if not self._may_fire(plan.prompts_hold(ch.prefill, requests, budget, now)):
@@ -131,10 +138,12 @@ class JobBuilder:
             cands = plan.decode_candidates(ch.decode_ready, requests)
             decode = self._with_room(ch, plan.mixed_decode_lanes(cands, budget, bool(waiting)))
             if st.model.lora_slots:
-                decode = within_slots(decode, st.model.lora_slots)[0]
+                decode = self._decode_adapters(ch, decode, mixed_job=True)
             if decode and not waiting and st.config.decode_steps > 1:
                 steps = self._steps_for(ch, decode, now)
                 if steps > 1:  # else a one-step mixed job, and the next prompt to arrive rides in one again
+                    if grouped:
+                        self.groups.ran(ch.chip, decode[0].params.adapter, self._deferred)
                     batch = plan.fitting_profile(len(decode))
                     st.job_counts.decode_job(batch, len(decode))
                     return self._plan(ch, JobKind.DECODE, decode, [], batch, steps)
@@ -143,6 +152,12 @@ class JobBuilder:
             kept = self._prompts_within_slots(ch, decode, prompts)
             left += sum(e - s for _, s, e in prompts) - sum(e - s for _, s, e in kept)
             prompts = kept
+        if grouped:
+            if not decode and not prompts and self.groups.forced(ch.chip) is not None:
+                self.groups.forget(ch.chip, self.groups.forced(ch.chip))  # nothing of it here: choose freely
+                return self._mixed(ch, budget, now)
+            self.groups.ran(ch.chip, (decode[0] if decode else prompts[0][0]).params.adapter
+                            if decode or prompts else None, self._deferred)
         prompt_tokens = budget - len(decode) - left
         decode = plan.trim_decode(decode, prompt_tokens, left)
         if not decode and not prompts:
@@ -150,13 +165,40 @@ class JobBuilder:
         st.job_counts.mixed_job(len(decode), len(prompts), prompt_tokens)
         return self._plan(ch, JobKind.PREFILL, decode, prompts, None)
 
+    def _decode_adapters(self, ch: ChipState, lanes: list[RequestRecord], mixed_job: bool = False
+                         ) -> list[RequestRecord]:
+        """The decode lanes a job may take: within the chip's adapter slots, or (one adapter per job) those of
+        the job's group: the overdue one (`AdapterGroups`), else the first lane's. A mixed job notes its group
+        and what it deferred for `_prompts_within_slots` and the wait count."""
+        m = self.st.model
+        if m.lora_mixed:
+            return within_slots(lanes, m.lora_slots)[0]
+        if mixed_job:  # the group so far (the forced one, or None); the job's end records it (_mixed)
+            group, kept, deferred = self.groups.split(lanes, self._group)
+            self._group = group if kept else self._group
+            self._deferred += deferred
+            return kept
+        forced = self.groups.forced(ch.chip)
+        group, kept, deferred = self.groups.split(lanes, forced)
+        if forced is not None and not kept:
+            self.groups.forget(ch.chip, forced)  # nothing of it to decode here: choose freely
+            group, kept, deferred = self.groups.split(lanes, None)
+        self.groups.ran(ch.chip, group if kept else None, deferred)
+        return kept
+
     def _prompts_within_slots(self, ch: ChipState, decode: list[RequestRecord],
                               prompts: list[PromptChunk]) -> list[PromptChunk]:
         """The prompt chunks whose adapters fit the job beside its decode lanes; the others go back to the
         front of their queues, in order, for the next job."""
-        seen: set[int] = set()
-        within_slots(decode, self.st.model.lora_slots, seen)
-        kept, deferred = within_slots([r for r, _, _ in prompts], self.st.model.lora_slots, seen)
+        m = self.st.model
+        if m.lora_mixed:
+            seen: set[int] = set()
+            within_slots(decode, m.lora_slots, seen)
+            kept, deferred = within_slots([r for r, _, _ in prompts], m.lora_slots, seen)
+        else:  # one group per job: the decode lanes' (or the forced one), else the first prompt's
+            group = decode[0].params.adapter if decode else self._group
+            group, kept, deferred = self.groups.split([r for r, _, _ in prompts], group)
+            self._deferred += deferred
         if not deferred:
             return prompts
         for r in reversed(deferred):

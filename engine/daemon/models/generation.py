@@ -184,7 +184,8 @@ class Generation:
                           spec_verify=bool(info.extra.get("spec_verify", False)),
                           spec_draft=bool(info.extra.get("spec_draft", False)),
                           lora_slots=min(int((info.extra.get("lora") or {}).get("slots", 0)),
-                                         cfg.lora.max_loaded_per_chip))
+                                         cfg.lora.max_loaded_per_chip),
+                          lora_mixed=bool((info.extra.get("lora") or {}).get("mixed", True)))
         chips = [ChipSpec(chip=c, num_blocks=i.kv.num_blocks, block_size=i.kv.block_size)
                  for c, i in enumerate(infos)]
         try:

@@ -74,3 +74,50 @@ def test_the_adapter_field_survives_the_record_round_trip():
     for job, lanes in ex.lanes:
         back = Job.from_arrays(job.to_arrays())
         assert np.array_equal(back.adapter, job.adapter)
+
+
+# ---- one adapter per job (llama.cpp): jobs grouped by adapter, with a bounded wait --------------------------
+
+def _grouped(mixed: int) -> Scheduler:
+    model = ModelSpec(generation=1, vocab_size=VOCAB, eos_ids=(EOS,), max_seq=2048, profiles=(1, 4, 8, 16),
+                      chunked_prefill=True, mixed_batch_tokens=mixed, lora_slots=8, lora_mixed=False)
+    return Scheduler(SchedulerConfig(), model, [ChipSpec(0, 512, 16)])
+
+
+@pytest.mark.parametrize("mixed", [0, 512], ids=["separate", "mixed"])
+def test_grouped_jobs_run_one_adapter_each_and_every_request_finishes(mixed):
+    ex = LaneRecorder(_grouped(mixed))
+    adapters = {rid: [-1, 0, 1, 2][rid % 4] for rid in range(24)}
+    for rid, a in adapters.items():
+        ex.submit(rid, params(n_prompt=4 + rid, max_tokens=6, seed=rid, adapter=a))
+    ex.run()
+    assert len(ex.terminal) == 24 and all(len(ex.tokens[rid]) == 6 for rid in adapters)
+    groups = Counter()
+    for job, lanes in ex.lanes:
+        if job.kind in (JobKind.PREFILL, JobKind.DECODE):
+            assert len({adapters[r] for r in lanes}) == 1, [adapters[r] for r in lanes]
+            groups[adapters[lanes[0]]] += 1
+    assert set(groups) == {-1, 0, 1, 2}
+
+
+def test_a_prompt_of_another_adapter_waits_a_bounded_number_of_jobs_behind_busy_decode_lanes():
+    """Mixed jobs put decode lanes first, so an adapter whose streams keep decoding would hold every job;
+    the waiting adapter's prompt is forced in after MAX_WAIT_JOBS jobs."""
+    from engine.core.lora.adapter_groups import MAX_WAIT_JOBS
+
+    sched = _grouped(512)
+    ex = LaneRecorder(sched)
+    for rid in range(6):
+        ex.submit(rid, params(n_prompt=6, max_tokens=200, seed=rid, adapter=0))
+    now = 0.0
+    for _ in range(3):  # the six are decoding
+        ex.step(now)
+        now += 0.01
+    seen_before = len(ex.lanes)
+    ex.submit(99, params(n_prompt=6, max_tokens=2, seed=99, adapter=1))
+    while 99 not in ex.tokens:
+        ex.step(now)
+        now += 0.01
+        assert len(ex.lanes) - seen_before < 50, "adapter 1 starved"
+    waited = next(i for i, (_, lanes) in enumerate(ex.lanes[seen_before:]) if 99 in lanes)
+    assert waited <= MAX_WAIT_JOBS
