@@ -112,3 +112,17 @@ def test_a_lora_gguf_for_another_base_is_refused_from_the_headers(pkgs, tmp_path
             b.load_adapter(0, str(tmp_path / "for-deep" / "adapter.gguf"))  # llama.cpp's own check refuses it too
         finally:
             b.unload()
+
+
+def test_the_header_reader_agrees_with_ggufs_own(pkgs):
+    import gguf
+
+    from workers.lora.gguf_header import read_gguf_header
+
+    _, _, gg, _, gg_ad = pkgs
+    for path in (load_package(gg).gguf_path, f"{gg_ad}/adapter.gguf"):
+        meta, shapes = read_gguf_header(path, chunk=64)  # a small first read: the header is read on in chunks
+        r = gguf.GGUFReader(path, "r")
+        assert shapes == {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
+        assert meta["general.architecture"] == r.fields["general.architecture"].contents()
+    assert meta["adapter.type"] == "lora" and meta["adapter.lora.alpha"] == 8.0

@@ -9,11 +9,12 @@ which `llama_adapter_lora_init` loads. llama.cpp computes
 
 `check_gguf_against_base` compares the adapter's architecture, block count
 and every tensor's shape with the base GGUF's, from the two files' headers
-(gguf's reader maps the files; no tensor data is read).
+(`workers.lora.gguf_header`; no tensor data is read).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -30,39 +31,36 @@ GGUF_TENSOR = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_outpu
                "w_up": "ffn_up", "w_down": "ffn_down"}
 
 
-def _reader(path: str):
-    import gguf
+def gguf_header(path: str) -> tuple[str, int, dict[str, tuple[int, ...]], dict[str, object]]:
+    """(architecture, block count, {tensor name: ggml shape}, scalar metadata) of a GGUF, from its header.
+
+    Cached per file version (path, size, mtime): a base model's header is read for every adapter load and
+    swap, and a large vocabulary makes it take a second or two."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise PackageError(f"{path}: cannot read ({e.strerror})") from e
+    return _header(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _header(path: str, _size: int, _mtime_ns: int):
+    from workers.lora.gguf_header import read_gguf_header
 
     try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+        meta, shapes = read_gguf_header(path)
+    except (OSError, ValueError) as e:
         raise PackageError(f"{path}: not a readable GGUF ({e})") from e
-
-
-def _field(reader, key: str):
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    v = f.contents()
-    return v
-
-
-def gguf_header(path: str) -> tuple[str, int, dict[str, tuple[int, ...]]]:
-    """(architecture, block count, {tensor name: ggml shape}) of a GGUF, from its header."""
-    r = _reader(path)
-    arch = _field(r, "general.architecture")
-    blocks = _field(r, f"{arch}.block_count") if arch else None
-    shapes = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
-    return str(arch or ""), int(blocks or 0), shapes
+    arch = str(meta.get("general.architecture") or "")
+    return arch, int(meta.get(f"{arch}.block_count") or 0), shapes, meta
 
 
 def check_gguf_against_base(facts: AdapterFacts, base_gguf: str) -> None:
     """PackageError unless the LoRA GGUF fits the base GGUF: architecture, blocks, every tensor's shape."""
     apath = os.path.join(facts.path, GGUF_ADAPTER_FILE)
-    a_arch, _, a_shapes = gguf_header(apath)
-    arch, blocks, shapes = gguf_header(base_gguf)
-    a_r = _reader(apath)
-    if _field(a_r, "general.type") != "adapter" or _field(a_r, "adapter.type") != "lora":
+    a_arch, _, a_shapes, a_meta = gguf_header(apath)
+    arch, blocks, shapes, _ = gguf_header(base_gguf)
+    if a_meta.get("general.type") != "adapter" or a_meta.get("adapter.type") != "lora":
         raise PackageError(f"{apath}: not a LoRA adapter GGUF (general.type / adapter.type)")
     if a_arch != arch or facts.base_architecture != arch:
         raise PackageError(f"{apath}: made for architecture {a_arch!r}, the base model is {arch!r}")
@@ -122,7 +120,7 @@ def write_gguf_adapter(out_dir: str, *, arch: str, layers: int, pairs: dict[str,
 def make_gguf_lora(pkg, out_dir: str, *, rank: int, targets: Sequence[str], seed: int, alpha: float,
                    name: str, strength: float) -> str:
     """A random adapter for a GGUF base package (`workers.gguf_package.GgufPackage`), shapes from its header."""
-    arch, blocks, shapes = gguf_header(pkg.gguf_path)
+    arch, blocks, shapes, _ = gguf_header(pkg.gguf_path)
     rng = np.random.default_rng(seed)
     scale = alpha / rank
     pairs = {}
