@@ -215,6 +215,9 @@ class Front:
                 "tenant": key_tenant or tenant_of_user(req.user)}
         if req.model is not None:
             base["model"] = req.model
+            parent = next((m.get("parent") for m in self.upstream.models if m.get("alias") == req.model), None)
+            if parent:  # a LoRA adapter: its base model and the adapter (a balancer routes by the base)
+                base["model"], base["adapter"] = parent, req.model
         if req.logprobs:
             base["logprobs"] = True
         if req.handoff is not None:
