@@ -114,6 +114,7 @@ class LoraRegistry:
         self.by_rid: dict[int, Adapter] = {}
         self._next = 0
         self._pending: list[tuple[concurrent.futures.Future, Callable]] = []
+        self._synced: frozenset[int] = frozenset()  # serving generations `sync` last saw (a new one needs them)
         self.loads = self.unloads = self.refused = 0
 
     # ---- naming ----------------------------------------------------------------------------------------
@@ -222,6 +223,8 @@ class LoraRegistry:
 
     # ---- the loop's turn -------------------------------------------------------------------------------
     def tick(self) -> None:
+        if self.by_name and self._synced != frozenset(g.id for g in self.gens.serving_generations()):
+            self.sync()  # a generation appeared (a replace or rollback of a base alias): register the adapters
         if self._pending:
             left = []
             for fut, attach in self._pending:
@@ -240,7 +243,9 @@ class LoraRegistry:
 
     def sync(self) -> None:
         """Every serving generation of an adapter's base alias registers it with its workers."""
-        for g in self.gens.serving_generations():
+        serving = self.gens.serving_generations()
+        self._synced = frozenset(g.id for g in serving)
+        for g in serving:
             for a in self.by_name.values():
                 if a.base == g.alias and a.number not in g.adapters:
                     g.adapters[a.number] = (a.path, a.sha256)

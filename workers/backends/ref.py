@@ -28,7 +28,7 @@ from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLa
                                    StepOutput)
 from workers.default_package import ensure_default_package
 from workers.lora.adapter_package import LoraWeights, check_against_base, read_adapter, read_adapter_facts
-from workers.lora.lora_rows import LoraRows
+from workers.lora.lora_rows import LoraRows, LoraStack
 from workers.model_package import ModelPackage
 from workers.package_loader import load_package
 from workers.package_manifest import PackageError
@@ -60,6 +60,7 @@ class RefBackend(OneStepBackend):
             raise ValueError("lora_slots must be >= 0")
         # device slots of LoRA adapters (Job.adapter names them); lanes of any of them share a job
         self.adapters: list[LoraWeights | None] = [None] * int(lora_slots)
+        self._stack: LoraStack | None = None  # the slots stacked for the gathered product; None: rebuild
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -142,10 +143,12 @@ class RefBackend(OneStepBackend):
         if not 0 <= slot < len(self.adapters):
             raise BackendError(f"ref backend: adapter slot {slot} outside 0..{len(self.adapters) - 1}")
         self.adapters[slot] = host_adapter
+        self._stack = None
 
     def unload_adapter(self, slot: int) -> None:
         if 0 <= slot < len(self.adapters):
             self.adapters[slot] = None
+            self._stack = None
 
     def _lora_rows(self, job: Job, lanes: np.ndarray, counts: np.ndarray) -> LoraRows | None:
         """The lanes' adapters (ValueError before any KV write for a slot that holds none)."""
@@ -156,7 +159,9 @@ class RefBackend(OneStepBackend):
         for s in used:
             if s >= len(self.adapters) or self.adapters[s] is None:
                 raise ValueError(f"adapter slot {int(s)} holds no adapter")
-        return LoraRows.for_lanes(self.adapters, lane_slot, counts)
+        if len(used) > 1 and self._stack is None:
+            self._stack = LoraStack(self.adapters)
+        return LoraRows.for_lanes(self.adapters, lane_slot, counts, self._stack if len(used) > 1 else None)
 
     # ---- compute -------------------------------------------------------------------
 

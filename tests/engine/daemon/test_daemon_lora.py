@@ -294,3 +294,16 @@ def test_a_host_tier_block_computed_under_one_adapter_is_a_miss_under_another(da
     assert other.tokens == expect("a2", prompt, 4) and after_other == before
     assert warm.tokens == cold == expect("a0", prompt, 4)
     assert after_same - after_other == 3
+
+
+def test_a_new_generation_of_the_base_serves_the_adapters_too(board, files, expect):
+    """A replace makes a new generation of the base alias, with new workers: they get the adapters."""
+    _, base, _ = files
+    prompt = _prompt(41, 9)
+    with board.client(timeout=300) as c:
+        alias = [m for m in c.call("models")["models"] if m.get("default")][0]["alias"]
+        reply = c.call("replace", alias=alias, package=base)
+        assert reply["model"]["generation"] != reply["previous"]["generation"]
+        got = c.generate(prompt, max_tokens=4, ignore_eos=True, adapter="a2")
+    assert got.generation == reply["model"]["generation"]
+    assert got.tokens == expect("a2", prompt, 4)
