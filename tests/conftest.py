@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from engine import errors as _errors
+from tools.load.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 90.0
@@ -537,14 +538,6 @@ def wait_for_log(d: "DaemonProc", event: str, timeout: float = 30.0, count: int 
 
 
 # -- the OpenAI-compatible HTTP front (engine/http) -----------------------------------------------
-def free_tcp_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class HttpFrontProc:
     """A real `npuserve http` process; `url` is its base URL (http://127.0.0.1:PORT)."""
@@ -584,7 +577,7 @@ def start_http_front(upstream: str, log_path: str, args: list[str] | None = None
     `wait_up`, until its /health says the upstream answers)."""
     import urllib.error
 
-    port = free_tcp_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "engine.http.main", "--listen", f"127.0.0.1:{port}", "--upstream", upstream,
            *(args or [])]
     with open(log_path, "wb") as log:

@@ -504,7 +504,8 @@ class Front:
                 families = stats.get("metrics")
             except ClientError:
                 families = None
-        return Response(self.metrics.exposition(families), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body, ctype = self.metrics.exposition(families, request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": ctype})
 
 
 def build_app(front: Front) -> Starlette:

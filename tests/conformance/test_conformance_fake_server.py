@@ -9,7 +9,6 @@ and a malformed message with its 400; each `fault` breaks one promise.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import orjson
 import pytest
 
 from conftest import ROOT
+from tools.load.ports import free_port
 
 
 class Script:
@@ -115,9 +115,7 @@ def test_each_breach_fails_the_check_named_for_it(scripted, fault, check, words)
 
 
 def test_an_endpoint_that_does_not_answer_is_reported_with_what_to_do():
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     res = run_cli(f"tcp://127.0.0.1:{port}", "--timeout", "1")
     assert res.returncode == 2
     assert "no health reply" in res.stderr and "npuserve health" in res.stderr, res.stderr

@@ -12,7 +12,7 @@ from conftest import ROOT
 
 
 def test_bench_ipc_json_lines_rows_cover_every_transport_and_size_then_summary():
-    from tools.bench_ipc import PAYLOADS
+    from tools.bench.micro.ipc import PAYLOADS
 
     p = subprocess.run([sys.executable, "-m", "tools.cli", "bench-ipc", "--json", "--iters", "10"], cwd=ROOT,
                        capture_output=True, timeout=300)

@@ -1,4 +1,4 @@
-"""`npuserve bench-lora`: tokens/s of a uniform mix of LoRA adapters against base-only requests, paired.
+"""`npuserve bench serve lora`: tokens/s of a uniform mix of LoRA adapters against base-only requests, paired.
 
 One `ref` board (a generated base package and N adapters from `make-lora`,
 all in device slots); each round runs the same requests twice, once on the
@@ -47,12 +47,12 @@ def _run(endpoint: str, prompts: list[list[int]], adapters: list[str | None], st
     for t in threads:
         t.join()
     if errors:
-        raise SystemExit(f"npuserve bench-lora: {errors[0]}")
+        raise SystemExit(f"npuserve bench serve lora: {errors[0]}")
     return sum(tokens) / (time.perf_counter() - t0)
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="npuserve bench-lora", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="npuserve bench serve lora", description=__doc__.split("\n\n")[0])
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--streams", type=int, default=16)

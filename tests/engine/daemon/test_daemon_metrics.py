@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT
+from tools.load.ports import free_port
 from engine.errors import InvalidRequest
 
 pytestmark = pytest.mark.integration
@@ -28,12 +29,6 @@ SEED_NAMED = ["npuserve:queue_depth", "npuserve:queue_oldest_wait_seconds", "npu
               "npuserve:kv_blocks", "npuserve:worker_restarts", "npuserve:job_latency_seconds"]
 ID_LABELS = {"id", "rid", "request", "request_id", "job", "job_id", "seq", "seq_id"}
 SIM = {"decode_base_ms": 2.0, "decode_per_lane_ms": 0.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict:
