@@ -16,8 +16,7 @@ from typing import NamedTuple
 
 from engine.core.batch_planner import PromptChunk
 from engine.core.chip_state import ChipState
-from engine.core.lora.adapter_groups import AdapterGroups
-from engine.core.lora.job_adapters import within_slots
+from engine.core.lora.job_lanes import AdapterLanes
 from engine.core.prefill_queues import WorkClass
 from engine.core.request_record import RequestRecord
 from engine.core.sched.admission import Admission
@@ -40,7 +39,7 @@ class JobBuilder:
     def __init__(self, st: SchedState, admission: Admission) -> None:
         self.st = st
         self.admission = admission
-        self.groups = AdapterGroups()  # backends that run one adapter per job (st.model.lora_mixed False)
+        self.adapters = AdapterLanes()  # LoRA: which lanes a job may take (engine/core/lora/job_lanes.py)
 
     def plans(self, ch: ChipState, now: float) -> Iterator[JobPlan]:
         """The chip's next jobs while it has free slots; launch each before asking for the next."""
@@ -96,7 +95,7 @@ class JobBuilder:
         cands = plan.decode_candidates(pool, st.requests)
         chosen = self._with_room(ch, plan.pick_lanes(cands, plan.decode_profile(len(cands))))
         if st.model.lora_slots:  # lanes of more adapters than the chip holds (or of another group) wait
-            chosen = self._decode_adapters(ch, chosen)
+            chosen = self.adapters.decode(st.model, ch.chip, chosen)
         if not chosen:
             return None
         batch = plan.fitting_profile(len(chosen))
@@ -110,8 +109,8 @@ class JobBuilder:
         start = r.committed
         end = st.planner.prefill_end(start, r.prefill_target)
         st.job_counts.prefill_job(end - start)
-        if st.model.lora_slots and not st.model.lora_mixed:
-            self.groups.ran(ch.chip, r.params.adapter, [])
+        if st.model.lora_slots:
+            self.adapters.prefill(st.model, ch.chip, r)
         return self._plan(ch, JobKind.PREFILL, [], [(r, start, end)], None)
 
     def _mixed(self, ch: ChipState, budget: int, now: float) -> JobPlan | None:
@@ -127,9 +126,9 @@ class JobBuilder:
         st = self.st
         plan, requests = st.planner, st.requests
         decode: list[RequestRecord] = []
-        grouped = bool(st.model.lora_slots) and not st.model.lora_mixed
-        if grouped:  # one adapter per job: the overdue group first (AdapterGroups)
-            self._group, self._deferred = self.groups.forced(ch.chip), []
+        lora = st.model.lora_slots
+        if lora:
+            self.adapters.begin_mixed(st.model, ch.chip)
         waiting = len(ch.prefill)
         if waiting and not ch.decode_ready:
             if not self._may_fire(plan.prompts_hold(ch.prefill, requests, budget, now)):
@@ -137,74 +136,29 @@ class JobBuilder:
         if ch.decode_ready and (waiting or self._may_fire(plan.decode_hold(ch.decode_ready, requests, now))):
             cands = plan.decode_candidates(ch.decode_ready, requests)
             decode = self._with_room(ch, plan.mixed_decode_lanes(cands, budget, bool(waiting)))
-            if st.model.lora_slots:
-                decode = self._decode_adapters(ch, decode, mixed_job=True)
+            if lora:
+                decode = self.adapters.decode(st.model, ch.chip, decode, mixed_job=True)
             if decode and not waiting and st.config.decode_steps > 1:
                 steps = self._steps_for(ch, decode, now)
                 if steps > 1:  # else a one-step mixed job, and the next prompt to arrive rides in one again
-                    if grouped:
-                        self.groups.ran(ch.chip, decode[0].params.adapter, self._deferred)
+                    if lora:
+                        self.adapters.end_mixed(st.model, ch.chip, decode, [])
                     batch = plan.fitting_profile(len(decode))
                     st.job_counts.decode_job(batch, len(decode))
                     return self._plan(ch, JobKind.DECODE, decode, [], batch, steps)
         prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, budget - len(decode))
-        if st.model.lora_slots and prompts:
-            kept = self._prompts_within_slots(ch, decode, prompts)
-            left += sum(e - s for _, s, e in prompts) - sum(e - s for _, s, e in kept)
-            prompts = kept
-        if grouped:
-            if not decode and not prompts and self.groups.forced(ch.chip) is not None:
-                self.groups.forget(ch.chip, self.groups.forced(ch.chip))  # nothing of it here: choose freely
-                return self._mixed(ch, budget, now)
-            self.groups.ran(ch.chip, (decode[0] if decode else prompts[0][0]).params.adapter
-                            if decode or prompts else None, self._deferred)
+        if lora:
+            if prompts:
+                prompts, put_back = self.adapters.prompts(st.model, ch.prefill, decode, prompts)
+                left += put_back
+            if self.adapters.end_mixed(st.model, ch.chip, decode, prompts):
+                return self._mixed(ch, budget, now)  # the overdue adapter had nothing here: plan freely
         prompt_tokens = budget - len(decode) - left
         decode = plan.trim_decode(decode, prompt_tokens, left)
         if not decode and not prompts:
             return None
         st.job_counts.mixed_job(len(decode), len(prompts), prompt_tokens)
         return self._plan(ch, JobKind.PREFILL, decode, prompts, None)
-
-    def _decode_adapters(self, ch: ChipState, lanes: list[RequestRecord], mixed_job: bool = False
-                         ) -> list[RequestRecord]:
-        """The decode lanes a job may take: within the chip's adapter slots, or (one adapter per job) those of
-        the job's group: the overdue one (`AdapterGroups`), else the first lane's. A mixed job notes its group
-        and what it deferred for `_prompts_within_slots` and the wait count."""
-        m = self.st.model
-        if m.lora_mixed:
-            return within_slots(lanes, m.lora_slots)[0]
-        if mixed_job:  # the group so far (the forced one, or None); the job's end records it (_mixed)
-            group, kept, deferred = self.groups.split(lanes, self._group)
-            self._group = group if kept else self._group
-            self._deferred += deferred
-            return kept
-        forced = self.groups.forced(ch.chip)
-        group, kept, deferred = self.groups.split(lanes, forced)
-        if forced is not None and not kept:
-            self.groups.forget(ch.chip, forced)  # nothing of it to decode here: choose freely
-            group, kept, deferred = self.groups.split(lanes, None)
-        self.groups.ran(ch.chip, group if kept else None, deferred)
-        return kept
-
-    def _prompts_within_slots(self, ch: ChipState, decode: list[RequestRecord],
-                              prompts: list[PromptChunk]) -> list[PromptChunk]:
-        """The prompt chunks whose adapters fit the job beside its decode lanes; the others go back to the
-        front of their queues, in order, for the next job."""
-        m = self.st.model
-        if m.lora_mixed:
-            seen: set[int] = set()
-            within_slots(decode, m.lora_slots, seen)
-            kept, deferred = within_slots([r for r, _, _ in prompts], m.lora_slots, seen)
-        else:  # one group per job: the decode lanes' (or the forced one), else the first prompt's
-            group = decode[0].params.adapter if decode else self._group
-            group, kept, deferred = self.groups.split([r for r, _, _ in prompts], group)
-            self._deferred += deferred
-        if not deferred:
-            return prompts
-        for r in reversed(deferred):
-            ch.prefill.push(r.request_id, r.prefill_target - r.committed, front=True)
-        keep = {id(r) for r in kept}
-        return [p for p in prompts if id(p[0]) in keep]
 
     def _plan(self, ch: ChipState, kind: JobKind, decode: list[RequestRecord], prompts: list[PromptChunk],
               batch: int | None, steps: int = 1) -> JobPlan:
