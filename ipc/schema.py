@@ -30,12 +30,13 @@ from ipc.logprob_wants import MAX_TOP
 PROTOCOL_VERSION = 1
 
 REQUEST_OPS = ("generate", "cancel", "health", "stats", "load", "unload", "replace", "rollback",
-               "models", "drain", "resume", "reenable_inflight", "hello")
-ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume", "reenable_inflight")
+               "models", "drain", "resume", "reenable_inflight", "hello", "load_lora", "unload_lora")
+ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume", "reenable_inflight",
+             "load_lora", "unload_lora")
 # One reply event per non-generate op, named like the op; `cancel` has none
 # (the cancelled stream's own terminal event is the acknowledgement).
 REPLY_EVENTS = ("health", "stats", "models", "load", "unload", "replace", "rollback", "drain", "resume",
-                "reenable_inflight", "hello")
+                "reenable_inflight", "hello", "load_lora", "unload_lora")
 STREAM_EVENTS = ("tokens", "done", "error")
 EVENTS = STREAM_EVENTS + REPLY_EVENTS
 FINISH_REASONS = ("length", "eos", "stop", "cancelled")
@@ -384,6 +385,7 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         # speculative decoding for this request: "off" | "ngram" | "draft"; null = the board's speculative.method
         "speculative": (_nullable(_choice(SPECULATIVE_METHODS)), None),
         "handoff": (_handoff, _ABSENT),  # prefill/decode disaggregation (docs/protocol.md#handoff)
+        "adapter": (_nullable(_name), _ABSENT),  # a LoRA adapter loaded on the board (docs/lora.md); null = none
     },
     "cancel": {},
     "health": {},
@@ -400,6 +402,10 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
     "reenable_inflight": {"chip": (_nullable(_int(0, 1023)), None), **_AUTH},
     # capabilities for this connection (see CAPABILITIES); answered by a `hello` event with those granted
     "hello": {"capabilities": (_capabilities, [])},
+    # LoRA adapters (docs/lora.md): `alias` names the adapter, `package` its folder, `base` the model it adapts
+    "load_lora": {"alias": (_name, _REQUIRED), "package": (_text(1, MAX_PATH_CHARS), _REQUIRED),
+                  "base": (_nullable(_name), None), **_AUTH},
+    "unload_lora": {"alias": (_name, _REQUIRED), **_AUTH},
 }
 assert set(OP_FIELDS) == set(REQUEST_OPS)
 # Fields of which a request must carry exactly one: the prompt as token ids or as text.

@@ -98,3 +98,4 @@ class GenerateParams:
         """Whether each token needs the worker's per-request state (a constraint matcher, penalty counts):
         then no queued next step or drafts (and, for a constraint, no multi-step decode)."""
         return self.constraint is not None or self.penalties is not None
+    adapter: int = -1  # the board's number of the LoRA adapter the request runs under; -1 = the base model

@@ -26,6 +26,7 @@ from engine.daemon.auth import is_admin, tenant_for, visible_stats
 from engine.daemon.handoff.intake import take_handoff
 from engine.daemon.handoff.shm import advertise, take_from_host_pool
 from engine.daemon.log import log
+from engine.daemon import lora_ops
 from engine.daemon.models import admin_ops
 from engine.core.model_table import RouteOutcome
 from engine.core.penalty_spec import set_fields as penalty_fields, spec_of as penalties_of
@@ -97,6 +98,15 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
     cid = msg["id"]
     fe, gens = o.frontend, o.gens
     if op == "generate":
+        adapter = None
+        if gens.lora.by_name or msg.get("adapter") is not None:
+            try:
+                adapter = lora_ops.pick_adapter(gens, {**msg, "tenant": tenant_for(conn, msg["tenant"])})
+            except lora_ops.AdapterRejected as e:
+                fe.error(conn, cid, e.code, e.reason, e.message)
+                return []
+            if adapter is not None:
+                msg["model"] = adapter.base
         route = gens.models.route(msg.get("model"))
         if route.outcome is RouteOutcome.UNKNOWN:
             fe.error(conn, cid, 404, "model_not_found", route.message)
@@ -125,6 +135,8 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         if refused is not None:
             fe.error(conn, cid, 400, *refused)
             return []
+        if adapter is not None:
+            lora_ops.apply_adapter(params, adapter)
         rid = gens.next_request_id()
         if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), params.logprobs,
                        text=g.tokenizer is not None, generation=g.id):
@@ -143,6 +155,8 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
                 if desc is not None:
                     fe.set_handoff(rid, desc)
         gens.admit(rid, g)
+        if adapter is not None:
+            gens.lora.admit(rid, adapter)
         o.apply(g.scheduler.submit(rid, params, now), g, now)
         return []
     if op == "cancel":
@@ -158,13 +172,18 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         return []
     if op == "stats":
         body = {**o.views.stats(now), "constraints": BOARD_CACHE.stats()}  # structured output: the board's compiles
+        if gens.lora.by_name or gens.lora.loads:
+            body["lora"] = gens.lora.stats()
         fe.reply(conn, cid, "stats", visible_stats(conn, jsonable(body)))
         return []
     if op == "models":  # open to every client, as before: a front or a balancer learns what is served
-        fe.reply(conn, cid, "models", {"models": o.views.models_list()})
+        fe.reply(conn, cid, "models", {"models": o.views.models_list() + gens.lora.entries()})
         return []
     if op in admin_ops.OPS:
         admin_ops.handle(gens, fe, conn, msg, now)
+        return []
+    if op in lora_ops.OPS:
+        lora_ops.handle(gens, fe, conn, msg, now)
         return []
     if op in ("drain", "resume"):
         if not is_admin(conn):

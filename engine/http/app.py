@@ -217,6 +217,9 @@ class Front:
                 "tenant": key_tenant or tenant_of_user(req.user)}
         if req.model is not None:
             base["model"] = req.model
+            parent = next((m.get("parent") for m in self.upstream.models if m.get("alias") == req.model), None)
+            if parent:  # a LoRA adapter: its base model and the adapter (a balancer routes by the base)
+                base["model"], base["adapter"] = parent, req.model
         if req.logprobs:
             base["logprobs"] = True
         if req.handoff is not None:
@@ -500,8 +503,9 @@ class Front:
             return error_response(e)
         served = self.upstream.served
         data = [{"id": m["alias"], "object": "model", "created": 0, "owned_by": "npuserve",
-                 "max_model_len": m.get("max_seq"),
-                 "chat_template": (served[m["alias"]].chat_template or None) if m["alias"] in served else None}
+                 "max_model_len": m.get("max_seq") or (served[m["alias"]].max_seq if m["alias"] in served else None),
+                 "chat_template": (served[m["alias"]].chat_template or None) if m["alias"] in served else None,
+                 **({"parent": m["parent"]} if m.get("parent") else {})}  # a LoRA adapter: its base model
                 for m in self.upstream.models]
         return json_response({"object": "list", "data": data})
 

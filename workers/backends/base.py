@@ -196,6 +196,20 @@ class ChipBackend(abc.ABC):
         its own KV store (llama.cpp's cells) frees what it holds for them.
         """
 
+    # ---- LoRA adapters (a backend that serves them says so in describe().extra["lora"]) ----
+
+    def read_adapter(self, path: str, sha256: str):
+        """An adapter package read into host memory, in this backend's form (kept in the worker's host cache)."""
+        raise BackendError(f"{type(self).__name__}: LoRA adapters are not supported by this backend")
+
+    def load_adapter(self, slot: int, host_adapter) -> None:
+        """Put a `read_adapter` result into device slot `slot` (replacing what it held); jobs then name the slot
+        in `Job.adapter`."""
+        raise BackendError(f"{type(self).__name__}: LoRA adapters are not supported by this backend")
+
+    def unload_adapter(self, slot: int) -> None:
+        """Free device slot `slot`."""
+
     def health(self) -> dict:
         return {"ok": True}
 

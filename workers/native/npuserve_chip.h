@@ -271,6 +271,29 @@ int simpler_model_decode_steps_penalized_paged(int chip_id, int batch, int n_ste
                                                const float* temperature, const float* top_p, const int32_t* top_k,
                                                const uint64_t* seed, const simpler_lane_penalties* penalties,
                                                int32_t* out_tokens, float* out_logprobs);
+ * LoRA adapters (optional: all three symbols or none; the ABI version is
+ * unchanged). A library without them serves no adapters (npuserve refuses to
+ * load one on its board). npuserve owns which adapter sits in which slot
+ * (least recently used swapped out, never one the running job uses).
+ *
+ * simpler_lora_slots: how many adapters the chip holds in device memory at
+ *   once (> 0), or a negative SIMPLER_E_* code.
+ * simpler_lora_load: copy an adapter into device slot `slot` (0 <= slot <
+ *   slots), replacing what it held; `data`/`size` are the adapter package's
+ *   weights file as-is (npuserve's npz adapter: adapter.npz, see docs/lora.md),
+ *   owned by the caller for the call only. size 0 (data NULL) frees the slot.
+ * simpler_lora_select: the adapter of each lane of the model calls that follow
+ *   on this chip, until the next select: slots[i] for lane i (a decode batch's
+ *   lane, or lane 0 for a prefill call), -1 = the base model; lanes at or past
+ *   n run the base model. npuserve calls it before every model call (n 0 when
+ *   no lane has an adapter). A slot that holds no adapter is SIMPLER_E_INVALID
+ *   and the selection is unchanged. Lanes of different adapters may share one
+ *   decode call. The KV a lane writes under an adapter is that adapter's:
+ *   npuserve never lets a lane under another adapter read it.
+ */
+int simpler_lora_slots(int chip_id);
+int simpler_lora_load(int chip_id, int slot, const void* data, size_t size);
+int simpler_lora_select(int chip_id, int n, const int32_t* slots);
 
 #ifdef __cplusplus
 }

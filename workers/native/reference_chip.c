@@ -37,6 +37,14 @@
  * "chip batch n_steps" to PATH (a test's evidence that the loop ran, from
  * inside a worker process).
  *
+ * LoRA adapters (simpler_lora_*; -DREF_LORA=0 leaves them out): an adapter is
+ * an opaque blob; its key is a hash of its bytes (never 0). A lane under an
+ * adapter mixes the key into every step of its running hash, so its logits
+ * differ from the base model's and from any other adapter's, and KV written
+ * under one adapter fails verification (SIMPLER_E_KV_CORRUPT) when read under
+ * another: the device itself checks that npuserve keys KV by adapter.
+ *   step_a(h, t, key) = mix32(h * 0x01000193 + t + 1 + key * 0x27D4EB2F)   (key 0 = the base: step)
+ *
  * Python re-statement (used by the tests):
  *   mix32(x)       = lowbias32 finalizer below
  *   h0             = 0x811C9DC5
@@ -62,6 +70,11 @@
 #ifndef REF_DEVICE_LOOP
 #define REF_DEVICE_LOOP 1
 #endif
+#ifndef REF_LORA
+#define REF_LORA 1
+#endif
+#define REF_LORA_SLOTS 8
+#define REF_MAX_LANES 256
 #define REF_MAX_CHIPS 64
 #define REF_MAGIC 0x4E50554Bu /* "NPUK" */
 #define REF_H0 0x811C9DC5u
@@ -82,9 +95,53 @@ static uint32_t mix32(uint32_t x) {
     return x;
 }
 
-static uint32_t step(uint32_t h, int32_t token) {
-    return mix32(h * 0x01000193u + (uint32_t)token + 1u);
+static uint32_t step(uint32_t h, int32_t token, uint32_t key) {
+    return mix32(h * 0x01000193u + (uint32_t)token + 1u + key * 0x27D4EB2Fu);
 }
+
+/* LoRA state per chip: the key of each device slot (0 = empty) and the slot of each lane of the next calls. */
+static uint32_t lora_keys[REF_MAX_CHIPS][REF_LORA_SLOTS];
+static int32_t lane_slots[REF_MAX_CHIPS][REF_MAX_LANES];
+static int n_lane_slots[REF_MAX_CHIPS];
+
+/* The adapter key of lane `lane` of the current call (0: the base model). */
+static uint32_t lane_key(int chip_id, int lane) {
+    if (lane >= n_lane_slots[chip_id]) return 0u;
+    int32_t s = lane_slots[chip_id][lane];
+    return s < 0 ? 0u : lora_keys[chip_id][s];
+}
+
+#if REF_LORA
+int simpler_lora_slots(int chip_id) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS) return SIMPLER_E_INVALID;
+    return REF_LORA_SLOTS;
+}
+
+int simpler_lora_load(int chip_id, int slot, const void* data, size_t size) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS || slot < 0 || slot >= REF_LORA_SLOTS || (size > 0 && data == NULL))
+        return SIMPLER_E_INVALID;
+    if (size == 0) {
+        lora_keys[chip_id][slot] = 0u;
+        return SIMPLER_OK;
+    }
+    uint32_t h = REF_H0;
+    const unsigned char* p = (const unsigned char*)data;
+    for (size_t i = 0; i < size; i++) h = mix32(h * 0x01000193u + p[i]);
+    lora_keys[chip_id][slot] = h ? h : 1u;
+    return SIMPLER_OK;
+}
+
+int simpler_lora_select(int chip_id, int n, const int32_t* slots) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS || n < 0 || n > REF_MAX_LANES || (n > 0 && slots == NULL))
+        return SIMPLER_E_INVALID;
+    for (int i = 0; i < n; i++)
+        if (slots[i] >= REF_LORA_SLOTS || slots[i] < -1 || (slots[i] >= 0 && lora_keys[chip_id][slots[i]] == 0u))
+            return SIMPLER_E_INVALID;
+    memcpy(lane_slots[chip_id], slots, (size_t)n * sizeof(int32_t));
+    n_lane_slots[chip_id] = n;
+    return SIMPLER_OK;
+}
+#endif /* REF_LORA */
 
 typedef struct ref_tp {
     int rank, world;
@@ -120,7 +177,7 @@ static int write_logits(int chip_id, uint32_t h, float* logits, int vocab) {
 }
 
 /* Verify a KV history and return its final running hash via *h_out. */
-static int check_history(const void* kv_in, size_t kv_size, int32_t* n_out, uint32_t* h_out) {
+static int check_history(const void* kv_in, size_t kv_size, uint32_t key, int32_t* n_out, uint32_t* h_out) {
     if (kv_size % sizeof(ref_kv_entry) != 0) return SIMPLER_E_INVALID;
     size_t n = kv_size / sizeof(ref_kv_entry);
     if (n > 0 && kv_in == NULL) return SIMPLER_E_INVALID;
@@ -131,7 +188,7 @@ static int check_history(const void* kv_in, size_t kv_size, int32_t* n_out, uint
         ref_kv_entry e;
         memcpy(&e, p + i * sizeof e, sizeof e);
         if (e.magic != REF_MAGIC || e.position != (int32_t)i) return SIMPLER_E_KV_CORRUPT;
-        h = step(h, e.token);
+        h = step(h, e.token, key);
         if (e.hash != h) return SIMPLER_E_KV_CORRUPT;
     }
     *n_out = (int32_t)n;
@@ -158,7 +215,7 @@ int simpler_model_describe(int chip_id, simpler_model_info* out) {
 }
 
 /* Append n tokens after a verified history; writes their KV entries and the last logits. */
-static int extend(int chip_id, int32_t pos, uint32_t h, const int32_t* tokens, int n, void* kv_out,
+static int extend(int chip_id, int32_t pos, uint32_t h, uint32_t key, const int32_t* tokens, int n, void* kv_out,
                   float* logits, int vocab) {
     if ((int64_t)pos + n > REF_MAX_SEQ) return SIMPLER_E_TOO_LONG;
     for (int i = 0; i < n; i++) {
@@ -166,7 +223,7 @@ static int extend(int chip_id, int32_t pos, uint32_t h, const int32_t* tokens, i
     }
     unsigned char* o = (unsigned char*)kv_out;
     for (int i = 0; i < n; i++) {
-        h = step(h, tokens[i]);
+        h = step(h, tokens[i], key);
         ref_kv_entry e = {REF_MAGIC, tokens[i], pos + i, h};
         memcpy(o + (size_t)i * sizeof e, &e, sizeof e);
     }
@@ -181,9 +238,10 @@ int simpler_model_prefill(int chip_id, const int32_t* tokens, int n_tokens,
         return SIMPLER_E_INVALID;
     int32_t pos;
     uint32_t h;
-    int rc = check_history(kv_in, kv_size, &pos, &h);
+    uint32_t key = lane_key(chip_id, 0);
+    int rc = check_history(kv_in, kv_size, key, &pos, &h);
     if (rc != SIMPLER_OK) return rc;
-    return extend(chip_id, pos, h, tokens, n_tokens, kv_out, logits, vocab);
+    return extend(chip_id, pos, h, key, tokens, n_tokens, kv_out, logits, vocab);
 }
 
 int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
@@ -199,9 +257,10 @@ int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
         if (kv_out[b] == NULL) return SIMPLER_E_INVALID;
         int32_t pos;
         uint32_t h;
-        int rc = check_history(kv_in[b], kv_size[b], &pos, &h);
+        uint32_t key = lane_key(chip_id, b);
+        int rc = check_history(kv_in[b], kv_size[b], key, &pos, &h);
         if (rc != SIMPLER_OK) return rc;
-        rc = extend(chip_id, pos, h, &tokens[b], 1, kv_out[b], logits + (size_t)b * (size_t)vocab, vocab);
+        rc = extend(chip_id, pos, h, key, &tokens[b], 1, kv_out[b], logits + (size_t)b * (size_t)vocab, vocab);
         if (rc != SIMPLER_OK) return rc;
     }
     return SIMPLER_OK;
@@ -494,7 +553,7 @@ static ref_kv_entry* slot(const ref_pool* p, const int32_t* table, int n_table, 
 
 /* One sequence on paged KV: gather [0, start), verify, extend by n tokens, scatter [start, start + n). */
 static int paged_extend(int chip_id, const int32_t* tokens, int n, int32_t start, const int32_t* table,
-                        int n_table, float* logits, int vocab) {
+                        int n_table, uint32_t key, float* logits, int vocab) {
     const ref_pool* p = pool_of(chip_id);
     if (p == NULL || table == NULL || start < 0 || n <= 0) return SIMPLER_E_INVALID;
     if ((int64_t)start + n > REF_MAX_SEQ) return SIMPLER_E_TOO_LONG;
@@ -505,8 +564,8 @@ static int paged_extend(int chip_id, const int32_t* tokens, int n, int32_t start
     for (int32_t pos = 0; pos < start; pos++) hist[pos] = *slot(p, table, n_table, pos);
     int32_t got;
     uint32_t h;
-    int rc = check_history(hist, (size_t)start * sizeof(ref_kv_entry), &got, &h);
-    if (rc == SIMPLER_OK) rc = extend(chip_id, start, h, tokens, n, hist + start, logits, vocab);
+    int rc = check_history(hist, (size_t)start * sizeof(ref_kv_entry), key, &got, &h);
+    if (rc == SIMPLER_OK) rc = extend(chip_id, start, h, key, tokens, n, hist + start, logits, vocab);
     if (rc == SIMPLER_OK)
         for (int i = 0; i < n; i++) *slot(p, table, n_table, (int64_t)start + i) = hist[start + i];
     free(hist);
@@ -516,7 +575,7 @@ static int paged_extend(int chip_id, const int32_t* tokens, int n, int32_t start
 int simpler_model_prefill_paged(int chip_id, const int32_t* tokens, int n_tokens, int32_t start,
                                 const int32_t* block_table, int n_table, float* logits, int vocab) {
     if (vocab != REF_VOCAB || tokens == NULL || logits == NULL) return SIMPLER_E_INVALID;
-    return paged_extend(chip_id, tokens, n_tokens, start, block_table, n_table, logits, vocab);
+    return paged_extend(chip_id, tokens, n_tokens, start, block_table, n_table, lane_key(chip_id, 0), logits, vocab);
 }
 
 int simpler_model_decode_paged(int chip_id, int batch, const int32_t* tokens, const uint8_t* lane_valid,
@@ -528,7 +587,7 @@ int simpler_model_decode_paged(int chip_id, int batch, const int32_t* tokens, co
     for (int b = 0; b < batch; b++) {
         if (!lane_valid[b]) continue;
         int rc = paged_extend(chip_id, &tokens[b], 1, start[b], block_tables + (size_t)b * (size_t)table_stride,
-                              table_stride, logits + (size_t)b * (size_t)vocab, vocab);
+                              table_stride, lane_key(chip_id, b), logits + (size_t)b * (size_t)vocab, vocab);
         if (rc != SIMPLER_OK) return rc;
     }
     return SIMPLER_OK;
@@ -662,7 +721,8 @@ static int decode_steps(int chip_id, int batch, int n_steps, const int32_t* toke
         for (int b = 0; b < batch && rc == SIMPLER_OK; b++) {
             if (!lane_valid[b]) continue;
             const int32_t* table = block_tables + (size_t)b * (size_t)table_stride;
-            rc = paged_extend(chip_id, &cur[b], 1, start[b] + k, table, table_stride, logits, REF_VOCAB);
+            rc = paged_extend(chip_id, &cur[b], 1, start[b] + k, table, table_stride, lane_key(chip_id, b), logits,
+                              REF_VOCAB);
             if (rc != SIMPLER_OK) break;
             const float* row = logits;
             if (pen != NULL) {

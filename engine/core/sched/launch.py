@@ -13,6 +13,7 @@ from engine.core.chip_state import ChipState, InflightJob
 from engine.core.constraint_spec import lane_fields
 from engine.core.logprob_asks import prompt_lane_want
 from engine.core.penalty_spec import lane_penalty
+from engine.core.lora.job_adapters import adapter_field
 from engine.core.request_record import RequestRecord
 from engine.core.requests import RequestState
 from engine.core.sched.job_builder import JobPlan
@@ -50,6 +51,10 @@ class Launcher:
             model_drafts = model_drafts + [False] * len(prompts) if model_drafts is not None else None
             ends = [e + len(ds) for e, ds in zip(ends, drafts)]
         job = self._record(ch, plan, job_id, rs, starts, ends, sampled, queued, drafts, model_drafts)
+        if st.model.lora_slots:
+            adapters = adapter_field(rs, job.batch)
+            if adapters is not None:
+                job.adapter = adapters
         self._start(ch, plan, job_id, rs, ends, queued, drafts, now)
         lanes = [r.request_id for r in rs]
         ch.inflight[job_id] = InflightJob(
