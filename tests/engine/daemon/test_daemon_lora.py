@@ -18,7 +18,9 @@ import psutil
 import pytest
 
 from engine.errors import ClientError
-from tests.conftest import daemon_process, http_front_process, wait_until
+from daemon_procs import daemon_process
+from http_front_procs import http_front_process
+from waiting import wait_until
 from workers.lora.adapter_package import read_adapter, read_adapter_facts
 from workers.lora.maker import make_lora
 from workers.model_maker import make_model
