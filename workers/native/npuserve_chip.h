@@ -271,6 +271,8 @@ int simpler_model_decode_steps_penalized_paged(int chip_id, int batch, int n_ste
                                                const float* temperature, const float* top_p, const int32_t* top_k,
                                                const uint64_t* seed, const simpler_lane_penalties* penalties,
                                                int32_t* out_tokens, float* out_logprobs);
+
+/*
  * LoRA adapters (optional: all three symbols or none; the ABI version is
  * unchanged). A library without them serves no adapters (npuserve refuses to
  * load one on its board). npuserve owns which adapter sits in which slot
