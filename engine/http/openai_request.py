@@ -19,6 +19,7 @@ from typing import Any, Callable
 from engine.http import kv_transfer
 from engine.http.openai_error import bad
 from engine.http.response_format import FIELDS as CONSTRAINT_FIELDS, constraint_of
+from engine.http.tool_calls import ToolSpec, history_fields, parse_tools
 from ipc.schema import NAME_RE, SPECULATIVE_METHODS
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions body (one choice each)
@@ -46,6 +47,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     template_kwargs: dict = field(default_factory=dict)  # chat: extra variables for the template
     handoff: dict | None = None  # vLLM's kv_transfer_params as the wire's hand-off (engine/http/kv_transfer.py)
+    tools: ToolSpec | None = None  # chat: tools, tool_choice, parallel_tool_calls (engine/http/tool_calls.py)
 
 
 # -- field checks ------------------------------------------------------------------------------------
@@ -167,16 +169,20 @@ CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "add_generation_prompt", "c
     | set(_NEUTRAL) | _IGNORED
 
 
-def _check_fields(body: Any, known: frozenset | set) -> None:
+# chat takes tools (engine/http/tool_calls.py); completions only their neutral value
+_CHAT_NEUTRAL = {k: v for k, v in _NEUTRAL.items() if k not in ("tools", "tool_choice")}
+
+
+def _check_fields(body: Any, known: frozenset | set, neutral: dict = _NEUTRAL) -> None:
     if type(body) is not dict:
         raise bad(None, "the request body must be a JSON object", "invalid_type")
     for name in body:
         if name not in known:
             raise bad(name, "unrecognized request argument", "unknown_field")
-    for name, (neutral, what) in _NEUTRAL.items():
+    for name, (is_neutral, what) in neutral.items():
         if name == "min_tokens" and body.get(name) == 1 and kv_transfer.is_prefill_leg(body):
             continue  # vllm-router's prefill leg: one token, whose text the router drops
-        if name in body and not neutral(body[name]):
+        if name in body and not is_neutral(body[name]):
             raise bad(name, what, "unsupported_value")
     for name in ("separate_reasoning", "stream_reasoning", "include_reasoning", "parallel_tool_calls"):
         if body.get(name) is not None:
@@ -289,9 +295,8 @@ def _message(i: int, m: Any) -> dict:
         content = ""
     elif type(content) is not str:
         raise bad(f"{where}.content", "must be a string or a list of text parts", "invalid_type")
-    if m.get("tool_calls"):
-        raise bad(f"{where}.tool_calls", "tool calling is not supported", "unsupported_value")
     out = {"role": role, "content": content}
+    out.update(history_fields(where, role, m))
     if type(m.get("name")) is str:
         out["name"] = m["name"]
     return out
@@ -299,7 +304,7 @@ def _message(i: int, m: Any) -> dict:
 
 def parse_chat(body: Any, default_temperature: float = 1.0) -> GenerateRequest:
     """A /v1/chat/completions body; `max_tokens` stays None (the shell fills in what the context leaves)."""
-    _check_fields(body, CHAT_FIELDS)
+    _check_fields(body, CHAT_FIELDS, _CHAT_NEUTRAL)
     msgs = body.get("messages", _MISSING)
     if msgs is _MISSING:
         raise bad("messages", "is required", "missing_field")
@@ -309,6 +314,13 @@ def parse_chat(body: Any, default_temperature: float = 1.0) -> GenerateRequest:
         raise bad("messages", f"at most {MAX_MESSAGES} messages, got {len(msgs)}")
     req = _common(body, "chat", default_temperature)
     req.messages = [_message(i, m) for i, m in enumerate(msgs)]
+    req.tools = parse_tools(body)
+    if req.tools is not None and req.tools.active:
+        if "constraint" in req.sampling:
+            raise bad("tool_choice", f"tools with tool_choice {req.tools.choice!r} constrain the answer: no "
+                                     "response_format or guided field beside them (tool_choice none allows one)",
+                      "conflicting_fields")
+        req.sampling["constraint"] = req.tools.constraint()
     lp = body.get("logprobs")
     if lp is not None:
         req.logprobs = _bool("logprobs", lp)
