@@ -438,6 +438,21 @@ def gemma_package(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def gemma_front(gemma_package):
+    """`make run`'s setup, shared by the test files that need it: a Gemma 3 270M daemon on llama.cpp (alias
+    gemma3-270m) and an HTTP front without --chat-template (chat uses llama.cpp's built-in `gemma` format).
+    Yields (DaemonProc, HttpFrontProc)."""
+    with daemon_process("llamacpp", extra=["--package", gemma_package],
+                        # the worker's first constrained lane builds llguidance's view of Gemma's 262k-token
+                        # vocabulary (1.5 s quiet, 10 s and more on a loaded machine) inside that job and sends no
+                        # heartbeat meanwhile: a worker or job timeout is not these tests' subject
+                        settings={"board.threads_per_chip": 1, "model.alias": "gemma3-270m",
+                                  "recovery.heartbeat_timeout_ms": 300000, "executor.job_timeout_ms": 300000}) as d, \
+            http_front_process(d.endpoint) as front:
+        yield d, front
+
+
 class NotifyListener:
     """A test-owned NOTIFY_SOCKET (plain path or abstract name) recording every datagram with its arrival time."""
 
