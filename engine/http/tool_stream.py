@@ -247,8 +247,8 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[dict], bool]:
         """At the end: (text still to send, last deltas, is it a call answer)."""
-        if self.mode != "call":
-            return "", [], False
+        if self.mode != "call":  # text went out as it came; an answer of blanks only is sent now
+            return (self.text if self.mode == "undecided" else ""), [], False
         final = parse_answer(self.text, self.spec)
         if final is None:
             return ("" if self.ids else self.text), [], False

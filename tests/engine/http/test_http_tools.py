@@ -187,6 +187,13 @@ def test_a_tool_schema_that_does_not_compile_is_a_400_naming_it_and_the_board_se
     assert reason == "tool_calls" and calls
 
 
+def test_a_call_cut_short_comes_back_as_text_not_an_error(oai):
+    for stream in (False, True):
+        calls, content, reason = _call(oai, stream, model=ALIAS, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=4, temperature=0)
+        assert (calls, reason) == ([], "length") and content.startswith('{"tool_calls": ['), (stream, content)
+
+
 def test_the_openai_agents_sdk_runs_a_tool_using_agent_against_the_front(front):
     """A framework nobody here wrote: its agent loop sends the tools, receives the call, runs our function
     with the parsed arguments and ends with its result (`stop_on_first_tool`)."""

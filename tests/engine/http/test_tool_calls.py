@@ -252,6 +252,8 @@ def test_the_chunker_sends_text_as_text_and_an_unparsable_call_as_text():
     assert s.feed("there") == ("there", [])
     assert s.finish() == ("", [], False)
     s = ToolCallStream(spec)
+    assert s.feed("\n") == ("", []) and s.finish() == ("\n", [], False)
+    s = ToolCallStream(spec)
     assert s.feed('{"tool_calls": [{"na') == ("", [])
     assert s.finish() == ('{"tool_calls": [{"na', [], False)  # cut short before any call went out: text
     s = ToolCallStream(spec)
