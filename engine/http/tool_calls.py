@@ -14,8 +14,10 @@ The model answers a tool call in one JSON shape, whatever its chat template
 * `"none"`: no tools offered, no constraint, the answer is text.
 
 `parallel_tool_calls: false` (and a named function) allow exactly one call.
-The answer is parsed after the fact (`parse_answer`); an answer that does not
-parse is returned as text, never an error. Pure: no I/O.
+The answer is parsed after the fact (`parse_answer`), which also takes
+Hermes' `<tool_call>{"name", "arguments"}</tool_call>` blocks (what models
+whose own chat template renders the tools answer with `auto`); an answer
+that does not parse is returned as text, never an error. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -258,14 +260,34 @@ def _calls_of(value: Any) -> list | None:
     return None
 
 
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(r"\s*<tool_call>(.*?)</tool_call>\s*", re.S)
+
+
+def _hermes_calls(s: str) -> list:
+    """The calls of an answer in Hermes' format (Qwen 2.5/3 and others whose chat templates take tools):
+    `<tool_call>{"name", "arguments"}</tool_call>` blocks and nothing else."""
+    calls, i = [], 0
+    while i < len(s):
+        m = _HERMES_BLOCK.match(s, i)
+        if m is None:
+            raise ValueError("not only <tool_call> blocks")
+        calls.append(json.loads(m.group(1)))
+        i = m.end()
+    return calls
+
+
 def parse_answer(text: str, spec: ToolSpec) -> list[dict] | None:
     """The answer's tool calls as OpenAI's `message.tool_calls` (fresh ids), or None: it is text (not the
     call object, invalid JSON, an unknown function, arguments that are not an object, too many calls)."""
     s = text.strip()
-    if not s.startswith("{"):
-        return None
     try:
-        calls = _calls_of(json.loads(s))
+        if s.startswith(HERMES_OPEN):
+            calls = _hermes_calls(s)
+        elif s.startswith("{"):
+            calls = _calls_of(json.loads(s))
+        else:
+            return None
     except ValueError:
         return None
     if not calls or (spec.single and len(calls) > 1):

@@ -9,7 +9,8 @@ so far. `ToolCallStream` turns the growth into deltas: the call's `index`,
 so the pieces concatenated are the arguments' JSON as the model wrote it.
 
 With `tool_choice: auto` the answer is text unless its first non-blank
-character is `{`: until that character arrives nothing is sent; text then
+character is `{` (or it opens with Hermes' `<tool_call>`, whose calls are
+sent whole at the end): until that is decided nothing is sent; text then
 streams as usual. A call answer that does not parse in the end (cut short by
 `max_tokens` or a stop string) is sent as text if no call delta has gone out
 yet; otherwise the stream ends with the upstream's finish reason.
@@ -21,7 +22,7 @@ import json
 
 from engine.http.openai_response import ChunkWriter, TokenText
 from engine.http.stream_encoder import StreamEncoder
-from engine.http.tool_calls import ToolSpec, new_call_id, parse_answer
+from engine.http.tool_calls import HERMES_OPEN, ToolSpec, new_call_id, parse_answer
 
 _BLANK = " \t\r\n"
 _SCALAR = frozenset("-+0123456789.eE" "truefalsn")
@@ -214,11 +215,13 @@ class ToolCallStream:
         self.text += text
         if self.mode == "undecided":
             head = self.text.lstrip(_BLANK)
-            if not head:
-                return "", []
-            self.mode = "call" if head[0] == "{" else "text"
+            if not head or HERMES_OPEN.startswith(head[:len(HERMES_OPEN)]) and len(head) < len(HERMES_OPEN):
+                return "", []  # blanks, or maybe the start of a Hermes <tool_call>
+            self.mode = "call" if head[0] == "{" or head.startswith(HERMES_OPEN) else "text"
             if self.mode == "text":
                 return self.text, []
+        if self.text.lstrip(_BLANK).startswith(HERMES_OPEN):
+            return "", []  # Hermes calls are parsed and sent whole at the end
         if self.mode == "text":
             return text, []
         try:

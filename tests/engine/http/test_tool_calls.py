@@ -261,6 +261,26 @@ def test_the_chunker_sends_text_as_text_and_an_unparsable_call_as_text():
     assert s.finish() == ("", [], False)  # a call went out: the stream ends with the upstream's reason
 
 
+def test_hermes_tool_call_blocks_are_calls_parsed_after_the_fact_and_streamed_whole():
+    spec = _chat(tools=TOOLS).tools
+    hermes = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
+             '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    calls = parse_answer(hermes, spec)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"}), ("ping", {})]
+    for text in ("<tool_call>{\"name\": \"ping\"}", hermes + " and more", "<tool_call>x</tool_call>",
+                 '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'):
+        assert parse_answer(text, spec) is None, text
+    s = ToolCallStream(spec)
+    for p in _pieces(hermes, 4):
+        assert s.feed(p) == ("", [])
+    rest, last, is_call = s.finish()
+    assert is_call and rest == "" and [d["function"]["name"] for d in last if "id" in d] == ["get_weather", "ping"]
+    assert json.loads(last[1]["function"]["arguments"]) == {"city": "Paris"}
+    s = ToolCallStream(spec)
+    assert s.feed("<tool") == ("", []) and s.feed("s are") == ("<tools are", [])  # not a call after all
+
+
 def test_scan_reads_partial_answers_and_rejects_other_objects():
     calls, done = scan('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa')
     assert not done and calls[0].name == "get_weather" and calls[0].args == '{"city": "Pa'
