@@ -33,6 +33,8 @@ from engine.http.openai_error import bad
 
 FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 MAX_TOOLS = 128
+# The wire encoder (orjson) nests at most 255 levels; the answer schema wraps `parameters` in a few more.
+MAX_SCHEMA_DEPTH = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Compact JSON without free whitespace, as the daemon compiles response_format schemas: a small model offered
 # free whitespace can spend its whole budget on newlines.
@@ -114,9 +116,24 @@ class ToolSpec:
 
 
 # -- the request ----------------------------------------------------------------------------------------------
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value, without recursion (a hostile body may nest as deep as the parser lets)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if type(v) is dict:
+            v = list(v.values())
+        if type(v) is list:
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in v)
+    return deepest
+
+
 def _check_schema(where: str, schema: dict) -> None:
     """400 naming the field when llguidance cannot compile the schema (checked here, so the error names
     which tool; the daemon compiles the whole answer grammar again, cached)."""
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise bad(where, f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep", "invalid_tool_schema")
     key = json.dumps(schema, sort_keys=True)
     error = _checked.get(key)
     if error is None:

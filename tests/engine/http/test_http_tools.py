@@ -10,7 +10,7 @@ temperature 1 often keeps adding calls to the open list until `max_tokens`
 text), so the validation runs ask for one call; the parallel case is
 checked on its own. `NPUSERVE_TOOL_CALL_RUNS` sets how many seeded requests of each kind
 (default 2; the issue's acceptance run is 100:
-`NPUSERVE_TOOL_CALL_RUNS=100 pytest tests/engine/http/test_http_tools.py -k validate`).
+`NPUSERVE_TOOL_CALL_RUNS=100 pytest -o timeout=3600 tests/engine/http/test_http_tools.py -k validate`).
 """
 
 from __future__ import annotations

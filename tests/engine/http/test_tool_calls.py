@@ -79,6 +79,17 @@ def test_a_schema_that_does_not_compile_says_why():
     assert "objectx" in e.message and e.code == "invalid_tool_schema"
 
 
+def test_a_schema_nested_past_what_the_wire_carries_is_a_400():
+    deep: dict = {"type": "object"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"a": deep}}
+    e = _err(lambda: _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": deep}}]))
+    assert e.param == "tools[0].function.parameters" and "nested" in e.message
+    ok = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}}}
+    assert _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": ok}}]).tools.tools[0].parameters \
+        == ok
+
+
 def test_completions_still_take_tools_only_at_their_neutral_value():
     assert parse_completion({"prompt": "x", "tools": [], "tool_choice": "auto"}).prompts == ["x"]
     assert _err(parse_completion, {"prompt": "x", "tools": TOOLS}).param == "tools"
