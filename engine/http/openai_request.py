@@ -21,6 +21,7 @@ from engine.http.openai_error import bad
 from engine.http.choices import MAX_CHOICES
 from engine.http.response_format import FIELDS as CONSTRAINT_FIELDS, constraint_of
 from engine.http.sampling_penalties import FIELDS as PENALTY_FIELDS, penalty_fields
+from engine.http.tool_calls import ToolSpec, history_fields, parse_tools
 from ipc.schema import NAME_RE, SPECULATIVE_METHODS
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions body (one choice each)
@@ -54,6 +55,7 @@ class GenerateRequest:
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs with this many alternatives
     n: int = 1  # choices returned per prompt (engine/http/choices.py)
     best_of: int | None = None  # completions: choices generated per prompt, the n best returned
+    tools: ToolSpec | None = None  # chat: tools, tool_choice, parallel_tool_calls (engine/http/tool_calls.py)
 
 
 # -- field checks ------------------------------------------------------------------------------------
@@ -180,14 +182,18 @@ def ask_logprobs(req: GenerateRequest) -> None:
         req.sampling["prompt_logprobs"] = wire
 
 
-def _check_fields(body: Any, known: frozenset | set) -> None:
+# chat takes tools (engine/http/tool_calls.py); completions only their neutral value
+_CHAT_NEUTRAL = {k: v for k, v in _NEUTRAL.items() if k not in ("tools", "tool_choice")}
+
+
+def _check_fields(body: Any, known: frozenset | set, neutral: dict = _NEUTRAL) -> None:
     if type(body) is not dict:
         raise bad(None, "the request body must be a JSON object", "invalid_type")
     for name in body:
         if name not in known:
             raise bad(name, "unrecognized request argument", "unknown_field")
-    for name, (neutral, what) in _NEUTRAL.items():
-        if name in body and not neutral(body[name]):
+    for name, (is_neutral, what) in neutral.items():
+        if name in body and not is_neutral(body[name]):
             raise bad(name, what, "unsupported_value")
     for name in ("separate_reasoning", "stream_reasoning", "include_reasoning", "parallel_tool_calls"):
         if body.get(name) is not None:
@@ -312,9 +318,8 @@ def _message(i: int, m: Any) -> dict:
         content = ""
     elif type(content) is not str:
         raise bad(f"{where}.content", "must be a string or a list of text parts", "invalid_type")
-    if m.get("tool_calls"):
-        raise bad(f"{where}.tool_calls", "tool calling is not supported", "unsupported_value")
     out = {"role": role, "content": content}
+    out.update(history_fields(where, role, m))
     if type(m.get("name")) is str:
         out["name"] = m["name"]
     return out
@@ -322,7 +327,7 @@ def _message(i: int, m: Any) -> dict:
 
 def parse_chat(body: Any, default_temperature: float = 1.0) -> GenerateRequest:
     """A /v1/chat/completions body; `max_tokens` stays None (the shell fills in what the context leaves)."""
-    _check_fields(body, CHAT_FIELDS)
+    _check_fields(body, CHAT_FIELDS, _CHAT_NEUTRAL)
     msgs = body.get("messages", _MISSING)
     if msgs is _MISSING:
         raise bad("messages", "is required", "missing_field")
@@ -332,6 +337,13 @@ def parse_chat(body: Any, default_temperature: float = 1.0) -> GenerateRequest:
         raise bad("messages", f"at most {MAX_MESSAGES} messages, got {len(msgs)}")
     req = _common(body, "chat", default_temperature)
     req.messages = [_message(i, m) for i, m in enumerate(msgs)]
+    req.tools = parse_tools(body)
+    if req.tools is not None and req.tools.active:
+        if "constraint" in req.sampling:
+            raise bad("tool_choice", f"tools with tool_choice {req.tools.choice!r} constrain the answer: no "
+                                     "response_format or guided field beside them (tool_choice none allows one)",
+                      "conflicting_fields")
+        req.sampling["constraint"] = req.tools.constraint()
     lp = body.get("logprobs")
     if lp is not None:
         req.logprobs = _bool("logprobs", lp)

@@ -102,7 +102,7 @@ def test_what_vllm_router_adds_to_a_chat_body_is_accepted():
     ([], "messages"), ("hi", "messages"), ([{"role": "robot", "content": "x"}], "messages[0].role"),
     ([{"role": "user", "content": 5}], "messages[0].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0]"),
-    ([{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}], "messages[0].tool_calls"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}], "messages[0].tool_calls[0]"),
 ])
 def test_bad_messages(messages, param):
     assert err(parse_chat, {"messages": messages}).param == param
@@ -121,7 +121,7 @@ def test_chat_content_parts_join_and_chat_only_fields():
     assert err(parse_chat, {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}).param \
         == "continue_final_message"
     assert err(parse_chat, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}).param \
-        == "tools"
+        == "tools[0].function"
     assert err(parse_chat, {"prompt": "x"}).param == "prompt"  # a completions field is unknown here
 
 
