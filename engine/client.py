@@ -31,6 +31,8 @@ SAMPLING_FIELDS = frozenset({
     "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "pool", "speculative",
     "constraint",  # structured output: {"kind": ..., "body": ...} (docs/protocol.md)
     "top_logprobs", "prompt_logprobs",  # alternatives per token; the prompt's logprobs (docs/protocol.md)
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+    "adapter",  # a LoRA adapter loaded on the board (docs/lora.md)
 })
 
 # How long the receiving thread holds the socket lock per poll while other

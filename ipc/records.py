@@ -35,6 +35,10 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
   model proposes lane i's drafts (the tokens sent there are placeholders);
   the accepted ones come back in `JobResult.accepted_tokens`.
   Both travel after every other field of their blob (sizes in meta[24:26]).
+* adapter[B] int32 (optional, empty = every lane on the base model): the
+  board's number of the LoRA adapter lane i runs under, -1 = the base model.
+  The worker swaps the adapters into device slots (`workers.lora`). It travels
+  last in the i32 blob (size in meta[27]).
 
 Constrained decoding (structured output), present only when some lane is
 constrained (C = B then; else C = 0 and they are empty):
@@ -50,6 +54,10 @@ constrained (C = B then; else C = 0 and they are empty):
   rebuild the state from the grammar: deterministic, on any chip.
 * grammar[G] uint8 with grammar_start[C+1]: for a sampling prefill lane, the
   UTF-8 llguidance grammar (decode lanes carry only the id).
+
+Sampling penalties (presence/frequency/repetition, logit bias, min_p,
+min_tokens), present only when some lane has one: `Job.penalties`, three
+extra ring arrays laid out by `ipc.lane_penalties`.
 
 A decode lane's token may be QUEUED_STEP_TOKEN (-1) instead of an id: "the token
 this lane's previous job samples", so the scheduler can queue step N+1 while
@@ -73,6 +81,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+
+from ipc.lane_penalties import ARRAY_NAMES as _PENALTY_ARRAYS, JobPenalties, LanePenalty
 
 
 class JobKind(enum.IntEnum):
@@ -126,8 +136,9 @@ class ResultMeta:
 
 
 RESULT_META_LEN = ResultMeta.LEN
-# 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps, 2 draft sizes, queue_next_step
-_JOB_META_LEN = 27
+# 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps, 2 draft sizes, queue_next_step,
+# adapter size
+_JOB_META_LEN = 28
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_U64 = np.zeros(0, dtype=np.uint64)
 _EMPTY_U8 = np.zeros(0, dtype=np.uint8)
@@ -179,6 +190,10 @@ class Job:
     # speculative verification: draft tokens at the end of each lane ([B] or empty: no drafts)
     draft_lens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
     draft_src: np.ndarray = field(default_factory=lambda: _EMPTY_U8)
+    # sampling penalties (ipc.lane_penalties): None when no lane has any; three extra ring arrays otherwise
+    penalties: JobPenalties | None = None
+    # LoRA: per lane, the board's adapter number (-1 = base model); empty = no lane has an adapter
+    adapter: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
 
     @property
     def constrained(self) -> bool:
@@ -230,6 +245,8 @@ class Job:
             raise ValueError("block_tables must be [B, M]")
         if self.constrained:
             self._validate_constraints(b)
+        if self.penalties is not None:
+            self.penalties.validate(b)
         valid = self.lane_valid != 0
         # a valid decode lane carries exactly one token; an inactive lane never carries any
         bad_count = counts != valid if self.kind == JobKind.DECODE else (counts != 0) > valid
@@ -255,6 +272,8 @@ class Job:
                 raise ValueError(f"lane {int(bad.argmax())}: draft_lens must be below its token count, on a sampled lane")
         if self.draft_src.size and (self.draft_src.shape != (b,) or not self.draft_lens.size):
             raise ValueError("draft_src must have one entry per lane, beside draft_lens")
+        if self.adapter.size and (self.adapter.shape != (b,) or self.adapter.min() < -1):
+            raise ValueError("adapter must have one entry per lane, each an adapter number or -1")
 
     def _validate_constraints(self, b: int) -> None:
         for name in ("constraint_id", "constraint_key", "constraint_done"):
@@ -269,8 +288,11 @@ class Job:
     def array_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """{name: (shape, dtype str)} of the record `pack_into` fills (reserve ring space with it)."""
         n32, nf32, nu8, n64 = self._group_sizes()
-        return {"meta": ((_JOB_META_LEN,), "<i8"), "i32": ((n32,), "<i4"), "f32": ((nf32,), "<f4"),
+        spec = {"meta": ((_JOB_META_LEN,), "<i8"), "i32": ((n32,), "<i4"), "f32": ((nf32,), "<f4"),
                 "u8": ((nu8,), "|u1"), "u64": ((n64,), "<u8")}
+        if self.penalties is not None:
+            spec.update(self.penalties.array_spec())
+        return spec
 
     def _group_sizes(self) -> tuple[int, int, int, int]:
         bt = self.block_tables
@@ -283,7 +305,7 @@ class Job:
             self.tokens.size + self.positions.size + self.query_start.size + self.context_lens.size + self.top_k.size
             + bt.size + self.src_blocks.size + self.dst_blocks.size
             + self.constraint_done.size + self.replay.size + self.replay_start.size + self.grammar_start.size
-            + self.draft_lens.size,
+            + self.draft_lens.size + self.adapter.size,
             self.temperature.size + self.top_p.size,
             self.lane_valid.size + self.sample.size + self.want_logprobs.size + self.grammar.size + self.draft_src.size,
             self.seed.size + self.constraint_id.size + self.constraint_key.size,
@@ -308,7 +330,7 @@ class Job:
             self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
             self.want_logprobs.size, self.seed.size, self.submitted_ns,
             self.constraint_id.size, self.replay.size, self.grammar.size, self.decode_steps,
-            self.draft_lens.size, self.draft_src.size, int(self.queue_next_step),
+            self.draft_lens.size, self.draft_src.size, int(self.queue_next_step), self.adapter.size,
         )
         np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
                         bt.ravel(), self.src_blocks, self.dst_blocks), out=dst["i32"][:n32_plain], casting="unsafe")
@@ -323,10 +345,16 @@ class Job:
                            out=dst["i32"][n32_plain:n32_c], casting="unsafe")
             dst["u8"][nu8_plain:nu8_plain + self.grammar.size] = self.grammar
             np.concatenate((self.constraint_id, self.constraint_key), out=dst["u64"][n64_plain:], casting="unsafe")
-        if self.draft_lens.size:  # speculative verification: after every other field of the blob
-            dst["i32"][dst["i32"].shape[0] - self.draft_lens.size:] = self.draft_lens
+        end32 = dst["i32"].shape[0]
+        if self.adapter.size:  # the last field of the i32 blob
+            dst["i32"][end32 - self.adapter.size:] = self.adapter
+            end32 -= self.adapter.size
+        if self.draft_lens.size:  # speculative verification: after every other field of the blob but adapter
+            dst["i32"][end32 - self.draft_lens.size:end32] = self.draft_lens
         if self.draft_src.size:
             dst["u8"][dst["u8"].shape[0] - self.draft_src.size:] = self.draft_src
+        if self.penalties is not None:
+            self.penalties.pack_into(dst)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The job as a ring record: {name: array}. Raises ValueError for a field of the wrong rank."""
@@ -343,7 +371,7 @@ class Job:
         path, valid only while the ring record is held.
         """
         m = a["meta"].tolist()
-        if len(m) != _JOB_META_LEN or min(m[4:19]) < 0 or min(m[20:23]) < 0 or min(m[24:26]) < 0:
+        if len(m) != _JOB_META_LEN or min(m[4:19]) < 0 or min(m[20:23]) < 0 or min(m[24:26]) < 0 or m[27] < 0:
             raise ValueError(f"job record: a meta of {len(m)} entries (not {_JOB_META_LEN}) or a negative size")
         i32, f32, u8, u64 = a["i32"], a["f32"], a["u8"], a["u64"]
         if copy:
@@ -351,6 +379,7 @@ class Job:
         nt, npos, nqs, nctx, ntk, b0, b1, nsrc, ndst, ntemp, ntp, nlv, nsm, nwl, nseed = m[4:19]
         nc, nrep, ngr = m[20:23]
         ndl, nds = m[24:26]
+        nad = m[27]
         nst = nc + 1 if nc else 0
         o1 = nt
         o2 = o1 + npos
@@ -361,7 +390,7 @@ class Job:
         o7 = o6 + nsrc
         o8 = o7 + ndst
         u = nlv + nsm + nwl
-        if o8 + nc + nrep + 2 * nst + ndl != i32.shape[0] or ntemp + ntp != f32.shape[0] \
+        if o8 + nc + nrep + 2 * nst + ndl + nad != i32.shape[0] or ntemp + ntp != f32.shape[0] \
                 or u + ngr + nds != u8.shape[0] \
                 or nseed + 2 * nc != u64.shape[0]:
             raise ValueError("job record: array sizes disagree with its meta")
@@ -373,10 +402,16 @@ class Job:
             extra = dict(constraint_done=i32[o8:o9], replay=i32[o9:o10], replay_start=i32[o10:o11],
                          grammar_start=i32[o11:o11 + nst], grammar=u8[u:u + ngr], constraint_id=u64[nseed:nseed + nc],
                          constraint_key=u64[nseed + nc:])
+        n32 = i32.shape[0]
+        if nad:
+            extra["adapter"] = i32[n32 - nad:]
         if ndl:
-            extra["draft_lens"] = i32[i32.shape[0] - ndl:]
+            extra["draft_lens"] = i32[n32 - nad - ndl:n32 - nad]
         if nds:
             extra["draft_src"] = u8[u8.shape[0] - nds:]
+        if _PENALTY_ARRAYS[0] in a:
+            pen = {k: (np.array(a[k]) if copy else a[k]) for k in _PENALTY_ARRAYS}
+            extra["penalties"] = JobPenalties.from_arrays(pen, nlv)
         return cls(
             job_id=m[0], generation=m[1], kind=_member(_KIND_OF, JobKind, m[2]), return_logits=bool(m[3]),
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
@@ -403,7 +438,7 @@ class Job:
 
 _LANE_FIELDS = ("context_lens", "sample", "temperature", "top_p", "top_k", "seed", "want_logprobs")
 _FLAT_FIELDS = ("tokens", "positions", "query_start", "lane_valid", *_LANE_FIELDS, "src_blocks", "dst_blocks",
-                "draft_lens", "draft_src")
+                "draft_lens", "draft_src", "adapter")
 
 
 # optional result arrays of the lanes that ask for more than the sampled token's logprob (ipc.logprob_wants)
@@ -537,11 +572,13 @@ class Lane(NamedTuple):
     grammar: str = ""  # sampling prefill lanes only
     drafts: int = 0  # the last `drafts` tokens are speculative drafts to verify
     draft_model: bool = False  # the worker's draft model proposes them (the tokens sent are placeholders)
+    penalty: LanePenalty | None = None  # sampling penalties (ipc.lane_penalties); None: none
 
 
 # Lane field positions, for build_job's columns (zip(*lanes))
 _TOKENS, _START, _BLOCK_TABLE, _SAMPLE, _TEMPERATURE, _TOP_P, _TOP_K, _SEED, _WANT_LOGPROBS, _CONSTRAINT = range(10)
 _DRAFTS, _DRAFT_MODEL = Lane._fields.index("drafts"), Lane._fields.index("draft_model")
+_PENALTY = Lane._fields.index("penalty")
 assert Lane._fields[:10] == ("tokens", "start", "block_table", "sample", "temperature", "top_p", "top_k", "seed",
                              "want_logprobs", "constraint")
 _NO_COLUMNS: tuple = ((),) * len(Lane._fields)
@@ -637,6 +674,8 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
     )
     if n and any(cols[_CONSTRAINT]):
         _add_constraints(job, lanes, b)
+    if n and any(p is not None for p in cols[_PENALTY]):
+        job.penalties = JobPenalties.build([None if ln is None else ln.penalty for ln in lanes], b)
     return job
 
 

@@ -24,17 +24,19 @@ from typing import Any
 
 import orjson
 
+from ipc import sampling_fields
 from ipc.logprob_wants import MAX_TOP
 
 PROTOCOL_VERSION = 1
 
 REQUEST_OPS = ("generate", "cancel", "health", "stats", "load", "unload", "replace", "rollback",
-               "models", "drain", "resume", "reenable_inflight", "hello")
-ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume", "reenable_inflight")
+               "models", "drain", "resume", "reenable_inflight", "hello", "load_lora", "unload_lora")
+ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume", "reenable_inflight",
+             "load_lora", "unload_lora")
 # One reply event per non-generate op, named like the op; `cancel` has none
 # (the cancelled stream's own terminal event is the acknowledgement).
 REPLY_EVENTS = ("health", "stats", "models", "load", "unload", "replace", "rollback", "drain", "resume",
-                "reenable_inflight", "hello")
+                "reenable_inflight", "hello", "load_lora", "unload_lora")
 STREAM_EVENTS = ("tokens", "done", "error")
 EVENTS = STREAM_EVENTS + REPLY_EVENTS
 FINISH_REASONS = ("length", "eos", "stop", "cancelled")
@@ -266,6 +268,10 @@ def _constraint(name: str, value: Any) -> dict:
     return {"kind": kind, "body": body}
 
 
+def _logit_bias(name: str, value: Any) -> dict[str, float]:
+    return sampling_fields.logit_bias(name, value, _FieldError, TOKEN_ID_MAX)
+
+
 def _nullable(check: Checker) -> Checker:
     def nullable(name: str, value: Any) -> Any:
         return None if value is None else check(name, value)
@@ -367,6 +373,13 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "top_logprobs": (_int(0, MAX_TOP), _ABSENT),  # alternatives per token (implies logprobs)
         "prompt_logprobs": (_nullable(_int(0, MAX_TOP)), _ABSENT),  # the prompt's logprobs, this many alternatives
         "n": (_int(1, MAX_CHOICES), _ABSENT),  # choices of the prompt; absent = 1 (events then carry no index)
+        # penalties and filters beyond top-p/top-k (vLLM's semantics: docs/protocol.md#sampling)
+        "presence_penalty": (_float(-2.0, 2.0), _ABSENT),
+        "frequency_penalty": (_float(-2.0, 2.0), _ABSENT),
+        "repetition_penalty": (_float(0.0, 100.0, lo_open=True), _ABSENT),
+        "min_p": (_float(0.0, 1.0), _ABSENT),
+        "min_tokens": (_int(0, MAX_NEW_TOKENS), _ABSENT),
+        "logit_bias": (_logit_bias, _ABSENT),
         "stream": (_bool, True),
         "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
         "constraint": (_nullable(_constraint), _ABSENT),  # structured output: kind + body (absent: none)
@@ -374,6 +387,7 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         # speculative decoding for this request: "off" | "ngram" | "draft"; null = the board's speculative.method
         "speculative": (_nullable(_choice(SPECULATIVE_METHODS)), None),
         "handoff": (_handoff, _ABSENT),  # prefill/decode disaggregation (docs/protocol.md#handoff)
+        "adapter": (_nullable(_name), _ABSENT),  # a LoRA adapter loaded on the board (docs/lora.md); null = none
     },
     "cancel": {},
     "health": {},
@@ -390,6 +404,10 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
     "reenable_inflight": {"chip": (_nullable(_int(0, 1023)), None), **_AUTH},
     # capabilities for this connection (see CAPABILITIES); answered by a `hello` event with those granted
     "hello": {"capabilities": (_capabilities, [])},
+    # LoRA adapters (docs/lora.md): `alias` names the adapter, `package` its folder, `base` the model it adapts
+    "load_lora": {"alias": (_name, _REQUIRED), "package": (_text(1, MAX_PATH_CHARS), _REQUIRED),
+                  "base": (_nullable(_name), None), **_AUTH},
+    "unload_lora": {"alias": (_name, _REQUIRED), **_AUTH},
 }
 assert set(OP_FIELDS) == set(REQUEST_OPS)
 # Fields of which a request must carry exactly one: the prompt as token ids or as text.

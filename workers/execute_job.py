@@ -21,6 +21,7 @@ from workers.kv_transfer import HostKv
 from workers.lane_sampling import sample_lanes
 from workers.logprob_alternatives import lane_alternatives, prompt_alternatives, prompt_lanes
 from workers.multi_step import next_step
+from workers.penalties import PenaltyBook, PenaltyError, count_looped, device_penalties
 from workers.spec_verify import verify_drafts
 
 
@@ -43,7 +44,8 @@ class JobOutcome:
 
 
 def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, host_kv: HostKv | None = None,
-                constraints: ConstraintBook | None = None, draft: DraftModel | None = None) -> JobOutcome:
+                constraints: ConstraintBook | None = None, draft: DraftModel | None = None,
+                penalties: PenaltyBook | None = None) -> JobOutcome:
     """Run one job on the backend and sample its lanes.
 
     Inputs may be read-only ring views; nothing here writes to them.
@@ -52,6 +54,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
     such lanes and no book fails.
     `draft`: the chip's draft model (speculative.draft_package): it proposes
     the drafts of `draft_src` lanes and mirrors every job's KV.
+    `penalties`: the token counts of penalised lanes (workers/penalties.py);
+    such lanes carry no drafts.
     """
     b = job.batch
     tokens = np.full(b, -1, np.int32)
@@ -82,9 +86,17 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         if job.draft_lens.size and job.constrained and job.constraint_id[job.draft_lens != 0].any():
             # spec_verify's row_mask hook would need the matcher advanced through each draft: not done
             raise ConstraintError("a constrained lane cannot carry draft tokens")
+        penalised = job.penalties is not None and bool(job.penalties.active.any())
+        if penalised and job.draft_lens.size and (job.penalties.active[job.draft_lens != 0] != 0).any():
+            raise PenaltyError("a penalised lane cannot carry draft tokens")  # its counts would need each draft
+        if penalised and penalties is None:
+            raise PenaltyError("penalised lanes in a job run without a penalty book")
         if draft is None and device_loop_job(job):
-            looped = backend.decode_steps(job)  # None: no device loop, the host loop below
-            if looped is not None:
+            dev_pen = device_penalties(job, penalties) if penalised else None
+            looped = backend.decode_steps(job, dev_pen) if penalised else backend.decode_steps(job)
+            if looped is not None:  # None: no device loop (for these lanes), the host loop below
+                if penalised:
+                    count_looped(job, penalties, looped[0])
                 return JobOutcome(JobStatus.OK, *looped, None, (time.perf_counter_ns() - t0) // 1000)
         if draft is not None and job.draft_src.size:
             job = draft.propose(job)
@@ -99,7 +111,7 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         extra = None
         if out.logits is not None:
             if lanes.size:
-                sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks)
+                sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks, penalties)
             if job.draft_lens.size:
                 if out.draft_logits is None:
                     raise RuntimeError("the backend cannot verify draft tokens (no draft_logits)")
@@ -109,6 +121,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         elif out.tokens is not None:
             if job.constrained and job.constraint_id[lanes].any():
                 raise ConstraintError("this backend samples on the device: constrained lanes need logits")
+            if penalised and job.penalties.active[lanes].any():
+                raise PenaltyError("this backend samples on the device: penalised lanes need logits")
             tokens[lanes] = out.tokens[lanes]
         else:
             raise RuntimeError("backend returned neither logits nor tokens")
@@ -123,7 +137,7 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
             for _ in range(job.decode_steps - 1):
                 step = next_step(step, steps[-1])
                 t, lp = np.full(b, -1, np.int32), np.zeros(b, np.float32)
-                _step_tokens(step, backend.decode(step), lanes, t, lp)
+                _step_tokens(step, backend.decode(step), lanes, t, lp, penalties)
                 if draft is not None:
                     draft.mirror(step)
                 steps.append(t)
@@ -160,18 +174,20 @@ def logprob_arrays(job: Job, out, lanes: np.ndarray) -> dict | None:
 
 def device_loop_job(job: Job) -> bool:
     """Whether a job's steps may all run on the device (`ChipBackend.decode_steps`): a multi-step decode
-    whose every valid lane samples with the plain sampler, with nothing the host must do between steps:
-    no constrained lane (its mask is the host's), no draft tokens, and no logits to return. The worker
-    also keeps the host loop when it has a draft model (it mirrors every step's KV)."""
+    whose every valid lane samples, with nothing the host must do between steps: no constrained lane (its
+    mask is the host's), no draft tokens, and no logits to return. Penalised lanes go too when the backend's
+    loop takes penalties (else it declines and the host loop runs). The worker also keeps the host loop when
+    it has a draft model (it mirrors every step's KV)."""
     return (job.kind == JobKind.DECODE and job.decode_steps > 1 and not job.constrained and not job.draft_lens.size
             and not job.return_logits and not asks_more(job.want_logprobs) and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
 
 
-def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+                 penalties: PenaltyBook | None = None) -> None:
     """One step's tokens into `tokens`/`logprobs`: sampled from its logits, or as the backend chose them."""
     if out.logits is not None:
         if lanes.size:
-            sample_lanes(job, out.logits, lanes, tokens, logprobs)
+            sample_lanes(job, out.logits, lanes, tokens, logprobs, penalties=penalties)
     elif out.tokens is not None:
         tokens[lanes] = out.tokens[lanes]
     else:

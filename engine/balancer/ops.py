@@ -33,7 +33,7 @@ class BalancerPorts(Protocol):
     def next_request_id(self) -> int: ...
 
 # Board-level model management: valid on the wire, answered 501 here (see the module docstring).
-NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback"})
+NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback", "load_lora", "unload_lora"})
 
 
 def handle(bal: BalancerPorts, conn: "Conn", msg: dict, now: float) -> list:

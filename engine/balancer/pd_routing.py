@@ -80,6 +80,8 @@ def prefill_msg(m: dict, continuation: list[int]) -> dict:
     """The prefill leg of upstream message `m` (already with its id, stream and deadline)."""
     m = dict(m)
     m["max_tokens"] = len(continuation) + 1 if m.get("max_tokens") != 0 else 0  # 0: the prompt's logprobs only
+    if m.get("min_tokens", 0) > m["max_tokens"]:  # the decode leg honours the rest
+        m["min_tokens"] = m["max_tokens"]
     if continuation:
         m["continuation"] = continuation
     m["handoff"] = {"export": True}

@@ -58,8 +58,9 @@ class ChipState:
 
     def may_queue_step(self, r: RequestRecord) -> None:
         """r's job is running: its next step may be queued unless that job's token is its last (max_tokens),
-        or its output is constrained (the worker's matcher takes its tokens in order, job by job)."""
-        if r.stop.max_tokens - r.stop.produced > 1 and r.params.constraint is None:
+        or its output is constrained or penalised (the worker's matcher or counts take its tokens in order,
+        job by job)."""
+        if r.stop.max_tokens - r.stop.produced > 1 and not r.params.host_stepped:
             self.queueable[r.request_id] = None
 
     def release_freed(self, out: list) -> None:

@@ -36,6 +36,9 @@ from engine.http.openai_response import (
     DONE, ChunkWriter, chat_logprobs, chat_object, completion_object, error_event, new_id, usage,
 )
 from engine.http.stream_encoder import StreamEncoder
+from engine.http import tool_prompt
+from engine.http.tool_calls import parse_answer
+from engine.http.tool_stream import ToolStreamEncoder
 from engine.http.served_model import ServedModel
 from engine.http.upstream import Upstream
 from ipc.codec import PROTOCOL_VERSION
@@ -217,6 +220,9 @@ class Front:
                 "tenant": key_tenant or tenant_of_user(req.user)}
         if req.model is not None:
             base["model"] = req.model
+            parent = next((m.get("parent") for m in self.upstream.models if m.get("alias") == req.model), None)
+            if parent:  # a LoRA adapter: its base model and the adapter (a balancer routes by the base)
+                base["model"], base["adapter"] = parent, req.model
         if req.logprobs:
             base["logprobs"] = True
         if req.handoff is not None:
@@ -235,7 +241,8 @@ class Front:
                 raise no_template(name) if not served.problem else OpenAIError(
                     400, f"model {name!r} has no chat template: {served.problem}", param="messages",
                     code="no_chat_template")
-            text = served.template.render(req.messages, req.add_generation_prompt, req.template_kwargs)
+            text = tool_prompt.render(served.template, req.messages, req.tools, req.add_generation_prompt,
+                                      req.template_kwargs)
             ids = served.chat_prompt(text)
             if base.get("max_tokens") is None:
                 room = served.max_seq - len(ids)
@@ -351,8 +358,9 @@ class Front:
                 d = dones[i]
                 lp = chat_logprobs(d.get("tokens") or [], d.get("logprobs") or [], token_text,
                                    d.get("top_logprobs")) if req.logprobs else None
+                calls = parse_answer(d.get("text") or "", req.tools) if req.tools and req.tools.active else None
                 choices.append(chat_object(new_id("chat"), prep.model, created, d.get("text") or "",
-                                           d.get("finish_reason"), {}, lp)["choices"][0] | {"index": k})
+                                           d.get("finish_reason"), {}, lp, calls)["choices"][0] | {"index": k})
             obj = chat_object(new_id("chat"), prep.model, created, "", None, {}, None)
             obj["choices"], obj["usage"] = choices, usage(usages)
         else:
@@ -371,11 +379,14 @@ class Front:
         req = prep.req
         served = prep.served
         n = len(prep.msgs)
+        writer = ChunkWriter(req.kind, new_id(req.kind), prep.model, req.include_usage)
         token_text = served.token_text if served else (lambda t: f"token_id:{t}")
-        enc = StreamEncoder(ChunkWriter(req.kind, new_id(req.kind), prep.model, req.include_usage), n,
-                            logprobs=req.logprobs, token_text=token_text,
-                            echo=[prompt_text(req.prompts[i // prep.per_prompt], token_text)
-                                  for i in range(n)] if req.echo else None)
+        if req.tools is not None and req.tools.active:
+            enc = ToolStreamEncoder(writer, n, logprobs=req.logprobs, token_text=token_text, spec=req.tools)
+        else:
+            enc = StreamEncoder(writer, n, logprobs=req.logprobs, token_text=token_text,
+                                echo=[prompt_text(req.prompts[i // prep.per_prompt], token_text)
+                                      for i in range(n)] if req.echo else None)
         metrics = self.metrics
         first_at: list[float] = []
 
@@ -500,8 +511,9 @@ class Front:
             return error_response(e)
         served = self.upstream.served
         data = [{"id": m["alias"], "object": "model", "created": 0, "owned_by": "npuserve",
-                 "max_model_len": m.get("max_seq"),
-                 "chat_template": (served[m["alias"]].chat_template or None) if m["alias"] in served else None}
+                 "max_model_len": m.get("max_seq") or (served[m["alias"]].max_seq if m["alias"] in served else None),
+                 "chat_template": (served[m["alias"]].chat_template or None) if m["alias"] in served else None,
+                 **({"parent": m["parent"]} if m.get("parent") else {})}  # a LoRA adapter: its base model
                 for m in self.upstream.models]
         return json_response({"object": "list", "data": data})
 

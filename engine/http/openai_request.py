@@ -20,6 +20,8 @@ from engine.http import kv_transfer
 from engine.http.openai_error import bad
 from engine.http.choices import MAX_CHOICES
 from engine.http.response_format import FIELDS as CONSTRAINT_FIELDS, constraint_of
+from engine.http.sampling_penalties import FIELDS as PENALTY_FIELDS, penalty_fields
+from engine.http.tool_calls import ToolSpec, history_fields, parse_tools
 from ipc.schema import NAME_RE, SPECULATIVE_METHODS
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions body (one choice each)
@@ -53,6 +55,7 @@ class GenerateRequest:
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs with this many alternatives
     n: int = 1  # choices returned per prompt (engine/http/choices.py)
     best_of: int | None = None  # completions: choices generated per prompt, the n best returned
+    tools: ToolSpec | None = None  # chat: tools, tool_choice, parallel_tool_calls (engine/http/tool_calls.py)
 
 
 # -- field checks ------------------------------------------------------------------------------------
@@ -137,18 +140,10 @@ def _falsy(v: Any) -> bool:
 
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
-    "presence_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 0), "penalties are not "
-                                                                                       "supported (send 0)"),
-    "frequency_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 0), "penalties are not "
-                                                                                        "supported (send 0)"),
-    "repetition_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 1), "penalties are not "
-                                                                                         "supported (send 1)"),
-    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
     "no_stop_trim": (_falsy, "no_stop_trim is not supported (stop strings are always cut from the text)"),
     "skip_special_tokens": (lambda v: v is None or v is True, "special tokens are never part of the text; "
                                                              "skip_special_tokens = false is not supported"),
     "return_hidden_states": (_falsy, "hidden states are not returned"),
-    "min_tokens": (lambda v: v is None or v == 0 and type(v) is int, "min_tokens is not supported (send 0)"),
     "continue_final_message": (_falsy, "continue_final_message is not supported"),
     "tools": (lambda v: v is None or v == [], "tool calling is not supported"),
     "functions": (lambda v: v is None or v == [], "function calling is not supported"),
@@ -164,7 +159,8 @@ _IGNORED = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoni
 
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "user",
-                     "priority", "speculative", "prompt_logprobs", "n", kv_transfer.FIELD}) | CONSTRAINT_FIELDS
+                     "priority", "speculative", "prompt_logprobs", "n", kv_transfer.FIELD}) | CONSTRAINT_FIELDS \
+    | PENALTY_FIELDS
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of"} | set(_NEUTRAL) | _IGNORED
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "add_generation_prompt", "chat_template_kwargs"} \
     | set(_NEUTRAL) | _IGNORED
@@ -186,16 +182,18 @@ def ask_logprobs(req: GenerateRequest) -> None:
         req.sampling["prompt_logprobs"] = wire
 
 
-def _check_fields(body: Any, known: frozenset | set) -> None:
+# chat takes tools (engine/http/tool_calls.py); completions only their neutral value
+_CHAT_NEUTRAL = {k: v for k, v in _NEUTRAL.items() if k not in ("tools", "tool_choice")}
+
+
+def _check_fields(body: Any, known: frozenset | set, neutral: dict = _NEUTRAL) -> None:
     if type(body) is not dict:
         raise bad(None, "the request body must be a JSON object", "invalid_type")
     for name in body:
         if name not in known:
             raise bad(name, "unrecognized request argument", "unknown_field")
-    for name, (neutral, what) in _NEUTRAL.items():
-        if name == "min_tokens" and body.get(name) == 1 and kv_transfer.is_prefill_leg(body):
-            continue  # vllm-router's prefill leg: one token, whose text the router drops
-        if name in body and not neutral(body[name]):
+    for name, (is_neutral, what) in neutral.items():
+        if name in body and not is_neutral(body[name]):
             raise bad(name, what, "unsupported_value")
     for name in ("separate_reasoning", "stream_reasoning", "include_reasoning", "parallel_tool_calls"):
         if body.get(name) is not None:
@@ -260,6 +258,7 @@ def _common(body: dict, kind: str, default_temperature: float) -> GenerateReques
     constraint = constraint_of(body)
     if constraint is not None:
         sampling["constraint"] = constraint
+    sampling.update(penalty_fields(body))
     req = GenerateRequest(kind, model, stream, include_usage, False, user, sampling)
     req.handoff = kv_transfer.handoff_of(body.get(kv_transfer.FIELD))
     if body.get("n") is not None:
@@ -319,9 +318,8 @@ def _message(i: int, m: Any) -> dict:
         content = ""
     elif type(content) is not str:
         raise bad(f"{where}.content", "must be a string or a list of text parts", "invalid_type")
-    if m.get("tool_calls"):
-        raise bad(f"{where}.tool_calls", "tool calling is not supported", "unsupported_value")
     out = {"role": role, "content": content}
+    out.update(history_fields(where, role, m))
     if type(m.get("name")) is str:
         out["name"] = m["name"]
     return out
@@ -329,7 +327,7 @@ def _message(i: int, m: Any) -> dict:
 
 def parse_chat(body: Any, default_temperature: float = 1.0) -> GenerateRequest:
     """A /v1/chat/completions body; `max_tokens` stays None (the shell fills in what the context leaves)."""
-    _check_fields(body, CHAT_FIELDS)
+    _check_fields(body, CHAT_FIELDS, _CHAT_NEUTRAL)
     msgs = body.get("messages", _MISSING)
     if msgs is _MISSING:
         raise bad("messages", "is required", "missing_field")
@@ -339,6 +337,13 @@ def parse_chat(body: Any, default_temperature: float = 1.0) -> GenerateRequest:
         raise bad("messages", f"at most {MAX_MESSAGES} messages, got {len(msgs)}")
     req = _common(body, "chat", default_temperature)
     req.messages = [_message(i, m) for i, m in enumerate(msgs)]
+    req.tools = parse_tools(body)
+    if req.tools is not None and req.tools.active:
+        if "constraint" in req.sampling:
+            raise bad("tool_choice", f"tools with tool_choice {req.tools.choice!r} constrain the answer: no "
+                                     "response_format or guided field beside them (tool_choice none allows one)",
+                      "conflicting_fields")
+        req.sampling["constraint"] = req.tools.constraint()
     lp = body.get("logprobs")
     if lp is not None:
         req.logprobs = _bool("logprobs", lp)

@@ -70,9 +70,15 @@ def completion_choice(index: int, text: str, reason: str, logprobs: dict | None 
 
 
 def chat_object(rid: str, model: str, created: int, text: str, reason: str, u: dict,
-                logprobs: dict | None = None) -> dict:
+                logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """With `tool_calls` (engine/http/tool_calls.py) the message has them, `content` null and the finish
+    reason is "tool_calls"."""
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        reason = "tool_calls"
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                          "finish_reason": finish_reason(reason)}],
             "usage": usage([u])}
 
@@ -121,6 +127,11 @@ class ChunkWriter:
     def role(self, index: int = 0) -> bytes:
         """The first chat chunk: the assistant role, empty content (as OpenAI sends it)."""
         return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def tool_calls(self, index: int, deltas: list[dict]) -> bytes:
+        """A chat chunk carrying `delta.tool_calls` (engine/http/tool_stream.py)."""
+        return self._chunk([{"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
                              "finish_reason": None}])
 
     def finish(self, index: int, reason: str) -> bytes:

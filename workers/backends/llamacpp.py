@@ -65,6 +65,7 @@ SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "co
 # ~1.2 ms a block, a prefill ~14 ms a token. The prefill figure is taken ~3x faster than measured (more
 # threads, an idle machine): promotion still wins from the first whole block.
 TRANSFER_COST = KvTransferCost(base_s=5e-4, per_block_s=1.5e-3, prefill_s_per_token=5e-3)
+LORA_SLOTS = 8  # LoRA adapters loaded on the model at once (llama.cpp keeps them in host memory)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class LlamacppBackend(OneStepBackend):
         self._n_ubatch = n_ubatch
         self.package = None
         self.model = None
+        self._adapters: dict[int, int] = {}  # device slot -> llama_adapter_lora pointer
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -171,8 +173,59 @@ class LlamacppBackend(OneStepBackend):
 
     def unload(self) -> None:
         if self.model is not None:
-            self.model.close()
+            self.model.close()  # frees its adapters too
         self.package = self.model = None
+        self._adapters = {}
+
+    # ---- LoRA adapters: llama.cpp's LoRA GGUF, one adapter set per context (so per job) ----------------
+
+    def read_adapter(self, path: str, sha256: str) -> str:
+        """The adapter's GGUF path, after checking it fits the loaded model (PackageError names the mismatch)."""
+        from workers.lora.adapter_package import read_adapter_facts
+        from workers.lora.gguf_adapter import GGUF_ADAPTER_FILE, check_gguf_against_base
+        from workers.package_manifest import PackageError
+
+        pkg, _ = self._loaded()
+        facts = read_adapter_facts(path)
+        if sha256 and facts.sha256 != sha256:
+            raise PackageError(f"{path}: manifest.json changed since the adapter was verified (sha256 differs)")
+        if facts.format != "gguf":
+            raise PackageError(f"{path}: the llamacpp backend takes LoRA GGUF adapters, not {facts.format}")
+        check_gguf_against_base(facts, pkg.gguf_path)
+        return os.path.join(facts.path, GGUF_ADAPTER_FILE)
+
+    def load_adapter(self, slot: int, host_adapter: str) -> None:
+        from workers.llamacpp.binding import LlamaCppUnavailable
+
+        _, model = self._loaded()
+        if not 0 <= slot < LORA_SLOTS:
+            raise BackendError(f"llamacpp backend: adapter slot {slot} outside 0..{LORA_SLOTS - 1}")
+        self.unload_adapter(slot)
+        try:
+            self._adapters[slot] = model.lora_load(host_adapter)
+        except LlamaCppUnavailable as e:
+            raise BackendError(f"llamacpp backend: {e}") from e
+
+    def unload_adapter(self, slot: int) -> None:
+        ptr = self._adapters.pop(slot, None)
+        if ptr is not None and self.model is not None:
+            self.model.lora_set(None)  # it may be the context's current adapter
+            self.model.lora_free(ptr)
+
+    def _job_adapter(self, job: Job, lanes: np.ndarray):
+        """The one adapter (pointer, or None for the base) every valid lane of the job runs under."""
+        if not job.adapter.size:
+            return None
+        used = set(job.adapter[lanes].tolist())
+        if len(used) > 1:
+            raise ValueError(f"job {job.job_id}: llama.cpp applies one adapter set per context, the lanes name "
+                             f"{sorted(used)}")
+        slot = used.pop() if used else -1
+        if slot < 0:
+            return None
+        if slot not in self._adapters:
+            raise ValueError(f"adapter slot {slot} holds no adapter")
+        return self._adapters[slot]
 
     def _loaded(self):
         if self.model is None:
@@ -200,7 +253,9 @@ class LlamacppBackend(OneStepBackend):
                    "architecture": pkg.architecture, "bos_id": pkg.bos_id, "pad_id": pkg.pad_id,
                    "threads": self.threads, "n_seq_max": self.n_seq_max, "kv_cells": info["n_ctx"],
                    "supports": dict(SUPPORTS), "tokenizer": dict(pkg.tokenizer), "spec_verify": True,
-                   "prompt_logprobs": True},
+                   "prompt_logprobs": True,
+                   # LoRA GGUF adapters, one per job (llama.cpp sets adapters per context)
+                   "lora": {"slots": LORA_SLOTS, "mixed": False}},
         )
 
     def health(self) -> dict:
@@ -215,6 +270,8 @@ class LlamacppBackend(OneStepBackend):
 
         _, model = self._loaded()
         lanes = RefBackend._validate(job, self._limits, self._limits)  # the same checks as the oracle
+        adapter = self._job_adapter(job, lanes)  # ValueError (nothing written) for a mixed or empty slot
+        model.lora_set(adapter)  # llama.cpp changes nothing when it is the context's current set
         b = job.batch
         if self._out.shape[0] < b:
             self._out = np.zeros((b, model.n_vocab), np.float32)

@@ -95,6 +95,14 @@ def validate_params(p: GenerateParams, limits: ModelLimits) -> AdmissionDecision
         for t in s:
             if not 0 <= int(t) < limits.vocab_size:
                 return bad("token_out_of_range", f"stop sequence token {t} is outside [0, {limits.vocab_size})")
+    pen = p.penalties
+    if pen is not None:
+        for t in pen.bias_ids:
+            if not 0 <= t < limits.vocab_size:
+                return bad("token_out_of_range", f"logit_bias: token id {t} is outside [0, {limits.vocab_size})")
+        if pen.min_tokens > p.max_tokens:
+            return bad("invalid_min_tokens", f"min_tokens: must be at most max_tokens ({p.max_tokens}), got "
+                                             f"{pen.min_tokens}")
     if len(p.continuation) > p.max_tokens:
         return bad("continuation_too_long", "continuation is longer than max_tokens")
     total = len(p.prompt) + p.max_tokens

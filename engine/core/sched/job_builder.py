@@ -17,6 +17,7 @@ from typing import NamedTuple
 from engine.core.batch_planner import PromptChunk
 from engine.core.chip_state import ChipState
 from engine.core.logprob_asks import whole_prompt
+from engine.core.lora.job_lanes import AdapterLanes
 from engine.core.prefill_queues import WorkClass
 from engine.core.request_record import RequestRecord
 from engine.core.sched.admission import Admission
@@ -39,6 +40,7 @@ class JobBuilder:
     def __init__(self, st: SchedState, admission: Admission) -> None:
         self.st = st
         self.admission = admission
+        self.adapters = AdapterLanes()  # LoRA: which lanes a job may take (engine/core/lora/job_lanes.py)
 
     def plans(self, ch: ChipState, now: float) -> Iterator[JobPlan]:
         """The chip's next jobs while it has free slots; launch each before asking for the next."""
@@ -93,6 +95,8 @@ class JobBuilder:
             pool = {**ch.decode_ready, **ch.queueable}
         cands = plan.decode_candidates(pool, st.requests)
         chosen = self._with_room(ch, plan.pick_lanes(cands, plan.decode_profile(len(cands))))
+        if st.model.lora_slots:  # lanes of more adapters than the chip holds (or of another group) wait
+            chosen = self.adapters.decode(st.model, ch.chip, chosen)
         if not chosen:
             return None
         batch = plan.fitting_profile(len(chosen))
@@ -106,6 +110,8 @@ class JobBuilder:
         start = r.committed
         end = r.prefill_target if whole_prompt(r) else st.planner.prefill_end(start, r.prefill_target)
         st.job_counts.prefill_job(end - start)
+        if st.model.lora_slots:
+            self.adapters.prefill(st.model, ch.chip, r)
         return self._plan(ch, JobKind.PREFILL, [], [(r, start, end)], None)
 
     def _mixed(self, ch: ChipState, budget: int, now: float) -> JobPlan | None:
@@ -121,6 +127,9 @@ class JobBuilder:
         st = self.st
         plan, requests = st.planner, st.requests
         decode: list[RequestRecord] = []
+        lora = st.model.lora_slots
+        if lora:
+            self.adapters.begin_mixed(st.model, ch.chip)
         waiting = len(ch.prefill)
         if waiting and not ch.decode_ready:
             if not self._may_fire(plan.prompts_hold(ch.prefill, requests, budget, now)):
@@ -128,13 +137,23 @@ class JobBuilder:
         if ch.decode_ready and (waiting or self._may_fire(plan.decode_hold(ch.decode_ready, requests, now))):
             cands = plan.decode_candidates(ch.decode_ready, requests)
             decode = self._with_room(ch, plan.mixed_decode_lanes(cands, budget, bool(waiting)))
+            if lora:
+                decode = self.adapters.decode(st.model, ch.chip, decode, mixed_job=True)
             if decode and not waiting and st.config.decode_steps > 1:
                 steps = self._steps_for(ch, decode, now)
                 if steps > 1:  # else a one-step mixed job, and the next prompt to arrive rides in one again
+                    if lora:
+                        self.adapters.end_mixed(st.model, ch.chip, decode, [])
                     batch = plan.fitting_profile(len(decode))
                     st.job_counts.decode_job(batch, len(decode))
                     return self._plan(ch, JobKind.DECODE, decode, [], batch, steps)
         prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, budget - len(decode))
+        if lora:
+            if prompts:
+                prompts, put_back = self.adapters.prompts(st.model, ch.prefill, decode, prompts)
+                left += put_back
+            if self.adapters.end_mixed(st.model, ch.chip, decode, prompts):
+                return self._mixed(ch, budget, now)  # the overdue adapter had nothing here: plan freely
         prompt_tokens = budget - len(decode) - left
         decode = plan.trim_decode(decode, prompt_tokens, left)
         if not decode and not prompts:

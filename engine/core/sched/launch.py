@@ -12,6 +12,8 @@ from engine.core.actions import Action, SubmitJob
 from engine.core.chip_state import ChipState, InflightJob
 from engine.core.constraint_spec import lane_fields
 from engine.core.logprob_asks import prompt_lane_want
+from engine.core.penalty_spec import lane_penalty
+from engine.core.lora.job_adapters import adapter_field
 from engine.core.request_record import RequestRecord
 from engine.core.requests import RequestState
 from engine.core.sched.job_builder import JobPlan
@@ -49,6 +51,10 @@ class Launcher:
             model_drafts = model_drafts + [False] * len(prompts) if model_drafts is not None else None
             ends = [e + len(ds) for e, ds in zip(ends, drafts)]
         job = self._record(ch, plan, job_id, rs, starts, ends, sampled, queued, drafts, model_drafts)
+        if st.model.lora_slots:
+            adapters = adapter_field(rs, job.batch)
+            if adapters is not None:
+                job.adapter = adapters
         self._start(ch, plan, job_id, rs, ends, queued, drafts, now)
         lanes = [r.request_id for r in rs]
         ch.inflight[job_id] = InflightJob(
@@ -72,7 +78,7 @@ class Launcher:
         st = self.st
         kind, decode, batch, steps, queue_next_step = plan.kind, plan.decode, plan.batch, plan.steps, st.queue_next_step
         queuing = queued is not None and any(queued)
-        if drafts is None and kind is JobKind.DECODE and all(r.params.constraint is None for r in decode):
+        if drafts is None and kind is JobKind.DECODE and not any(r.params.host_stepped for r in decode):
             # the common job, one per decode step: packed from columns, no Lane per lane
             toks = [r.tokens[s] for r, s in zip(decode, starts)] if not queuing else \
                 [QUEUED_STEP_TOKEN if q else r.tokens[s] for r, s, q in zip(decode, starts, queued)]
@@ -138,7 +144,7 @@ class Launcher:
         """The one place a request becomes a job lane (per-lane inputs the chip needs go here)."""
         p = r.params
         want = r.sampling[4] if p.prompt_logprobs is None else prompt_lane_want(r, start, sample)
-        if p.constraint is None and not drafts:  # the common lane, positionally (one per generated token)
+        if not p.host_stepped and not drafts:  # the common lane, positionally (one per generated token)
             return Lane(r.tokens[start:end], start, ch.kv.block_table_view(r.seq_id), sample, p.temperature,
                         p.top_p, p.top_k, p.seed, want)
         # block_table_view: not copied, build_job copies it into the record before the KV changes again
@@ -149,4 +155,7 @@ class Launcher:
             drafts=len(drafts) if drafts else 0, draft_model=draft_model,
             **(_NO_CONSTRAINT if p.constraint is None else
                lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
+            penalty=None if p.penalties is None or not sample else
+            lane_penalty(p.penalties, r.request_id, r.tokens, len(p.prompt), min(end, len(r.tokens)),
+                         r.prefill_target, r.stop.eos_ids | r.stop.stop_token_ids),  # a multi-step job's end: ahead
         )

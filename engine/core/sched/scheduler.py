@@ -110,7 +110,8 @@ class Scheduler:
             return [FailRequest(request_id, 400, "no_tokenizer", "stop: string stops need the model's tokenizer "
                                 "and this model has none; use token-id stop sequences", False)]
         stop = StopChecker.build(params.max_tokens, tuple(st.model.eos_ids), params.ignore_eos,
-                                 params.stop_token_ids, params.stop, params.continuation)
+                                 params.stop_token_ids, params.stop, params.continuation,
+                                 0 if params.penalties is None else params.penalties.min_tokens)
         deadline_s = params.deadline_ms / 1000.0 if params.deadline_ms is not None else st.config.default_deadline_s
         r = RequestRecord(
             request_id=request_id, params=params, arrival=now,
@@ -121,7 +122,7 @@ class Scheduler:
         )
         st.counters["accepted"] += 1
         if st.piece is not None:
-            r.text = TextStream(params.stop_strings)
+            r.text = TextStream(params.stop_strings, 0 if params.penalties is None else params.penalties.min_tokens)
             # The continuation was shown by another server: replay it so held text carries over.
             if r.text.prime(st.piece(int(t)) for t in params.continuation):
                 return self._lifecycle.finish_now(r, StopReason.STOP.value, now)

@@ -57,6 +57,8 @@ class ModelSpec:
     mixed_batch_tokens: int = 0  # > 0: a prefill job may mix lanes (decode + prompt chunks) up to this many tokens
     spec_verify: bool = False  # the backend verifies draft tokens (describe().extra["spec_verify"])
     spec_draft: bool = False  # the workers run a draft model (describe().extra["spec_draft"])
+    lora_slots: int = 0  # LoRA adapters a job's lanes may name (the chips' device slots); 0 = none
+    lora_mixed: bool = True  # lanes of different adapters may share a job; False: jobs grouped by adapter
 
 
 @dataclass(eq=False)

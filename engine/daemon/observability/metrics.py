@@ -39,6 +39,7 @@ from engine.core.model_state import ModelState
 from engine.daemon.observability import exposition
 from engine.daemon.observability.chip_occupancy import ChipOccupancy
 from engine.daemon.observability.kv_tier_metrics import tier_families
+from engine.daemon.observability.lora_metrics import lora_families
 from engine.daemon.observability.loop_histogram import LoopHistogram
 
 if TYPE_CHECKING:
@@ -153,6 +154,8 @@ def build_snapshot(v: "Views", now: float, bounded_tenants: frozenset[str]) -> S
     b.one("counter", "loop_turns", "Turns of the scheduler loop.", v.liveness.turns)
     b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if gens.accepting else 0)
     constraint_families(b)
+    if gens.lora.loads:
+        lora_families(b, gens.lora.stats())
     merge(b.families)
     merge(_lifecycle_families(gens))
     return tuple(merged.values())

@@ -1,4 +1,5 @@
-"""The HTTP front tests' own fixture: `npuserve http` processes stopped and checked per test."""
+"""The HTTP front tests' own fixtures: `npuserve http` processes stopped and checked per test, and one Gemma
+board with its front shared by the files that need `make run`'s setup."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import os
 
 import pytest
 
-from http_front_procs import HttpFrontProc, start_http_front
+from daemon_procs import daemon_process
+from http_front_procs import HttpFrontProc, http_front_process, start_http_front
 
 
 @pytest.fixture
@@ -23,3 +25,17 @@ def http_front(short_dir):
     yield start
     problems = [f"http front exited {rc}:\n{f.log()[-3000:]}" for f in started if (rc := f.stop()) != 0]
     assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="session")
+def gemma_front(gemma_package):
+    """`make run`'s setup: a Gemma 3 270M daemon on llama.cpp (alias gemma3-270m) and an HTTP front without
+    --chat-template (chat uses llama.cpp's built-in `gemma` format). Yields (DaemonProc, HttpFrontProc)."""
+    with daemon_process("llamacpp", extra=["--package", gemma_package],
+                        # the worker's first constrained lane builds llguidance's view of Gemma's 262k-token
+                        # vocabulary (1.5 s quiet, 10 s and more on a loaded machine) inside that job and sends no
+                        # heartbeat meanwhile: a worker or job timeout is not these tests' subject
+                        settings={"board.threads_per_chip": 1, "model.alias": "gemma3-270m",
+                                  "recovery.heartbeat_timeout_ms": 300000, "executor.job_timeout_ms": 300000}) as d, \
+            http_front_process(d.endpoint) as front:
+        yield d, front

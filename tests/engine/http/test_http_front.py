@@ -117,7 +117,10 @@ BAD = [
     ({"prompt": "x", "no_stop_trim": True}, "no_stop_trim"),
     ({"prompt": "x", "return_hidden_states": True}, "return_hidden_states"),
     ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
-    ({"prompt": "x", "min_tokens": 4}, "min_tokens"),
+    ({"prompt": "x", "min_p": 2}, "min_p"),
+    ({"prompt": "x", "logit_bias": {"5": 200}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 4}, "min_tokens"),
     ({"prompt": []}, "prompt"),
     ({}, "prompt"),
 ]

@@ -65,9 +65,11 @@ def test_too_many_prompts():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 0), ("n", 17), ("best_of", 0), ("best_of", 17), ("echo", 1), ("suffix", "x"), ("presence_penalty", 0.5), ("frequency_penalty", 1),
-    ("logit_bias", {"1": 2}), ("no_stop_trim", True), ("skip_special_tokens", False), ("return_hidden_states", True),
-    ("min_tokens", 3), ("logprobs", 21), ("logprobs", -1), ("max_tokens", 0), ("max_tokens", 1.5), ("temperature", -1),
+    ("n", 0), ("n", 17), ("best_of", 0), ("best_of", 17), ("echo", 1), ("suffix", "x"), ("presence_penalty", 2.5),
+    ("frequency_penalty", -3), ("logit_bias", {"1": 101}), ("logit_bias", {"x": 1}), ("logit_bias", [1]),
+    ("repetition_penalty", 0), ("min_p", 2), ("min_p", "0.1"), ("min_tokens", -1), ("min_tokens", 1.5),
+    ("no_stop_trim", True), ("skip_special_tokens", False), ("return_hidden_states", True),
+    ("logprobs", 21), ("logprobs", -1), ("max_tokens", 0), ("max_tokens", 1.5), ("temperature", -1),
     ("temperature", True), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("seed", 2**64), ("stop", [""]),
     ("stop", ["x"] * 17), ("stop", 5), ("stream", "yes"), ("stream_options", {"include_usage": True}),
     ("user", 5), ("model", ""), ("stop_token_ids", [-1]), ("priority", 101), ("unknown_thing", 1),
@@ -100,7 +102,7 @@ def test_what_vllm_router_adds_to_a_chat_body_is_accepted():
     ([], "messages"), ("hi", "messages"), ([{"role": "robot", "content": "x"}], "messages[0].role"),
     ([{"role": "user", "content": 5}], "messages[0].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0]"),
-    ([{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}], "messages[0].tool_calls"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}], "messages[0].tool_calls[0]"),
 ])
 def test_bad_messages(messages, param):
     assert err(parse_chat, {"messages": messages}).param == param
@@ -119,7 +121,7 @@ def test_chat_content_parts_join_and_chat_only_fields():
     assert err(parse_chat, {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}).param \
         == "continue_final_message"
     assert err(parse_chat, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}).param \
-        == "tools"
+        == "tools[0].function"
     assert err(parse_chat, {"prompt": "x"}).param == "prompt"  # a completions field is unknown here
 
 
