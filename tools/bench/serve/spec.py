@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 
 from tools.bench.options import THREADS, add
 from tools.json_lines import emit
-from tools.load import local_daemon, paired, runner
+from tools.load import chip_runs, local_daemon, paired, runner
+from tools.load import limits as lim
 from tools.load.report import publish, summarize, table
 from tools.load.workload import Request
 
@@ -73,6 +74,10 @@ class Row:
     tokens_per_step: float | None = None
     drafted: int | None = None
     accepted: int | None = None
+    # npuserve: the chip's decode jobs, device seconds and generated tokens over the run (the speculation model)
+    decode_jobs: int | None = None
+    device_s: float | None = None
+    generated: int | None = None
 
 
 def make_prompts(tok, workload: str, n: int) -> list[list[int]]:
@@ -111,11 +116,43 @@ def run_npuserve(endpoint: str, prompts, out_tokens: int, c: int, workload: str,
     reqs = [Request(i, p, out_tokens, seed=i, extra={"temperature": 0.0, "speculative": "ngram" if spec else "off"})
             for i, p in enumerate(prompts)]
     with Client(endpoint, timeout=60) as cl:
-        before = cl.stats()["scheduler"]["speculative"]
+        before = cl.stats()
     records = runner.run_here(endpoint, reqs, concurrency=c, timeout=900)
     with Client(endpoint, timeout=60) as cl:
-        after = cl.stats()["scheduler"]["speculative"]
-    return _row(SPEC if spec else PLAIN, workload, c, rnd, records, spec_delta(before, after) if spec else None)
+        after = cl.stats()
+    ran = chip_runs.daemon_run(before, after, 1.0)
+    spec_d = spec_delta(before["scheduler"]["speculative"], after["scheduler"]["speculative"]) if spec else None
+    row = _row(SPEC if spec else PLAIN, workload, c, rnd, records, spec_d)
+    row.decode_jobs, row.device_s = ran["decode_jobs"], round(sum(ran["device_s"]), 4)
+    row.generated = sum(r.tokens for r in records if r.error is None)
+    return row
+
+
+def limits(rows: list[Row], rs: list[dict]) -> list:
+    """Speculation's tokens/s over plain decoding beside its expectation, tokens per step / cost per step
+    (lim.speculation), both from the run's own jobs summed over rounds: tokens per step = (tokens per decode
+    job, speculating) / (tokens per decode job, plain); cost per step = (device seconds per decode job,
+    speculating) / (the same, plain). Device seconds include the prompts' (the same on both sides)."""
+    out = []
+    for x in rs:
+        if x["baseline"] != PLAIN:
+            continue
+        key = (x["workload"], x["streams"])
+
+        def per_job(engine: str, what: str) -> float | None:
+            rr = [r for r in rows if (r.workload, r.streams) == key and r.engine == engine and r.decode_jobs]
+            jobs = sum(r.decode_jobs for r in rr)
+            return sum(getattr(r, what) or 0 for r in rr) / jobs if jobs else None
+
+        tok_s, tok_p = per_job(SPEC, "generated"), per_job(PLAIN, "generated")
+        dev_s, dev_p = per_job(SPEC, "device_s"), per_job(PLAIN, "device_s")
+        yield_ = tok_s / tok_p if tok_s and tok_p else None
+        cost = dev_s / dev_p if dev_s and dev_p else None
+        peer = next((y["ratio"] for y in rs if (y["workload"], y["streams"]) == key and y["baseline"] == PEER), None)
+        out.append(lim.speculation(f"{x['workload']} streams={x['streams']} n-gram / plain tok/s", x["ratio"],
+                                   yield_, cost, "within 10 % of the bound, ahead of llama.cpp's n-gram",
+                                   acceptance_rate=x["acceptance_rate"], vs_llama_cpp_ngram=peer))
+    return out
 
 
 def ngram_tune(n: int, m: int):
@@ -238,7 +275,7 @@ def main(argv: list[str]) -> int:
     rs = ratios(rows)
     return publish("bench-spec", a.json, (("ratio", x) for x in rs),
                    lambda: f"{pkg.name}, {a.threads} threads, output {a.output_tokens} tokens, greedy, ignore_eos, "
-                           f"max {a.max_draft_tokens} drafts\n" + format_report(rows, rs))
+                           f"max {a.max_draft_tokens} drafts\n" + format_report(rows, rs), limits=limits(rows, rs))
 
 
 if __name__ == "__main__":
