@@ -85,6 +85,10 @@ class SchedulerConfig:
     downgrade_timeouts: int = 2
     downgrade_tpot_p99_ratio: float = 0.0
     downgrade_window: int = 256
+    # Ping/pong must pay: a chip measures its delivered tokens/s with max_inflight jobs and with one, in
+    # turns of `pingpong_gain_window` tokens, and keeps ping/pong only at +`pingpong_min_gain` or more (0: off).
+    pingpong_min_gain: float = 0.10
+    pingpong_gain_window: int = 1024
     job_timeout_s: float = 30.0
     max_retries: int = 2  # requeues of a request whose job failed before any token was emitted
     # kv
@@ -191,6 +195,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         decode_steps=int(_get(ex, "decode_steps", d.decode_steps)),
         downgrade_timeouts=int(_get(ex, "downgrade_timeouts", d.downgrade_timeouts)),
         downgrade_tpot_p99_ratio=float(_get(ex, "downgrade_tpot_p99_ratio", d.downgrade_tpot_p99_ratio)),
+        pingpong_min_gain=float(_get(ex, "pingpong_min_gain", d.pingpong_min_gain)),
         job_timeout_s=float(_get(ex, "job_timeout_ms", d.job_timeout_s * 1000)) / 1000.0,
         prefix_cache=bool(_get(kv, "prefix_cache", d.prefix_cache)),
         static_batching=bool(_get(b, "static_batching", d.static_batching)),

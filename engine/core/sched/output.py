@@ -67,6 +67,8 @@ class Output:
                     st.note_downgraded(ch)
                 r.t_last_token = now
                 r.emitted += len(emit)
+                if ch.governor is not None and ch.governor.probe is not None:  # does ping/pong pay (its gain)
+                    ch.governor.on_tokens(now, len(emit))
                 out.append(EmitTokens(r.request_id, emit, emit_lps[:len(emit)] if r.params.logprobs else None, text))
             if stop is not None:
                 self._finish(r, stop, now, out)

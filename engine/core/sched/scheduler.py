@@ -255,7 +255,8 @@ class Scheduler:
     _FIXED_SETTINGS = ("profiles", "profile_fill_ratio", "chunked_prefill", "max_inflight", "prefix_cache",
                        "decode_weight", "short_prefill_weight", "medium_prefill_weight", "long_prefill_weight",
                        "short_prefill_max_tokens", "medium_prefill_max_tokens", "static_batching", "max_kv_tokens",
-                       "queue_next_step", "decode_steps", "downgrade_timeouts", "downgrade_tpot_p99_ratio", "downgrade_window")
+                       "queue_next_step", "decode_steps", "downgrade_timeouts", "downgrade_tpot_p99_ratio", "downgrade_window",
+                       "pingpong_min_gain", "pingpong_gain_window")
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Take new admission budgets, tenant policies, deadlines and windows (a SIGHUP reload).

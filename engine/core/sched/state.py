@@ -128,7 +128,8 @@ class SchedState:
             WorkClass.LONG: config.long_prefill_weight,
         }
         policy = GovernorPolicy(max_inflight=config.max_inflight, timeouts=config.downgrade_timeouts,
-                                tpot_regression=config.downgrade_tpot_p99_ratio, window=config.downgrade_window)
+                                tpot_regression=config.downgrade_tpot_p99_ratio, window=config.downgrade_window,
+                                min_gain=config.pingpong_min_gain, gain_window=config.pingpong_gain_window)
         states = {c.chip: ChipState(
             chip=c.chip, num_blocks=c.num_blocks, block_size=c.block_size,
             max_blocks_per_seq=math.ceil(model.max_seq / c.block_size),
