@@ -220,6 +220,10 @@ class SpeculativeConfig:
     max_batch_lanes: int = key(_SCHED.spec_max_batch_lanes, integer(0, 256),
                                "no drafts in a job of more decode lanes (compute-bound: verification would cost "
                                "more than it saves)")
+    k_choice: str = key(_SCHED.spec_k_choice, string(choices=("cost", "adaptive")),
+                        "how a lane chooses its draft length: cost (the k with the most expected tokens per unit "
+                        "of the verification step's cost, measured from the chip's jobs) or adaptive (grow on "
+                        "full acceptance, shrink on rejection)")
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class SchedulerConfig:
     spec_method: str = "off"
     spec_max_draft_tokens: int = 4
     spec_max_batch_lanes: int = 4  # no drafts in a job of more decode lanes (compute-bound)
+    spec_k_choice: str = "cost"  # "cost": k from the measured step cost and the lane's acceptance; "adaptive"
     # executor
     max_inflight: int = 1
     # Queue a decode lane's next step while its current one runs; off until measured faster.
@@ -188,6 +189,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         mixed_token_budget=int(_get(b, "mixed_token_budget", d.mixed_token_budget)),
         spec_method=str(_get(sp, "method", d.spec_method)),
         spec_max_draft_tokens=int(_get(sp, "max_draft_tokens", d.spec_max_draft_tokens)),
+        spec_k_choice=str(_get(sp, "k_choice", d.spec_k_choice)),
         spec_max_batch_lanes=int(_get(sp, "max_batch_lanes", d.spec_max_batch_lanes)),
         max_tenant_lane_share=float(_get(q, "max_tenant_lane_share", d.max_tenant_lane_share)),
         max_inflight=int(_get(ex, "max_inflight", d.max_inflight)),

@@ -16,6 +16,7 @@ from engine.core.sched.admission import Admission
 from engine.core.sched.lifecycle import Lifecycle
 from engine.core.sched.output import Output
 from engine.core.sched.state import SchedState, block_end
+from engine.core.spec.step_cost import decode_shape
 from ipc.records import JobResult
 
 S = RequestState
@@ -42,6 +43,10 @@ class Completion:
         lps = [] if lps is None or not any_sampled else lps.tolist()
         start_lens = job.start_lens
         dropped, followable = job.dropped, ch.followable if st.follow else None
+        if result.device_us > 0 and st.spec.verify:  # what a (verification) step costs: k from it
+            shape = decode_shape(len(job.lanes), start_lens, job.new_lens, job.drafts, job.steps)
+            if shape is not None:
+                st.spec.on_job(*shape, result.device_us)
         for lane, (rid, seq_id, new_len, sampled) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens,
                                                                    job.sampled)):
             if dropped and rid in dropped:

@@ -313,7 +313,8 @@ class Scheduler:
             generation_tokens=st.generation_tokens, prompt_tokens=st.prompt_tokens,
             queue_waits=None if now is None else self.queue_stats(now),
         ) | ({} if st.tiers is None else {"kv_tiers": st.tiers.stats()})
-        out["speculative"] = st.spec.counters.to_dict()
+        out["speculative"] = {**st.spec.counters.to_dict(), "k_choice": st.spec.k_choice,
+                              "step_cost": st.spec.step_cost.table()}
         return out
 
     # ------------------------------------------------- read-only public state

@@ -144,7 +144,7 @@ class SchedState:
             # a mixed job's lanes take prompts as they come: no queued next steps there
             follow=bool(config.queue_next_step and not planner.mixed_budget),
             spec=SpecPlanner(config.spec_method, config.spec_max_draft_tokens, config.spec_max_batch_lanes,
-                             model.spec_verify, draft_model=model.spec_draft),
+                             model.spec_verify, draft_model=model.spec_draft, k_choice=config.spec_k_choice),
             piece=piece, chips=states, tpot_watch=policy.tpot_regression > 0 and policy.max_inflight > 1,
             limits=ModelLimits(vocab_size=model.vocab_size, max_seq=model.max_seq,
                                max_blocks_per_chip=max(c.num_blocks for c in chips),
