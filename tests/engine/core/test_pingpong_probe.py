@@ -19,7 +19,7 @@ def _feed(p: PingPongProbe, now: float, rate: float, tokens: int, step: int = 8)
 
 
 def test_the_probe_keeps_pingpong_only_at_the_minimum_gain() -> None:
-    p = PingPongProbe(min_gain=0.10, window=64, settle=8, hold=2)
+    p = PingPongProbe(min_gain=0.10, window=64, settle=8, warmup=8, hold=2, hold_against=2)
     assert not p.single()  # the configured limit is measured first
     now = _feed(p, 0.0, 1000.0, 64 + 8 + 8)
     assert p.phase is Phase.SINGLE and p.single()
@@ -33,7 +33,7 @@ def test_the_probe_keeps_pingpong_only_at_the_minimum_gain() -> None:
 
 
 def test_a_gain_short_of_the_threshold_does_not_keep_pingpong_and_the_hold_doubles() -> None:
-    p = PingPongProbe(min_gain=0.10, window=64, settle=8, hold=2)
+    p = PingPongProbe(min_gain=0.10, window=64, settle=8, warmup=8, hold=2, hold_against=2)
     now = _feed(p, 0.0, 1050.0, 80)
     now = _feed(p, now, 1000.0, 80)  # +5 %: not worth two jobs in flight
     assert p.phase is Phase.HOLD_SINGLE and p.stats()["hold_windows"] == 2
