@@ -58,3 +58,10 @@ def test_bench_spec_expectation_comes_from_the_runs_jobs() -> None:
     # 2 tokens per job against 1, at 1.5x the device time of a plain job: expected 2 / 1.5
     assert x.inputs["tokens_per_step"] == 2.0 and x.inputs["cost_per_step"] == 1.5
     assert x.bound == round(2 / 1.5, 3) and x.figure == 2.0 and x.inputs["vs_llama_cpp_ngram"] == 1.5
+
+
+def test_bench_spec_prints_the_daemons_measured_step_cost() -> None:
+    t = {"lanes": 1, "plain_step_us": 20000.0, "cost_in_steps": {"1": 1.4, "2": None, "4": 2.6}, "per_draft": 0.4}
+    text = spec.format_step_cost(t)
+    assert "k=1 1.40" in text and "k=4 2.60" in text and "k=2" not in text and "0.4 steps per draft" in text
+    assert "not reported" in spec.format_step_cost(None)

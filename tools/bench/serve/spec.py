@@ -265,6 +265,10 @@ def main(argv: list[str]) -> int:
         rows = paired.alternate([SPEC, PLAIN] + ([PEER] if a.peer else []), a.rounds, run,
                                 groups=[(w, c) for w in a.workloads.split(",") for c in a.streams],
                                 flip=lambda rnd, group: (rnd + group[1]) % 2 == 1)
+        from engine.client import Client
+
+        with Client(d.endpoint, timeout=60) as cl:  # what the daemon measured a verification step to cost
+            step_cost = cl.stats()["scheduler"]["speculative"].get("step_cost")
     except BaseException:
         print(f"npuserve daemon log (tail):\n{d.log_tail()}", file=sys.stderr)
         raise
@@ -273,9 +277,19 @@ def main(argv: list[str]) -> int:
         d.cleanup()
         tok.close()
     rs = ratios(rows)
-    return publish("bench-spec", a.json, (("ratio", x) for x in rs),
+    return publish("bench-spec", a.json, [*(("ratio", x) for x in rs), ("step_cost", step_cost or {})],
                    lambda: f"{pkg.name}, {a.threads} threads, output {a.output_tokens} tokens, greedy, ignore_eos, "
-                           f"max {a.max_draft_tokens} drafts\n" + format_report(rows, rs), limits=limits(rows, rs))
+                           f"max {a.max_draft_tokens} drafts\n" + format_report(rows, rs) + "\n"
+                           + format_step_cost(step_cost), limits=limits(rows, rs))
+
+
+def format_step_cost(t: dict | None) -> str:
+    """The daemon's measured verification cost (stats speculative.step_cost): plain steps at k drafts."""
+    if not t:
+        return "verification step cost: not reported"
+    ks = ", ".join(f"k={k} {v:.2f}" for k, v in t["cost_in_steps"].items() if v is not None) or "none measured"
+    return (f"verification step cost in plain steps ({t['lanes']} lane, plain step {t['plain_step_us']} us): {ks}; "
+            f"slope {t['per_draft']} steps per draft (k is chosen from it)")
 
 
 if __name__ == "__main__":
