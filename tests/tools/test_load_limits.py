@@ -65,3 +65,18 @@ def test_bench_spec_prints_the_daemons_measured_step_cost() -> None:
     text = spec.format_step_cost(t)
     assert "k=1 1.40" in text and "k=4 2.60" in text and "k=2" not in text and "0.4 steps per draft" in text
     assert "not reported" in spec.format_step_cost(None)
+
+
+def test_bench_peer_bounds_tokens_per_s_by_chip_busy_with_the_work_per_token_beside() -> None:
+    from tools.bench.serve import peer
+
+    def row(engine: str, rnd: int, tps: float, **kw) -> peer.Row:
+        return peer.Row(engine, 32, "plain", tps, 1.0, 2.0, 3.0, 4.0, rnd, **kw)
+
+    rows = [row("npuserve", 0, 90.0, chip_busy=1.0, prompt_tokens_per_token=2.5, lane_steps_per_token=1.0,
+                lanes_per_job=12.0, prompt_tokens_per_job=300.0, preemptions=3),
+            row("llama.cpp", 0, 100.0, prompt_tokens_per_token=2.0, lane_steps_per_token=1.0)]
+    (x,) = peer.limits(rows, peer.ratio_rows(rows))
+    assert x.figure == 0.9 and x.bound == 0.9 and x.of_bound == 1.0  # busy all the time: at its limit
+    assert x.inputs["prompt_tokens_per_token"] == 2.5 and x.inputs["llama_cpp_prompt_tokens_per_token"] == 2.0
+    assert x.inputs["preemptions"] == 3 and x.target == ">= 1.03x"

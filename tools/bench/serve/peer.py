@@ -46,7 +46,7 @@ COLUMNS = [("engine", "engine"), ("concurrency", "conc"), ("workload", "workload
            ("tokens_per_s", "tok/s"), ("ttft_p50_ms", "ttft p50"), ("ttft_p99_ms", "ttft p99"),
            ("tpot_p50_ms", "tpot p50"), ("tpot_p99_ms", "tpot p99"), ("chip_busy", "chip busy"),
            ("prompt_tokens_per_token", "prompt/tok"), ("lane_steps_per_token", "lanes/tok"),
-           ("lanes_per_job", "lanes/job")]
+           ("lanes_per_job", "lanes/job"), ("prompt_tokens_per_job", "prompt/job"), ("preemptions", "preempt")]
 _TEXT = ("The history of the city begins with a small settlement on the river. Over the centuries it grew into a "
          "center of trade, learning and art, attracting merchants, scholars and travelers from distant lands. ")
 
@@ -65,11 +65,14 @@ class Row:
     # npuserve: the chip workers' device time over the timed run (stats deltas; target >= 0.97 at 8 and 32 streams)
     chip_busy: float | None = None
     # what the chip computed per generated token: prompt tokens (more than prompt/output: recomputed after a
-    # preemption), decode lane-steps (1: no token computed twice), and decode lanes per job (the batch shape);
+    # preemption), decode lane-steps (1: no token computed twice); the batch shapes: decode lanes per decode or
+    # mixed job, prompt tokens per job that carried a prompt; preemptions.
     # llama.cpp's from its workload (each prompt once, one lane-step per token; its batch is every stream)
     prompt_tokens_per_token: float | None = None
     lane_steps_per_token: float | None = None
     lanes_per_job: float | None = None
+    prompt_tokens_per_job: float | None = None
+    preemptions: int | None = None
 
 
 def _row(engine: str, c: int, workload: str, rnd: int, records: list[Record]) -> Row:
@@ -122,7 +125,9 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
     generated = max(sum(r.tokens for r in records if r.error is None), 1)
     row.prompt_tokens_per_token = round(ran["prefill_tokens"] / generated, 3)
     row.lane_steps_per_token = round(ran["decode_lanes"] / generated, 3)
-    row.lanes_per_job = ran["mean_decode_lanes"]
+    row.lanes_per_job = round(ran["decode_lanes"] / max(ran["decode_jobs"] + ran["mixed_jobs"], 1), 2)
+    row.prompt_tokens_per_job = round(ran["prefill_tokens"] / max(ran["prefill_jobs"], 1), 1)
+    row.preemptions = ran["preemptions"]
     return row
 
 
@@ -236,7 +241,9 @@ def limits(rows: list[Row], ratios: list[dict]) -> list:
                             prompt_tokens_per_token=med(mine, "prompt_tokens_per_token"),
                             llama_cpp_prompt_tokens_per_token=med(peer, "prompt_tokens_per_token"),
                             lane_steps_per_token=med(mine, "lane_steps_per_token"),
-                            lanes_per_job=med(mine, "lanes_per_job")))
+                            lanes_per_job=med(mine, "lanes_per_job"),
+                            prompt_tokens_per_job=med(mine, "prompt_tokens_per_job"),
+                            preemptions=med(mine, "preemptions")))
     return out
 
 
