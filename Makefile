@@ -22,11 +22,13 @@ $(VENV)/bin/python:
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -c 'from workers.llamacpp.binding import build_shim; build_shim()'
+	$(PY) -c 'from ipc.native_lib import build; build()'
 	touch $(STAMP)
 
 $(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e '.[llamacpp]'
 	$(PY) -c 'from workers.llamacpp.binding import build_shim; build_shim()'
+	$(PY) -c 'from ipc.native_lib import build; build()'
 	touch $(RUN_STAMP)
 
 # Both cores, one test file at a time per worker (module fixtures such as the shared Gemma daemon stay whole):

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("tools.stats_cmd", "print a daemon's statistics"),
     "top": ("tools.top_cmd", "watch a daemon's metrics live"),
     "make-model": ("tools.make_model_cmd", "write a random-weight model package"),
+    "make-lora": ("tools.make_lora_cmd", "write a random test LoRA adapter for a base model package"),
     "check-package": ("tools.check_package", "verify a model package and run its golden cases"),
     "import-gguf": ("tools.import_gguf", "make a model package around a GGUF file (llamacpp backend)"),
     "simulate": ("tools.simulate", "run the scheduler core against a virtual clock"),

@@ -29,8 +29,7 @@ class BalancerMetrics(Collector):
     def __init__(self) -> None:
         self._snapshot: tuple = ()
         self.next_publish = 0.0
-        self._server = None
-        self._thread = None
+        self._http: exposition.MetricsHttp | None = None
 
     def publish(self, core: "BalancerCore", now: float) -> None:
         """Loop thread: copy the core's figures into a new snapshot (at most every PUBLISH_INTERVAL_S)."""
@@ -84,17 +83,13 @@ class BalancerMetrics(Collector):
     # -- HTTP ----------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> None:
         """Start the /metrics server thread. Raises OSError when host:port cannot be bound."""
-        self._server, self._thread = exposition.serve(host, port, [self])
+        self._http = exposition.serve(host, port, [self])
 
     @property
     def port(self) -> int | None:
-        return None if self._server is None else self._server.server_address[1]
+        return None if self._http is None else self._http.port
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
+        if self._http is not None:
+            self._http.close()
+            self._http = None

@@ -223,7 +223,7 @@ class Balancer:
                 if link is None or not link.send(a.msg):
                     todo.extend(core.on_send_failed(a.backend, a.msg, now))
             elif t is EmitTokens:
-                fe.emit(a.request_id, a.tokens, a.logprobs, a.text)
+                fe.emit(a.request_id, a.tokens, a.logprobs, a.text, a.top_logprobs, a.prompt_logprobs)
             elif t is FinishRequest:
                 fe.finish(a.request_id, a.finish_reason, a.usage, a.timing)
             elif t is FailRequest:

@@ -38,22 +38,25 @@ def usage(usages: list[dict]) -> dict:
 
 
 def completion_logprobs(tokens: list[int], logprobs: list[float], token_text: TokenText,
-                        offset: int = 0) -> dict:
-    """The legacy completions `logprobs` object (chosen tokens only: `top_logprobs` is null)."""
+                        offset: int = 0, tops: list | None = None) -> dict:
+    """The legacy completions `logprobs` object (`top_logprobs` null unless alternatives were asked for)."""
     texts = [token_text(t) for t in tokens]
     offsets = []
     for s in texts:
         offsets.append(offset)
         offset += len(s)
-    return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+    top = None if tops is None else [{token_text(i): v for i, v in t} for t in tops]
+    return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(tokens: list[int], logprobs: list[float], token_text: TokenText) -> dict:
-    """The chat `logprobs` object: one entry per chosen token, no alternatives."""
+def chat_logprobs(tokens: list[int], logprobs: list[float], token_text: TokenText, tops: list | None = None) -> dict:
+    """The chat `logprobs` object: one entry per chosen token (its alternatives when asked for)."""
     content = []
-    for t, lp in zip(tokens, logprobs):
+    for k, (t, lp) in enumerate(zip(tokens, logprobs)):
         s = token_text(t)
-        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
+        alts = [] if tops is None or k >= len(tops) else \
+            [{"token": token_text(i), "logprob": v, "bytes": list(token_text(i).encode())} for i, v in tops[k]]
+        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": alts})
     return {"content": content}
 
 
@@ -67,9 +70,15 @@ def completion_choice(index: int, text: str, reason: str, logprobs: dict | None 
 
 
 def chat_object(rid: str, model: str, created: int, text: str, reason: str, u: dict,
-                logprobs: dict | None = None) -> dict:
+                logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """With `tool_calls` (engine/http/tool_calls.py) the message has them, `content` null and the finish
+    reason is "tool_calls"."""
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        reason = "tool_calls"
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                          "finish_reason": finish_reason(reason)}],
             "usage": usage([u])}
 
@@ -118,6 +127,11 @@ class ChunkWriter:
     def role(self, index: int = 0) -> bytes:
         """The first chat chunk: the assistant role, empty content (as OpenAI sends it)."""
         return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def tool_calls(self, index: int, deltas: list[dict]) -> bytes:
+        """A chat chunk carrying `delta.tool_calls` (engine/http/tool_stream.py)."""
+        return self._chunk([{"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
                              "finish_reason": None}])
 
     def finish(self, index: int, reason: str) -> bytes:

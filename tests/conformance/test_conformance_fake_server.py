@@ -2,9 +2,10 @@
 forced on would), passes the same scripted server when it sends one event per message, and fails it for each
 other scripted breach of the document, in the check named for that promise.
 
-The server is conftest's scripted ROUTER (plain pyzmq) with the answers written here: it answers `health` with the documented minimum the
-suite needs, a `generate` with one `tokens` event and its `done` (or, with `stream: false`, the `done` alone)
-and a malformed message with its 400; each `fault` breaks one promise.
+The server is the scripted ROUTER of tests/fake_server.py (plain pyzmq) with the answers written here: it
+answers `health` with the documented minimum the suite needs, a `generate` with one `tokens` event and its
+`done` (or, with `stream: false`, the `done` alone) and a malformed message with its 400; each `fault` breaks
+one promise.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import sys
 import orjson
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 from tools.load.ports import free_port
 
 
 class Script:
-    """The scripted server's answers (conftest's `FakeServer` carries them), with one promise broken by `fault`."""
+    """The scripted server's answers (`FakeServer` carries them), with one promise broken by `fault`."""
 
     def __init__(self, fault: str | None = None) -> None:
         self.fault = fault

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 from tools import cli
 from tools.bench import main as bench_main
 

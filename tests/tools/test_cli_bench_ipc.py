@@ -8,7 +8,7 @@ import sys
 
 import orjson
 
-from conftest import ROOT
+from repo_root import ROOT
 
 
 def test_bench_ipc_json_lines_rows_cover_every_transport_and_size_then_summary():

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
+from repo_root import ROOT
 from workers.default_package import ensure_default_gguf_package
 
 

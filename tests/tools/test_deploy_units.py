@@ -21,8 +21,9 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT, read_log, wait_until
+from repo_root import ROOT
 from tools.load.ports import free_port
+from waiting import read_log, wait_until
 from engine.balancer.settings import load_settings
 from engine.config import load_config
 from engine.daemon import paths

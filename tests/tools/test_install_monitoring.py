@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import ROOT
+from repo_root import ROOT
 from tools.cli import main as cli_main
 
 PROMTOOL = shutil.which("promtool") or shutil.which("promtool", path="/usr/bin")  # Debian puts it there

@@ -28,7 +28,11 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from conftest import ROOT, START_TIMEOUT_S, daemon_process, free_tcp_port, http_front_process, read_log
+from daemon_procs import START_TIMEOUT_S, daemon_process
+from http_front_procs import http_front_process
+from repo_root import ROOT
+from tools.load.ports import free_port
+from waiting import read_log
 from tools.monitoring import dashboard, dashboard_png, install_cmd
 
 pytestmark = pytest.mark.integration
@@ -79,7 +83,7 @@ def wait_for(pred, what: str, timeout: float = HANG_GUARD_S, interval: float = 0
 
 class Prometheus:
     def __init__(self, config_dir: str) -> None:
-        self.port = free_tcp_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.dir = config_dir
         self.log_path = os.path.join(config_dir, "prometheus.log")
@@ -150,7 +154,7 @@ class Stack:
 @contextlib.contextmanager
 def balancer_process(backend: str, metrics_port: int):
     d = tempfile.mkdtemp(prefix="npb-", dir="/tmp")
-    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     log_path = os.path.join(d, "balancer.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "engine.balancer.main", "--endpoint", endpoint,
@@ -181,7 +185,7 @@ def balancer_process(backend: str, metrics_port: int):
 
 @pytest.fixture(scope="module")
 def stack():
-    board_metrics, balancer_metrics = free_tcp_port(), free_tcp_port()
+    board_metrics, balancer_metrics = free_port(), free_port()
     with daemon_process("ref", 2, settings={**BOARD_SETTINGS, "metrics.port": board_metrics,
                                             "metrics.host": "127.0.0.1"}) as board:
         with balancer_process(board.endpoint, balancer_metrics) as bal:

@@ -98,6 +98,20 @@ def _exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def daemon_command(endpoint: str, runtime_dir: str, *, backend: str, chips: int, board: str,
+                   settings: list[str] | tuple[str, ...] = (), backend_options: list[str] | tuple[str, ...] = (),
+                   extra: list[str] | tuple[str, ...] = (), python: str = sys.executable) -> list[str]:
+    """The command line of `python -m engine.daemon.main`; `settings` and `backend_options` are KEY=VALUE
+    strings (TOML values), `extra` more `npuserve serve` flags. The test suite starts its daemons with it too."""
+    cmd = [python, "-m", "engine.daemon.main", "--backend", backend, "--chips", str(chips),
+           "--runtime-dir", runtime_dir, "--endpoint", endpoint, "--board", board]
+    for kv in settings:
+        cmd += ["--set", kv]
+    for kv in backend_options:
+        cmd += ["--backend-option", kv]
+    return cmd + list(extra)
+
+
 def start(*, backend: str, chips: int, settings: list[str] | tuple[str, ...] = (),
           backend_options: list[str] | tuple[str, ...] = (), prefix: str = "npl-",
           env: dict | None = None, wrap: list[str] | None = None, extra: list[str] | tuple[str, ...] = (),
@@ -114,13 +128,8 @@ def start(*, backend: str, chips: int, settings: list[str] | tuple[str, ...] = (
     _exit_on_sigterm()
     tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     endpoint = endpoint or f"ipc://{tmp}/d.sock"
-    cmd = [python, "-m", "engine.daemon.main", "--backend", backend, "--chips", str(chips),
-           "--runtime-dir", tmp, "--endpoint", endpoint, "--board", board or f"l{os.getpid() % 100000}"]
-    for kv in (*limits, *settings):
-        cmd += ["--set", kv]
-    for kv in backend_options:
-        cmd += ["--backend-option", kv]
-    cmd += list(extra)
+    cmd = daemon_command(endpoint, tmp, backend=backend, chips=chips, board=board or f"l{os.getpid() % 100000}",
+                         settings=(*limits, *settings), backend_options=backend_options, extra=extra, python=python)
     log_path = os.path.join(tmp, "daemon.log")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(log_path, "wb") as log:

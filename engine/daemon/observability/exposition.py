@@ -98,7 +98,24 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
 
-def serve(host: str, port: int, sources: Iterable[Collector]) -> tuple[ThreadingHTTPServer, threading.Thread]:
+class MetricsHttp:
+    """A running /metrics server: its bound port and how to stop it (the daemon's and the balancer's)."""
+
+    def __init__(self, server: ThreadingHTTPServer, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+def serve(host: str, port: int, sources: Iterable[Collector]) -> MetricsHttp:
     """Serve /metrics (any path) on host:port from a daemon thread. Raises OSError when it cannot bind."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     handler = type("MetricsHandler", (_Handler,), {"sources": tuple(sources)})
@@ -106,4 +123,4 @@ def serve(host: str, port: int, sources: Iterable[Collector]) -> tuple[Threading
     server = server_cls((host, port), handler)
     thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
     thread.start()
-    return server, thread
+    return MetricsHttp(server, thread)

@@ -16,13 +16,13 @@ Two kinds of figures, two ways across the thread boundary:
 Labels are bounded: model_name, chip, queue, kind, profile, state, reason
 (codes from the core, a fixed set) and tenant only for tenants named in the
 configuration (all others are summed as "other"). A request or job id never
-becomes a label; they go to traces (seed 001 §16).
+becomes a label (unbounded label values grow a scraper's memory without
+end); they go to traces (docs/observability.md).
 """
 
 from __future__ import annotations
 
 import errno
-import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,6 +39,7 @@ from engine.core.model_state import ModelState
 from engine.daemon.observability import exposition
 from engine.daemon.observability.chip_occupancy import ChipOccupancy
 from engine.daemon.observability.kv_tier_metrics import tier_families
+from engine.daemon.observability.lora_metrics import lora_families
 from engine.daemon.observability.loop_histogram import LoopHistogram
 
 if TYPE_CHECKING:
@@ -153,6 +154,8 @@ def build_snapshot(v: "Views", now: float, bounded_tenants: frozenset[str]) -> S
     b.one("counter", "loop_turns", "Turns of the scheduler loop.", v.liveness.turns)
     b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if gens.accepting else 0)
     constraint_families(b)
+    if gens.lora.loads:
+        lora_families(b, gens.lora.stats())
     merge(b.families)
     merge(_lifecycle_families(gens))
     return tuple(merged.values())
@@ -172,7 +175,7 @@ def constraint_families(b: _Builder) -> None:
 
 
 def _lifecycle_families(gens: "Generations") -> list[Family]:
-    """Model generations by state, their requests, and the loads and unloads so far (seed 001 §16 "model")."""
+    """Model generations by state, their requests, and the loads and unloads so far (docs/observability.md)."""
     recs = sorted(gens.models.generations.values(), key=lambda r: r.id)
     fams = [Family("gauge", "model_generation_state", "1 for the lifecycle state each model generation is in.",
                    ("model_name", "generation", "state"),
@@ -366,14 +369,13 @@ class MetricsRecorder:
         self.next_publish = 0.0
         self._last_activity: tuple | None = None  # what had happened at the last publish (see `publish`)
         self._next_idle_publish = 0.0
-        self._server = None
-        self._server_thread: threading.Thread | None = None
+        self._http: exposition.MetricsHttp | None = None
 
     # -- HTTP --------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> None:
         """Start the /metrics HTTP server (a thread; text or OpenMetrics, same names). Raises MetricsPortBusy."""
         try:
-            self._server, self._server_thread = exposition.serve(host, port, [self.registry])
+            self._http = exposition.serve(host, port, [self.registry])
         except OSError as e:
             why = "is in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror}"
             raise MetricsPortBusy(f"metrics port {host}:{port} {why}; choose another with --metrics-port "
@@ -381,16 +383,12 @@ class MetricsRecorder:
 
     @property
     def port(self) -> int | None:
-        return None if self._server is None else self._server.server_address[1]
+        return None if self._http is None else self._http.port
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._server_thread is not None:
-            self._server_thread.join(5)
-            self._server_thread = None
+        if self._http is not None:
+            self._http.close()
+            self._http = None
 
     # -- loop-thread hooks -----------------------------------------------------------------
     def series(self, alias: str) -> "_ModelSeries":

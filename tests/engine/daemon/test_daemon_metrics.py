@@ -12,9 +12,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ROOT
-from tools.load.ports import free_port
+from repo_root import ROOT
 from engine.errors import InvalidRequest
+from tools.load.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ VLLM_NAMED = ["npuserve:num_requests_running", "npuserve:num_requests_waiting", 
               "npuserve:prefix_cache_queries", "npuserve:prefix_cache_hits", "npuserve:time_to_first_token_seconds",
               "npuserve:inter_token_latency_seconds", "npuserve:e2e_request_latency_seconds",
               "npuserve:prompt_tokens", "npuserve:generation_tokens", "npuserve:request_success"]
-# seed 001 §16 figures
+# the scheduler's own figures (docs/observability.md)
 SEED_NAMED = ["npuserve:queue_depth", "npuserve:queue_oldest_wait_seconds", "npuserve:requests_admitted",
               "npuserve:requests_rejected", "npuserve:batch_fill_ratio", "npuserve:decode_lane_waste",
               "npuserve:kv_blocks", "npuserve:worker_restarts", "npuserve:job_latency_seconds"]

@@ -60,14 +60,12 @@ def server():
     started = []
 
     def start(sources):
-        s, t = exposition.serve("127.0.0.1", 0, sources)
-        started.append((s, t))
-        return f"http://127.0.0.1:{s.server_address[1]}/metrics"
+        http = exposition.serve("127.0.0.1", 0, sources)
+        started.append(http)
+        return f"http://127.0.0.1:{http.port}/metrics"
     yield start
-    for s, t in started:
-        s.shutdown()
-        s.server_close()
-        t.join(5)
+    for http in started:
+        http.close()
 
 
 def _get(url: str, **headers) -> tuple[int, dict, bytes]:

@@ -15,7 +15,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import daemon_process, http_front_process
 
 pytestmark = pytest.mark.integration
 
@@ -39,15 +38,8 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schem
 
 
 @pytest.fixture(scope="module")
-def board(gemma_package):
-    with daemon_process("llamacpp", extra=["--package", gemma_package],
-                        # the worker's first constrained lane builds llguidance's view of Gemma's 262k-token
-                        # vocabulary (1.5 s quiet, many seconds on a slow machine) and sends no heartbeat
-                        # meanwhile: a worker timeout is not this test's subject
-                        settings={"board.threads_per_chip": 1, "model.alias": ALIAS,
-                                  "recovery.heartbeat_timeout_ms": 60000}) as d, \
-            http_front_process(d.endpoint) as front:
-        yield d, front
+def board(gemma_front):
+    return gemma_front
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,11 @@ import openai
 import pytest
 import zmq
 
+from daemon_procs import DaemonProc
+from http_front_procs import HttpFrontProc, start_http_front
+from repo_root import ROOT
 from tools.load.ports import free_port
-from conftest import (ROOT, DaemonProc, HttpFrontProc, _wait_healthy, read_log, start_http_front,
-                      wait_until)
+from waiting import read_log, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -144,8 +146,7 @@ def cluster_of(daemon, short_dir):
                                            "kv.promote": "always"})
             started.append((daemon(settings=board_settings, wait=False, **daemon_options), kv))
         for d, kv in started:
-            _wait_healthy(d, START_TIMEOUT_S)
-            d.remember_children()
+            d.wait_healthy(START_TIMEOUT_S)
             log = os.path.join(short_dir, f"front{len(boards)}.log")
             boards.append(Board(d, start_http_front(d.endpoint, log, front_args), kv))
         policy = ["--policy", "cache_aware"]
