@@ -201,6 +201,9 @@ class ExecutorConfig:
     downgrade_tpot_p99_ratio: float = key(_SCHED.downgrade_tpot_p99_ratio, number(0.0), "ping/pong drops to one "
                                           "job in flight when a chip's TPOT P99 passes this ratio x its "
                                           "one-in-flight window's (0 = off)")
+    pingpong_min_gain: float = key(_SCHED.pingpong_min_gain, number(0.0), "ping/pong stays on only while a chip "
+                                   "delivers at least 1 + this x its one-in-flight tokens/s, measured in turns; "
+                                   "otherwise one job in flight until the next measurement (0 = not measured)")
     job_timeout_ms: int = key(round(_SCHED.job_timeout_s * 1000), integer(1), "an unanswered job is failed, its KV Unknown, its (hung) chip's worker restarted")
     worker_spin_us: int = key(200, integer(0, 100_000), "how long a chip worker polls for its next job before it "
                                                      "parks in the kernel, while spinning pays (most recent waits "
@@ -220,6 +223,10 @@ class SpeculativeConfig:
     max_batch_lanes: int = key(_SCHED.spec_max_batch_lanes, integer(0, 256),
                                "no drafts in a job of more decode lanes (compute-bound: verification would cost "
                                "more than it saves)")
+    k_choice: str = key(_SCHED.spec_k_choice, string(choices=("cost", "adaptive")),
+                        "how a lane chooses its draft length: cost (the k with the most expected tokens per unit "
+                        "of the verification step's cost, measured from the chip's jobs) or adaptive (grow on "
+                        "full acceptance, shrink on rejection)")
 
 
 @dataclass(frozen=True)

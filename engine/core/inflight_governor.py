@@ -15,6 +15,12 @@ it (the `reenable_inflight` admin op):
   at one job in flight. The first `window` intervals of a chip are taken at
   one in flight for that baseline (only when the check is on).
 
+Apart from those faults, ping/pong must pay for itself (`min_gain` > 0): the
+chip's delivered tokens/s with two jobs in flight against one, measured in
+turns (`PingPongProbe`); while it does not pay the chip runs one job in
+flight, and measures again later. That is not a downgrade (no notice, no
+operator): it follows the load by itself.
+
 Plain data, no clock: the scheduler feeds it events and intervals.
 """
 
@@ -23,6 +29,8 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+
+from engine.core.pingpong_probe import PingPongProbe
 
 
 class DowngradeReason(enum.Enum):
@@ -38,6 +46,8 @@ class GovernorPolicy:
     timeouts: int = 2  # job timeouts (since the last re-enable) that downgrade; 0 = never for timeouts
     tpot_regression: float = 0.0  # P99 ratio against the one-in-flight window that downgrades; 0 = off
     window: int = 256  # inter-token intervals per window
+    min_gain: float = 0.0  # ping/pong's tokens/s over one in flight needed to stay on; 0 = not measured
+    gain_window: int = 1024  # delivered tokens per measuring window of that check
 
 
 def p99(xs) -> float:
@@ -54,15 +64,25 @@ class InflightGovernor:
     baseline_p99: float | None = None  # the last one-in-flight window's TPOT P99
     _window: deque = field(default_factory=deque)
     _window_single: bool = True  # the window being filled is at one in flight
+    probe: PingPongProbe | None = None  # does ping/pong pay (policy.min_gain > 0 with ping/pong)
 
     def __post_init__(self) -> None:
         # the baseline window comes first, at one in flight, when the TPOT check is on
         self._window_single = self.policy.tpot_regression > 0 and self.policy.max_inflight > 1
+        if self.policy.min_gain > 0 and self.policy.max_inflight > 1:
+            self.probe = PingPongProbe(min_gain=self.policy.min_gain, window=self.policy.gain_window,
+                                       settle=max(1, self.policy.gain_window // 16))
 
     def limit(self) -> int:
-        if self.downgraded is not None or self._window_single:
+        if self.downgraded is not None or self._window_single or (self.probe is not None and self.probe.single()):
             return 1
         return self.policy.max_inflight
+
+    def on_tokens(self, now: float, n: int) -> bool:
+        """`n` tokens delivered on this chip at `now`; True when ping/pong was switched on or off by its gain."""
+        if self.probe is None or self.downgraded is not None or self._window_single:
+            return False
+        return self.probe.on_tokens(now, n)
 
     @property
     def pingpong(self) -> bool:
@@ -113,9 +133,12 @@ class InflightGovernor:
         self.timeouts = 0
         self._window.clear()
         self._window_single = self.policy.tpot_regression > 0 and self.pingpong
+        if self.probe is not None:
+            self.probe.reset()
         return was
 
     def stats(self) -> dict:
         return {"limit": self.limit(), "configured": self.policy.max_inflight,
                 "downgraded": None if self.downgraded is None else self.downgraded.value,
-                "downgrades": self.downgrades, "timeouts": self.timeouts, "baseline_tpot_p99_s": self.baseline_p99}
+                "downgrades": self.downgrades, "timeouts": self.timeouts, "baseline_tpot_p99_s": self.baseline_p99,
+                **({} if self.probe is None else {"pingpong_gain": self.probe.stats()})}

@@ -72,6 +72,7 @@ class SchedulerConfig:
     spec_method: str = "off"
     spec_max_draft_tokens: int = 4
     spec_max_batch_lanes: int = 4  # no drafts in a job of more decode lanes (compute-bound)
+    spec_k_choice: str = "cost"  # "cost": k from the measured step cost and the lane's acceptance; "adaptive"
     # executor
     max_inflight: int = 1
     # Queue a decode lane's next step while its current one runs; off until measured faster.
@@ -85,6 +86,10 @@ class SchedulerConfig:
     downgrade_timeouts: int = 2
     downgrade_tpot_p99_ratio: float = 0.0
     downgrade_window: int = 256
+    # Ping/pong must pay: a chip measures its delivered tokens/s with max_inflight jobs and with one, in
+    # turns of `pingpong_gain_window` tokens, and keeps ping/pong only at +`pingpong_min_gain` or more (0: off).
+    pingpong_min_gain: float = 0.10
+    pingpong_gain_window: int = 1024
     job_timeout_s: float = 30.0
     max_retries: int = 2  # requeues of a request whose job failed before any token was emitted
     # kv
@@ -184,6 +189,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         mixed_token_budget=int(_get(b, "mixed_token_budget", d.mixed_token_budget)),
         spec_method=str(_get(sp, "method", d.spec_method)),
         spec_max_draft_tokens=int(_get(sp, "max_draft_tokens", d.spec_max_draft_tokens)),
+        spec_k_choice=str(_get(sp, "k_choice", d.spec_k_choice)),
         spec_max_batch_lanes=int(_get(sp, "max_batch_lanes", d.spec_max_batch_lanes)),
         max_tenant_lane_share=float(_get(q, "max_tenant_lane_share", d.max_tenant_lane_share)),
         max_inflight=int(_get(ex, "max_inflight", d.max_inflight)),
@@ -191,6 +197,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         decode_steps=int(_get(ex, "decode_steps", d.decode_steps)),
         downgrade_timeouts=int(_get(ex, "downgrade_timeouts", d.downgrade_timeouts)),
         downgrade_tpot_p99_ratio=float(_get(ex, "downgrade_tpot_p99_ratio", d.downgrade_tpot_p99_ratio)),
+        pingpong_min_gain=float(_get(ex, "pingpong_min_gain", d.pingpong_min_gain)),
         job_timeout_s=float(_get(ex, "job_timeout_ms", d.job_timeout_s * 1000)) / 1000.0,
         prefix_cache=bool(_get(kv, "prefix_cache", d.prefix_cache)),
         static_batching=bool(_get(b, "static_batching", d.static_batching)),

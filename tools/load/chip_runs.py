@@ -8,6 +8,7 @@ guessed.
 from __future__ import annotations
 
 COUNTERS = ("decode_jobs", "decode_lanes", "prefill_jobs", "prefill_tokens")
+DAEMON_ONLY = ("mixed_jobs", "preemptions")  # counted by the daemon's scheduler, not the simulator's summary
 
 
 def daemon_run(before: dict, after: dict, window_s: float) -> dict:
@@ -17,7 +18,7 @@ def daemon_run(before: dict, after: dict, window_s: float) -> dict:
     between jobs, start-up and the tail when the chip had nothing left to do.
     """
     b_c, a_c = before["scheduler"]["counters"], after["scheduler"]["counters"]
-    counters = {k: a_c.get(k, 0) - b_c.get(k, 0) for k in COUNTERS}
+    counters = {k: a_c.get(k, 0) - b_c.get(k, 0) for k in COUNTERS + DAEMON_ONLY}
     b_chips = {c["chip"]: c for c in before["chips"]}
     device = [round(c["device_s"] - b_chips[c["chip"]]["device_s"], 3) for c in after["chips"]]
     worker = [round(c["worker_s"] - b_chips[c["chip"]]["worker_s"], 3) for c in after["chips"]]

@@ -130,17 +130,36 @@ def table(rows: list[dict], columns: list[tuple[str, str]] = COLUMNS) -> str:
     return "\n".join(lines)
 
 
+LIMIT_COLUMNS = [("measure", "figure of"), ("figure", "figure"), ("bound", "bound"), ("of_bound", "of bound"),
+                 ("target", "target"), ("limited_by", "limited by")]
+
+
+def limits_table(limits: Iterable) -> str:
+    """Figure, bound and target side by side (tools/load/limits.py: `Limit`), floats to 3 places."""
+    rows = [{k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in x.to_dict().items()} for x in limits]
+    return "figure against the model of its limit (bound: the best it can be while that limit holds):\n" + \
+        table(rows, LIMIT_COLUMNS) if rows else ""
+
+
 def publish(prog: str, as_json: bool, lines: Iterable[tuple[str, dict]], text: Callable[[], str],
-            runs: Iterable[dict] = (), errors_key: str = "errors") -> int:
+            runs: Iterable[dict] = (), errors_key: str = "errors", limits: Iterable = ()) -> int:
     """A benchmark's output, one way for all: JSON Lines (`lines`, each `(kind, object)`) or the human `text()`;
-    then the exit status, 1 when any of `runs` had failed requests (counted in `errors_key`), said on stderr."""
+    then the exit status, 1 when any of `runs` had failed requests (counted in `errors_key`), said on stderr.
+
+    `limits` (`tools.load.limits.Limit`): each figure beside the model of its limit, after the rest
+    (JSON: kind `limit`; text: one table of figure, bound and target)."""
+    limits = list(limits)
     if as_json:
         from tools.json_lines import emit
 
         for kind, obj in lines:
             emit(kind, obj)
+        for x in limits:
+            emit("limit", x.to_dict())
     else:
         print(text())
+        if limits:
+            print(limits_table(limits))
     errors = sum(r.get(errors_key) or 0 for r in runs)
     if errors:
         print(f"{prog}: {errors} requests failed (see error_codes)", file=sys.stderr)

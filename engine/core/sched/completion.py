@@ -17,6 +17,7 @@ from engine.core.sched.admission import Admission
 from engine.core.sched.lifecycle import Lifecycle
 from engine.core.sched.output import Output
 from engine.core.sched.state import SchedState, block_end
+from engine.core.spec.step_cost import decode_shape
 from engine.core.stop_conditions import StopReason
 from ipc.records import JobKind, JobResult
 
@@ -46,6 +47,10 @@ class Completion:
         dropped, queueable = job.dropped, ch.queueable if st.queue_next_step else None
         # alternatives ride in decode results that have them; prompt logprobs only in prefill jobs
         asks = result.top_ids is not None or job.kind is not JobKind.DECODE
+        if result.device_us > 0 and st.spec.verify:  # what a (verification) step costs: k from it
+            shape = decode_shape(len(job.lanes), start_lens, job.new_lens, job.drafts, job.steps)
+            if shape is not None:
+                st.spec.on_job(*shape, result.device_us)
         for lane, (rid, seq_id, new_len, sampled) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens,
                                                                    job.sampled)):
             if dropped and rid in dropped:

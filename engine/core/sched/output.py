@@ -68,6 +68,8 @@ class Output:
                     st.note_downgraded(ch)
                 r.t_last_token = now
                 r.emitted += len(emit)
+                if ch.governor is not None and ch.governor.probe is not None:  # does ping/pong pay (its gain)
+                    ch.governor.on_tokens(now, len(emit))
                 if r.params.top_logprobs:  # the entries are TokenLogprob: their alternatives go beside
                     lps_out, tops = split(emit_lps[:len(emit)])
                     out.append(EmitTokens(r.request_id, emit, lps_out, text, tops))

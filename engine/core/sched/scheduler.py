@@ -285,7 +285,8 @@ class Scheduler:
     _FIXED_SETTINGS = ("profiles", "profile_fill_ratio", "chunked_prefill", "max_inflight", "prefix_cache",
                        "decode_weight", "short_prefill_weight", "medium_prefill_weight", "long_prefill_weight",
                        "short_prefill_max_tokens", "medium_prefill_max_tokens", "static_batching", "max_kv_tokens",
-                       "queue_next_step", "decode_steps", "downgrade_timeouts", "downgrade_tpot_p99_ratio", "downgrade_window")
+                       "queue_next_step", "decode_steps", "downgrade_timeouts", "downgrade_tpot_p99_ratio", "downgrade_window",
+                       "pingpong_min_gain", "pingpong_gain_window")
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Take new admission budgets, tenant policies, deadlines and windows (a SIGHUP reload).
@@ -343,7 +344,8 @@ class Scheduler:
             generation_tokens=st.generation_tokens, prompt_tokens=st.prompt_tokens,
             queue_waits=None if now is None else self.queue_stats(now),
         ) | ({} if st.tiers is None else {"kv_tiers": st.tiers.stats()})
-        out["speculative"] = st.spec.counters.to_dict()
+        out["speculative"] = {**st.spec.counters.to_dict(), "k_choice": st.spec.k_choice,
+                              "step_cost": st.spec.step_cost.table()}
         return out
 
     # ------------------------------------------------- read-only public state

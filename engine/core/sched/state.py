@@ -130,7 +130,8 @@ class SchedState:
             WorkClass.LONG: config.long_prefill_weight,
         }
         policy = GovernorPolicy(max_inflight=config.max_inflight, timeouts=config.downgrade_timeouts,
-                                tpot_regression=config.downgrade_tpot_p99_ratio, window=config.downgrade_window)
+                                tpot_regression=config.downgrade_tpot_p99_ratio, window=config.downgrade_window,
+                                min_gain=config.pingpong_min_gain, gain_window=config.pingpong_gain_window)
         states = {c.chip: ChipState(
             chip=c.chip, num_blocks=c.num_blocks, block_size=c.block_size,
             max_blocks_per_seq=math.ceil(model.max_seq / c.block_size),
@@ -145,7 +146,7 @@ class SchedState:
             # a mixed job's lanes take prompts as they come: no queued next steps there
             queue_next_step=bool(config.queue_next_step and not planner.mixed_budget),
             spec=SpecPlanner(config.spec_method, config.spec_max_draft_tokens, config.spec_max_batch_lanes,
-                             model.spec_verify, draft_model=model.spec_draft),
+                             model.spec_verify, draft_model=model.spec_draft, k_choice=config.spec_k_choice),
             piece=piece, chips=states, tpot_watch=policy.tpot_regression > 0 and policy.max_inflight > 1,
             limits=ModelLimits(vocab_size=model.vocab_size, max_seq=model.max_seq,
                                max_blocks_per_chip=max(c.num_blocks for c in chips),

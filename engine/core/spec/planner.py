@@ -5,7 +5,9 @@ the board default `speculative.method`; "draft" without a draft model on the
 board decodes plainly). Per job: no drafts once the job has more than
 `max_batch_lanes` decode lanes -- a large batch already keeps the chip
 compute-bound, where verifying k extra positions per lane costs more than
-the passes it saves. Per lane: k from `AdaptiveK`, capped so that the run
+the passes it saves. Per lane: k from `CostK` (`k_choice = "cost"`: the
+most expected tokens per unit of the measured step cost, `StepCost`) or
+`AdaptiveK` (`"adaptive"`: the acceptance schedule), capped so that the run
 never passes max_tokens or max_seq (a stop inside the accepted run is still
 cut by the stop checker, token by token).
 """
@@ -15,9 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.spec.adaptive import AdaptiveK
+from engine.core.spec.cost_k import CostK
 from engine.core.spec.ngram_draft import NgramDrafter
+from engine.core.spec.step_cost import StepCost
 
 METHODS = ("off", "ngram", "draft")
+K_CHOICES = ("cost", "adaptive")
 
 
 @dataclass
@@ -25,7 +30,7 @@ class SpecLane:
     """One request's drafting state (kept on its RequestRecord)."""
 
     drafter: NgramDrafter
-    k: AdaptiveK
+    k: AdaptiveK | CostK
 
 
 @dataclass
@@ -66,9 +71,13 @@ class SpecCounters:
 
 class SpecPlanner:
     def __init__(self, method: str, max_draft_tokens: int, max_batch_lanes: int, verify: bool,
-                 ngram_min: int = 1, ngram_max: int = 3, draft_model: bool = False) -> None:
+                 ngram_min: int = 1, ngram_max: int = 3, draft_model: bool = False, k_choice: str = "cost") -> None:
         if method not in METHODS:
             raise ValueError(f"speculative.method must be one of {', '.join(METHODS)}")
+        if k_choice not in K_CHOICES:
+            raise ValueError(f"speculative.k_choice must be one of {', '.join(K_CHOICES)}")
+        self.k_choice = k_choice
+        self.step_cost = StepCost()
         self.method = method
         self.max_draft_tokens = max_draft_tokens
         self.max_batch_lanes = max_batch_lanes
@@ -100,15 +109,26 @@ class SpecPlanner:
             return [], False
         lane = r.spec
         if lane is None:
-            lane = r.spec = SpecLane(NgramDrafter(self.ngram_min, self.ngram_max), AdaptiveK(self.max_draft_tokens))
+            choose = CostK if self.k_choice == "cost" else AdaptiveK
+            lane = r.spec = SpecLane(NgramDrafter(self.ngram_min, self.ngram_max), choose(self.max_draft_tokens))
         p = r.params
         left = p.max_tokens - len(p.continuation) - r.generated - 1  # tokens after the one this step samples
-        k = min(lane.k.next_k(), room, left)
+        if isinstance(lane.k, CostK):
+            if self.step_cost.wants_plain(decode_lanes):  # measure the plain step the cost is relative to
+                return [], False
+            want = lane.k.next_k(lambda k: self.step_cost.cost(k, decode_lanes))
+        else:
+            want = lane.k.next_k()
+        k = min(want, room, left)
         if k <= 0:
             return [], False
         if method == "draft":
             return [r.tokens[-1]] * k, True
         return lane.drafter.propose(r.tokens, k), False
+
+    def on_job(self, lanes: int, drafts: int, device_us: int) -> None:
+        """A decode job's backend time (no prompt in it): what a step costs with `drafts` draft tokens."""
+        self.step_cost.observe(lanes, drafts, device_us)
 
     def observe(self, r, drafted: int, accepted: int) -> None:
         if r.spec is not None:

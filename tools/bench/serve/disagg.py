@@ -127,6 +127,20 @@ def verdict(rows: list[dict], slo: Slo) -> dict:
             "vs_target": None if ratio is None else round(ratio / TARGET_GOODPUT_RATIO, 3)}
 
 
+def limits(rows: list[dict], v: dict) -> list:
+    """The goodput ratio at the break point beside its bound: every request offered at that rate meeting the
+    SLO, over the co-located goodput there (lim.offered)."""
+    from tools.load import limits as lim
+
+    at = v["co_located_tpot_breaks_at_rate"]
+    co = next((r for r in rows if r["label"] == "co-located" and r["rate"] == at), None)
+    if at is None or co is None:
+        return [lim.unmodelled("disaggregated / co-located goodput", None, f">= {TARGET_GOODPUT_RATIO}x",
+                               "no break point: co-located TPOT P99 met the SLO at every rate")]
+    return [lim.offered(f"disaggregated / co-located goodput at {at:g} req/s", v["goodput_ratio_there"], at,
+                        co.get("goodput_requests_per_s"), f">= {TARGET_GOODPUT_RATIO}x")]
+
+
 def run(a: argparse.Namespace) -> dict:
     fleet = Fleet("npsbd-")
     rows: list[dict] = []
@@ -220,7 +234,8 @@ def main(argv: list[str]) -> int:
                           verdict])
 
     publish("bench-disagg", a.json, [("summary", {"verdict": v, "handoffs": res["handoffs"],
-                                                  "workload": res["workload"]})], text)
+                                                  "workload": res["workload"]})], text,
+            limits=limits(res["rows"], v))
     return 0
 
 

@@ -200,6 +200,23 @@ def per_concurrency(a: argparse.Namespace, run, total: int) -> tuple[list[dict],
     return rows, comparison
 
 
+def conversation_limits(comparison: list[dict]) -> list:
+    """TTFT P50 and P99 over llama.cpp's beside the ratio of the prompt tokens each computed (lim.work_ratio):
+    with equal prefill speed, TTFT follows the tokens a server recomputes."""
+    from tools.load import limits as lim
+
+    out = []
+    for c in dict.fromkeys(x.get("concurrency") for x in comparison):
+        by = {x["metric"]: x for x in comparison if x.get("concurrency") == c}
+        work = by.get("prompt_tokens_computed")
+        for metric, target in (("ttft_p50_ms", "<= 0.7x"), ("ttft_p99_ms", "<= 1.0x")):
+            if metric in by:
+                out.append(lim.work_ratio(f"conversations c={c} {metric.removesuffix('_ms')} vs llama.cpp",
+                                          by[metric]["ratio"], work and work["subject_median"],
+                                          work and work["baseline_median"], "prompt tokens computed", target))
+    return out
+
+
 def conversations_main(a: argparse.Namespace, pkg) -> int:
     from tools.load import paired
     from tools.load.report import publish, table
@@ -224,7 +241,8 @@ def conversations_main(a: argparse.Namespace, pkg) -> int:
             out += [f" concurrency {c}:", paired.format_comparison([x for x in comparison if x.get("concurrency") == c])]
         return "\n".join(out)
 
-    return publish("bench-http-peer", a.json, [*(("row", r) for r in rows), ("summary", summary)], text, rows)
+    return publish("bench-http-peer", a.json, [*(("row", r) for r in rows), ("summary", summary)], text, rows,
+                   limits=conversation_limits(comparison))
 
 
 def main(argv: list[str]) -> int:

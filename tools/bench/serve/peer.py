@@ -21,6 +21,7 @@ import argparse
 import functools
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass
 from tools.bench.options import THREADS, add
 from tools.json_lines import emit
 from tools.load import chip_runs, local_daemon, paired, runner
+from tools.load import limits as lim
 from tools.load.report import publish, summarize, table
 from tools.load.runner import Record
 from tools.load.workload import Request
@@ -42,7 +44,9 @@ TARGETS = {  # (metric, workload, concurrency): npuserve / llama.cpp at least (m
 METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 COLUMNS = [("engine", "engine"), ("concurrency", "conc"), ("workload", "workload"), ("round", "round"),
            ("tokens_per_s", "tok/s"), ("ttft_p50_ms", "ttft p50"), ("ttft_p99_ms", "ttft p99"),
-           ("tpot_p50_ms", "tpot p50"), ("tpot_p99_ms", "tpot p99"), ("chip_busy", "chip busy")]
+           ("tpot_p50_ms", "tpot p50"), ("tpot_p99_ms", "tpot p99"), ("chip_busy", "chip busy"),
+           ("prompt_tokens_per_token", "prompt/tok"), ("lane_steps_per_token", "lanes/tok"),
+           ("lanes_per_job", "lanes/job"), ("prompt_tokens_per_job", "prompt/job"), ("preemptions", "preempt")]
 _TEXT = ("The history of the city begins with a small settlement on the river. Over the centuries it grew into a "
          "center of trade, learning and art, attracting merchants, scholars and travelers from distant lands. ")
 
@@ -60,6 +64,15 @@ class Row:
     round: int
     # npuserve: the chip workers' device time over the timed run (stats deltas; target >= 0.97 at 8 and 32 streams)
     chip_busy: float | None = None
+    # what the chip computed per generated token: prompt tokens (more than prompt/output: recomputed after a
+    # preemption), decode lane-steps (1: no token computed twice); the batch shapes: decode lanes per decode or
+    # mixed job, prompt tokens per job that carried a prompt; preemptions.
+    # llama.cpp's from its workload (each prompt once, one lane-step per token; its batch is every stream)
+    prompt_tokens_per_token: float | None = None
+    lane_steps_per_token: float | None = None
+    lanes_per_job: float | None = None
+    prompt_tokens_per_job: float | None = None
+    preemptions: int | None = None
 
 
 def _row(engine: str, c: int, workload: str, rnd: int, records: list[Record]) -> Row:
@@ -109,6 +122,12 @@ def run_npuserve(a, package: str, prompts: list[list[int]], warm: list[list[int]
             d.cleanup()
     row = _row("npuserve", c, workload, rnd, records)
     row.chip_busy = round(sum(ran["device_busy"]) / max(len(ran["device_busy"]), 1), 4)
+    generated = max(sum(r.tokens for r in records if r.error is None), 1)
+    row.prompt_tokens_per_token = round(ran["prefill_tokens"] / generated, 3)
+    row.lane_steps_per_token = round(ran["decode_lanes"] / generated, 3)
+    row.lanes_per_job = round(ran["decode_lanes"] / max(ran["decode_jobs"] + ran["mixed_jobs"], 1), 2)
+    row.prompt_tokens_per_job = round(ran["prefill_tokens"] / max(ran["prefill_jobs"], 1), 1)
+    row.preemptions = ran["preemptions"]
     return row
 
 
@@ -163,7 +182,10 @@ def run_llamacpp_server(a, gguf: str, prompts: list[list[int]], warm: list[list[
             th.join()
     finally:
         server = None  # stops llama.cpp's server loop and frees the model
-    return _row(engine, c, workload, rnd, records)
+    row = _row(engine, c, workload, rnd, records)
+    row.prompt_tokens_per_token = round(sum(map(len, prompts)) / max(len(prompts) * out_tokens, 1), 3)
+    row.lane_steps_per_token = 1.0
+    return row
 
 
 # ---------------------------------------------------------------- report
@@ -195,6 +217,33 @@ def ratio_rows(rows: list[Row]) -> list[dict]:
                 row.update(target=f"{'>=' if t.kind == 'min' else '<='} {t.bound}", met=t.met(ratio),
                            distance=round(ratio - t.bound, 3), within_spread=paired.bound_within(per_round, t.bound))
             out.append(row)
+    return out
+
+
+def limits(rows: list[Row], ratios: list[dict]) -> list:
+    """tokens/s over llama.cpp's per workload and concurrency, beside its bound at npuserve's chip busy
+    fraction (lim.busy), and the work per generated token of both engines (a chip busy all the time can only
+    go faster by computing less per token, or in larger batches)."""
+    out = []
+    for x in ratios:
+        if x["ratio"] != "tokens_per_s":
+            continue
+        key = (x["workload"], x["concurrency"])
+        mine = [r for r in rows if (r.workload, r.concurrency) == key and r.engine == "npuserve"]
+        peer = [r for r in rows if (r.workload, r.concurrency) == key and r.engine == "llama.cpp"]
+
+        def med(rs: list[Row], k: str) -> float | None:
+            vals = sorted(getattr(r, k) for r in rs if getattr(r, k) is not None)
+            return statistics.median(vals) if vals else None
+
+        out.append(lim.busy(f"{x['workload']} c={x['concurrency']} tok/s vs llama.cpp", x["npuserve_over_llama_cpp"],
+                            med(mine, "chip_busy"), ">= 1.03x",
+                            prompt_tokens_per_token=med(mine, "prompt_tokens_per_token"),
+                            llama_cpp_prompt_tokens_per_token=med(peer, "prompt_tokens_per_token"),
+                            lane_steps_per_token=med(mine, "lane_steps_per_token"),
+                            lanes_per_job=med(mine, "lanes_per_job"),
+                            prompt_tokens_per_job=med(mine, "prompt_tokens_per_job"),
+                            preemptions=med(mine, "preemptions")))
     return out
 
 
@@ -277,7 +326,7 @@ def main(argv: list[str]) -> int:
     return publish("bench-peer", a.json, (("ratio", x) for x in ratios),
                    lambda: f"same GGUF ({pkg.name}), {a.threads} threads each, prompt {a.prompt_tokens} (shared-prefix: "
                            f"{a.system_tokens}-token system prompts), output {a.output_tokens}, greedy, ignore_eos\n"
-                           + format_table(rows, ratios))
+                           + format_table(rows, ratios), limits=limits(rows, ratios))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 
 from tools.bench.options import THREADS, add
 from tools.json_lines import emit
-from tools.load import local_daemon, paired, runner
+from tools.load import chip_runs, local_daemon, paired, runner
+from tools.load import limits as lim
 from tools.load.report import publish, summarize, table
 from tools.load.workload import Request
 
@@ -73,6 +74,10 @@ class Row:
     tokens_per_step: float | None = None
     drafted: int | None = None
     accepted: int | None = None
+    # npuserve: the chip's decode jobs, device seconds and generated tokens over the run (the speculation model)
+    decode_jobs: int | None = None
+    device_s: float | None = None
+    generated: int | None = None
 
 
 def make_prompts(tok, workload: str, n: int) -> list[list[int]]:
@@ -111,11 +116,43 @@ def run_npuserve(endpoint: str, prompts, out_tokens: int, c: int, workload: str,
     reqs = [Request(i, p, out_tokens, seed=i, extra={"temperature": 0.0, "speculative": "ngram" if spec else "off"})
             for i, p in enumerate(prompts)]
     with Client(endpoint, timeout=60) as cl:
-        before = cl.stats()["scheduler"]["speculative"]
+        before = cl.stats()
     records = runner.run_here(endpoint, reqs, concurrency=c, timeout=900)
     with Client(endpoint, timeout=60) as cl:
-        after = cl.stats()["scheduler"]["speculative"]
-    return _row(SPEC if spec else PLAIN, workload, c, rnd, records, spec_delta(before, after) if spec else None)
+        after = cl.stats()
+    ran = chip_runs.daemon_run(before, after, 1.0)
+    spec_d = spec_delta(before["scheduler"]["speculative"], after["scheduler"]["speculative"]) if spec else None
+    row = _row(SPEC if spec else PLAIN, workload, c, rnd, records, spec_d)
+    row.decode_jobs, row.device_s = ran["decode_jobs"], round(sum(ran["device_s"]), 4)
+    row.generated = sum(r.tokens for r in records if r.error is None)
+    return row
+
+
+def limits(rows: list[Row], rs: list[dict]) -> list:
+    """Speculation's tokens/s over plain decoding beside its expectation, tokens per step / cost per step
+    (lim.speculation), both from the run's own jobs summed over rounds: tokens per step = (tokens per decode
+    job, speculating) / (tokens per decode job, plain); cost per step = (device seconds per decode job,
+    speculating) / (the same, plain). Device seconds include the prompts' (the same on both sides)."""
+    out = []
+    for x in rs:
+        if x["baseline"] != PLAIN:
+            continue
+        key = (x["workload"], x["streams"])
+
+        def per_job(engine: str, what: str) -> float | None:
+            rr = [r for r in rows if (r.workload, r.streams) == key and r.engine == engine and r.decode_jobs]
+            jobs = sum(r.decode_jobs for r in rr)
+            return sum(getattr(r, what) or 0 for r in rr) / jobs if jobs else None
+
+        tok_s, tok_p = per_job(SPEC, "generated"), per_job(PLAIN, "generated")
+        dev_s, dev_p = per_job(SPEC, "device_s"), per_job(PLAIN, "device_s")
+        yield_ = tok_s / tok_p if tok_s and tok_p else None
+        cost = dev_s / dev_p if dev_s and dev_p else None
+        peer = next((y["ratio"] for y in rs if (y["workload"], y["streams"]) == key and y["baseline"] == PEER), None)
+        out.append(lim.speculation(f"{x['workload']} streams={x['streams']} n-gram / plain tok/s", x["ratio"],
+                                   yield_, cost, "within 10 % of the bound, ahead of llama.cpp's n-gram",
+                                   acceptance_rate=x["acceptance_rate"], vs_llama_cpp_ngram=peer))
+    return out
 
 
 def ngram_tune(n: int, m: int):
@@ -228,6 +265,10 @@ def main(argv: list[str]) -> int:
         rows = paired.alternate([SPEC, PLAIN] + ([PEER] if a.peer else []), a.rounds, run,
                                 groups=[(w, c) for w in a.workloads.split(",") for c in a.streams],
                                 flip=lambda rnd, group: (rnd + group[1]) % 2 == 1)
+        from engine.client import Client
+
+        with Client(d.endpoint, timeout=60) as cl:  # what the daemon measured a verification step to cost
+            step_cost = cl.stats()["scheduler"]["speculative"].get("step_cost")
     except BaseException:
         print(f"npuserve daemon log (tail):\n{d.log_tail()}", file=sys.stderr)
         raise
@@ -236,9 +277,19 @@ def main(argv: list[str]) -> int:
         d.cleanup()
         tok.close()
     rs = ratios(rows)
-    return publish("bench-spec", a.json, (("ratio", x) for x in rs),
+    return publish("bench-spec", a.json, [*(("ratio", x) for x in rs), ("step_cost", step_cost or {})],
                    lambda: f"{pkg.name}, {a.threads} threads, output {a.output_tokens} tokens, greedy, ignore_eos, "
-                           f"max {a.max_draft_tokens} drafts\n" + format_report(rows, rs))
+                           f"max {a.max_draft_tokens} drafts\n" + format_report(rows, rs) + "\n"
+                           + format_step_cost(step_cost), limits=limits(rows, rs))
+
+
+def format_step_cost(t: dict | None) -> str:
+    """The daemon's measured verification cost (stats speculative.step_cost): plain steps at k drafts."""
+    if not t:
+        return "verification step cost: not reported"
+    ks = ", ".join(f"k={k} {v:.2f}" for k, v in t["cost_in_steps"].items() if v is not None) or "none measured"
+    return (f"verification step cost in plain steps ({t['lanes']} lane, plain step {t['plain_step_us']} us): {ks}; "
+            f"slope {t['per_draft']} steps per draft (k is chosen from it)")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,19 @@ def compare(rows: list[dict]) -> list[dict]:
     return out
 
 
+def limits(rows: list[dict], extra: dict) -> list:
+    """The constrained TPOT P99 over llama.cpp's beside its floor: npuserve's own unconstrained TPOT P99 over
+    llama.cpp's constrained one, what the ratio would be if the mask cost the critical path nothing."""
+    from tools.load import limits as lim
+
+    s, peer, plain = (_median(rows, n, "tpot_p99_ms") for n in ("npuserve+schema", "llama.cpp+schema", "npuserve"))
+    if not peer:
+        return []
+    return [lim.latency_floor("JSON-schema TPOT P99 vs llama.cpp's", s / peer if s else None,
+                              plain / peer if plain else None, "the unconstrained TPOT P99 (a mask costing nothing)",
+                              "<= 1.0x", mask_us_per_lane_step=extra.get("mask_us_per_lane_step"))]
+
+
 def _mask_us_per_step(metrics_text: str) -> float | None:
     def total(name: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
@@ -181,7 +194,8 @@ def main(argv: list[str]) -> int:
                    f"mask time per lane and step (workers): {extra['mask_us_per_lane_step']} us")
         return "\n".join(out)
 
-    return publish("bench-structured", a.json, [*(("row", r) for r in rows), ("summary", summary)], text, rows)
+    return publish("bench-structured", a.json, [*(("row", r) for r in rows), ("summary", summary)], text, rows,
+                   limits=limits(rows, extra))
 
 
 if __name__ == "__main__":
