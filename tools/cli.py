@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-busy": ("tools.bench_busy", "keeping every chip busy: queued next steps and ping/pong against one in flight"),
     "bench": ("tools.bench", "load generator: closed/open loop, sweeps, SLO goodput, Pareto frontier"),
     "soak": ("tools.soak.main", "steady mixed load for a duration, checking invariants, leaks and errors"),
+    "heap-diff": ("tools.heap_diff", "what a daemon's or worker's Python heap gained between two heap snapshots"),
     "chaos": ("tools.chaos.main", "named fault scenarios under load, each with its invariant checks"),
     "balance": ("engine.balancer.main", "run a balancer in front of daemons or balancers"),
     "bench-balancer": ("tools.bench_balancer", "benchmark a balancer against direct daemon access"),

@@ -37,6 +37,7 @@ from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode
 from workers.draft_model import DraftModel
 from workers.execute_job import JobOutcome, execute_job
 from workers.follow_tokens import FollowTokens, UnresolvedFollow
+from workers.heap_snapshots import install as install_heap_snapshots
 from workers.kv_transfer import HostKv
 
 _PR_SET_PDEATHSIG = 1
@@ -410,6 +411,7 @@ def _on_parent_death(signum, frame) -> None:
 
 
 def run(config: WorkerConfig) -> int:
+    install_heap_snapshots(f"worker{config.chip}")  # opt-in ($NPUSERVE_TRACEMALLOC): a no-op otherwise
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(_PARENT_DEATH_SIGNAL, _on_parent_death)
     _set_parent_death_signal(_PARENT_DEATH_SIGNAL)
