@@ -118,6 +118,7 @@ class Soak:
         self.t0 = time.monotonic()
         self.checked_oracle = 0
         self.heap = None  # tools.soak.heap.HeapDumps with --tracemalloc
+        self.piece_cache: dict | None = None  # the board's token-bytes cache at the end (its `stats`)
 
     def violate(self, what: str, **ctx) -> None:
         self.violation_count += 1
@@ -375,7 +376,12 @@ class Soak:
         if self.daemon_pid is None:
             leaks = {"enough_samples": False}
         elif self.gens is None:
+            from tools.soak.rounds import per_worker
+
             leaks = leak_verdict(self.sampler.samples, th)
+            switching = {"worker_leaks": per_worker(self.sampler.samples, th)}
+            if any(w.get("leak") for w in switching["worker_leaks"]):
+                leaks = {**leaks, "leak": True}
         else:  # workers and rings come and go with switches: fitted per round and per worker process instead
             from tools.soak.rounds import per_switch, per_worker
 
@@ -394,6 +400,8 @@ class Soak:
                 leaks = {**leaks, "leak": True}
         if self.heap is not None:
             switching["heap_diffs"] = self.heap.diffs(leaks.get("warmup_s", 0.0))
+        if self.piece_cache is not None:
+            switching["piece_cache"] = self.piece_cache
         fail = bool(self.violation_count) or bool(leaks.get("leak"))
         return {"verdict": "fail" if fail else "pass", "requests": self.finished,
                 "lost": self.lost, "duplicated": self.duplicated, **switching,
@@ -480,6 +488,10 @@ def main(argv: list[str]) -> int:
                 workers = [c["pid"] for c in local_daemon.wait_healthy(endpoint, d, timeout=10)["chips"] if c.get("pid")]
             except SystemExit:
                 pass
+        try:
+            soak.piece_cache = local_daemon.stats(endpoint).get("piece_cache")
+        except Exception:  # noqa: BLE001 - a balancer or an older board answers no such figure: nothing to report
+            pass
         res = soak.verdict(d.stop_and_check(workers) if d is not None else [])
     finally:
         if d is not None:
@@ -501,6 +513,10 @@ def main(argv: list[str]) -> int:
         from tools.soak.report import print_tables
 
         print_tables(res, out)
+    elif leaks.get("enough_samples"):
+        from tools.soak.report import print_process_slopes
+
+        print_process_slopes(res, out)
     workers = (f"workers {leaks['workers_anon_rss']['per_request']:.0f} B/request" if "workers_anon_rss" in leaks
                else "workers: per process, above")
     print(f"soak: {res['verdict'].upper()}: {res['requests']} requests in {res['duration_s']} s, "
