@@ -29,9 +29,12 @@ BOUND = 16
 def test_llamacpp_soak_has_no_violation_no_leak_and_a_bounded_token_cache():
     # One chip with one llama.cpp thread (the machine's cores are shared); a generous heartbeat: a starved
     # worker restarted mid-run would fail its lanes, and heartbeats are chaos's subject, not this test's.
+    # A KV pool of 128 blocks (2,048 cells, 0.5 MiB of llama.cpp KV): the worker's RSS grows as llama.cpp
+    # first touches its KV cells (4 MiB for the package's 1,024 blocks, more than 20 s of load touch), which
+    # is warm-up, not a leak; a small pool is touched through within the warm-up.
     p = subprocess.run([sys.executable, "-m", "tools.cli", "soak", "--json", "--backend", "llamacpp", "--chips", "1",
                         "--duration", "20s", "--interval", "5s", "--fresh-prompts", "--long-prompt", "256",
-                        "--set", f"model.piece_cache_entries={BOUND}", "--set", "board.threads_per_chip=1",
+                        "--set", f"model.piece_cache_entries={BOUND}", "--set", "board.threads_per_chip=1", "--set", "kv.num_blocks=128",
                         "--set", "recovery.heartbeat_timeout_ms=20000"],
                        cwd=ROOT, capture_output=True, timeout=300)
     out = [orjson.loads(line) for line in p.stdout.splitlines()]
