@@ -372,15 +372,15 @@ class Soak:
         for t in teardown:
             self.violate(t)
         th = LeakThresholds(rss_bytes_per_request=self.a.leak_bytes_per_request, warmup_fraction=self.a.warmup)
-        switching = {}
+        extra: dict = {}
         if self.daemon_pid is None:
             leaks = {"enough_samples": False}
         elif self.gens is None:
             from tools.soak.rounds import per_worker
 
             leaks = leak_verdict(self.sampler.samples, th)
-            switching = {"worker_leaks": per_worker(self.sampler.samples, th)}
-            if any(w.get("leak") for w in switching["worker_leaks"]):
+            extra = {"worker_leaks": per_worker(self.sampler.samples, th)}
+            if any(w.get("leak") for w in extra["worker_leaks"]):
                 leaks = {**leaks, "leak": True}
         else:  # workers and rings come and go with switches: fitted per round and per worker process instead
             from tools.soak.rounds import per_switch, per_worker
@@ -389,7 +389,7 @@ class Soak:
                                  counts=("daemon_fds", "daemon_threads"))
             round_leaks = leak_verdict(self.round_samples, th)
             workers = per_worker(self.sampler.samples, th)
-            switching = {"switches": self.switch_rows, "faults": self.fault_rows, "rounds": self.round_rows,
+            extra = {"switches": self.switch_rows, "faults": self.fault_rows, "rounds": self.round_rows,
                          "round_leaks": round_leaks, "worker_leaks": workers,
                          "per_switch": per_switch(self.round_samples, self.a.warmup),
                          "switches_answered": sum(1 for r in self.switch_rows if r["error"] is None),
@@ -399,12 +399,12 @@ class Soak:
             if round_leaks.get("leak") or any(w.get("leak") for w in workers):
                 leaks = {**leaks, "leak": True}
         if self.heap is not None:
-            switching["heap_diffs"] = self.heap.diffs(leaks.get("warmup_s", 0.0))
+            extra["heap_diffs"] = self.heap.diffs(leaks.get("warmup_s", 0.0))
         if self.piece_cache is not None:
-            switching["piece_cache"] = self.piece_cache
+            extra["piece_cache"] = self.piece_cache
         fail = bool(self.violation_count) or bool(leaks.get("leak"))
         return {"verdict": "fail" if fail else "pass", "requests": self.finished,
-                "lost": self.lost, "duplicated": self.duplicated, **switching,
+                "lost": self.lost, "duplicated": self.duplicated, **extra,
                 "violations": self.violations, "violation_count": self.violation_count,
                 "leaks": leaks, "errors_by_code": dict(self.errors_by_code),
                 "finish_reasons": dict(self.finish_reasons), "by_kind": dict(self.by_kind),
