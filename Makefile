@@ -22,11 +22,13 @@ $(VENV)/bin/python:
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -c 'from workers.llamacpp.binding import build_shim; build_shim()'
+	$(PY) -c 'from ipc.native_lib import build; build()'
 	touch $(STAMP)
 
 $(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e '.[llamacpp]'
 	$(PY) -c 'from workers.llamacpp.binding import build_shim; build_shim()'
+	$(PY) -c 'from ipc.native_lib import build; build()'
 	touch $(RUN_STAMP)
 
 # Both cores, one test file at a time per worker (module fixtures such as the shared Gemma daemon stay whole):
@@ -73,66 +75,66 @@ bench: $(BENCHES)
 $(BENCHES): $(STAMP)
 
 bench-ipc:
-	$(NPU) bench-ipc
+	$(NPU) bench micro ipc
 bench-backend:
-	$(NPU) bench-backend --backend ref
+	$(NPU) bench micro backend --backend ref
 simulate:
 	$(NPU) simulate
 bench-serve-stub:
-	$(NPU) bench-serve --backend stub --concurrency 64
+	$(NPU) bench serve point --backend stub --concurrency 64
 bench-serve-sim:
-	$(NPU) bench-serve --backend sim --concurrency 64
+	$(NPU) bench serve point --backend sim --concurrency 64
 bench-observe:
-	$(NPU) bench-observe
+	$(NPU) bench serve observe
 bench-sim-frontier:
 	mkdir -p $(BENCH_OUT)
-	$(NPU) bench --backend sim --chips 2 --sweep 8,16,32,64,128,256 --per-slot 2 \
+	$(NPU) bench serve --backend sim --chips 2 --sweep 8,16,32,64,128,256 --per-slot 2 \
 		--slo ttft=2s,tpot=60ms --plot $(BENCH_OUT)/pareto-sim.png
 bench-sim-static:
 	mkdir -p $(BENCH_OUT)
-	$(NPU) bench --backend sim --chips 1 --sweep 8,16,32,64 --per-slot 2 --output heavy:64,1.0 \
+	$(NPU) bench serve --backend sim --chips 1 --sweep 8,16,32,64 --per-slot 2 --output heavy:64,1.0 \
 		--variant continuous: --variant static:batch.static_batching=true,admission.max_sequences=16 \
 		--plot $(BENCH_OUT)/continuous-vs-static.png
 bench-balancer:
-	$(NPU) bench-balancer
+	$(NPU) bench serve balancer
 bench-mixed-load:
-	$(PY) -m tools.mixed_load --rounds 4 --round-s 60 --warmup-s 20 --set recovery.heartbeat_timeout_ms=30000
+	$(NPU) bench serve mixed-load --rounds 4 --round-s 60 --warmup-s 20 --set recovery.heartbeat_timeout_ms=30000
 bench-http-stub:
-	$(NPU) bench-http --backend stub
+	$(NPU) bench serve http --backend stub
 bench-http-llamacpp:
-	$(NPU) bench-http --backend llamacpp --threads 1 --rounds 5
+	$(NPU) bench serve http --backend llamacpp --threads 1 --rounds 5
 bench-http-peer:
-	$(NPU) bench-http-peer --rounds 3
+	$(NPU) bench serve http-peer --rounds 3
 bench-peer:
-	$(NPU) bench-peer --concurrency 8,32 --shared-prefix --rounds 3
+	$(NPU) bench serve peer --concurrency 8,32 --shared-prefix --rounds 3
 bench-kv-layout:
-	$(NPU) bench-kv-layout
+	$(NPU) bench micro kv-layout
 bench-spec:
-	$(NPU) bench-spec --streams 1,4,16 --rounds 2 --peer
+	$(NPU) bench serve spec --streams 1,4,16 --rounds 2 --peer
 bench-http-client:
-	$(PY) -m tools.bench_http_client
+	$(NPU) bench micro http-client
 bench-tp:  # tensor parallelism on a model where compute dominates (built once into $(BENCH_OUT))
 	test -f $(BENCH_OUT)/tp-model/manifest.json || $(NPU) make-model --out $(BENCH_OUT)/tp-model --name tp-bench \
 		--layers 4 --d-model 1024 --heads 16 --kv-heads 8 --head-dim 64 --ffn-dim 2816 --max-seq 512 \
 		--kv-blocks 256 --golden-cases 1 --golden-max-tokens 2
-	$(NPU) bench-backend --tp 1,2 --package $(BENCH_OUT)/tp-model --batches 1,16 --decode-steps 8 --prompt-len 32 \
+	$(NPU) bench micro tp --tp 1,2 --package $(BENCH_OUT)/tp-model --batches 1,16 --decode-steps 8 --prompt-len 32 \
 		--tp-repeats 4
 
 # The head-to-head scenarios against llama.cpp's server (docs/benchmarks.md, "Scenarios"); one thread each,
 # which a shared 2-core machine disturbs least.
 bench-scenario-long-prompt:
 	mkdir -p $(BENCH_OUT)
-	$(NPU) bench-http-peer --scenario long-prompt --threads 1 --rounds 3 --plot $(BENCH_OUT)/long-prompt.png
+	$(NPU) bench serve http-peer --scenario long-prompt --threads 1 --rounds 3 --plot $(BENCH_OUT)/long-prompt.png
 bench-scenario-tenant-flood:
 	mkdir -p $(BENCH_OUT)
-	$(NPU) bench-http-peer --scenario tenant-flood --threads 1 --rounds 3 --plot $(BENCH_OUT)/tenant-flood.png
+	$(NPU) bench serve http-peer --scenario tenant-flood --threads 1 --rounds 3 --plot $(BENCH_OUT)/tenant-flood.png
 # burst: the SLO scaled to a 2-core machine (6 s / 500 ms) and npuserve's queue-wait bound set for it (half the TTFT
 # limit, as docs/configuration.md advises); `--scenario burst` alone runs the stated 3 s / 200 ms with the defaults.
 bench-scenario-burst:
-	$(NPU) bench-http-peer --scenario burst --threads 1 --rounds 2 --scenario-option ttft_ms=6000 \
+	$(NPU) bench serve http-peer --scenario burst --threads 1 --rounds 2 --scenario-option ttft_ms=6000 \
 		--scenario-option tpot_ms=500 --set admission.max_queue_wait_ms=3000
 bench-scenario-hangups:
-	$(NPU) bench-http-peer --scenario hangups --threads 1 --rounds 2
+	$(NPU) bench serve http-peer --scenario hangups --threads 1 --rounds 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache $(FUZZ_OUT)

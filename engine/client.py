@@ -30,6 +30,9 @@ SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
     "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "pool", "speculative",
     "constraint",  # structured output: {"kind": ..., "body": ...} (docs/protocol.md)
+    "top_logprobs", "prompt_logprobs",  # alternatives per token; the prompt's logprobs (docs/protocol.md)
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+    "adapter",  # a LoRA adapter loaded on the board (docs/lora.md)
 })
 
 # How long the receiving thread holds the socket lock per poll while other
@@ -59,6 +62,8 @@ class Result:
     id: str = ""
     text: str | None = None  # the decoded output (None when the served model has no tokenizer)
     generation: int | None = None  # the model generation that served it (a board daemon says so)
+    top_logprobs: list[list] | None = None  # per token, [[id, logprob], ...] (when asked with top_logprobs)
+    prompt_logprobs: dict | None = None  # {tokens, logprobs, top_logprobs} of the prompt (when asked)
 
 
 Prompt = list[int] | str  # token ids, or text the server tokenizes
@@ -131,7 +136,7 @@ def open_dealer(ctx: zmq.Context, endpoint: str, curve=None, *, batched_events: 
 class ResultBuilder:
     """Folds a request's events into a `Result` (streamed tokens and text, or the final `done`)."""
 
-    __slots__ = ("tokens", "logprobs", "texts", "delta", "result")
+    __slots__ = ("tokens", "logprobs", "texts", "delta", "result", "top_logprobs", "prompt_logprobs")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -139,6 +144,8 @@ class ResultBuilder:
         self.texts: list[str] | None = None  # text deltas so far (None: the server sends no text)
         self.delta = ""  # the text delta of the last event fed
         self.result: Result | None = None
+        self.top_logprobs: list[list] | None = None
+        self.prompt_logprobs: dict | None = None
 
     def feed(self, ev: dict) -> list[int] | None:
         """Consume one event; returns new tokens (tokens event), None otherwise. Raises on error.
@@ -152,6 +159,8 @@ class ResultBuilder:
             lp = ev.get("logprobs")
             if lp:
                 self._add_logprobs(lp)
+            if "top_logprobs" in ev or "prompt_logprobs" in ev:
+                self._add_alternatives(ev)
             text = ev.get("text")
             if text is not None:
                 self._add_text(text)
@@ -160,11 +169,12 @@ class ResultBuilder:
             if ev.get("tokens"):
                 self.tokens.extend(ev["tokens"])
             self._add_logprobs(ev.get("logprobs"))
+            self._add_alternatives(ev)
             self._add_text(ev.get("text"))
             text = None if self.texts is None else "".join(self.texts)
             self.result = Result(self.tokens, ev.get("finish_reason", ""), ev.get("usage") or {},
                                  ev.get("timing") or {}, self.logprobs, ev.get("id", ""), text,
-                                 ev.get("generation"))
+                                 ev.get("generation"), self.top_logprobs, self.prompt_logprobs)
             return None
         if kind == "error":
             raise error_from_event(ev)
@@ -181,6 +191,15 @@ class ResultBuilder:
                 self.texts = []
             self.texts.append(text)
             self.delta = text
+
+    def _add_alternatives(self, ev: dict) -> None:
+        tl = ev.get("top_logprobs")
+        if tl:
+            if self.top_logprobs is None:
+                self.top_logprobs = []
+            self.top_logprobs.extend(tl)
+        if ev.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = ev["prompt_logprobs"]
 
     def _add_logprobs(self, lp: list[float] | None) -> None:
         if lp:

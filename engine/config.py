@@ -30,6 +30,7 @@ from engine.config_schema import (BadValue, ConfigError, abs_path_or_empty, abs_
                                   key, name_list, number, string, unknown, zmq_endpoint,
                                   zmq_endpoint_or_empty, zmq_endpoints)
 from engine.core.handoff import BOARD_ROLES, DEFAULT_DEADLINE_S
+from engine.lora_config import LoraConfig
 from engine.core.kv_pull import DEFAULT_TIMEOUT_S as KV_PULL_TIMEOUT_S
 from engine.core.scheduler_config import SchedulerConfig, TenantPolicy
 from engine.model_alias import DEFAULT_ALIAS, alias_from_package
@@ -128,6 +129,8 @@ class TenantConfig:
     weight: float = key(_TENANT.weight, number(0.0, 1e6, lo_open=True), "weighted-fair-queue share")
     max_active_sequences: int = key(0, integer(0), "admitted sequences of this tenant; 0 = unlimited")
     max_waiting_tokens: int = key(0, integer(0), "waiting prompt tokens of this tenant; 0 = unlimited")
+    default_adapter: str = key("", string(), "LoRA adapter of this tenant's requests that name none; \"\" = the base")
+    allowed_adapters: tuple = key((), name_list("adapter names"), "LoRA adapters this tenant may name; empty = any")
 
 
 def _check_tenants(raw: Any, path: str, errors: list[str]) -> dict[str, TenantConfig]:
@@ -321,7 +324,7 @@ SECTIONS: dict[str, type] = {
     "board": BoardConfig, "model": ModelConfig, "admission": AdmissionConfig, "queues": QueuesConfig,
     "batch": BatchConfig, "executor": ExecutorConfig, "kv": KvConfig, "recovery": RecoveryConfig,
     "server": ServerConfig, "metrics": MetricsConfig, "log": LogConfig, "security": SecurityConfig,
-    "http": HttpConfig, "kv_events": KvEventsConfig, "speculative": SpeculativeConfig,
+    "http": HttpConfig, "kv_events": KvEventsConfig, "speculative": SpeculativeConfig, "lora": LoraConfig,
 }
 
 # Keys SIGHUP applies to a running daemon (fnmatch patterns over dotted keys).
@@ -353,6 +356,7 @@ class Config:
     http: HttpConfig = field(default_factory=HttpConfig)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # ---------------------------------------------------------------- loading
@@ -434,6 +438,9 @@ def load_config(path: str | None, overrides: Mapping[str, object] | None = None,
         for name in _PATH_KEYS:
             if model.get(name):
                 model[name] = _relative_to(base_dir, model[name])
+        for a in (doc.get("lora") or {}).get("adapter") or []:
+            if isinstance(a, dict) and isinstance(a.get("path"), str) and a["path"]:
+                a["path"] = _relative_to(base_dir, a["path"])
         spec = doc.get("speculative", {})
         if spec.get("draft_package"):
             spec["draft_package"] = _relative_to(base_dir, spec["draft_package"])

@@ -22,6 +22,12 @@ Two algorithms, chosen by `mode`:
 Either way every rank gets bitwise the same sum (same operands, same order),
 which keeps the replicated residual stream identical on every rank.
 
+The `shared` step runs in C when the transport's C library is available
+(`ipc.native_lib`: slot write, counter store, a short spin for the peers and
+the sum in one call, the same summation order as NumPy's, so the same bits);
+a peer late past the spin budget, the deadlines, liveness checks and the
+abort stay here in Python. Without the library the step runs in NumPy.
+
 Two parities make one barrier per call enough: a rank can be at most one call
 ahead of the slowest (it waits for everyone's arrive counter of its call), so
 it never writes the slot a slower rank is still reading.
@@ -36,11 +42,13 @@ larger than a slot are reduced slot by slot.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
 import numpy as np
 
+from ipc import native_lib
 from ipc.fence import fence
 from ipc.shm import SHM_PREFIX, Segment
 
@@ -52,6 +60,15 @@ _G_MAGIC, _G_WORLD, _G_SLOT, _G_ABORT = 0, 1, 2, 3  # words of the global line (
 MODES = ("shared", "rsag")
 _LIVENESS_EVERY_S = 0.002
 _SPIN_S = 0.0002
+_SPIN_NS = int(_SPIN_S * 1e9)
+
+
+def _address(a: np.ndarray) -> int:
+    """The address of a C-contiguous array's data (c_char.from_buffer: a third of `a.ctypes.data`'s cost)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    except (TypeError, ValueError):  # read-only or empty
+        return a.ctypes.data
 
 
 class CollectiveError(RuntimeError):
@@ -141,6 +158,13 @@ class AllReduce:
         self._calls = int(self._hdr[rank, _ARRIVE])  # rejoining the same group is not supported; start at its count
         self._hdr[rank, _PID] = os.getpid()
         self.wait_s = 0.0  # time spent waiting for peers (the barrier's share of the collective)
+        self._lib = native_lib.library() if mode == "shared" else None
+        self._waited = np.zeros(1, np.int64)  # the C step's spin time, ns
+        inputs = self._inputs.ctypes.data
+        self._ctx = np.array([inputs, inputs + self.world * self.slot_bytes, self.slot_bytes // 4, self.world, rank,
+                              self._hdr.ctypes.data, _WORDS, _ARRIVE, self._glob.ctypes.data + 8 * _G_ABORT, _SPIN_NS,
+                              self._waited.ctypes.data], np.int64)  # npi_ar_step's fixed arguments
+        self._ctx_ptr = self._ctx.ctypes.data
 
     # ---- the collective ------------------------------------------------------------
 
@@ -149,7 +173,11 @@ class AllReduce:
         a = np.ascontiguousarray(x, dtype=np.float32)
         if self.world == 1:
             return a.copy()
-        out = np.empty_like(a)
+        out = np.empty(a.shape, np.float32)
+        if self._lib is not None and a.size <= self.slot_bytes // 4:  # one slot: straight to C
+            self._calls += 1
+            self._one_c(a, out, self._calls)
+            return out
         flat, res = a.reshape(-1), out.reshape(-1)
         n_slot = self.slot_bytes // 4
         for lo in range(0, max(flat.size, 1), n_slot):
@@ -160,6 +188,9 @@ class AllReduce:
     def _one(self, part: np.ndarray, res: np.ndarray) -> None:
         self._calls += 1
         n, size, par = self._calls, part.size, self._calls & 1
+        if self._lib is not None:
+            self._one_c(part, res, n)
+            return
         slots = self._inputs[par]
         slots[self.rank, :size] = part
         fence()
@@ -184,13 +215,28 @@ class AllReduce:
         fence()
         res[:] = outp[:size]
 
-    def _wait(self, word: int, n: int) -> None:
-        """Until every rank's `word` reaches n; CollectiveError (and abort) at the deadline or a dead peer."""
+    def _one_c(self, part: np.ndarray, res: np.ndarray, n: int) -> None:
+        """The `shared` step of call n in C; when the peers are late, the Python barrier, then the C sum."""
+        lib = self._lib
+        res_ptr = _address(res)
+        late = lib.npi_ar_step(self._ctx_ptr, _address(part), res_ptr, part.size, n)
+        spun = int(self._waited[0]) * 1e-9
+        if not late:
+            self.wait_s += spun
+            return
+        self._wait(_ARRIVE, n, spun)
+        fence()
+        lib.npi_ar_sum(int(self._ctx[n & 1]), self.slot_bytes // 4, self.world, part.size, res_ptr)
+
+    def _wait(self, word: int, n: int, spun_s: float = 0.0) -> None:
+        """Until every rank's `word` reaches n; CollectiveError (and abort) at the deadline or a dead peer.
+        `spun_s`: how long the caller already spun for it (counted in the spin budget and the deadline)."""
         col = self._hdr[:, word]
         item, peers = self._hdr.item, self._peers
         if all(item(r, word) >= n for r in peers):  # .item() per peer: a third of col.min()'s cost
+            self.wait_s += spun_s
             return
-        t0 = time.monotonic()
+        t0 = time.monotonic() - spun_s
         deadline = t0 + self.timeout_s
         next_check = t0 + _LIVENESS_EVERY_S
         spin_until = t0 + _SPIN_S

@@ -9,7 +9,9 @@ block moves between tiers without being re-encoded.
 
 A record refuses to be read as anything but what it is: its header carries
 the layout tag (model weights, KV dtype, block size, layer/head shape, see
-`layout_tag`) and a CRC-32 of the payload. A record of another layout, a torn
+`layout_tag`) and a checksum of the payload with the algorithm that made it
+(CRC-32C now; CRC-32 in records written before, still accepted; see
+`ipc.kv_checksum`). A record of another layout, a torn
 write or a flipped bit raises `RecordRefused` before any KV is written, so
 the caller recomputes instead of serving wrong output.
 """
@@ -18,14 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
+from typing import NamedTuple
 
 import numpy as np
 
+from ipc.kv_checksum import ALGO_CRC32, ALGO_CRC32C, checksum, rows_crc32c
 from ipc.shm import Segment
 
 MAGIC = 0x4B56424C4B310A00  # "KVBLK1\n\0"
-# magic u64, layout u64, payload bytes u64, crc32 u32, pad u32, chain hash 16 bytes
+# magic u64, layout u64, payload bytes u64, checksum u32, checksum algorithm u32 (0 CRC-32, 1 CRC-32C), chain
+# hash 16 bytes
 _HEADER = struct.Struct("<QQQII16s")
 HEADER_BYTES = 64
 assert _HEADER.size <= HEADER_BYTES
@@ -62,16 +66,17 @@ def write_record(buf: memoryview, layout: int, payload: np.ndarray, chain: bytes
     if len(buf) < HEADER_BYTES + n:
         raise ValueError(f"record of {n} payload bytes does not fit {len(buf)} bytes")
     buf[:HEADER_BYTES] = bytes(HEADER_BYTES)  # invalid while the payload changes
-    np.frombuffer(buf, np.uint8, n, HEADER_BYTES)[:] = data
-    crc = zlib.crc32(buf[HEADER_BYTES:HEADER_BYTES + n])
-    buf[:_HEADER.size] = _HEADER.pack(MAGIC, layout, n, crc, 0, chain.ljust(16, b"\0")[:16])
+    body = np.frombuffer(buf, np.uint8, n, HEADER_BYTES)
+    body[:] = data
+    crc = checksum(ALGO_CRC32C, body)
+    buf[:_HEADER.size] = _HEADER.pack(MAGIC, layout, n, crc, ALGO_CRC32C, chain.ljust(16, b"\0")[:16])
 
 
 def read_record(buf: memoryview, layout: int, chain: bytes | None = None) -> memoryview:
     """The payload of a valid record (a view of `buf`); RecordRefused otherwise."""
     if len(buf) < HEADER_BYTES:
         raise RecordRefused("truncated", f"record of {len(buf)} bytes has no header")
-    magic, lay, n, crc, _, ch = _HEADER.unpack_from(buf, 0)
+    magic, lay, n, crc, algo, ch = _HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise RecordRefused("empty", "no KV block record here (empty or torn)")
     if lay != layout:
@@ -81,7 +86,9 @@ def read_record(buf: memoryview, layout: int, chain: bytes | None = None) -> mem
     if len(buf) < HEADER_BYTES + n:
         raise RecordRefused("truncated", f"KV block record truncated ({len(buf) - HEADER_BYTES} of {n} bytes)")
     body = buf[HEADER_BYTES:HEADER_BYTES + n]
-    if zlib.crc32(body) != crc:
+    if algo not in (ALGO_CRC32, ALGO_CRC32C):
+        raise RecordRefused("checksum", f"KV block record of an unknown checksum algorithm ({algo})")
+    if checksum(algo, body) != crc:
         raise RecordRefused("checksum", "KV block record fails its checksum")
     return body
 
@@ -94,9 +101,25 @@ def encode_record(layout: int, payload: np.ndarray, chain: bytes = b"") -> bytes
 
 _EMPTY_HEADER = bytes(HEADER_BYTES)
 # The header as a numpy record (the same bytes as _HEADER, padded to 64): many slots' headers in one pass.
-_HEADER_DTYPE = np.dtype([("magic", "<u8"), ("layout", "<u8"), ("n", "<u8"), ("crc", "<u4"), ("pad", "<u4"),
+_HEADER_DTYPE = np.dtype([("magic", "<u8"), ("layout", "<u8"), ("n", "<u8"), ("crc", "<u4"), ("algo", "<u4"),
                           ("chain", "u1", (16,)), ("rest", "u1", (HEADER_BYTES - _HEADER.size,))])
 assert _HEADER_DTYPE.itemsize == HEADER_BYTES
+
+
+class ScatteredRows(NamedTuple):
+    """Records' payloads where they lie: row i is the parts buf[offsets[i, p]:... + part_bytes] in order
+    (a device cache's block spread over its layers), so `write_many` copies them once, straight into slots."""
+
+    buf: np.ndarray  # flat uint8
+    offsets: np.ndarray  # [n, parts] int64 byte offsets
+    part_bytes: int
+
+
+def _chain_rows(chains) -> np.ndarray:
+    """Chain hashes as [n, 16] uint8: a list of bytes (each padded or cut to 16), or such an array as is."""
+    if isinstance(chains, np.ndarray):
+        return chains.reshape(-1, 16)
+    return np.frombuffer(b"".join(c.ljust(16, b"\0")[:16] for c in chains), np.uint8).reshape(-1, 16)
 
 
 class KvSlotPool:
@@ -136,32 +159,62 @@ class KvSlotPool:
         """Every slot's header as one [slots] record view (strided by the slot size)."""
         return np.ndarray((self.slots,), _HEADER_DTYPE, self.seg.buf, 0, (self.slot_bytes,))
 
-    def write_many(self, slots: list[int], layout: int, rows: np.ndarray, chains: list[bytes]) -> None:
-        """Records of rows[i] (contiguous [n, ...]) into slots[i]: headers cleared, payloads in one copy, then
-        the headers (so a record torn by a crash reads as empty)."""
-        data = np.ascontiguousarray(rows).view(np.uint8).reshape(len(slots), -1)
+    def _offsets(self, idx: np.ndarray) -> np.ndarray:
+        if len(idx) and (idx.min() < 0 or idx.max() >= self.slots):
+            raise ValueError(f"host slot outside 0..{self.slots - 1}")
+        return idx * self.slot_bytes + HEADER_BYTES
+
+    def write_many(self, slots: list[int], layout: int, rows: np.ndarray | ScatteredRows,
+                   chains: list[bytes] | np.ndarray) -> None:
+        """Records of rows[i] (contiguous [n, ...], or ScatteredRows) into slots[i]: headers cleared, payloads
+        copied and summed in one pass, then the headers (so a record torn by a crash reads as empty)."""
+        if isinstance(rows, ScatteredRows):
+            src, src_off, part = rows.buf, rows.offsets, rows.part_bytes
+            nbytes = rows.offsets.shape[1] * part
+        else:
+            data = np.ascontiguousarray(rows).view(np.uint8).reshape(len(slots), -1)
+            nbytes = part = data.shape[1]
+            src, src_off = data.reshape(-1), np.arange(len(slots), dtype=np.int64) * nbytes
+        if len(src_off) != len(slots):
+            raise ValueError(f"{len(src_off)} rows for {len(slots)} slots")
+        if HEADER_BYTES + nbytes > self.slot_bytes:
+            raise ValueError(f"a payload of {nbytes} bytes does not fit a slot of {self.slot_bytes}")
         idx = np.asarray(slots, np.int64)
+        dst_off = self._offsets(idx)
         hv = self.headers()
         hv[idx] = np.zeros((), _HEADER_DTYPE)
-        self.payloads(data.shape[1])[idx] = data
         h = np.zeros(len(slots), _HEADER_DTYPE)
-        h["magic"], h["layout"], h["n"] = MAGIC, layout, data.shape[1]
-        h["crc"] = [zlib.crc32(row) for row in data]
-        h["chain"] = np.frombuffer(b"".join(c.ljust(16, b"\0")[:16] for c in chains), np.uint8).reshape(-1, 16)
+        h["crc"] = rows_crc32c(src, src_off, part, np.frombuffer(self.seg.buf, np.uint8), dst_off)
+        h["magic"], h["layout"], h["n"], h["algo"] = MAGIC, layout, nbytes, ALGO_CRC32C
+        h["chain"] = _chain_rows(chains)
         hv[idx] = h
 
-    def read_many(self, slots: list[int], layout: int, chains: list[bytes], nbytes: int) -> np.ndarray:
-        """The payloads of the records in `slots` ([n, nbytes] copy), each checked like `read_record`
-        (RecordRefused naming the first bad one's cause)."""
+    def read_many(self, slots: list[int], layout: int, chains: list[bytes] | np.ndarray, nbytes: int,
+                  out: np.ndarray | None = None) -> np.ndarray:
+        """The payloads of the records in `slots` ([n, nbytes] copy, into `out` when given: a C-contiguous
+        uint8 array of that shape), each checked like `read_record` (RecordRefused naming the first bad
+        one's cause). The checksums are of the bytes copied, so a slot overwritten meanwhile is caught."""
         idx = np.asarray(slots, np.int64)
+        src_off = self._offsets(idx)
         h = self.headers()[idx]
-        want = np.frombuffer(b"".join(c.ljust(16, b"\0")[:16] for c in chains), np.uint8).reshape(-1, 16)
+        want = _chain_rows(chains)
         for cause, bad in (("empty", h["magic"] != MAGIC), ("layout", h["layout"] != layout),
                            ("chain", (h["chain"] != want).any(axis=1)), ("layout", h["n"] != nbytes)):
             if bad.any():
                 raise RecordRefused(cause, f"host slot {slots[int(bad.argmax())]}: KV block record refused ({cause})")
-        rows = self.payloads(nbytes)[idx]
-        crc = np.fromiter((zlib.crc32(r) for r in rows), np.uint32, len(slots))
+        bad = (h["algo"] != ALGO_CRC32C) & (h["algo"] != ALGO_CRC32)
+        if bad.any():
+            raise RecordRefused("checksum", f"host slot {slots[int(bad.argmax())]}: KV block record of an unknown "
+                                f"checksum algorithm ({int(h['algo'][bad.argmax()])})")
+        if out is None:
+            out = np.empty((len(slots), nbytes), np.uint8)
+        elif out.shape != (len(slots), nbytes) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError(f"read_many: out must be a C-contiguous uint8 [{len(slots)}, {nbytes}] array")
+        rows = out
+        crc = rows_crc32c(np.frombuffer(self.seg.buf, np.uint8), src_off, nbytes, rows.reshape(-1),
+                          np.arange(len(slots), dtype=np.int64) * nbytes)
+        for i in np.flatnonzero(h["algo"] == ALGO_CRC32).tolist():  # records written before CRC-32C
+            crc[i] = checksum(ALGO_CRC32, rows[i])
         bad = crc != h["crc"]
         if bad.any():
             raise RecordRefused("checksum", f"host slot {slots[int(bad.argmax())]}: KV block record fails its checksum")

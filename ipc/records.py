@@ -23,7 +23,8 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
 * temperature[B] f32, top_p[B] f32, top_k[B] int32 (0 = off), seed[B] uint64:
   sampling parameters. Sampling is deterministic per (seed, position of the
   sampled token) where that position is context_lens[lane].
-* want_logprobs[B] uint8.
+* want_logprobs[B] uint8: 0 none, 1 the sampled token's logprob; larger values also ask for the top-k
+  alternatives and the prompt's logprobs (`ipc.logprob_wants`).
 * src_blocks[K], dst_blocks[K] int32: block ids for KV copy jobs; for KV_EXPORT device blocks -> host
   slots, for KV_IMPORT host slots -> device blocks (the host tier, `ipc.kv_slots`).
 * draft_lens[B] int32 (optional, empty = none): speculative verification. The
@@ -34,6 +35,10 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
   model proposes lane i's drafts (the tokens sent there are placeholders);
   the accepted ones come back in `JobResult.accepted_tokens`.
   Both travel after every other field of their blob (sizes in meta[24:26]).
+* adapter[B] int32 (optional, empty = every lane on the base model): the
+  board's number of the LoRA adapter lane i runs under, -1 = the base model.
+  The worker swaps the adapters into device slots (`workers.lora`). It travels
+  last in the i32 blob (size in meta[27]).
 
 Constrained decoding (structured output), present only when some lane is
 constrained (C = B then; else C = 0 and they are empty):
@@ -50,14 +55,18 @@ constrained (C = B then; else C = 0 and they are empty):
 * grammar[G] uint8 with grammar_start[C+1]: for a sampling prefill lane, the
   UTF-8 llguidance grammar (decode lanes carry only the id).
 
-A decode lane's token may be FOLLOW_PREVIOUS (-1) instead of an id: "the token
+Sampling penalties (presence/frequency/repetition, logit bias, min_p,
+min_tokens), present only when some lane has one: `Job.penalties`, three
+extra ring arrays laid out by `ipc.lane_penalties`.
+
+A decode lane's token may be QUEUED_STEP_TOKEN (-1) instead of an id: "the token
 this lane's previous job samples", so the scheduler can queue step N+1 while
 step N runs and the chip need not wait for the scheduler's turn between steps
 (`executor.queue_next_step`, docs/architecture.md). The worker resolves it
 from its own last sample for the lane, found by (position, the block holding
 position - 1): that block was written by step N, so no other lane holds it
-then. A follow token it cannot resolve (step N failed) makes the job INVALID.
-The worker keeps the samples only of jobs that have `follow` set (meta[26]:
+then. A queued-step token it cannot resolve (step N failed) makes the job INVALID.
+The worker keeps the samples only of jobs that have `queue_next_step` set (meta[26]:
 the scheduler queues next steps), not one dict entry per generated token for
 nothing.
 """
@@ -72,6 +81,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+
+from ipc.lane_penalties import ARRAY_NAMES as _PENALTY_ARRAYS, JobPenalties, LanePenalty
 
 
 class JobKind(enum.IntEnum):
@@ -101,7 +112,7 @@ def _member(table: dict, enum_cls: type, value: int):
     return enum_cls(value) if m is None else m  # an unknown value raises ValueError, as the enum call did
 
 
-FOLLOW_PREVIOUS = -1  # a lane's token: the one the lane's previous job samples (resolved by the worker)
+QUEUED_STEP_TOKEN = -1  # a lane's token: the one the lane's previous job samples (resolved by the worker)
 
 
 class ResultMeta:
@@ -125,8 +136,9 @@ class ResultMeta:
 
 
 RESULT_META_LEN = ResultMeta.LEN
-# 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps, 2 draft sizes, follow
-_JOB_META_LEN = 27
+# 4 scalars, 15 field sizes, submitted_ns, 3 constraint sizes (C, R, G), decode_steps, 2 draft sizes, queue_next_step,
+# adapter size
+_JOB_META_LEN = 28
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_U64 = np.zeros(0, dtype=np.uint64)
 _EMPTY_U8 = np.zeros(0, dtype=np.uint8)
@@ -166,8 +178,8 @@ class Job:
     # scheduler truncates each lane at its end (EOS, stop, max tokens) and rolls the KV past it back.
     decode_steps: int = 1
     # Queued next steps (executor.queue_next_step): the scheduler may queue a step behind this job's lanes
-    # naming FOLLOW_PREVIOUS, so the worker keeps their samples (otherwise it keeps none: work per token).
-    follow: bool = False
+    # naming QUEUED_STEP_TOKEN, so the worker keeps their samples (otherwise it keeps none: work per token).
+    queue_next_step: bool = False
     constraint_id: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
     constraint_key: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
     constraint_done: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
@@ -178,6 +190,10 @@ class Job:
     # speculative verification: draft tokens at the end of each lane ([B] or empty: no drafts)
     draft_lens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
     draft_src: np.ndarray = field(default_factory=lambda: _EMPTY_U8)
+    # sampling penalties (ipc.lane_penalties): None when no lane has any; three extra ring arrays otherwise
+    penalties: JobPenalties | None = None
+    # LoRA: per lane, the board's adapter number (-1 = base model); empty = no lane has an adapter
+    adapter: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
 
     @property
     def constrained(self) -> bool:
@@ -229,6 +245,8 @@ class Job:
             raise ValueError("block_tables must be [B, M]")
         if self.constrained:
             self._validate_constraints(b)
+        if self.penalties is not None:
+            self.penalties.validate(b)
         valid = self.lane_valid != 0
         # a valid decode lane carries exactly one token; an inactive lane never carries any
         bad_count = counts != valid if self.kind == JobKind.DECODE else (counts != 0) > valid
@@ -254,6 +272,8 @@ class Job:
                 raise ValueError(f"lane {int(bad.argmax())}: draft_lens must be below its token count, on a sampled lane")
         if self.draft_src.size and (self.draft_src.shape != (b,) or not self.draft_lens.size):
             raise ValueError("draft_src must have one entry per lane, beside draft_lens")
+        if self.adapter.size and (self.adapter.shape != (b,) or self.adapter.min() < -1):
+            raise ValueError("adapter must have one entry per lane, each an adapter number or -1")
 
     def _validate_constraints(self, b: int) -> None:
         for name in ("constraint_id", "constraint_key", "constraint_done"):
@@ -268,8 +288,11 @@ class Job:
     def array_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """{name: (shape, dtype str)} of the record `pack_into` fills (reserve ring space with it)."""
         n32, nf32, nu8, n64 = self._group_sizes()
-        return {"meta": ((_JOB_META_LEN,), "<i8"), "i32": ((n32,), "<i4"), "f32": ((nf32,), "<f4"),
+        spec = {"meta": ((_JOB_META_LEN,), "<i8"), "i32": ((n32,), "<i4"), "f32": ((nf32,), "<f4"),
                 "u8": ((nu8,), "|u1"), "u64": ((n64,), "<u8")}
+        if self.penalties is not None:
+            spec.update(self.penalties.array_spec())
+        return spec
 
     def _group_sizes(self) -> tuple[int, int, int, int]:
         bt = self.block_tables
@@ -282,7 +305,7 @@ class Job:
             self.tokens.size + self.positions.size + self.query_start.size + self.context_lens.size + self.top_k.size
             + bt.size + self.src_blocks.size + self.dst_blocks.size
             + self.constraint_done.size + self.replay.size + self.replay_start.size + self.grammar_start.size
-            + self.draft_lens.size,
+            + self.draft_lens.size + self.adapter.size,
             self.temperature.size + self.top_p.size,
             self.lane_valid.size + self.sample.size + self.want_logprobs.size + self.grammar.size + self.draft_src.size,
             self.seed.size + self.constraint_id.size + self.constraint_key.size,
@@ -307,7 +330,7 @@ class Job:
             self.temperature.size, self.top_p.size, self.lane_valid.size, self.sample.size,
             self.want_logprobs.size, self.seed.size, self.submitted_ns,
             self.constraint_id.size, self.replay.size, self.grammar.size, self.decode_steps,
-            self.draft_lens.size, self.draft_src.size, int(self.follow),
+            self.draft_lens.size, self.draft_src.size, int(self.queue_next_step), self.adapter.size,
         )
         np.concatenate((self.tokens, self.positions, self.query_start, self.context_lens, self.top_k,
                         bt.ravel(), self.src_blocks, self.dst_blocks), out=dst["i32"][:n32_plain], casting="unsafe")
@@ -322,10 +345,16 @@ class Job:
                            out=dst["i32"][n32_plain:n32_c], casting="unsafe")
             dst["u8"][nu8_plain:nu8_plain + self.grammar.size] = self.grammar
             np.concatenate((self.constraint_id, self.constraint_key), out=dst["u64"][n64_plain:], casting="unsafe")
-        if self.draft_lens.size:  # speculative verification: after every other field of the blob
-            dst["i32"][dst["i32"].shape[0] - self.draft_lens.size:] = self.draft_lens
+        end32 = dst["i32"].shape[0]
+        if self.adapter.size:  # the last field of the i32 blob
+            dst["i32"][end32 - self.adapter.size:] = self.adapter
+            end32 -= self.adapter.size
+        if self.draft_lens.size:  # speculative verification: after every other field of the blob but adapter
+            dst["i32"][end32 - self.draft_lens.size:end32] = self.draft_lens
         if self.draft_src.size:
             dst["u8"][dst["u8"].shape[0] - self.draft_src.size:] = self.draft_src
+        if self.penalties is not None:
+            self.penalties.pack_into(dst)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The job as a ring record: {name: array}. Raises ValueError for a field of the wrong rank."""
@@ -342,7 +371,7 @@ class Job:
         path, valid only while the ring record is held.
         """
         m = a["meta"].tolist()
-        if len(m) != _JOB_META_LEN or min(m[4:19]) < 0 or min(m[20:23]) < 0 or min(m[24:26]) < 0:
+        if len(m) != _JOB_META_LEN or min(m[4:19]) < 0 or min(m[20:23]) < 0 or min(m[24:26]) < 0 or m[27] < 0:
             raise ValueError(f"job record: a meta of {len(m)} entries (not {_JOB_META_LEN}) or a negative size")
         i32, f32, u8, u64 = a["i32"], a["f32"], a["u8"], a["u64"]
         if copy:
@@ -350,6 +379,7 @@ class Job:
         nt, npos, nqs, nctx, ntk, b0, b1, nsrc, ndst, ntemp, ntp, nlv, nsm, nwl, nseed = m[4:19]
         nc, nrep, ngr = m[20:23]
         ndl, nds = m[24:26]
+        nad = m[27]
         nst = nc + 1 if nc else 0
         o1 = nt
         o2 = o1 + npos
@@ -360,7 +390,7 @@ class Job:
         o7 = o6 + nsrc
         o8 = o7 + ndst
         u = nlv + nsm + nwl
-        if o8 + nc + nrep + 2 * nst + ndl != i32.shape[0] or ntemp + ntp != f32.shape[0] \
+        if o8 + nc + nrep + 2 * nst + ndl + nad != i32.shape[0] or ntemp + ntp != f32.shape[0] \
                 or u + ngr + nds != u8.shape[0] \
                 or nseed + 2 * nc != u64.shape[0]:
             raise ValueError("job record: array sizes disagree with its meta")
@@ -372,16 +402,22 @@ class Job:
             extra = dict(constraint_done=i32[o8:o9], replay=i32[o9:o10], replay_start=i32[o10:o11],
                          grammar_start=i32[o11:o11 + nst], grammar=u8[u:u + ngr], constraint_id=u64[nseed:nseed + nc],
                          constraint_key=u64[nseed + nc:])
+        n32 = i32.shape[0]
+        if nad:
+            extra["adapter"] = i32[n32 - nad:]
         if ndl:
-            extra["draft_lens"] = i32[i32.shape[0] - ndl:]
+            extra["draft_lens"] = i32[n32 - nad - ndl:n32 - nad]
         if nds:
             extra["draft_src"] = u8[u8.shape[0] - nds:]
+        if _PENALTY_ARRAYS[0] in a:
+            pen = {k: (np.array(a[k]) if copy else a[k]) for k in _PENALTY_ARRAYS}
+            extra["penalties"] = JobPenalties.from_arrays(pen, nlv)
         return cls(
             job_id=m[0], generation=m[1], kind=_member(_KIND_OF, JobKind, m[2]), return_logits=bool(m[3]),
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
             top_k=i32[o4:o5], block_tables=i32[o5:o6].reshape(b0, b1), src_blocks=i32[o6:o7],
             dst_blocks=i32[o7:o8], temperature=f32[:ntemp], top_p=f32[ntemp:], lane_valid=u8[:nlv],
-            sample=u8[nlv:nlv + nsm], want_logprobs=u8[nlv + nsm:u], seed=u64[:nseed], submitted_ns=m[19], decode_steps=max(1, m[23]), follow=bool(m[26]), **extra,
+            sample=u8[nlv:nlv + nsm], want_logprobs=u8[nlv + nsm:u], seed=u64[:nseed], submitted_ns=m[19], decode_steps=max(1, m[23]), queue_next_step=bool(m[26]), **extra,
         )
 
     @classmethod
@@ -402,7 +438,12 @@ class Job:
 
 _LANE_FIELDS = ("context_lens", "sample", "temperature", "top_p", "top_k", "seed", "want_logprobs")
 _FLAT_FIELDS = ("tokens", "positions", "query_start", "lane_valid", *_LANE_FIELDS, "src_blocks", "dst_blocks",
-                "draft_lens", "draft_src")
+                "draft_lens", "draft_src", "adapter")
+
+
+# optional result arrays of the lanes that ask for more than the sampled token's logprob (ipc.logprob_wants)
+_LOGPROB_ARRAYS = (("top_ids", np.int32), ("top_logprobs", np.float32), ("prompt_logprobs", np.float32),
+                   ("prompt_start", np.int32), ("prompt_top_ids", np.int32), ("prompt_top_logprobs", np.float32))
 
 
 @dataclass
@@ -428,6 +469,14 @@ class JobResult:
     accepted: np.ndarray | None = None  # int32 [B]
     accepted_logprobs: np.ndarray | None = None  # float32 [sum(accepted)]
     accepted_tokens: np.ndarray | None = None  # int32 [sum(accepted)]
+    # lanes asking for alternatives (ipc.logprob_wants): the top K of each sampled token, K the job's largest ask
+    top_ids: np.ndarray | None = None  # int32 [B, K], -1 padded
+    top_logprobs: np.ndarray | None = None  # float32 [B, K]
+    # PROMPT lanes: each input token after the lane's first, given the ones before it; lane after lane
+    prompt_logprobs: np.ndarray | None = None  # float32 [R]
+    prompt_start: np.ndarray | None = None  # int32 [B+1]: lane i's entries are [prompt_start[i], prompt_start[i+1])
+    prompt_top_ids: np.ndarray | None = None  # int32 [R, K], -1 padded
+    prompt_top_logprobs: np.ndarray | None = None  # float32 [R, K]
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         S = ResultMeta
@@ -455,6 +504,10 @@ class JobResult:
             out["accepted_logprobs"] = np.ascontiguousarray(np.zeros(0) if lps is None else lps, dtype=np.float32)
             if self.accepted_tokens is not None:
                 out["accepted_tokens"] = _i32(self.accepted_tokens)
+        for name, dt in _LOGPROB_ARRAYS:
+            v = getattr(self, name)
+            if v is not None:
+                out[name] = np.ascontiguousarray(v, dtype=dt)
         return out
 
     @classmethod
@@ -483,6 +536,7 @@ class JobResult:
             accepted=np.array(a["accepted"]) if "accepted" in a else None,
             accepted_logprobs=np.array(a["accepted_logprobs"]) if "accepted_logprobs" in a else None,
             accepted_tokens=np.array(a["accepted_tokens"]) if "accepted_tokens" in a else None,
+            **{name: np.array(a[name]) for name, _ in _LOGPROB_ARRAYS if name in a},
         )
 
     @classmethod
@@ -518,11 +572,13 @@ class Lane(NamedTuple):
     grammar: str = ""  # sampling prefill lanes only
     drafts: int = 0  # the last `drafts` tokens are speculative drafts to verify
     draft_model: bool = False  # the worker's draft model proposes them (the tokens sent are placeholders)
+    penalty: LanePenalty | None = None  # sampling penalties (ipc.lane_penalties); None: none
 
 
 # Lane field positions, for build_job's columns (zip(*lanes))
 _TOKENS, _START, _BLOCK_TABLE, _SAMPLE, _TEMPERATURE, _TOP_P, _TOP_K, _SEED, _WANT_LOGPROBS, _CONSTRAINT = range(10)
 _DRAFTS, _DRAFT_MODEL = Lane._fields.index("drafts"), Lane._fields.index("draft_model")
+_PENALTY = Lane._fields.index("penalty")
 assert Lane._fields[:10] == ("tokens", "start", "block_table", "sample", "temperature", "top_p", "top_k", "seed",
                              "want_logprobs", "constraint")
 _NO_COLUMNS: tuple = ((),) * len(Lane._fields)
@@ -530,7 +586,7 @@ _NO_COLUMNS: tuple = ((),) * len(Lane._fields)
 
 def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, generation: int = 0,
               batch: int | None = None, table_width: int | None = None, return_logits: bool = False,
-              decode_steps: int = 1, follow: bool = False) -> Job:
+              decode_steps: int = 1, queue_next_step: bool = False) -> Job:
     """Pack per-lane inputs into a Job; `None` lanes (and lanes past len(lanes) up to `batch`) are inactive.
 
     The packed layout (query_start offsets, -1 padded block tables,
@@ -614,16 +670,18 @@ def build_job(kind: JobKind, lanes: Sequence[Lane | None], *, job_id: int = 0, g
         query_start=query_start, lane_valid=lane_valid, context_lens=context_lens,
         block_tables=block_tables, sample=sample, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, want_logprobs=want_logprobs, return_logits=return_logits,
-        decode_steps=decode_steps, draft_lens=draft_lens, draft_src=draft_src, follow=follow,
+        decode_steps=decode_steps, draft_lens=draft_lens, draft_src=draft_src, queue_next_step=queue_next_step,
     )
     if n and any(cols[_CONSTRAINT]):
         _add_constraints(job, lanes, b)
+    if n and any(p is not None for p in cols[_PENALTY]):
+        job.penalties = JobPenalties.build([None if ln is None else ln.penalty for ln in lanes], b)
     return job
 
 
 def decode_job(tokens: Sequence[int], starts: Sequence[int], tables: Sequence[Sequence[int]],
                sampling: Sequence[tuple], *, job_id: int = 0, generation: int = 0, batch: int | None = None,
-               table_width: int | None = None, decode_steps: int = 1, follow: bool = False) -> Job:
+               table_width: int | None = None, decode_steps: int = 1, queue_next_step: bool = False) -> Job:
     """A decode job of n sampling, unconstrained lanes in slots 0..n-1 (the rest of `batch` inactive), from
     columns: lane i's input token tokens[i] at position starts[i], its block table tables[i] and its
     sampling[i] = (temperature, top_p, top_k, seed, want_logprobs).
@@ -664,7 +722,7 @@ def decode_job(tokens: Sequence[int], starts: Sequence[int], tables: Sequence[Se
         positions=np.array(starts, np.int32), query_start=query_start, lane_valid=lane_valid,
         context_lens=context_lens, block_tables=block_tables, sample=lane_valid, temperature=temperature,
         top_p=top_p, top_k=top_k, seed=seed, want_logprobs=want_logprobs, decode_steps=decode_steps,
-        follow=follow,
+        queue_next_step=queue_next_step,
     )
 
 

@@ -24,15 +24,19 @@ from typing import Any
 
 import orjson
 
+from ipc import sampling_fields
+from ipc.logprob_wants import MAX_TOP
+
 PROTOCOL_VERSION = 1
 
 REQUEST_OPS = ("generate", "cancel", "health", "stats", "load", "unload", "replace", "rollback",
-               "models", "drain", "resume", "reenable_inflight", "hello")
-ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume", "reenable_inflight")
+               "models", "drain", "resume", "reenable_inflight", "hello", "load_lora", "unload_lora")
+ADMIN_OPS = ("load", "unload", "replace", "rollback", "models", "drain", "resume", "reenable_inflight",
+             "load_lora", "unload_lora")
 # One reply event per non-generate op, named like the op; `cancel` has none
 # (the cancelled stream's own terminal event is the acknowledgement).
 REPLY_EVENTS = ("health", "stats", "models", "load", "unload", "replace", "rollback", "drain", "resume",
-                "reenable_inflight", "hello")
+                "reenable_inflight", "hello", "load_lora", "unload_lora")
 STREAM_EVENTS = ("tokens", "done", "error")
 EVENTS = STREAM_EVENTS + REPLY_EVENTS
 FINISH_REASONS = ("length", "eos", "stop", "cancelled")
@@ -263,6 +267,10 @@ def _constraint(name: str, value: Any) -> dict:
     return {"kind": kind, "body": body}
 
 
+def _logit_bias(name: str, value: Any) -> dict[str, float]:
+    return sampling_fields.logit_bias(name, value, _FieldError, TOKEN_ID_MAX)
+
+
 def _nullable(check: Checker) -> Checker:
     def nullable(name: str, value: Any) -> Any:
         return None if value is None else check(name, value)
@@ -348,7 +356,7 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "model": (_nullable(_name), None),
         "prompt": (_tokens(1, MAX_PROMPT_TOKENS), _ABSENT),
         "text": (_text(0, MAX_TEXT_CHARS), _ABSENT),
-        "max_tokens": (_int(1, MAX_NEW_TOKENS), DEFAULT_MAX_TOKENS),
+        "max_tokens": (_int(0, MAX_NEW_TOKENS), DEFAULT_MAX_TOKENS),  # 0: only with prompt_logprobs
         "temperature": (_float(0.0, MAX_TEMPERATURE), 0.0),
         "top_p": (_float(0.0, 1.0, lo_open=True), 1.0),
         "top_k": (_int(0, TOKEN_ID_MAX), 0),
@@ -360,6 +368,16 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         "tenant": (_name, "default"),
         "priority": (_int(PRIORITY_MIN, PRIORITY_MAX), 0),
         "logprobs": (_bool, False),
+        # absent unless asked, so a balancer forwards nothing an older board would not know
+        "top_logprobs": (_int(0, MAX_TOP), _ABSENT),  # alternatives per token (implies logprobs)
+        "prompt_logprobs": (_nullable(_int(0, MAX_TOP)), _ABSENT),  # the prompt's logprobs, this many alternatives
+        # penalties and filters beyond top-p/top-k (vLLM's semantics: docs/protocol.md#sampling)
+        "presence_penalty": (_float(-2.0, 2.0), _ABSENT),
+        "frequency_penalty": (_float(-2.0, 2.0), _ABSENT),
+        "repetition_penalty": (_float(0.0, 100.0, lo_open=True), _ABSENT),
+        "min_p": (_float(0.0, 1.0), _ABSENT),
+        "min_tokens": (_int(0, MAX_NEW_TOKENS), _ABSENT),
+        "logit_bias": (_logit_bias, _ABSENT),
         "stream": (_bool, True),
         "continuation": (_tokens(0, MAX_PROMPT_TOKENS), []),
         "constraint": (_nullable(_constraint), _ABSENT),  # structured output: kind + body (absent: none)
@@ -367,6 +385,7 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
         # speculative decoding for this request: "off" | "ngram" | "draft"; null = the board's speculative.method
         "speculative": (_nullable(_choice(SPECULATIVE_METHODS)), None),
         "handoff": (_handoff, _ABSENT),  # prefill/decode disaggregation (docs/protocol.md#handoff)
+        "adapter": (_nullable(_name), _ABSENT),  # a LoRA adapter loaded on the board (docs/lora.md); null = none
     },
     "cancel": {},
     "health": {},
@@ -383,6 +402,10 @@ OP_FIELDS: dict[str, dict[str, tuple[Checker, Any]]] = {
     "reenable_inflight": {"chip": (_nullable(_int(0, 1023)), None), **_AUTH},
     # capabilities for this connection (see CAPABILITIES); answered by a `hello` event with those granted
     "hello": {"capabilities": (_capabilities, [])},
+    # LoRA adapters (docs/lora.md): `alias` names the adapter, `package` its folder, `base` the model it adapts
+    "load_lora": {"alias": (_name, _REQUIRED), "package": (_text(1, MAX_PATH_CHARS), _REQUIRED),
+                  "base": (_nullable(_name), None), **_AUTH},
+    "unload_lora": {"alias": (_name, _REQUIRED), **_AUTH},
 }
 assert set(OP_FIELDS) == set(REQUEST_OPS)
 # Fields of which a request must carry exactly one: the prompt as token ids or as text.
@@ -443,6 +466,8 @@ def validate_request(obj: Any) -> dict:
         if len(given) > 1:
             raise ProtocolError("conflicting_fields", f"{', '.join(given)}: op {op!r} takes exactly one of "
                                                       f"them, got both", rid)
+    if op == "generate" and out["max_tokens"] == 0 and out.get("prompt_logprobs") is None:
+        raise ProtocolError("out_of_range", "max_tokens: must be >= 1 (0 only with prompt_logprobs)", rid)
     return out
 
 
@@ -480,7 +505,8 @@ def _logprob_list(logprobs: Any, n: int) -> list[float]:
     return out
 
 
-def tokens_event(id: str, tokens: Any, logprobs: Any = None, text: str | None = None) -> dict:
+def tokens_event(id: str, tokens: Any, logprobs: Any = None, text: str | None = None, top_logprobs: Any = None,
+                 prompt_logprobs: dict | None = None) -> dict:
     """New tokens of a streamed generate; `logprobs` only when the request asked for them.
 
     `text` is the decoded delta when the model has a tokenizer; it may lag the
@@ -491,10 +517,21 @@ def tokens_event(id: str, tokens: Any, logprobs: Any = None, text: str | None = 
     if text is not None:
         assert type(text) is str
         ev["text"] = text
-    assert ev["tokens"] or text, "a tokens event carries at least one token or some text"
+    assert ev["tokens"] or text or prompt_logprobs, "a tokens event carries a token, some text or prompt_logprobs"
     if logprobs is not None:
         ev["logprobs"] = _logprob_list(logprobs, len(ev["tokens"]))
+    _add_alternatives(ev, top_logprobs, prompt_logprobs)
     return ev
+
+
+def _add_alternatives(ev: dict, top_logprobs: Any, prompt_logprobs: dict | None) -> None:
+    """`top_logprobs` (per token, [[id, logprob], ...]) and `prompt_logprobs` ({tokens, logprobs, top_logprobs}:
+    one entry per prompt token, the first logprob null) of an event, when the request asked for them."""
+    if top_logprobs is not None:
+        assert len(top_logprobs) == len(ev["tokens"]), "one list of alternatives per token"
+        ev["top_logprobs"] = top_logprobs
+    if prompt_logprobs is not None:
+        ev["prompt_logprobs"] = prompt_logprobs
 
 
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -502,7 +539,8 @@ TIMING_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
 def done_event(id: str, finish_reason: str, usage: Mapping, timing: Mapping,
-               tokens: Any = None, logprobs: Any = None, text: str | None = None) -> dict:
+               tokens: Any = None, logprobs: Any = None, text: str | None = None, top_logprobs: Any = None,
+               prompt_logprobs: dict | None = None) -> dict:
     """The terminal event of a generate. With `stream: false` it also carries every token (and the text)."""
     assert finish_reason in FINISH_REASONS, finish_reason
     assert all(k in usage for k in USAGE_KEYS), f"usage needs {USAGE_KEYS}"
@@ -514,6 +552,9 @@ def done_event(id: str, finish_reason: str, usage: Mapping, timing: Mapping,
         ev["tokens"] = _int_list(tokens)
         if logprobs is not None:
             ev["logprobs"] = _logprob_list(logprobs, len(ev["tokens"]))
+        _add_alternatives(ev, top_logprobs, None)
+    if prompt_logprobs is not None:
+        ev["prompt_logprobs"] = prompt_logprobs
     if text is not None:
         assert type(text) is str
         ev["text"] = text
@@ -553,9 +594,10 @@ def validate_event(obj: Any) -> dict:
         if ev == "tokens":
             _event_tokens("tokens", obj.get("tokens"))
             _event_text(obj)
-            if not obj["tokens"] and not obj.get("text"):
+            if not obj["tokens"] and not obj.get("text") and "prompt_logprobs" not in obj:
                 raise _FieldError("out_of_range", "tokens: a tokens event carries at least one token or some text")
             _event_logprobs(obj)
+            _event_alternatives(obj)
         elif ev == "done":
             if obj.get("finish_reason") not in FINISH_REASONS:
                 raise _FieldError("out_of_range", f"finish_reason: must be one of {FINISH_REASONS}")
@@ -571,6 +613,7 @@ def validate_event(obj: Any) -> dict:
             if "tokens" in obj:
                 _event_tokens("tokens", obj["tokens"])
                 _event_logprobs(obj)
+            _event_alternatives(obj)
             _event_text(obj)
         elif ev == "error":
             code = obj.get("code")
@@ -595,6 +638,31 @@ def _event_logprobs(obj: dict) -> None:
         raise _FieldError("bad_type", "logprobs: must be a list with one number per token")
     if not all(type(x) in (int, float) for x in lp):
         raise _FieldError("bad_type", "logprobs: must be numbers")
+
+
+def _alternatives_ok(tops: Any) -> bool:
+    return type(tops) is list and all(
+        type(pair) is list and len(pair) == 2 and type(pair[0]) is int and type(pair[1]) in (int, float)
+        for pair in tops)
+
+
+def _event_alternatives(obj: dict) -> None:
+    tl = obj.get("top_logprobs")
+    if tl is not None and (type(tl) is not list or len(tl) != len(obj.get("tokens") or ())
+                           or not all(_alternatives_ok(t) for t in tl)):
+        raise _FieldError("bad_type", "top_logprobs: must be a list, per token, of [id, logprob] pairs")
+    pl = obj.get("prompt_logprobs")
+    if pl is None:
+        return
+    ok = type(pl) is dict and all(type(pl.get(k)) is list for k in ("tokens", "logprobs", "top_logprobs"))
+    if ok:
+        n = len(pl["tokens"])
+        ok = (len(pl["logprobs"]) == n and len(pl["top_logprobs"]) == n
+              and all(x is None or type(x) in (int, float) for x in pl["logprobs"])
+              and all(_alternatives_ok(t) for t in pl["top_logprobs"]))
+    if not ok:
+        raise _FieldError("bad_type", "prompt_logprobs: must be {tokens, logprobs, top_logprobs}, one entry per "
+                                      "prompt token each")
 
 
 def _event_text(obj: dict) -> None:

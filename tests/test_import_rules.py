@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN §3, checked on the source itself.
+"""The layering rules (docs/architecture.md#layout), checked on the source itself.
 
 `ipc` is transport only and must not import `engine` or `workers`;
 `workers` must not import `engine`; the sans-I/O core must not touch
@@ -249,3 +249,21 @@ def test_only_the_construction_site_imports_the_loop() -> None:
             if rel not in LOOP_BUILDERS and LOOP in _imported_modules(path):
                 offenders.append(f"{rel} imports {LOOP}")
     assert not offenders, "\n".join(offenders)
+
+
+def _imports_a_conftest(path: Path) -> bool:
+    return any(n == "conftest" or n.endswith(".conftest") for n in _imports(path))
+
+
+def test_no_test_module_imports_a_conftest() -> None:
+    """With a conftest.py per folder, the module named `conftest` is whichever one pytest imported last;
+    helpers live in plain modules beside the tests (daemon_procs, waiting, fake_server, repo_root, ...)."""
+    assert [str(p.relative_to(ROOT)) for p in _modules("tests") if _imports_a_conftest(p)] == []
+
+
+def test_conftest_import_checker_sees_one(tmp_path: Path) -> None:
+    for i, line in enumerate(["from conftest import ROOT", "from tests.conftest import wait_until", "import conftest"]):
+        (tmp_path / f"test_{i}.py").write_text(line + "\n")
+        assert _imports_a_conftest(tmp_path / f"test_{i}.py"), line
+    (tmp_path / "test_ok.py").write_text("from waiting import wait_until\n")
+    assert not _imports_a_conftest(tmp_path / "test_ok.py")

@@ -9,6 +9,8 @@
                                     (default: the board's server.drain_timeout_s), then are ended
     resume [--backend E]            admit again
     reenable-inflight [--chip N]    ping/pong back on after its automatic downgrade (every chip, or N)
+    load-lora NAME ADAPTER [--base ALIAS]   check the LoRA adapter package ADAPTER and serve it as model NAME
+    unload-lora NAME                new requests for NAME get 404; running ones finish on it (docs/lora.md)
 
 PACKAGE is a folder inside the board's model root (relative to it, or an
 absolute path inside it). A long operation shows the elapsed time on stderr.
@@ -34,7 +36,7 @@ PROG = "npuserve admin"
 LONG_OP_TIMEOUT_S = 600.0  # load/replace run golden cases and warm-up: seconds to minutes
 SHORT_OP_TIMEOUT_S = 10.0
 MAX_DRAIN_TIMEOUT_S = MAX_DEADLINE_MS / 1000.0  # the protocol's timeout_ms bound
-SHORT_OPS = ("models", "drain", "resume", "reenable-inflight")  # answered at once
+SHORT_OPS = ("models", "drain", "resume", "reenable-inflight", "unload-lora")  # answered at once
 
 
 def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
@@ -82,6 +84,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.add_argument("--timeout", type=float, default=None, dest="drain_timeout_s", metavar="S",
                            help="seconds in-flight requests get before they are ended (timeout_ms; default: "
                                 "the board's server.drain_timeout_s; a balancer without it lets them finish)")
+    p = sub.add_parser("load-lora", help="load a LoRA adapter package as a model id")
+    _common(p, suppress=True)
+    p.add_argument("alias", help="the adapter's name (the model id requests name)")
+    p.add_argument("package", help="adapter package folder (inside the board's model root when it has one)")
+    p.add_argument("--base", default=None, help="the model alias it adapts (default: the board's model)")
+    p = sub.add_parser("unload-lora", help="unload a LoRA adapter (running requests finish on it)")
+    _common(p, suppress=True)
+    p.add_argument("alias", help="the adapter's name")
     p = sub.add_parser("reenable-inflight", help="ping/pong back on after its automatic downgrade")
     _common(p, suppress=True)
     p.add_argument("--chip", type=int, default=None, help="only this chip (default: every chip)")
@@ -95,7 +105,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def request_fields(a: argparse.Namespace) -> dict:
     """The op's wire fields (docs/protocol.md): alias, package, deadline_s, as given."""
-    fields = {k: getattr(a, k) for k in ("alias", "package", "deadline_s", "backend", "chip")
+    fields = {k: getattr(a, k) for k in ("alias", "package", "deadline_s", "backend", "chip", "base")
               if getattr(a, k, None) is not None}
     if getattr(a, "drain_timeout_s", None) is not None:
         fields["timeout_ms"] = round(a.drain_timeout_s * 1000)
@@ -143,6 +153,11 @@ def format_reply(op: str, reply: dict) -> str:
         return ("draining: new requests get 503 draining; in-flight ones finish"
                 + ("" if budget is None else f" within {budget / 1000:g} s, then are ended")
                 + " (npuserve admin resume admits again)")
+    if op in ("load-lora", "unload-lora"):
+        ad = reply.get("adapter") or {}
+        return (f"{'loaded' if op == 'load-lora' else 'unloading'} adapter {ad.get('alias', '?')} on "
+                f"{ad.get('parent', '?')}: rank {ad.get('rank', '?')}, {', '.join(ad.get('targets') or [])}, "
+                f"sha256 {(ad.get('sha256') or '')[:12]}, {ad.get('active_requests', 0)} running")
     m = reply.get("model") or {}
     head = {"load": "loaded", "unload": "unloaded", "replace": "replaced", "rollback": "rolled back"}[op]
     lines = [f"{head} {m.get('alias', '?')}: generation {m.get('generation', '?')} is {m.get('state', '?')}"]

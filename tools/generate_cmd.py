@@ -24,6 +24,15 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
+def _bias(text: str) -> tuple[str, float]:
+    """ID=BIAS -> (the wire's key: the id in decimal, the bias)."""
+    try:
+        tid, bias = text.split("=", 1)
+        return str(int(tid)), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 42=-100), got {text!r}") from None
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="npuserve generate", description="Send one generate request.")
     p.add_argument("--endpoint", default=None, help="daemon or balancer endpoint (default: the `make run` one)")
@@ -36,6 +45,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop-token-ids", type=_int_list)
+    p.add_argument("--presence-penalty", type=float, help="-2..2, subtracted once from each generated token's logit")
+    p.add_argument("--frequency-penalty", type=float, help="-2..2, subtracted per occurrence in the output")
+    p.add_argument("--repetition-penalty", type=float, help="> 0, over prompt and output tokens (1 = off)")
+    p.add_argument("--min-p", type=float, help="0..1, drop tokens below min_p times the top probability")
+    p.add_argument("--min-tokens", type=int, help="no EOS or stop token id before this many tokens")
+    p.add_argument("--logit-bias", action="append", metavar="ID=BIAS", type=_bias,
+                   help="add BIAS (-100..100) to token ID's logit (repeatable)")
     p.add_argument("--stop", action="append", metavar="STRING",
                    help="end the answer before this string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", default=None)
@@ -43,6 +59,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tenant")
     p.add_argument("--model")
     p.add_argument("--logprobs", action="store_true", default=None)
+    p.add_argument("--top-logprobs", type=int, metavar="N", help="also each token's N most likely alternatives")
+    p.add_argument("--prompt-logprobs", type=int, metavar="N",
+                   help="also the prompt tokens' logprobs, with N alternatives (--max-tokens 0: only those)")
     p.add_argument("--no-stream", action="store_true", help="wait for the whole answer instead of streaming")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before giving up (default 60)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -54,7 +73,12 @@ def main(argv: list[str]) -> int:
     prompt = a.prompt_tokens if a.prompt_tokens is not None else a.text
     sampling = {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
                 "seed": a.seed, "stop_token_ids": a.stop_token_ids, "stop": a.stop, "ignore_eos": a.ignore_eos,
-                "deadline_ms": a.deadline_ms, "tenant": a.tenant, "model": a.model, "logprobs": a.logprobs}
+                "deadline_ms": a.deadline_ms, "tenant": a.tenant, "model": a.model, "logprobs": a.logprobs,
+                "top_logprobs": a.top_logprobs, "prompt_logprobs": a.prompt_logprobs,
+                "presence_penalty": a.presence_penalty, "frequency_penalty": a.frequency_penalty,
+                "repetition_penalty": a.repetition_penalty, "min_p": a.min_p, "min_tokens": a.min_tokens,
+                "logit_bias": dict(a.logit_bias) if a.logit_bias else None}
+
     sampling = {k: v for k, v in sampling.items() if v is not None}
     as_text = a.text is not None
     try:
@@ -87,6 +111,10 @@ def main(argv: list[str]) -> int:
                "usage": r.usage, "timing": r.timing}
         if r.logprobs is not None:
             out["logprobs"] = r.logprobs
+        if r.top_logprobs is not None:
+            out["top_logprobs"] = r.top_logprobs
+        if r.prompt_logprobs is not None:
+            out["prompt_logprobs"] = r.prompt_logprobs
         sys.stdout.buffer.write(orjson.dumps(out) + b"\n")
     else:
         u = r.usage

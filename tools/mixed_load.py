@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 import orjson
 
 from engine.errors import ClientError, ClientTimeout
+from tools.bench.options import add
 
 _TEXT_VOCAB = 256  # byte-level ids: valid in every model package the project makes
 
@@ -217,16 +218,13 @@ def daemon_memory(pid: int) -> dict[str, dict[str, int]]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.mixed_load", description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=4)
+    p = argparse.ArgumentParser(prog="npuserve bench serve mixed-load", description=__doc__.split("\n\n")[0])
+    add(p, rounds=4)
     p.add_argument("--round-s", type=float, default=60.0, help="seconds per round")
     p.add_argument("--warmup-s", type=float, default=20.0, help="load before the first measured round")
     p.add_argument("--chips", type=int, default=2)
     p.add_argument("--backend", default="ref")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
-    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--json", action="store_true")
+    add(p, "set", "backend-option", "json", seed=0)
     return p.parse_args(argv)
 
 

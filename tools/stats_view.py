@@ -105,7 +105,8 @@ def render(stats: dict, previous: tuple[float, dict] | None = None, now: float |
     rejected = f.by("requests_rejected_total", "reason")
 
     def detail(d: dict[str, float]) -> str:
-        return "" if not d else " (" + ", ".join(f"{k} {_num(v)}" for k, v in sorted(d.items())) + ")"
+        seen = sorted((k, v) for k, v in d.items() if v)  # reasons at 0 (exported from the start) say nothing
+        return "" if not seen else " (" + ", ".join(f"{k} {_num(v)}" for k, v in seen) + ")"
 
     blocked = [r for r, v in f.by("admission_blocked", "reason").items() if v]
     why = f" (held by {blocked[0]})" if blocked else ""

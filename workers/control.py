@@ -50,6 +50,8 @@ class Msg(str, enum.Enum):
     CHAOS = "chaos"
     RELEASE = "release"  # the scheduler freed these KV blocks (`blocks`); see ChipBackend.release_blocks
     KV_POOL = "kv_pool"  # attach the board's host KV pool (`name`, `slots`, `slot_bytes`) for transfer jobs
+    LORA_ADD = "lora_add"  # a LoRA adapter jobs may name (`id`: its board number, `path`, `sha256`)
+    LORA_DROP = "lora_drop"  # forget adapter `id` (applied before the jobs submitted after it)
     # worker -> link
     READY = "ready"
     FAILED = "failed"
@@ -74,6 +76,8 @@ _REQUIRED: dict[Msg, tuple[str, ...]] = {
     Msg.CHAOS: ("action", "seconds"),
     Msg.RELEASE: ("blocks",),
     Msg.KV_POOL: ("name", "slots", "slot_bytes"),
+    Msg.LORA_ADD: ("id", "path", "sha256"),
+    Msg.LORA_DROP: ("id",),
     Msg.READY: ("info", "pid"),
     Msg.FAILED: ("message",),
     Msg.HEARTBEAT: ("at", "jobs_done"),
@@ -111,6 +115,10 @@ def decode(data: bytes) -> tuple[Msg, dict[str, Any]]:
     if kind is Msg.RELEASE and not (isinstance(obj["blocks"], list)
                                     and all(type(b) is int and b >= 0 for b in obj["blocks"])):
         raise ControlError(f"release message: blocks must be a list of block ids, not {obj['blocks']!r:.80}")
+    if kind in (Msg.LORA_ADD, Msg.LORA_DROP) and not (type(obj["id"]) is int and 0 <= obj["id"] < 2**31):
+        raise ControlError(f"{kind.value} message: id must be an adapter number, not {obj['id']!r:.80}")
+    if kind is Msg.LORA_ADD and not (isinstance(obj["path"], str) and isinstance(obj["sha256"], str)):
+        raise ControlError("lora_add message: path and sha256 must be strings")
     return kind, obj
 
 

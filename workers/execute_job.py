@@ -12,13 +12,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ipc.kv_slots import RecordRefused
+from ipc.logprob_wants import asks_more
 from ipc.records import Job, JobKind, JobStatus
 from workers.backends.base import ChipBackend
 from workers.constraints import ConstraintBook, ConstraintError
 from workers.draft_model import DraftModel
 from workers.kv_transfer import HostKv
 from workers.lane_sampling import sample_lanes
+from workers.logprob_alternatives import lane_alternatives, prompt_alternatives, prompt_lanes
 from workers.multi_step import next_step
+from workers.penalties import PenaltyBook, PenaltyError, count_looped, device_penalties
 from workers.spec_verify import verify_drafts
 
 
@@ -37,10 +40,12 @@ class JobOutcome:
     accepted: np.ndarray | None = None  # verification jobs: accepted drafts per lane
     accepted_logprobs: np.ndarray | None = None
     accepted_tokens: np.ndarray | None = None
+    extra: dict | None = None  # lanes asking for alternatives or prompt logprobs: JobResult's arrays by name
 
 
 def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, host_kv: HostKv | None = None,
-                constraints: ConstraintBook | None = None, draft: DraftModel | None = None) -> JobOutcome:
+                constraints: ConstraintBook | None = None, draft: DraftModel | None = None,
+                penalties: PenaltyBook | None = None) -> JobOutcome:
     """Run one job on the backend and sample its lanes.
 
     Inputs may be read-only ring views; nothing here writes to them.
@@ -49,6 +54,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
     such lanes and no book fails.
     `draft`: the chip's draft model (speculative.draft_package): it proposes
     the drafts of `draft_src` lanes and mirrors every job's KV.
+    `penalties`: the token counts of penalised lanes (workers/penalties.py);
+    such lanes carry no drafts.
     """
     b = job.batch
     tokens = np.full(b, -1, np.int32)
@@ -79,9 +86,17 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         if job.draft_lens.size and job.constrained and job.constraint_id[job.draft_lens != 0].any():
             # spec_verify's row_mask hook would need the matcher advanced through each draft: not done
             raise ConstraintError("a constrained lane cannot carry draft tokens")
+        penalised = job.penalties is not None and bool(job.penalties.active.any())
+        if penalised and job.draft_lens.size and (job.penalties.active[job.draft_lens != 0] != 0).any():
+            raise PenaltyError("a penalised lane cannot carry draft tokens")  # its counts would need each draft
+        if penalised and penalties is None:
+            raise PenaltyError("penalised lanes in a job run without a penalty book")
         if draft is None and device_loop_job(job):
-            looped = backend.decode_steps(job)  # None: no device loop, the host loop below
-            if looped is not None:
+            dev_pen = device_penalties(job, penalties) if penalised else None
+            looped = backend.decode_steps(job, dev_pen) if penalised else backend.decode_steps(job)
+            if looped is not None:  # None: no device loop (for these lanes), the host loop below
+                if penalised:
+                    count_looped(job, penalties, looped[0])
                 return JobOutcome(JobStatus.OK, *looped, None, (time.perf_counter_ns() - t0) // 1000)
         if draft is not None and job.draft_src.size:
             job = draft.propose(job)
@@ -93,16 +108,21 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
             lane_masks = masks.result() if masks is not None else None  # never leave the helper on a dead job
         device_us = (time.perf_counter_ns() - t0) // 1000
         accepted = accepted_lps = accepted_toks = None
+        extra = None
         if out.logits is not None:
             if lanes.size:
-                sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks)
+                sample_lanes(job, out.logits, lanes, tokens, logprobs, constraints, lane_masks, penalties)
             if job.draft_lens.size:
                 if out.draft_logits is None:
                     raise RuntimeError("the backend cannot verify draft tokens (no draft_logits)")
                 accepted, accepted_lps, accepted_toks = verify_drafts(job, out.draft_logits, tokens, logprobs)
+            if asks_more(job.want_logprobs):
+                extra = logprob_arrays(job, out, lanes)
         elif out.tokens is not None:
             if job.constrained and job.constraint_id[lanes].any():
                 raise ConstraintError("this backend samples on the device: constrained lanes need logits")
+            if penalised and job.penalties.active[lanes].any():
+                raise PenaltyError("this backend samples on the device: penalised lanes need logits")
             tokens[lanes] = out.tokens[lanes]
         else:
             raise RuntimeError("backend returned neither logits nor tokens")
@@ -117,7 +137,7 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
             for _ in range(job.decode_steps - 1):
                 step = next_step(step, steps[-1])
                 t, lp = np.full(b, -1, np.int32), np.zeros(b, np.float32)
-                _step_tokens(step, backend.decode(step), lanes, t, lp)
+                _step_tokens(step, backend.decode(step), lanes, t, lp, penalties)
                 if draft is not None:
                     draft.mirror(step)
                 steps.append(t)
@@ -128,7 +148,7 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                           (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
     logits = out.logits if job.return_logits else None
-    spec = dict(accepted=accepted, accepted_logprobs=accepted_lps, accepted_tokens=accepted_toks)
+    spec = dict(accepted=accepted, accepted_logprobs=accepted_lps, accepted_tokens=accepted_toks, extra=extra)
     if job.constrained and constraints is not None:
         st = constraints.stats
         return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, masks=st.masks - masks0,
@@ -136,20 +156,38 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
     return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, **spec)
 
 
+def logprob_arrays(job: Job, out, lanes: np.ndarray) -> dict | None:
+    """The result arrays of the lanes asking for alternatives or prompt logprobs (one-step jobs only: the
+    scheduler keeps such lanes out of multi-step and speculative jobs)."""
+    arrays = {}
+    if job.decode_steps == 1:
+        tops = lane_alternatives(job, out.logits, lanes)
+        if tops is not None:
+            arrays["top_ids"], arrays["top_logprobs"] = tops
+    if prompt_lanes(job):
+        lps, starts, ids, tlps = prompt_alternatives(job, out.prompt_logits)
+        arrays["prompt_logprobs"], arrays["prompt_start"] = lps, starts
+        if ids is not None:
+            arrays["prompt_top_ids"], arrays["prompt_top_logprobs"] = ids, tlps
+    return arrays or None
+
+
 def device_loop_job(job: Job) -> bool:
     """Whether a job's steps may all run on the device (`ChipBackend.decode_steps`): a multi-step decode
-    whose every valid lane samples with the plain sampler, with nothing the host must do between steps:
-    no constrained lane (its mask is the host's), no draft tokens, and no logits to return. The worker
-    also keeps the host loop when it has a draft model (it mirrors every step's KV)."""
+    whose every valid lane samples, with nothing the host must do between steps: no constrained lane (its
+    mask is the host's), no draft tokens, and no logits to return. Penalised lanes go too when the backend's
+    loop takes penalties (else it declines and the host loop runs). The worker also keeps the host loop when
+    it has a draft model (it mirrors every step's KV)."""
     return (job.kind == JobKind.DECODE and job.decode_steps > 1 and not job.constrained and not job.draft_lens.size
-            and not job.return_logits and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
+            and not job.return_logits and not asks_more(job.want_logprobs) and bool(np.array_equal(job.sample != 0, job.lane_valid != 0)))
 
 
-def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+def _step_tokens(job: Job, out, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+                 penalties: PenaltyBook | None = None) -> None:
     """One step's tokens into `tokens`/`logprobs`: sampled from its logits, or as the backend chose them."""
     if out.logits is not None:
         if lanes.size:
-            sample_lanes(job, out.logits, lanes, tokens, logprobs)
+            sample_lanes(job, out.logits, lanes, tokens, logprobs, penalties=penalties)
     elif out.tokens is not None:
         tokens[lanes] = out.tokens[lanes]
     else:

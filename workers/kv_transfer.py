@@ -35,6 +35,19 @@ def block_file(disk_dir: str, chain: bytes) -> str:
     return os.path.join(disk_dir, chain.hex() + ".kv")
 
 
+class _ChainList:
+    """Row i of the [n, 16] chain hashes as bytes, made only when asked for (the disk tier's file names)."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> bytes:
+        return self.rows[i].tobytes()
+
+
 class HostKv:
     """The worker's view of the board's host KV pool and of its own block format."""
 
@@ -51,18 +64,27 @@ class HostKv:
 
     def run(self, job: Job) -> None:
         """Carry out one transfer job; RecordRefused (nothing written) or any backend error propagates."""
-        raw = np.ascontiguousarray(job.tokens, "<i4").tobytes()
-        chains = [raw[i:i + DIGEST] for i in range(0, len(raw), DIGEST)]
-        where = job.positions.tolist()
-        if len(chains) != len(job.src_blocks) or len(where) != len(chains):
+        raw = np.ascontiguousarray(job.tokens, "<i4").view(np.uint8)
+        if raw.size % DIGEST:
             raise ValueError("transfer job: one chain hash and one place per block")
+        chain_rows = raw.reshape(-1, DIGEST)  # [n, 16]: the records' chain hashes, without a bytes object each
+        where = job.positions.tolist()
+        if len(chain_rows) != len(job.src_blocks) or len(where) != len(chain_rows):
+            raise ValueError("transfer job: one chain hash and one place per block")
+        chains = _ChainList(chain_rows)
         if job.kind == JobKind.KV_EXPORT:
+            rows_in_place = getattr(self.backend, "swap_out_rows", None)
+            if rows_in_place is not None and all(w == HOST for w in where):  # device -> slots in one pass
+                self._pool().write_many(job.dst_blocks.tolist(), self.layout,
+                                        rows_in_place(np.asarray(job.src_blocks)), chain_rows)
+                return
             data = self.backend.swap_out(np.asarray(job.src_blocks))
             slots = job.dst_blocks.tolist()
             host = [i for i, w in enumerate(where) if w & HOST]
             if host:
-                self._pool().write_many([slots[i] for i in host], self.layout, data[host] if len(host) < len(where)
-                                        else data, [chains[i] for i in host])
+                every = len(host) == len(where)
+                self._pool().write_many(slots if every else [slots[i] for i in host], self.layout,
+                                        data if every else data[host], chain_rows if every else chain_rows[host])
             for i, w in enumerate(where):
                 if w & DISK:
                     self._write_file(chains[i], encode_record(self.layout, data[i], chains[i]))
@@ -73,7 +95,9 @@ class HostKv:
         src = job.src_blocks.tolist()
         host = [r for r, w in enumerate(where) if w == HOST]
         try:
-            if host:  # every host record checked in one pass, gathered in one copy
+            if len(host) == len(chains):  # every record checked and gathered in one pass, into place
+                self._pool().read_many(src, self.layout, chain_rows, n_item, out=rows)
+            elif host:
                 rows[host] = self._pool().read_many([src[r] for r in host], self.layout, [chains[r] for r in host],
                                                     n_item)
             for r, w in enumerate(where):

@@ -1,5 +1,6 @@
 """Sampling a job's lanes from the logits the backend returned: the lanes that want a token, and the
-constrained lanes under their masks (structured output); the sampler itself is workers/sampling.py."""
+constrained lanes under their masks (structured output), the penalised ones through workers/penalties.py;
+the sampler itself is workers/sampling.py."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import numpy as np
 
 from ipc.records import Job
 from workers.constraints import ConstraintBook, ConstraintError, LaneMask
+from workers.penalties import PenaltyBook, PenaltyError, sample_penalized
 from workers.sampling import sample, token_logprob
 
 
 def sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
-                 constraints: ConstraintBook | None = None, masks: dict[int, LaneMask] | None = None) -> None:
+                 constraints: ConstraintBook | None = None, masks: dict[int, LaneMask] | None = None,
+                 penalties: PenaltyBook | None = None) -> None:
     """Sample `lanes` of `logits` into `tokens`/`logprobs`, the constrained ones under their masks."""
     # Sampling is per lane and deterministic per (seed, position), so sampling
     # only the lanes that want a token gives the same tokens as sampling all
@@ -21,6 +24,18 @@ def sample_lanes(job: Job, logits: np.ndarray, lanes: np.ndarray, tokens: np.nda
         if constraints is None:
             raise ConstraintError("constrained lanes in a job run without a constraint book")
         masks = constraints.masks(job, lanes, logits.shape[1])
+    if job.penalties is not None:  # the penalised lanes apart (sampling is per lane: the same tokens)
+        on = job.penalties.active[lanes] != 0
+        if on.any():
+            if penalties is None:
+                raise PenaltyError("penalised lanes in a job run without a penalty book")
+            sample_penalized(job, logits, lanes[on], tokens, logprobs, penalties, masks)
+            lanes = lanes[~on]
+            if not lanes.size:
+                return
+            if masks:
+                rest = set(lanes.tolist())
+                masks = {lane: m for lane, m in masks.items() if lane in rest}
     if masks:
         sample_masked(job, logits, lanes, tokens, logprobs, masks)
         return

@@ -36,9 +36,11 @@ from workers.constraints import ConstraintBook, ConstraintError, lltokenizer_for
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
 from workers.draft_model import DraftModel
 from workers.execute_job import JobOutcome, execute_job
-from workers.follow_tokens import FollowTokens, UnresolvedFollow
 from workers.heap_snapshots import install as install_heap_snapshots
+from workers.queued_step_tokens import QueuedStepTokens, UnresolvedQueuedStep
 from workers.kv_transfer import HostKv
+from workers.penalties import PenaltyBook
+from workers.lora.adapter_book import AdapterBook, AdapterError
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_DEATH_SIGNAL = signal.SIGUSR1
@@ -82,6 +84,7 @@ class WorkerProcess:
                  constraints: ConstraintBook | None = None):
         self.config = config
         self.constraints = constraints
+        self.penalties = PenaltyBook()  # penalised requests' token counts (workers/penalties.py)
         self.sock = sock
         self.job_ring = job_ring
         self.result_ring = result_ring
@@ -95,8 +98,12 @@ class WorkerProcess:
         self.slow_s = 0.0
         self._device_end_ns = 0  # time.monotonic_ns() when the last backend call ended (0: none yet)
         self._occupancy = (0, -1)  # (device_start_ns, idle_us) of the job being answered
-        self.follow = FollowTokens(backend.describe().kv.block_size)  # queued next steps' input tokens
+        self.queued_step_tokens = QueuedStepTokens(backend.describe().kv.block_size)  # queued next steps' input tokens
         self.host_kv: HostKv | None = None  # the board's host KV pool, once the link sent KV_POOL
+        slots = int((backend.describe().extra.get("lora") or {}).get("slots", 0))
+        max_loaded, max_cached = (config.backend_options or {}).get(LORA_OPTION, DEFAULT_LORA_LIMITS)
+        self.adapters = AdapterBook(backend, min(slots, int(max_loaded)), int(max_cached))
+        self._lora_drops: list[tuple[int, int]] = []  # (control message index, adapter) not applied yet
         self.running = True
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
@@ -136,7 +143,8 @@ class WorkerProcess:
     def heartbeat_if_due(self) -> None:
         now = time.monotonic()
         if now >= self.next_heartbeat:
-            self.send(encode(Msg.HEARTBEAT, at=now, jobs_done=self.jobs_done))
+            extra = {"lora": self.adapters.stats()} if self.adapters.registered or self.adapters.swaps else {}
+            self.send(encode(Msg.HEARTBEAT, at=now, jobs_done=self.jobs_done, **extra))
             self.next_heartbeat = now + self.interval
 
     def _job_heartbeats(self) -> None:
@@ -174,6 +182,10 @@ class WorkerProcess:
                 # Applied just before the first job submitted after it (apply_releases): a job already in
                 # the ring may still read these blocks (a request cancelled while its job was in flight).
                 self._releases.append((self.ctl_seen - 1, msg["blocks"]))
+            elif kind is Msg.LORA_ADD:
+                self.adapters.add(msg["id"], msg["path"], msg["sha256"])
+            elif kind is Msg.LORA_DROP:  # like RELEASE: a job already in the ring may still name it
+                self._lora_drops.append((self.ctl_seen - 1, msg["id"]))
             # JOB is only a doorbell: the serve loop reads the ring every turn.
 
     def attach_host_pool(self, name: str | None, slots: int, slot_bytes: int, disk_dir: str | None) -> None:
@@ -198,6 +210,13 @@ class WorkerProcess:
                     self.draft.release_blocks(blocks)
             except Exception as exc:  # a backend bug must not kill the worker; the next job's checks stand
                 _log("worker.release_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def apply_lora_drops(self, sent_before: int) -> None:
+        """Drop the adapters unloaded before the job about to run (`sent_before` control messages). With the
+        job ring empty every job sent before a drop has run (a job is in the ring before the link sends the
+        next control message), so they all go."""
+        while self._lora_drops and self._lora_drops[0][0] < sent_before:
+            self.adapters.drop(self._lora_drops.pop(0)[1])
 
     def catch_up_control(self, sent_before: int) -> None:
         """Read the control messages the link sent before this job (they may still be in flight)."""
@@ -230,6 +249,8 @@ class WorkerProcess:
                     return
             if self._releases:
                 self.apply_releases(int(rec["ctl"][0]) if "ctl" in rec else self.ctl_seen)
+            if self._lora_drops:
+                self.apply_lora_drops(int(rec["ctl"][0]) if "ctl" in rec else self.ctl_seen)
             t0 = time.perf_counter_ns()
             job = Job.from_arrays(rec, copy=False)  # read-only ring views: the backend keeps none
             if self.slow_s > 0:  # chaos only: say which job is now on the "device", so a test can act mid-job
@@ -238,18 +259,21 @@ class WorkerProcess:
             start_ns = time.monotonic_ns()
             try:
                 try:
-                    self.follow.resolve(job)
-                except UnresolvedFollow as exc:
+                    self.queued_step_tokens.resolve(job)
+                    if job.adapter.size:
+                        job.adapter = self.adapters.slots_for(job.adapter)
+                except (UnresolvedQueuedStep, AdapterError) as exc:
                     b = job.batch
                     outcome = JobOutcome(JobStatus.INVALID, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                                          0, f"invalid job: {exc}")
                 else:
-                    outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints, self.draft)
-                    if job.follow and outcome.status == JobStatus.OK:  # a step may be queued behind its lanes
-                        self.follow.record(job, outcome.tokens)
+                    outcome = execute_job(self.backend, job, self.slow_s, self.host_kv, self.constraints, self.draft,
+                                          self.penalties)
+                    if job.queue_next_step and outcome.status == JobStatus.OK:  # a step may be queued behind its lanes
+                        self.queued_step_tokens.record(job, outcome.tokens)
             finally:
                 self._set_in_job(False)
-            # the chip's idle gap before this job: what keeping it busy (issue 23) is measured by
+            # the chip's idle gap before this job: what keeping the chip busy is measured by (chip_occupancy)
             last, self._device_end_ns = self._device_end_ns, time.monotonic_ns()
             self._occupancy = (start_ns, -1 if last == 0 else max(0, start_ns - last) // 1000)
             self.write_result(job, outcome, t0)
@@ -268,8 +292,11 @@ class WorkerProcess:
         logits = outcome.logits
         status = outcome.status
         accepted = outcome.accepted if status == JobStatus.OK else None
+        extra = outcome.extra if status == JobStatus.OK else None
         spec = _result_spec(b, None if logits is None else logits.shape, job.decode_steps,
                             -1 if accepted is None else int(accepted.sum()))
+        if extra:  # lanes asking for alternatives or prompt logprobs (the rare path: a copy of the cached spec)
+            spec = {**spec, **{k: (v.shape, v.dtype.str) for k, v in extra.items()}}
         while True:
             try:
                 writer = self.result_ring.reserve(spec, timeout=self.interval)
@@ -277,7 +304,7 @@ class WorkerProcess:
             except RecordTooLarge:
                 _log("worker.result_too_large", job_id=job.job_id, shape=list(logits.shape) if logits is not None else None)
                 spec = _result_spec(b, None, job.decode_steps)
-                logits, status, accepted = None, JobStatus.FAILED, None
+                logits, status, accepted, extra = None, JobStatus.FAILED, None, None
                 outcome.tokens[:] = -1
                 outcome.logprobs[:] = 0
             except RingFull:
@@ -306,6 +333,9 @@ class WorkerProcess:
                 a["accepted"][:] = accepted
                 a["accepted_logprobs"][:] = outcome.accepted_logprobs
                 a["accepted_tokens"][:] = outcome.accepted_tokens
+            if extra:
+                for k, v in extra.items():
+                    a[k][...] = v
             meta[S.WORKER_US] = (time.perf_counter_ns() - t0_ns) // 1000  # last: it times the whole write
 
     # -- loop ------------------------------------------------------------
@@ -323,6 +353,8 @@ class WorkerProcess:
                     self.poller.poll(int(wait_s * 1000) + 1)
             self.drain_control()
             self.serve_jobs()
+            if self._lora_drops and not len(self.job_ring):
+                self.apply_lora_drops(self.ctl_seen)
         self.send(encode(Msg.BYE))
 
 
@@ -345,6 +377,9 @@ def _result_spec(b: int, logits_shape: tuple[int, ...] | None, steps: int = 1, n
 
 
 DRAFT_OPTION = "spec_draft_package"  # the backend option that names the draft model's package (not the backend's)
+# the worker's (not the backend's) option: [lora.max_loaded_per_chip, lora.max_cached]
+LORA_OPTION = "lora_limits"
+DEFAULT_LORA_LIMITS = (8, 32)
 
 
 def _load_backend(config: WorkerConfig):
@@ -353,6 +388,7 @@ def _load_backend(config: WorkerConfig):
 
     opts = dict(config.backend_options or {})
     opts.pop(DRAFT_OPTION, None)
+    opts.pop(LORA_OPTION, None)
     backend = make_backend(config.backend, **opts)
     package = None
     if config.package_path is not None:
@@ -370,6 +406,7 @@ def load_draft(config: WorkerConfig, target: ChipBackend) -> DraftModel | None:
 
     opts = dict(config.backend_options or {})
     path = opts.pop(DRAFT_OPTION, None)
+    opts.pop(LORA_OPTION, None)
     if not path:
         return None
     info = target.describe()

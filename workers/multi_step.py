@@ -28,9 +28,14 @@ def next_step(job: Job, sampled: np.ndarray) -> Job:
     """`job` one position on: its valid lanes' input tokens are `sampled` ([B], this step's tokens)."""
     valid = job.lane_valid != 0
     ctx = np.asarray(job.context_lens)
+    pen = job.penalties
+    if pen is not None:  # one more output token before each lane's sample (the penalty book counts its input)
+        pen = dataclasses.replace(pen, done=np.asarray(pen.done, dtype=np.int32) + 1,
+                                  rebuild=np.zeros_like(pen.rebuild))
     return dataclasses.replace(
         job,
         tokens=np.ascontiguousarray(sampled[valid], dtype=np.int32),
         positions=np.asarray(job.positions, dtype=np.int32) + 1,
         context_lens=np.where(valid, ctx + 1, 0).astype(np.int32),
+        penalties=pen,
     )

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from ipc.kv_checksum import copy_rows
+from ipc.kv_slots import ScatteredRows
+
 
 class PagedKvCache:
     def __init__(self, *, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> None:
         if min(layers, num_blocks, block_size, kv_heads, head_dim) <= 0:
             raise ValueError("every KV cache dimension must be positive")
         shape = (layers, num_blocks, block_size, kv_heads, head_dim)
-        self.k = np.zeros(shape, dtype=np.float32)
-        self.v = np.zeros(shape, dtype=np.float32)
+        self._kv = np.zeros((2,) + shape, dtype=np.float32)  # one buffer: a block's rows are offsets into it
+        self.k, self.v = self._kv[0], self._kv[1]
         self.layers = layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -72,9 +75,34 @@ class PagedKvCache:
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
         b = self.check_blocks(blocks, "swap_out")
         out = np.empty((len(b),) + self.block_shape(), dtype=np.float32)
-        out[:, 0] = self.k[:, b].swapaxes(0, 1)
-        out[:, 1] = self.v[:, b].swapaxes(0, 1)
+        flat = out.reshape(-1).view(np.uint8)
+        for j, cache in enumerate((self.k, self.v)):
+            dev, host = self._row_offsets(b, j)
+            if not copy_rows(cache.reshape(-1).view(np.uint8), dev, self._row_bytes, flat, host):
+                for layer in range(self.layers):  # per layer: a row gather, no transposed temporary
+                    out[:, j, layer] = cache[layer][b]
         return out
+
+    def host_rows(self, blocks: np.ndarray) -> ScatteredRows:
+        """Blocks' swap format as rows in place (part (j, layer) of a block: one layer of K or V), no copy:
+        a transfer gathers them straight into host slots (ipc.kv_slots.KvSlotPool.write_many)."""
+        b = self.check_blocks(blocks, "host_rows")
+        row = self._row_bytes
+        jl = np.arange(2 * self.layers, dtype=np.int64)  # j * layers + layer, the swap format's order
+        offs = (jl[None, :] * self.num_blocks + b[:, None]) * row
+        return ScatteredRows(self._kv.reshape(-1).view(np.uint8), offs, row)
+
+    @property
+    def _row_bytes(self) -> int:
+        return int(np.prod(self.k.shape[2:])) * 4  # one layer of one block: contiguous in both formats
+
+    def _row_offsets(self, b: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Byte offsets of blocks b's rows of K (j=0) or V (j=1), in the cache and in the swap format."""
+        layers = np.arange(self.layers, dtype=np.int64)
+        row = self._row_bytes
+        dev = (layers[None, :] * self.num_blocks + b[:, None]) * row
+        host = ((np.arange(len(b), dtype=np.int64)[:, None] * 2 + j) * self.layers + layers[None, :]) * row
+        return dev.reshape(-1), host.reshape(-1)
 
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
         b = self.check_blocks(blocks, "swap_in")
@@ -83,5 +111,10 @@ class PagedKvCache:
             raise ValueError(f"swap_in: data shape {tuple(data.shape)}, expected {expected}")
         if len(np.unique(b)) != len(b):
             raise ValueError("swap_in: a block appears twice")
-        self.k[:, b] = np.asarray(data[:, 0], dtype=np.float32).swapaxes(0, 1)
-        self.v[:, b] = np.asarray(data[:, 1], dtype=np.float32).swapaxes(0, 1)
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        flat = data.reshape(-1).view(np.uint8)
+        for j, cache in enumerate((self.k, self.v)):
+            dev, host = self._row_offsets(b, j)
+            if not copy_rows(flat, host, self._row_bytes, cache.reshape(-1).view(np.uint8), dev):
+                for layer in range(self.layers):
+                    cache[layer][b] = data[:, j, layer]

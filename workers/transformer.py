@@ -203,8 +203,13 @@ class Transformer:
         context_lens: np.ndarray,
         block_tables: np.ndarray,
         extra_rows: np.ndarray | None = None,
+        lora=None,
     ) -> np.ndarray:
         """Run the new tokens of n lanes; return logits [n, V] of each lane's last token.
+
+        `lora` (a `workers.lora.lora_rows.LoraRows` over the packed rows, or
+        None): adds each lane's adapter's low-rank product to the matrices it
+        adapts, for that lane's rows only.
 
         `extra_rows` (packed token indices, speculative verification): their
         logits are returned too, after the n last-token rows ([n + len, V]).
@@ -241,6 +246,9 @@ class Transformer:
             last_layer = li == d.layers - 1
             h = rms_norm(x, layer["attn_norm"], d.norm_eps)
             qkv = h @ layer["wqkv"]
+            if lora is not None:
+                for target, col in (("wq", 0), ("wk", h_q * hd), ("wv", (h_q + h_kv) * hd)):
+                    lora.add(qkv, h, li, target, col)
             q = qkv[:, : h_q * hd].reshape(t_total, h_q, hd)
             k = qkv[:, h_q * hd : (h_q + h_kv) * hd].reshape(t_total, h_kv, hd)
             v = qkv[:, (h_q + h_kv) * hd :].reshape(t_total, h_kv, hd)
@@ -252,17 +260,23 @@ class Transformer:
                     q = apply_rope(q[last_rows], cos[last_rows], sin[last_rows])
                     attn = self._attend(cache, li, q[:, None], (context_lens - 1)[:, None], tables)[:, 0]
                     x = x[last_rows]
+                    lora = lora.take(last_rows) if lora is not None else None
                 else:  # each row attends as of its own position, within its lane's table
                     rows = np.concatenate([last_rows, extra_rows])
                     q = apply_rope(q[rows], cos[rows], sin[rows])
                     attn = self._attend(cache, li, q[:, None], positions[rows][:, None], tables[lane_of[rows]])[:, 0]
                     x = x[rows]
+                    lora = lora.take(rows) if lora is not None else None
             else:
                 q = apply_rope(q, cos, sin)
                 attn_pad = self._attend(cache, li, q[pad_src], q_pos, tables)
                 attn = attn_pad[lane_of, within]
-            x = x + self._all_reduce(attn.reshape(attn.shape[0], h_q * hd) @ layer["wo"])
-            x = x + self._all_reduce(self._mlp(x, layer))
+            attn = attn.reshape(attn.shape[0], h_q * hd)
+            o = attn @ layer["wo"]
+            if lora is not None:
+                lora.add(o, attn, li, "wo")
+            x = x + self._all_reduce(o)
+            x = x + self._all_reduce(self._mlp(x, layer, lora, li))
         return self._logits(x)
 
     def _all_reduce(self, partial: np.ndarray) -> np.ndarray:
@@ -294,11 +308,18 @@ class Transformer:
             out[:, a:b] = o.reshape(n, b - a, heads, d.head_dim)
         return out
 
-    def _mlp(self, x: np.ndarray, layer: dict) -> np.ndarray:
+    def _mlp(self, x: np.ndarray, layer: dict, lora=None, li: int = 0) -> np.ndarray:
         h = rms_norm(x, layer["mlp_norm"], self.dims.norm_eps)
         gu = h @ layer["w_gate_up"]
         f = self.ffn_dim
-        return (silu(gu[:, :f]) * gu[:, f:]) @ layer["w_down"]
+        if lora is None:
+            return (silu(gu[:, :f]) * gu[:, f:]) @ layer["w_down"]
+        lora.add(gu, h, li, "w_gate")
+        lora.add(gu, h, li, "w_up", f)
+        act = silu(gu[:, :f]) * gu[:, f:]
+        down = act @ layer["w_down"]
+        lora.add(down, act, li, "w_down")
+        return down
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
         return rms_norm(x, self.final_norm, self.dims.norm_eps) @ self.lm_head

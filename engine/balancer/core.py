@@ -280,8 +280,11 @@ class BalancerCore:
         kind = ev["ev"]
         if kind == "tokens":
             toks = ev["tokens"]
+            if "prompt_logprobs" in ev and r.msg.get("max_tokens"):  # relayed once: a resumed leg does not ask
+                r.msg = {k: v for k, v in r.msg.items() if k != "prompt_logprobs"}
             if r.stage is Stage.PREFILL and not shows_first_token(r.msg):
-                r.hidden.append(EmitTokens(r.rid, toks, ev.get("logprobs"), ev.get("text")))
+                r.hidden.append(EmitTokens(r.rid, toks, ev.get("logprobs"), ev.get("text"),
+                               ev.get("top_logprobs"), ev.get("prompt_logprobs")))
                 return []
             if r.t_first is None:
                 r.t_first = now
@@ -290,7 +293,8 @@ class BalancerCore:
             if r.state is ReqState.SENT:
                 r.state = ReqState.STREAMING
                 b.on_success()
-            return [EmitTokens(r.rid, toks, ev.get("logprobs"), ev.get("text"))]
+            return [EmitTokens(r.rid, toks, ev.get("logprobs"), ev.get("text"),
+                               ev.get("top_logprobs"), ev.get("prompt_logprobs"))]
         uid = r.uid
         self._detach(r)
         if kind == "done" and r.stage is Stage.PREFILL:
@@ -300,7 +304,8 @@ class BalancerCore:
             b.on_success()
             if ev.get("tokens"):  # a backend that answered non-streamed (not what we ask, but legal)
                 r.streamed.extend(ev["tokens"])
-                out: list = [EmitTokens(r.rid, ev["tokens"], ev.get("logprobs"), ev.get("text"))]
+                out: list = [EmitTokens(r.rid, ev["tokens"], ev.get("logprobs"), ev.get("text"),
+                               ev.get("top_logprobs"), ev.get("prompt_logprobs"))]
             else:
                 out = []
             usage = ev.get("usage") or {}
@@ -563,7 +568,8 @@ class BalancerCore:
         hidden, r.hidden = r.hidden, []
         if ev.get("tokens") and not hidden and shows_first_token(r.msg):  # answered non-streamed
             r.streamed.extend(ev["tokens"])
-            out: list = [EmitTokens(r.rid, ev["tokens"], ev.get("logprobs"), ev.get("text"))]
+            out: list = [EmitTokens(r.rid, ev["tokens"], ev.get("logprobs"), ev.get("text"),
+                               ev.get("top_logprobs"), ev.get("prompt_logprobs"))]
         else:
             out = []
         usage = ev.get("usage") or {}

@@ -25,6 +25,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      "disaggregation; beside --backends, replacing [[backends]] with them all)")
     p.add_argument("--decode", help="comma-separated decode board endpoints")
     p.add_argument("--policy", choices=POLICIES, help="routing policy (of whole requests and prefill legs)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus /metrics (npuserve:balancer_*) on this port (replaces metrics.port)")
     return p.parse_args(argv)
 
 
@@ -37,7 +39,7 @@ def main(argv: list[str]) -> int:
 
     def load():
         return load_settings(args.config, endpoints=args.endpoint or None, backends=backends, policy=args.policy,
-                             prefill=prefill, decode=decode)
+                             prefill=prefill, decode=decode, metrics_port=args.metrics_port)
 
     try:
         settings = load()

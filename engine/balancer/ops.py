@@ -33,7 +33,7 @@ class BalancerPorts(Protocol):
     def next_request_id(self) -> int: ...
 
 # Board-level model management: valid on the wire, answered 501 here (see the module docstring).
-NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback"})
+NOT_IMPLEMENTED_OPS = frozenset({"load", "unload", "replace", "rollback", "load_lora", "unload_lora"})
 
 
 def handle(bal: BalancerPorts, conn: "Conn", msg: dict, now: float) -> list:
@@ -43,7 +43,7 @@ def handle(bal: BalancerPorts, conn: "Conn", msg: dict, now: float) -> list:
     core = bal.core
     if op == "generate":
         rid = bal.next_request_id()
-        if not fe.open(rid, conn, cid, bool(msg["stream"]), bool(msg["logprobs"])):
+        if not fe.open(rid, conn, cid, bool(msg["stream"]), bool(msg["logprobs"] or msg.get("top_logprobs"))):
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
         msg["tenant"] = tenant_for(conn, msg["tenant"])

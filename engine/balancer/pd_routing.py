@@ -79,7 +79,9 @@ def shows_first_token(msg: dict) -> bool:
 def prefill_msg(m: dict, continuation: list[int]) -> dict:
     """The prefill leg of upstream message `m` (already with its id, stream and deadline)."""
     m = dict(m)
-    m["max_tokens"] = len(continuation) + 1
+    m["max_tokens"] = len(continuation) + 1 if m.get("max_tokens") != 0 else 0  # 0: the prompt's logprobs only
+    if m.get("min_tokens", 0) > m["max_tokens"]:  # the decode leg honours the rest
+        m["min_tokens"] = m["max_tokens"]
     if continuation:
         m["continuation"] = continuation
     m["handoff"] = {"export": True}
@@ -88,6 +90,7 @@ def prefill_msg(m: dict, continuation: list[int]) -> dict:
 
 def decode_msg(m: dict, handoff: dict | None) -> dict:
     m = dict(m)
+    m.pop("prompt_logprobs", None)  # the prefill leg computed the prompt and answered them
     if handoff is not None:
         m["handoff"] = handoff
     return m

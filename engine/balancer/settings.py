@@ -5,6 +5,7 @@
     [health]    heartbeat_interval_ms, missed_heartbeats, stale_after_ms, failure_threshold, cooldown_ms
     [retry]     max_retries, backoff_base_ms, backoff_max_ms, migrate, max_migrations, no_backend_wait_ms
     [routing]   block_size, decode_cost_tokens, imbalance_abs, imbalance_rel, prefix_capacity_blocks
+    [metrics]   port, host
     [security]  server_secret_key, client_keys_dir, admins, forwarders, client_secret_key
     [[backends]] endpoint, pool, weight, server_key, role
     [[pools]]   name, min_priority
@@ -70,6 +71,12 @@ class RoutingSection:
 
 
 @dataclass(frozen=True)
+class MetricsSection:
+    port: int = key(0, integer(0, 65535), "Prometheus /metrics port (npuserve:balancer_* series); 0 = off")
+    host: str = key("127.0.0.1", string(), "address the /metrics server binds")
+
+
+@dataclass(frozen=True)
 class SecuritySection:
     server_secret_key: str = key("", string(), "CURVE secret key file of this balancer (npuserve keygen); "
                                              "\"\" = tcp:// endpoints without CURVE")
@@ -101,6 +108,7 @@ class BalancerSettings:
     health: HealthSection = field(default_factory=HealthSection)
     retry: RetrySection = field(default_factory=RetrySection)
     routing: RoutingSection = field(default_factory=RoutingSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
     security: SecuritySection = field(default_factory=SecuritySection)
     backends: tuple = ()
     pools: tuple = ()
@@ -123,14 +131,14 @@ class BalancerSettings:
 
 
 SECTIONS = {"balancer": BalancerSection, "health": HealthSection, "retry": RetrySection,
-            "routing": RoutingSection, "security": SecuritySection}
+            "routing": RoutingSection, "metrics": MetricsSection, "security": SecuritySection}
 ARRAYS = {"backends": BackendEntry, "pools": PoolEntry}
 _PATH_KEYS = (("security", "server_secret_key"), ("security", "client_keys_dir"), ("security", "client_secret_key"))
 
 
 def load_settings(path: str | None, *, endpoints: list[str] | None = None, backends: list[str] | None = None,
                   policy: str | None = None, prefill: list[str] | None = None,
-                  decode: list[str] | None = None) -> BalancerSettings:
+                  decode: list[str] | None = None, metrics_port: int | None = None) -> BalancerSettings:
     """Read and check the file (if any), then apply the command-line flags. Raises ConfigError."""
     doc: dict[str, Any] = {}
     if path:
@@ -166,6 +174,8 @@ def load_settings(path: str | None, *, endpoints: list[str] | None = None, backe
                                                             ("decode", decode)) for e in eps or ()))
         if policy:
             s = replace(s, balancer=replace(s.balancer, policy=string(choices=POLICIES)(policy)))
+        if metrics_port is not None:
+            s = replace(s, metrics=replace(s.metrics, port=integer(0, 65535)(metrics_port)))
     except BadValue as bad:
         errors.append(f"command line: {bad}")
     sec = s.security

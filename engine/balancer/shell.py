@@ -28,6 +28,7 @@ from engine.balancer import ops
 from engine.balancer.actions import (CloseBackend, EmitTokens, FailRequest, FinishRequest, OpenBackend, Reply,
                                      ReplyError, SendUpstream)
 from engine.balancer.core import BalancerCore
+from engine.balancer.metrics import BalancerMetrics
 from engine.balancer.settings import BalancerSettings
 from engine.balancer.upstream import UpstreamLink
 from engine.config import ConfigError
@@ -61,6 +62,7 @@ class Balancer:
         self._signals: list[int] = []
         self.exit_code = 0
         self._stop = False
+        self.metrics = BalancerMetrics()
 
     def next_request_id(self) -> int:
         self._next_rid += 1
@@ -90,6 +92,14 @@ class Balancer:
             if eps[i].startswith("ipc://"):
                 os.chmod(eps[i][len("ipc://"):], 0o600)
         self._apply(self.core.take_setup_actions(), self.clock())
+        m = self.settings.metrics
+        if m.port:
+            try:
+                self.metrics.serve(m.host, m.port)
+            except OSError as e:
+                raise ValueError(f"metrics port {m.host}:{m.port} cannot be bound: {e.strerror or e}; choose "
+                                 f"another with --metrics-port or metrics.port (0 turns it off)") from None
+            log("metrics_serving", url=f"http://{m.host}:{self.metrics.port}/metrics")
         log("balancing", endpoints=eps, backends=[b.endpoint for b in self.settings.backends],
             policy=self.settings.balancer.policy, curve=self.security is not None)
 
@@ -189,6 +199,7 @@ class Balancer:
                     self._on_signals(now)
             actions += core.tick(now)
             self._apply(actions, now)
+            self.metrics.publish(core, now)
             dead = fe.flush()
             if dead:
                 self._apply(core.client_gone(dead, now), now)
@@ -212,7 +223,7 @@ class Balancer:
                 if link is None or not link.send(a.msg):
                     todo.extend(core.on_send_failed(a.backend, a.msg, now))
             elif t is EmitTokens:
-                fe.emit(a.request_id, a.tokens, a.logprobs, a.text)
+                fe.emit(a.request_id, a.tokens, a.logprobs, a.text, a.top_logprobs, a.prompt_logprobs)
             elif t is FinishRequest:
                 fe.finish(a.request_id, a.finish_reason, a.usage, a.timing)
             elif t is FailRequest:
@@ -246,6 +257,7 @@ class Balancer:
         return self.exit_code
 
     def close(self) -> None:
+        self.metrics.close()
         for name in list(self.links):
             self._close_link(name)
         if self.frontend is not None:
@@ -271,7 +283,7 @@ class Balancer:
 
 def _keep_listening_side(old: BalancerSettings, new: BalancerSettings) -> BalancerSettings:
     """A reload changes the backends (and their keys); the listening side stays as started."""
-    return replace(new, balancer=old.balancer, security=old.security)
+    return replace(new, balancer=old.balancer, security=old.security, metrics=old.metrics)
 
 
 def _tokens_fast(data: bytes) -> dict | None:

@@ -26,6 +26,8 @@ class EmitTokens(NamedTuple):
     tokens: list[int]  # may be empty when `text` releases held text at the end
     logprobs: list[float] | None = None
     text: str | None = None  # decoded delta (None: the scheduler has no tokenizer)
+    top_logprobs: list | None = None  # per token, its alternatives [[id, logprob], ...] (when asked)
+    prompt_logprobs: dict | None = None  # the prompt's logprobs, once, before the first token (when asked)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping
 from operator import attrgetter
 
 from engine.core.batch_profiles import lanes_for
+from engine.core.logprob_asks import whole_prompt
 from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin
 from engine.core.request_record import RequestRecord
 from engine.core.scheduler_config import SchedulerConfig
@@ -142,7 +143,7 @@ class BatchPlanner:
         own (it always fits an empty one: the backend's limit is at least
         max_seq).
         """
-        chunk, chunked = self.chunk, self.chunked
+        chunk = self.chunk
         prompts: list[PromptChunk] = []
         while len(prompts) < self.top:
             classes = queues.nonempty()
@@ -153,6 +154,7 @@ class BatchPlanner:
             r = requests[queues.members(cls)[0]]
             start = r.committed
             need = r.prefill_target - start
+            chunked = self.chunked and not whole_prompt(r)
             if need <= left:
                 take = min(need, chunk) if chunked else need
             elif prompts and (not chunked or need <= chunk):

@@ -46,7 +46,7 @@ class ChipState:
     decode_ready: dict[int, None] = field(default_factory=dict)  # ordered set of request ids
     bound: set[int] = field(default_factory=set)  # request ids holding a KV sequence here
     # decode lanes whose job is in flight with no next step queued behind it (executor.queue_next_step)
-    followable: dict[int, None] = field(default_factory=dict)
+    queueable: dict[int, None] = field(default_factory=dict)
     governor: InflightGovernor | None = None  # jobs in flight allowed now (ping/pong and its downgrade)
     jobs_submitted: int = 0
     transfers: int = 0  # KV_EXPORT / KV_IMPORT jobs among `inflight` (they take no compute slot)
@@ -56,11 +56,12 @@ class ChipState:
     def load(self) -> int:
         return len(self.bound) + len(self.inflight)
 
-    def may_follow(self, r: RequestRecord) -> None:
+    def may_queue_step(self, r: RequestRecord) -> None:
         """r's job is running: its next step may be queued unless that job's token is its last (max_tokens),
-        or its output is constrained (the worker's matcher takes its tokens in order, job by job)."""
-        if r.stop.max_tokens - r.stop.produced > 1 and r.params.constraint is None:
-            self.followable[r.request_id] = None
+        or its output is constrained or penalised (the worker's matcher or counts take its tokens in order,
+        job by job)."""
+        if r.stop.max_tokens - r.stop.produced > 1 and not r.params.host_stepped:
+            self.queueable[r.request_id] = None
 
     def release_freed(self, out: list) -> None:
         """The blocks freed since the last job, as a notice ahead of any job that may reuse one."""

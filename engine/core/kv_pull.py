@@ -4,16 +4,19 @@ The prefill board serves what its `HandoffTable` holds on a transfer endpoint
 (`board.handoff_endpoint`); a decode board that has the descriptor pulls:
 
     decode                              prefill
-    claim {tid, hid, credit: W}   ->                      the hold is claimed (refused: recompute)
+    claim {tid, hid, credit: W, sums}  ->                 the hold is claimed (refused: recompute)
                                   <-    meta {tid, blocks: n}
-                                  <-    chunk {tid, seq, crc, sizes} + payload   (one per credit)
+                                  <-    chunk {tid, seq, crc | crc32c, sizes} + payload   (one per credit)
     credit {tid, n}               ->                      the receiver grants more as it consumes
     release {tid, hid, ok}        ->                      the prefill board frees the hold now
 
 Credit-based flow control (the ZeroMQ Guide's "credit-based flow control"):
 the sender sends a chunk only against a credit, so a slow decode board is
 never flooded and the prefill board never queues more than W chunks.
-Each chunk carries a CRC-32 of its payload; each record in it carries its own
+Each chunk carries a checksum of its payload: CRC-32C (`crc32c`) when the
+claim lists "crc32c" in `sums` (hardware speed), else zlib's CRC-32 (`crc`),
+which is what a receiver that sends no `sums` gets and what a sender that
+ignores them sends, so either side may be older. Each record in it carries its own
 layout tag, chain hash and CRC (ipc/kv_slots.py), which the shell checks
 through `verify`. Any failure (refusal, checksum, order, a peer silent for
 `timeout_s`) ends the pull FAILED and sends a release: the decode board then
@@ -26,9 +29,12 @@ from __future__ import annotations
 
 import enum
 import zlib
+
+import crc32c as _crc32c
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+SUMS = ("crc32c",)  # chunk checksums a receiver accepts besides CRC-32 (`crc`), fastest first
 DEFAULT_CREDIT = 4  # chunks in flight per transfer
 DEFAULT_CHUNK_BLOCKS = 16  # records per chunk
 DEFAULT_TIMEOUT_S = 2.0  # a transfer silent this long has failed (the receiver recomputes)
@@ -66,7 +72,7 @@ class Pull:
         self._last = self.now
         self._granted = self.credit
         self.outbox.append(({"t": "claim", "tid": self.tid, "hid": self.hid, "credit": self.credit,
-                             "want": self.want}, None))
+                             "want": self.want, "sums": list(SUMS)}, None))
 
     @property
     def finished(self) -> bool:
@@ -94,7 +100,10 @@ class Pull:
     def _chunk(self, hdr: dict, payload: bytes) -> None:
         if hdr.get("seq") != self._seq:
             return self._fail("order")
-        if zlib.crc32(payload) != hdr.get("crc"):
+        if "crc32c" in hdr:
+            if _crc32c.crc32c(payload) != hdr["crc32c"]:
+                return self._fail("checksum")
+        elif zlib.crc32(payload) != hdr.get("crc"):
             return self._fail("checksum")
         sizes = hdr.get("sizes") or []
         if sum(sizes) != len(payload) or not sizes:
@@ -160,6 +169,7 @@ class Serve:
     chunk_blocks: int = DEFAULT_CHUNK_BLOCKS
     timeout_s: float = DEFAULT_TIMEOUT_S
     grace_s: float = EXPORT_GRACE_S
+    sums: Sequence[str] = ()  # the receiver's claim's `sums`: the chunk checksums it accepts besides CRC-32
     state: ServeState = ServeState.WAITING
     total: int = 0
     sent: int = 0
@@ -213,8 +223,12 @@ class Serve:
                 self.state = ServeState.ENDED
                 return
             payload = b"".join(recs)
-            self.outbox.append(({"t": "chunk", "tid": self.tid, "seq": self._seq, "crc": zlib.crc32(payload),
-                                 "sizes": [len(r) for r in recs]}, payload))
+            hdr = {"t": "chunk", "tid": self.tid, "seq": self._seq, "sizes": [len(r) for r in recs]}
+            if "crc32c" in self.sums:
+                hdr["crc32c"] = _crc32c.crc32c(payload)
+            else:
+                hdr["crc"] = zlib.crc32(payload)
+            self.outbox.append((hdr, payload))
             self._seq += 1
             self.sent += len(recs)
             self.credit -= 1

@@ -43,6 +43,7 @@ class RequestRecord:
     spec: object | None = None  # engine.core.spec.planner.SpecLane once the request speculates
     # (temperature, top_p, top_k, seed, logprobs) of params: a decode lane's sampling (ipc.records.decode_job)
     sampling: tuple = (0.0, 1.0, 0, 0, False)
+    prompt_logprobs_sent: bool = False  # the prompt's logprobs went out (engine.core.logprob_asks)
 
     @property
     def tenant(self) -> str:

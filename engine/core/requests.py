@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.core.constraint_spec import ConstraintSpec
+from engine.core.penalty_spec import PenaltySpec
 
 
 class RequestState(enum.Enum):
@@ -81,6 +82,8 @@ class GenerateParams:
     tenant: str = "default"
     priority: int = 0  # orders requests *within* a tenant only; weights come from configuration
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per sampled token (engine.core.logprob_asks)
+    prompt_logprobs: int | None = None  # the prompt's logprobs with this many alternatives; None: not asked
     # Tokens already produced for this request elsewhere (a balancer resuming a
     # broken stream): context after the prompt, counted toward max_tokens,
     # inside the stop-sequence window, never re-emitted.
@@ -88,3 +91,11 @@ class GenerateParams:
     prefix_salt: str = ""
     speculative: str | None = None  # "off" | "ngram"; None: the board's speculative.method
     constraint: ConstraintSpec | None = None  # structured output, compiled by the daemon at admission
+    penalties: PenaltySpec | None = None  # penalties, logit bias, min_p, min_tokens (None: all neutral)
+
+    @property
+    def host_stepped(self) -> bool:
+        """Whether each token needs the worker's per-request state (a constraint matcher, penalty counts):
+        then no queued next step or drafts (and, for a constraint, no multi-step decode)."""
+        return self.constraint is not None or self.penalties is not None
+    adapter: int = -1  # the board's number of the LoRA adapter the request runs under; -1 = the base model

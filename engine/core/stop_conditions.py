@@ -38,6 +38,7 @@ class StopChecker:
     eos_ids: frozenset[int] = frozenset()
     stop_token_ids: frozenset[int] = frozenset()
     stop_sequences: tuple[tuple[int, ...], ...] = ()
+    min_tokens: int = 0  # stop sequences end nothing until more tokens than this were produced (vLLM's rule)
     produced: int = 0  # tokens counted toward max_tokens (continuation included)
     _window: list[int] = field(default_factory=list)  # last tokens, for sequence matching
     _held: list[int] = field(default_factory=list)
@@ -45,13 +46,14 @@ class StopChecker:
 
     @classmethod
     def build(cls, max_tokens: int, eos_ids: Sequence[int], ignore_eos: bool, stop_token_ids: Sequence[int],
-              stop: Sequence[Sequence[int]], continuation: Sequence[int]) -> "StopChecker":
+              stop: Sequence[Sequence[int]], continuation: Sequence[int], min_tokens: int = 0) -> "StopChecker":
         seqs = tuple(tuple(int(t) for t in s) for s in stop if len(s) > 0)
         checker = cls(
             max_tokens=max_tokens,
             eos_ids=frozenset() if ignore_eos else frozenset(int(t) for t in eos_ids),
             stop_token_ids=frozenset(int(t) for t in stop_token_ids),
             stop_sequences=seqs,
+            min_tokens=min_tokens,
         )
         checker.produced = len(continuation)
         keep = checker._window_len()
@@ -79,7 +81,7 @@ class StopChecker:
                 del self._window[: len(self._window) - keep]
             self._held.append(token)
             self._held_lp.append(logprob)
-            for s in self.stop_sequences:
+            for s in self.stop_sequences if self.produced > self.min_tokens else ():
                 if len(self._window) >= len(s) and tuple(self._window[-len(s):]) == s:
                     # Drop the part of the match still held; earlier parts
                     # (e.g. inside the continuation) were already shown.

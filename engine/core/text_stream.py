@@ -41,9 +41,11 @@ _NOTHING = TextStep("", False)
 class TextStream:
     """One request's output text: `feed(piece)` per token, `finish()` when generation ends for another reason."""
 
-    __slots__ = ("stops", "stopped", "finished", "_decoder", "_held", "_max_hold", "_firsts", "plain", "decode")
+    __slots__ = ("stops", "stopped", "finished", "_decoder", "_held", "_max_hold", "_firsts", "plain", "decode",
+                 "_unchecked")
 
-    def __init__(self, stops: Sequence[str] = ()) -> None:
+    def __init__(self, stops: Sequence[str] = (), min_tokens: int = 0) -> None:
+        """`min_tokens`: the stop strings end nothing until more tokens than this were fed (vLLM's rule)."""
         assert all(isinstance(s, str) and s for s in stops), "stop strings are non-empty str"
         self.stops = tuple(dict.fromkeys(stops))
         self.stopped = False  # a stop string matched: nothing more will be shown
@@ -56,6 +58,7 @@ class TextStream:
         self._held = ""  # decoded text that may be the start of a stop string
         self._max_hold = max((len(s) for s in self.stops), default=1) - 1
         self._firsts = frozenset(s[0] for s in self.stops)
+        self._unchecked = min_tokens if self.stops else 0  # tokens still to feed before a stop string may match
 
     def feed(self, piece: bytes) -> TextStep:
         """The bytes of one more token; returns the text now safe to show."""
@@ -63,6 +66,9 @@ class TextStream:
         new = self._decoder.decode(piece)
         if not self.stops:
             return TextStep(new, False) if new else _NOTHING
+        if self._unchecked:
+            self._unchecked -= 1
+            return self._scan(self._held + new, final=False, match=False) if new else _NOTHING
         if not new:
             return _NOTHING
         return self._scan(self._held + new, final=False)
@@ -90,9 +96,9 @@ class TextStream:
                 return True
         return False
 
-    def _scan(self, buf: str, final: bool) -> TextStep:
+    def _scan(self, buf: str, final: bool, match: bool = True) -> TextStep:
         best: tuple[int, int] | None = None  # (end, start) of the first stop string to complete
-        for s in self.stops:
+        for s in self.stops if match else ():
             i = buf.find(s)
             if i >= 0 and (best is None or (i + len(s), i) < best):
                 best = (i + len(s), i)

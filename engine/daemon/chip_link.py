@@ -118,6 +118,7 @@ class ChipLink:
         self._ctl_sent = 0
         self._starts = 0
         self._failure_reported = False
+        self.lora_stats: dict = {}  # the worker's last adapter report (its heartbeat's `lora`)
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -277,6 +278,16 @@ class ChipLink:
         assert self.socket is not None, "attach_kv_pool() on a stopped ChipLink"
         self._send_control(encode(Msg.KV_POOL, **fields))
 
+    def lora_add(self, number: int, path: str, sha256: str) -> None:
+        """Register a LoRA adapter with the worker (jobs submitted after this may name `number`)."""
+        assert self.socket is not None, "lora_add() on a stopped ChipLink"
+        self._send_control(encode(Msg.LORA_ADD, id=int(number), path=path, sha256=sha256))
+
+    def lora_drop(self, number: int) -> None:
+        """Drop an adapter (the worker applies it before any job submitted after this)."""
+        assert self.socket is not None, "lora_drop() on a stopped ChipLink"
+        self._send_control(encode(Msg.LORA_DROP, id=int(number)))
+
     def chaos(self, action: str, seconds: float = 0.0) -> None:
         """Test hook: "crash", "hang" (for `seconds`) or "slow" (`seconds` added to every job)."""
         assert self.socket is not None, "chaos() on a stopped ChipLink"
@@ -312,6 +323,8 @@ class ChipLink:
                 events.append(WorkerFailed(str(msg["message"])))
             elif kind is Msg.HEARTBEAT:
                 heartbeat = Heartbeat(float(msg["at"]), int(msg["jobs_done"]), int(msg.get("busy_job", -1)))
+                if type(msg.get("lora")) is dict:
+                    self.lora_stats = msg["lora"]  # the worker's adapter slots, swaps, swap seconds
             # RESULT and BYE only wake us; results are read from the ring below.
         # The doorbell is emptied BEFORE the ring is read: the worker commits a record before it
         # rings, so a record this drain misses rang after the read below and leaves the fd readable.

@@ -1,6 +1,6 @@
 """The daemon's single-threaded event loop: sockets in, core actions out.
 
-Everything that changes state happens here, on one thread (DESIGN §2): the
+Everything that changes state happens here, on one thread (one owner of the state, so no locks): the
 zmq.Poller waits on the client ROUTER sockets, one control socket and one
 result doorbell fd per chip and a self-pipe that signals write to; each
 wake-up feeds what arrived into the sans-I/O scheduler core, calls `tick`,
@@ -144,6 +144,7 @@ class Daemon:
             if e.step == "validate":
                 raise ConfigError(e.message.split("; "))
             raise StartupError(e.message if len(self.startup_models) == 1 else f"{failures[0].rec.alias}: {e.message}")
+        self._load_startup_adapters()
         for ep in cfg.server.endpoints:
             if ep.startswith("ipc://"):
                 _remove_stale_socket(ep[len("ipc://"):])
@@ -189,6 +190,16 @@ class Daemon:
             chips=cfg.board.chips, model=self.gens.model_alias, models=sorted(self.gens.models.published),
             pids=[lk.pid for g in self.gens.generations.values() for lk in g.links])
         self.service.ready(self.clock())
+
+    def _load_startup_adapters(self) -> None:
+        """The [[lora.adapter]] tables and --lora flags, through the adapter gate; a refused one fails start-up."""
+        from engine.daemon.lora_registry import AdapterRefused
+
+        for a in self.cfg.lora.adapter:
+            try:
+                self.gens.lora.load(a.name, a.path, a.base)
+            except AdapterRefused as e:
+                raise StartupError(f"lora adapter {a.name!r} ({a.path}): {e}") from None
 
     def wake(self) -> None:
         """Make the loop turn again at once (from any thread: a byte on the self-pipe)."""
@@ -307,6 +318,7 @@ class Daemon:
             service.turn(now)
         for job in list(gens.load_jobs):
             job.poll(now)
+        gens.lora.tick()
         if self._child_exited:
             self._child_exited = False
             next_supervise = now
@@ -382,12 +394,16 @@ class Daemon:
                     gens.ended(rid, t is FinishRequest)
                 continue
             if t is EmitTokens:
-                fe.emit(rid, a.tokens, a.logprobs, a.text)
+                fe.emit(rid, a.tokens, a.logprobs, a.text, a.top_logprobs, a.prompt_logprobs)
             elif t is FinishRequest:
                 fe.finish(rid, a.finish_reason, a.usage, a.timing)
                 gens.ended(rid, True)
+                if gens.lora.by_rid:
+                    gens.lora.finished(rid, a.usage)
             elif t is FailRequest:
                 fe.fail(rid, a.code, a.reason, a.message, a.retryable, a.retry_after_ms)
+                if gens.lora.by_rid:
+                    gens.lora.finished(rid, None)
                 if a.timing is None and gens.generation_of(rid) is not None:
                     g.rec.counters["rejected"] += 1
                 gens.ended(rid, False)

@@ -77,6 +77,8 @@ class Stream:
     tokens_prefix: bytes = b""  # the encoded tokens-event envelope up to the token list (hot path)
     generation: int = 0  # the model generation serving it (its `done` says so); 0: not known
     handoff: dict | None = None  # a prefill leg's hand-off descriptor, sent in its `done`
+    pending_top: list | None = None  # alternatives of the pending tokens (requests that asked for them)
+    prompt_lp: dict | None = None  # the prompt's logprobs, until sent (requests that asked for them)
 
     def __post_init__(self) -> None:
         self.tokens_prefix = encode(_event_envelope("tokens", self.cid))[:-1] + b',"tokens":'
@@ -232,10 +234,15 @@ class Frontend:
         self._dirty.pop(st.rid, None)
 
     # -- outbound ----------------------------------------------------------------
-    def emit(self, rid: int, tokens: list[int], logprobs: list[float] | None, text: str | None = None) -> None:
+    def emit(self, rid: int, tokens: list[int], logprobs: list[float] | None, text: str | None = None,
+             top_logprobs: list | None = None, prompt_logprobs: dict | None = None) -> None:
         st = self._by_rid.get(rid)
         if st is None:
             return  # request of a dropped client
+        if top_logprobs is not None or prompt_logprobs is not None:
+            self._alternatives(st, tokens, top_logprobs, prompt_logprobs)
+        elif st.pending_top is not None:
+            st.pending_top.extend([] for _ in tokens)
         st.pending.extend(tokens)
         if text is not None:
             if st.pending_text is None:  # a balancer learns from its backend's events that the model has text
@@ -245,6 +252,19 @@ class Frontend:
             st.pending_lp.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
         if st.stream:
             self._dirty[rid] = st
+
+    def _alternatives(self, st: Stream, tokens: list[int], top: list | None, prompt: dict | None) -> None:
+        """Keep alternatives beside the pending tokens (the rare path: requests that asked for them)."""
+        if prompt is not None:
+            st.prompt_lp = prompt
+            if st.stream:
+                self._dirty[st.rid] = st
+        if top is not None:
+            if st.pending_top is None:
+                st.pending_top = [[] for _ in st.pending]
+            st.pending_top.extend(top)
+        elif st.pending_top is not None:
+            st.pending_top.extend([] for _ in tokens)
 
     def finish(self, rid: int, finish_reason: str, usage: dict, timing: dict) -> None:
         st = self._by_rid.get(rid)
@@ -256,7 +276,8 @@ class Frontend:
         else:
             ev = done_event(st.cid, finish_reason, usage, _timing(timing), tokens=st.pending,
                             logprobs=st.pending_lp,
-                            text=None if st.pending_text is None else "".join(st.pending_text))
+                            text=None if st.pending_text is None else "".join(st.pending_text),
+                            top_logprobs=st.pending_top, prompt_logprobs=st.prompt_lp)
             self.counters.tokens_out += len(st.pending)
         if st.generation:
             ev["generation"] = st.generation
@@ -331,10 +352,15 @@ class Frontend:
 
     def _tokens_payload(self, st: Stream, final: bool = False) -> bytes | None:
         """The tokens event of what `st` holds (taking it), or None when there is nothing to send now."""
-        if not st.pending and not st.pending_text:
+        prompt_lp = st.prompt_lp
+        if not st.pending and not st.pending_text and prompt_lp is None:
             return None
         if not final and self._blocked and st.conn in self._blocked:
             return None  # keep coalescing until the client drains its queue
+        top = st.pending_top
+        if top is not None or prompt_lp is not None:
+            st.pending_top = [] if top is not None else None
+            st.prompt_lp = None
         toks = st.pending
         lp = st.pending_lp
         st.pending = []
@@ -344,9 +370,11 @@ class Frontend:
         if st.pending_text is not None:
             text = "".join(st.pending_text)
             st.pending_text = []
-            if not toks and not text:
+            if not toks and not text and prompt_lp is None:
                 return None
         self.counters.tokens_out += len(toks)
+        if top is not None or prompt_lp is not None:
+            return encode(tokens_event(st.cid, toks, lp, text, top, prompt_lp))
         if lp is None:
             # Same bytes as encode(tokens_event(...)) without building the dict: one event per token is
             # the daemon's hottest path.

@@ -19,6 +19,7 @@ from engine.config import Config
 from engine.core.model_state import ModelState
 from engine.core.model_table import DrainVerdict, GenerationRecord, ModelTable
 from engine.daemon.log import log
+from engine.daemon.lora_registry import LoraRegistry
 from engine.daemon.models.generation import ChipObserver, Generation
 from engine.daemon.models.load_job import LoadJob
 
@@ -57,6 +58,7 @@ class Generations:
         self.retired_counters: dict[str, int] = {}  # counters of generations that are gone
         self.retired_entries: dict[int, dict] = {}  # the last `models` entries of unloaded generations
         self.lifecycle_counts: collections.Counter = collections.Counter()  # (alias, op, outcome) -> n, for metrics
+        self.lora = LoraRegistry(self)  # the board's LoRA adapters (engine/daemon/lora_registry.py)
 
     # -- which generations -----------------------------------------------------------------
     def default_generation(self) -> Generation | None:

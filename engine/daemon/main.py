@@ -15,6 +15,7 @@ import shlex
 import sys
 
 from engine.config import BACKENDS, LOG_FORMATS, Config, ConfigError, load_config
+from engine.lora_config import with_lora_flags
 from engine.daemon.log import configure as configure_log
 from engine.daemon.log import log
 from engine.exit_codes import EXIT_CONFIG, EXIT_STARTUP
@@ -37,6 +38,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", action="append", default=[], metavar="ALIAS=PACKAGE",
                    help="load PACKAGE (under the model root) as ALIAS at start-up (repeatable; the first is "
                         "the board's default unless model.alias names another)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve the LoRA adapter package PATH as model NAME on the board's model (repeatable; "
+                        "adds to [[lora.adapter]]; docs/lora.md)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (metrics.port)")
     p.add_argument("--log-format", choices=LOG_FORMATS,
                    help="log lines on stderr: json (one object per line), human, or auto = human on a terminal "
@@ -125,7 +129,7 @@ def main(argv: list[str]) -> int:
     try:
         backend_extra = parse_pairs(args.backend_option, "--backend-option")
         overrides = overrides_from(args)
-        cfg = load_config(args.config, overrides)
+        cfg = with_lora_flags(load_config(args.config, overrides), args.lora)
     except ConfigError as e:
         return _startup_failed(EXIT_CONFIG, "configuration error: " + "; ".join(e.errors), e.errors)
     configure_log(cfg.log.level, cfg.log.format)
@@ -145,7 +149,8 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # a broken cache dir, an unwritable home: say so, do not trace back
         return _startup_failed(EXIT_STARTUP, f"cannot prepare the model package: {e}")
     daemon = Daemon(cfg, package_path=models[0][1], extra_backend_options=backend_extra,
-                    config_loader=lambda: load_config(args.config, overrides), trace_path=args.trace,
+                    config_loader=lambda: with_lora_flags(load_config(args.config, overrides), args.lora),
+                    trace_path=args.trace,
                     models=models)
     try:
         daemon.start()

@@ -26,8 +26,10 @@ from engine.daemon.auth import is_admin, tenant_for, visible_stats
 from engine.daemon.handoff.intake import take_handoff
 from engine.daemon.handoff.shm import advertise, take_from_host_pool
 from engine.daemon.log import log
+from engine.daemon import lora_ops
 from engine.daemon.models import admin_ops
 from engine.core.model_table import RouteOutcome
+from engine.core.penalty_spec import set_fields as penalty_fields, spec_of as penalties_of
 
 if TYPE_CHECKING:
     from engine.daemon.frontend import Conn, Frontend
@@ -37,7 +39,8 @@ if TYPE_CHECKING:
 
 # Wire fields of `generate` that are scheduler parameters (model/stream are the shell's).
 _PARAM_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
-                 "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "speculative")
+                 "ignore_eos", "deadline_ms", "tenant", "priority", "logprobs", "continuation", "speculative",
+                 "top_logprobs", "prompt_logprobs")
 NOT_IMPLEMENTED_OPS: frozenset[str] = frozenset()
 
 
@@ -47,6 +50,8 @@ def params_from(msg: dict, tokenizer=None) -> GenerateParams:
     Raises TextRejected when the text cannot be tokenized for this model, or its `constraint` does not
     compile (`invalid_constraint`)."""
     fields = {k: msg[k] for k in _PARAM_FIELDS if k in msg}
+    if fields.get("top_logprobs"):
+        fields["logprobs"] = True  # alternatives come with the chosen token's logprob
     fields["prompt"] = prompt_of(msg, tokenizer)
     fields["stop"], fields["stop_strings"] = split_stop(msg.get("stop", []))
     c = msg.get("constraint")
@@ -55,7 +60,24 @@ def params_from(msg: dict, tokenizer=None) -> GenerateParams:
             fields["constraint"] = BOARD_CACHE.get(c["kind"], c["body"])
         except ConstraintRejected as e:
             raise TextRejected("invalid_constraint", str(e)) from None
+    fields["penalties"] = penalties_of(msg)
     return GenerateParams(**fields)
+
+
+def logprob_refusal(params: GenerateParams, info, handoff: dict | None = None) -> tuple[str, str] | None:
+    """(reason, message) of a 400 when the generation's backend cannot give the logprobs asked for."""
+    extra = {} if info is None else info.extra
+    if params.prompt_logprobs is not None and handoff is not None and not handoff.get("export"):
+        return "prompt_logprobs_unsupported", ("prompt_logprobs: a decode leg's prompt was computed by the "
+                                               "prefill board, which answers them")
+    name = "this" if info is None else f"the {info.name}"
+    if params.top_logprobs and extra.get("samples_on_device"):
+        return "top_logprobs_unsupported", (f"top_logprobs: {name} backend samples on the device and returns no "
+                                            "logits, so it has no alternatives to give")
+    if params.prompt_logprobs is not None and not extra.get("prompt_logprobs"):
+        return "prompt_logprobs_unsupported", (f"prompt_logprobs: {name} backend does not return the logits of "
+                                               "prompt positions (echo with logprobs needs them)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,15 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
     cid = msg["id"]
     fe, gens = o.frontend, o.gens
     if op == "generate":
+        adapter = None
+        if gens.lora.by_name or msg.get("adapter") is not None:
+            try:
+                adapter = lora_ops.pick_adapter(gens, {**msg, "tenant": tenant_for(conn, msg["tenant"])})
+            except lora_ops.AdapterRejected as e:
+                fe.error(conn, cid, e.code, e.reason, e.message)
+                return []
+            if adapter is not None:
+                msg["model"] = adapter.base
         route = gens.models.route(msg.get("model"))
         if route.outcome is RouteOutcome.UNKNOWN:
             fe.error(conn, cid, 404, "model_not_found", route.message)
@@ -95,8 +126,19 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
             fe.error(conn, cid, 400, "constraint_unsupported", f"constraint: the {g.info.name} backend samples on "
                                                                "the device, so no token mask can apply")
             return []
+        if params.penalties is not None and g.info is not None and g.info.extra.get("samples_on_device"):
+            name = penalty_fields(msg)[0]
+            fe.error(conn, cid, 400, f"{name}_unsupported", f"{name}: the {g.info.name} backend samples on the "
+                                                           "device, so no penalty or bias can apply")
+            return []
+        refused = logprob_refusal(params, g.info, msg.get("handoff"))
+        if refused is not None:
+            fe.error(conn, cid, 400, *refused)
+            return []
+        if adapter is not None:
+            lora_ops.apply_adapter(params, adapter)
         rid = gens.next_request_id()
-        if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), bool(msg.get("logprobs", False)),
+        if not fe.open(rid, conn, cid, bool(msg.get("stream", True)), params.logprobs,
                        text=g.tokenizer is not None, generation=g.id):
             fe.error(conn, cid, 400, "duplicate_id", f"request id {cid!r} is already in flight on this connection")
             return []
@@ -113,6 +155,8 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
                 if desc is not None:
                     fe.set_handoff(rid, desc)
         gens.admit(rid, g)
+        if adapter is not None:
+            gens.lora.admit(rid, adapter)
         o.apply(g.scheduler.submit(rid, params, now), g, now)
         return []
     if op == "cancel":
@@ -128,13 +172,18 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         return []
     if op == "stats":
         body = {**o.views.stats(now), "constraints": BOARD_CACHE.stats()}  # structured output: the board's compiles
+        if gens.lora.by_name or gens.lora.loads:
+            body["lora"] = gens.lora.stats()
         fe.reply(conn, cid, "stats", visible_stats(conn, jsonable(body)))
         return []
     if op == "models":  # open to every client, as before: a front or a balancer learns what is served
-        fe.reply(conn, cid, "models", {"models": o.views.models_list()})
+        fe.reply(conn, cid, "models", {"models": o.views.models_list() + gens.lora.entries()})
         return []
     if op in admin_ops.OPS:
         admin_ops.handle(gens, fe, conn, msg, now)
+        return []
+    if op in lora_ops.OPS:
+        lora_ops.handle(gens, fe, conn, msg, now)
         return []
     if op in ("drain", "resume"):
         if not is_admin(conn):

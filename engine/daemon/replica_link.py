@@ -1,6 +1,6 @@
 """The workers of one tensor-parallel replica, seen by the generation as one chip.
 
-A replica spans `board.chips_per_replica` chips (issue 28). The scheduler
+A replica spans `board.chips_per_replica` chips (docs/backends.md). The scheduler
 treats it as it treats a chip: one KV manager, lanes, prefix cache and jobs in
 flight. This link sends each job to every rank's worker at once (each has its
 own rings, as a chip does), passes rank 0's result up and drops the others'.

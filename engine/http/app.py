@@ -28,11 +28,12 @@ from engine.http.api_keys import ApiKeys
 from engine.http.chat_template import no_template
 from engine.http.metrics import HttpMetrics
 from engine.http import kv_transfer
+from engine.http.choices import best, expand, fold, prompt_counted_once, prompt_once, staggered_batches
+from engine.http.logprob_objects import completion_answer, prompt_text
 from engine.http.openai_error import OpenAIError, bad, from_upstream
 from engine.http.openai_request import GenerateRequest, parse_chat, parse_completion, tenant_of_user
 from engine.http.openai_response import (
-    DONE, ChunkWriter, chat_logprobs, chat_object, completion_choice, completion_logprobs, completion_object,
-    error_event, new_id,
+    DONE, ChunkWriter, chat_logprobs, chat_object, completion_object, error_event, new_id, usage,
 )
 from engine.http.stream_encoder import StreamEncoder
 from engine.http.served_model import ServedModel
@@ -56,6 +57,7 @@ class Prepared:
     msgs: list[dict]
     prompt_text: list[str | None]  # what the render endpoints show
     served: ServedModel | None = None  # its tokenizer and template (None: not learned yet)
+    per_prompt: int = 1  # choices generated per prompt (n or best_of: engine/http/choices.py)
 
 
 def json_response(obj, status: int = 200) -> Response:
@@ -215,6 +217,9 @@ class Front:
                 "tenant": key_tenant or tenant_of_user(req.user)}
         if req.model is not None:
             base["model"] = req.model
+            parent = next((m.get("parent") for m in self.upstream.models if m.get("alias") == req.model), None)
+            if parent:  # a LoRA adapter: its base model and the adapter (a balancer routes by the base)
+                base["model"], base["adapter"] = parent, req.model
         if req.logprobs:
             base["logprobs"] = True
         if req.handoff is not None:
@@ -247,11 +252,14 @@ class Front:
             for p in req.prompts:
                 msgs.append(dict(base, text=p) if type(p) is str else dict(base, prompt=p))
                 texts.append(p if type(p) is str else None)
+        per_prompt = req.best_of or req.n
+        if not render_only:
+            msgs = expand(msgs, per_prompt, score=per_prompt > req.n)
         client = self.upstream.client if render_only else self.upstream.require_up()
         for m in msgs:
             m["id"] = client.new_id()
         model = req.model or (served.alias if served else "")
-        return Prepared(req, model, msgs, texts, served)
+        return Prepared(req, model, msgs, texts, served, per_prompt)
 
     # -- generation -------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -308,6 +316,14 @@ class Front:
 
         if len(prep.msgs) == 1:
             return [await one(prep.msgs[0])]
+        if prep.per_prompt > 1:  # n / best_of: streamed upstream, siblings after their leader
+            folded: list[dict | None] = [None] * len(prep.msgs)
+            async with contextlib.aclosing(staggered_batches(client, prep.msgs, prep.per_prompt)) as it:
+                async for i, batch in it:
+                    if batch[-1].get("ev") == "error":
+                        raise from_upstream(batch[-1])
+                    folded[i] = fold(batch, folded[i])
+            return folded
         tasks = [asyncio.ensure_future(one(m)) for m in prep.msgs]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -329,19 +345,24 @@ class Front:
         req, served = prep.req, prep.served
         token_text = served.token_text if served else (lambda t: f"token_id:{t}")
         created = int(time.time())
+        m = prep.per_prompt
+        usages = [prompt_once(d.get("usage") or {}, i, m) for i, d in enumerate(dones)]
+        kept = best(dones, m, req.n) if m > req.n else list(range(len(dones)))
         if req.kind == "chat":
-            d = dones[0]
-            lp = chat_logprobs(d.get("tokens") or [], d.get("logprobs") or [], token_text) if req.logprobs else None
-            obj = chat_object(new_id("chat"), prep.model, created, d.get("text") or "", d.get("finish_reason"),
-                              d.get("usage") or {}, lp)
+            choices = []
+            for k, i in enumerate(kept):
+                d = dones[i]
+                lp = chat_logprobs(d.get("tokens") or [], d.get("logprobs") or [], token_text,
+                                   d.get("top_logprobs")) if req.logprobs else None
+                choices.append(chat_object(new_id("chat"), prep.model, created, d.get("text") or "",
+                                           d.get("finish_reason"), {}, lp)["choices"][0] | {"index": k})
+            obj = chat_object(new_id("chat"), prep.model, created, "", None, {}, None)
+            obj["choices"], obj["usage"] = choices, usage(usages)
         else:
             choices = []
-            for i, d in enumerate(dones):
-                lp = completion_logprobs(d.get("tokens") or [], d.get("logprobs") or [], token_text) \
-                    if req.logprobs else None
-                choices.append(completion_choice(i, d.get("text") or "", d.get("finish_reason"), lp))
-            obj = completion_object(new_id("completion"), prep.model, created, choices,
-                                    [d.get("usage") or {} for d in dones])
+            for k, i in enumerate(kept):
+                choices.append(completion_answer(req, k, dones[i], req.prompts[i // m], token_text))
+            obj = completion_object(new_id("completion"), prep.model, created, choices, usages)
         if req.handoff is not None and req.handoff.get("export"):  # vllm-router's prefill leg
             board = (getattr(self.upstream, "last_health", None) or {}).get("board")
             obj[kv_transfer.FIELD] = kv_transfer.response_params(dones[0], prep.msgs[0]["id"],
@@ -353,9 +374,11 @@ class Front:
         req = prep.req
         served = prep.served
         n = len(prep.msgs)
+        token_text = served.token_text if served else (lambda t: f"token_id:{t}")
         enc = StreamEncoder(ChunkWriter(req.kind, new_id(req.kind), prep.model, req.include_usage), n,
-                            logprobs=req.logprobs,
-                            token_text=served.token_text if served else (lambda t: f"token_id:{t}"))
+                            logprobs=req.logprobs, token_text=token_text,
+                            echo=[prompt_text(req.prompts[i // prep.per_prompt], token_text)
+                                  for i in range(n)] if req.echo else None)
         metrics = self.metrics
         first_at: list[float] = []
 
@@ -376,7 +399,9 @@ class Front:
         # One choice (nearly every stream): its batches straight from the client, no merging generator between.
         single = n == 1
         batches = self.upstream.client.stream_batches(prep.msgs[0]) if single else \
-            merged_batches(self.upstream.client, prep.msgs)
+            merged_batches(self.upstream.client, prep.msgs) if prep.per_prompt == 1 else \
+            prompt_counted_once(staggered_batches(self.upstream.client, prep.msgs, prep.per_prompt),
+                                prep.per_prompt)
         metrics.in_flight.inc()
         # Wait for the first batch before the status line: an upstream error (429, 400 prompt too long, ...)
         # is then still an HTTP status, not an event inside a 200 stream.
@@ -478,8 +503,9 @@ class Front:
             return error_response(e)
         served = self.upstream.served
         data = [{"id": m["alias"], "object": "model", "created": 0, "owned_by": "npuserve",
-                 "max_model_len": m.get("max_seq"),
-                 "chat_template": (served[m["alias"]].chat_template or None) if m["alias"] in served else None}
+                 "max_model_len": m.get("max_seq") or (served[m["alias"]].max_seq if m["alias"] in served else None),
+                 "chat_template": (served[m["alias"]].chat_template or None) if m["alias"] in served else None,
+                 **({"parent": m["parent"]} if m.get("parent") else {})}  # a LoRA adapter: its base model
                 for m in self.upstream.models]
         return json_response({"object": "list", "data": data})
 
@@ -500,7 +526,8 @@ class Front:
                 families = stats.get("metrics")
             except ClientError:
                 families = None
-        return Response(self.metrics.exposition(families), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body, ctype = self.metrics.exposition(families, request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": ctype})
 
 
 def build_app(front: Front) -> Starlette:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from engine.daemon.observability import exposition
 from engine.daemon.observability.metrics import PREFIX, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 # The front's added TTFT is meant to be ~1 ms: finer buckets than the daemon's.
@@ -48,14 +49,13 @@ class HttpMetrics:
             child = self._children[(endpoint, status)] = self.requests.labels(endpoint, str(status))
         child.inc()
 
-    def exposition(self, upstream_families: list[dict] | None) -> bytes:
-        """Our series, then the upstream's (the families of its `stats` reply), in the text format."""
-        out = generate_latest(self.registry)
+    def exposition(self, upstream_families: list[dict] | None, accept: str | None = None) -> tuple[bytes, str]:
+        """Our series, then the upstream's (the families of its `stats` reply), in the format `accept` asks
+        for (text unless it names OpenMetrics): (body, Content-Type)."""
+        sources = [self.registry]
         if upstream_families:
-            up = CollectorRegistry()
-            up.register(_FamiliesCollector(upstream_families))
-            out += generate_latest(up)
-        return out
+            sources.append(_FamiliesCollector(upstream_families))
+        return exposition.render(sources, accept)
 
 
 class _FamiliesCollector(Collector):

@@ -18,7 +18,9 @@ from typing import Any, Callable
 
 from engine.http import kv_transfer
 from engine.http.openai_error import bad
+from engine.http.choices import MAX_CHOICES
 from engine.http.response_format import FIELDS as CONSTRAINT_FIELDS, constraint_of
+from engine.http.sampling_penalties import FIELDS as PENALTY_FIELDS, penalty_fields
 from ipc.schema import NAME_RE, SPECULATIVE_METHODS
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions body (one choice each)
@@ -28,6 +30,7 @@ MAX_TOKENS = 1 << 20
 MAX_MESSAGES = 4096
 _NOT_TENANT_CHARS = re.compile(r"[^A-Za-z0-9_.:-]")
 _MISSING = object()
+MAX_TOP_LOGPROBS = 20  # alternatives per token: OpenAI's chat cap, vLLM's for completions
 
 
 @dataclass
@@ -38,7 +41,7 @@ class GenerateRequest:
     model: str | None
     stream: bool
     include_usage: bool
-    logprobs: bool  # the chosen tokens' log-probabilities (all the engine returns)
+    logprobs: bool  # the chosen tokens' log-probabilities
     user: str | None
     sampling: dict  # wire fields of `generate`: max_tokens (None = chat default), temperature, ...
     prompts: list = field(default_factory=list)  # completion: str or list[int] per choice
@@ -46,6 +49,11 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     template_kwargs: dict = field(default_factory=dict)  # chat: extra variables for the template
     handoff: dict | None = None  # vLLM's kv_transfer_params as the wire's hand-off (engine/http/kv_transfer.py)
+    top_logprobs: int = 0  # alternatives per token (completions: logprobs = N; chat: top_logprobs)
+    echo: bool = False  # completions: the prompt before the completion (its logprobs too, with logprobs)
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs with this many alternatives
+    n: int = 1  # choices returned per prompt (engine/http/choices.py)
+    best_of: int | None = None  # completions: choices generated per prompt, the n best returned
 
 
 # -- field checks ------------------------------------------------------------------------------------
@@ -129,23 +137,11 @@ def _falsy(v: Any) -> bool:
 
 
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v is None or v == 1 and type(v) is int, "only n = 1 is supported (send one request per "
-                                                            "choice)"),
-    "best_of": (lambda v: v is None or v == 1 and type(v) is int, "only best_of = 1 is supported"),
-    "echo": (_falsy, "echo is not supported (the prompt is not returned)"),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
-    "presence_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 0), "penalties are not "
-                                                                                       "supported (send 0)"),
-    "frequency_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 0), "penalties are not "
-                                                                                        "supported (send 0)"),
-    "repetition_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 1), "penalties are not "
-                                                                                         "supported (send 1)"),
-    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
     "no_stop_trim": (_falsy, "no_stop_trim is not supported (stop strings are always cut from the text)"),
     "skip_special_tokens": (lambda v: v is None or v is True, "special tokens are never part of the text; "
                                                              "skip_special_tokens = false is not supported"),
     "return_hidden_states": (_falsy, "hidden states are not returned"),
-    "min_tokens": (lambda v: v is None or v == 0 and type(v) is int, "min_tokens is not supported (send 0)"),
     "continue_final_message": (_falsy, "continue_final_message is not supported"),
     "tools": (lambda v: v is None or v == [], "tool calling is not supported"),
     "functions": (lambda v: v is None or v == [], "function calling is not supported"),
@@ -161,10 +157,27 @@ _IGNORED = frozenset({"separate_reasoning", "stream_reasoning", "include_reasoni
 
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "user",
-                     "priority", "speculative", kv_transfer.FIELD}) | CONSTRAINT_FIELDS
-COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL) | _IGNORED
+                     "priority", "speculative", "prompt_logprobs", "n", kv_transfer.FIELD}) | CONSTRAINT_FIELDS \
+    | PENALTY_FIELDS
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of"} | set(_NEUTRAL) | _IGNORED
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "add_generation_prompt", "chat_template_kwargs"} \
     | set(_NEUTRAL) | _IGNORED
+
+
+def ask_logprobs(req: GenerateRequest) -> None:
+    """The wire fields of what a request asks of log-probabilities (engine/http/logprob_objects.py answers)."""
+    if req.top_logprobs:
+        req.sampling["top_logprobs"] = req.top_logprobs
+    wire = req.prompt_logprobs  # asked as such (vLLM's extension)
+    if req.echo and req.logprobs:  # echo with logprobs: the prompt tokens' too, with as many alternatives
+        wire = max(wire or 0, req.top_logprobs)
+    if req.sampling.get("max_tokens") == 0:
+        if not req.echo:
+            raise bad("max_tokens", "must be >= 1 (0 only with echo)")
+        if wire is None:
+            wire = 0  # the scheduler computes the prompt and answers no token
+    if wire is not None:
+        req.sampling["prompt_logprobs"] = wire
 
 
 def _check_fields(body: Any, known: frozenset | set) -> None:
@@ -174,8 +187,6 @@ def _check_fields(body: Any, known: frozenset | set) -> None:
         if name not in known:
             raise bad(name, "unrecognized request argument", "unknown_field")
     for name, (neutral, what) in _NEUTRAL.items():
-        if name == "min_tokens" and body.get(name) == 1 and kv_transfer.is_prefill_leg(body):
-            continue  # vllm-router's prefill leg: one token, whose text the router drops
         if name in body and not neutral(body[name]):
             raise bad(name, what, "unsupported_value")
     for name in ("separate_reasoning", "stream_reasoning", "include_reasoning", "parallel_tool_calls"):
@@ -205,7 +216,7 @@ def _common(body: dict, kind: str, default_temperature: float) -> GenerateReques
     mct = body.get("max_completion_tokens")
     mt = mct if mct is not None else body.get("max_tokens")
     name = "max_completion_tokens" if mct is not None else "max_tokens"
-    sampling["max_tokens"] = None if mt is None else _int(name, mt, 1, MAX_TOKENS)
+    sampling["max_tokens"] = None if mt is None else _int(name, mt, 0, MAX_TOKENS)  # 0: echo only (below)
     t = body.get("temperature")
     temperature = default_temperature if t is None else _num("temperature", t, 0.0, 100.0)
     sampling["temperature"] = temperature
@@ -241,8 +252,19 @@ def _common(body: dict, kind: str, default_temperature: float) -> GenerateReques
     constraint = constraint_of(body)
     if constraint is not None:
         sampling["constraint"] = constraint
+    sampling.update(penalty_fields(body))
     req = GenerateRequest(kind, model, stream, include_usage, False, user, sampling)
     req.handoff = kv_transfer.handoff_of(body.get(kv_transfer.FIELD))
+    if body.get("n") is not None:
+        req.n = _int("n", body["n"], 1, MAX_CHOICES)
+    if body.get("best_of") is not None:
+        req.best_of = _int("best_of", body["best_of"], req.n, MAX_CHOICES)
+        if stream and req.best_of > req.n:
+            raise bad("best_of", "cannot be streamed (the best choices are known at the end)", "unsupported_value")
+    if body.get("prompt_logprobs") is not None:
+        req.prompt_logprobs = _int("prompt_logprobs", body["prompt_logprobs"], 0, MAX_TOP_LOGPROBS)
+        if stream:
+            raise bad("prompt_logprobs", "is returned only in a non-streamed response", "unsupported_value")
     return req
 
 
@@ -259,10 +281,11 @@ def parse_completion(body: Any, default_temperature: float = 1.0) -> GenerateReq
     if lp is not None:
         if type(lp) is not int:
             raise bad("logprobs", f"must be an integer, got {lp!r}", "invalid_type")
-        if lp != 0:
-            raise bad("logprobs", "only logprobs = 0 is supported: the engine returns the chosen tokens' "
-                                  "log-probabilities, not the top alternatives", "unsupported_value")
+        req.top_logprobs = _int("logprobs", lp, 0, MAX_TOP_LOGPROBS)  # OpenAI's cap is 5, vLLM's 20
         req.logprobs = True
+    if body.get("echo") is not None:
+        req.echo = _bool("echo", body["echo"])
+    ask_logprobs(req)
     return req
 
 
@@ -314,10 +337,10 @@ def parse_chat(body: Any, default_temperature: float = 1.0) -> GenerateRequest:
         req.logprobs = _bool("logprobs", lp)
     tlp = body.get("top_logprobs")
     if tlp is not None:
-        _int("top_logprobs", tlp, 0, 20)
-        if tlp != 0:
-            raise bad("top_logprobs", "only top_logprobs = 0 is supported: the engine returns the chosen tokens' "
-                                      "log-probabilities, not the top alternatives", "unsupported_value")
+        req.top_logprobs = _int("top_logprobs", tlp, 0, MAX_TOP_LOGPROBS)
+        if tlp and not req.logprobs:
+            raise bad("top_logprobs", "needs logprobs = true")
+    ask_logprobs(req)
     if body.get("add_generation_prompt") is not None:
         req.add_generation_prompt = _bool("add_generation_prompt", body["add_generation_prompt"])
     kw = body.get("chat_template_kwargs")

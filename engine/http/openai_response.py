@@ -38,22 +38,25 @@ def usage(usages: list[dict]) -> dict:
 
 
 def completion_logprobs(tokens: list[int], logprobs: list[float], token_text: TokenText,
-                        offset: int = 0) -> dict:
-    """The legacy completions `logprobs` object (chosen tokens only: `top_logprobs` is null)."""
+                        offset: int = 0, tops: list | None = None) -> dict:
+    """The legacy completions `logprobs` object (`top_logprobs` null unless alternatives were asked for)."""
     texts = [token_text(t) for t in tokens]
     offsets = []
     for s in texts:
         offsets.append(offset)
         offset += len(s)
-    return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+    top = None if tops is None else [{token_text(i): v for i, v in t} for t in tops]
+    return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(tokens: list[int], logprobs: list[float], token_text: TokenText) -> dict:
-    """The chat `logprobs` object: one entry per chosen token, no alternatives."""
+def chat_logprobs(tokens: list[int], logprobs: list[float], token_text: TokenText, tops: list | None = None) -> dict:
+    """The chat `logprobs` object: one entry per chosen token (its alternatives when asked for)."""
     content = []
-    for t, lp in zip(tokens, logprobs):
+    for k, (t, lp) in enumerate(zip(tokens, logprobs)):
         s = token_text(t)
-        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
+        alts = [] if tops is None or k >= len(tops) else \
+            [{"token": token_text(i), "logprob": v, "bytes": list(token_text(i).encode())} for i, v in tops[k]]
+        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": alts})
     return {"content": content}
 
 

@@ -8,6 +8,7 @@ events joined (and their logprobs), then the choice's end if the batch has it.
 from __future__ import annotations
 
 from engine.http.openai_error import from_upstream
+from engine.http.logprob_objects import echo_logprobs
 from engine.http.openai_response import ChunkWriter, TokenText, chat_logprobs, completion_logprobs
 
 
@@ -22,9 +23,10 @@ class StreamEncoder:
     token that completes the text.
     """
 
-    __slots__ = ("writer", "chat", "logprobs", "token_text", "usages", "left", "started")
+    __slots__ = ("writer", "chat", "logprobs", "token_text", "usages", "left", "started", "echo")
 
-    def __init__(self, writer: ChunkWriter, choices: int, *, logprobs: bool, token_text: TokenText) -> None:
+    def __init__(self, writer: ChunkWriter, choices: int, *, logprobs: bool, token_text: TokenText,
+                 echo: list[str] | None = None) -> None:
         self.writer = writer
         self.chat = writer.kind == "chat"
         self.logprobs = logprobs
@@ -32,6 +34,7 @@ class StreamEncoder:
         self.usages: list[dict | None] = [None] * choices  # each choice's `done.usage`, once it ended
         self.left = choices  # choices not ended yet
         self.started = False  # some choice has had tokens
+        self.echo = echo  # completions with echo: each choice's prompt text, until its first chunk
 
     def head(self) -> bytes:
         """What precedes the first batch: a chat stream's assistant-role delta per choice."""
@@ -41,8 +44,10 @@ class StreamEncoder:
         texts: list[str] = []
         toks: list[int] = []
         lps: list[float] = []
+        tops: list | None = None
         had_tokens = False
         end = None
+        out = []
         for ev in batch:
             if ev.get("ev") == "tokens":
                 texts.append(ev.get("text") or "")
@@ -51,15 +56,20 @@ class StreamEncoder:
                 if self.logprobs:
                     toks.extend(ev.get("tokens") or ())
                     lps.extend(ev.get("logprobs") or ())
+                    if "top_logprobs" in ev:
+                        tops = (tops or []) + ev["top_logprobs"]
+                if "prompt_logprobs" in ev and self.echo is not None:
+                    out.append(self._echo(i, ev["prompt_logprobs"]))
             else:
                 end = ev
+        if self.echo is not None and self.echo[i] is not None:  # echo without logprobs: the prompt's text
+            out.append(self._echo(i, None))
         self.started = self.started or had_tokens
-        out = []
         text = "".join(texts)
         if text or toks or (had_tokens and end is None):  # a batch with its end needs no empty delta
             lp = None
             if self.logprobs:
-                lp = (chat_logprobs if self.chat else completion_logprobs)(toks, lps, self.token_text)
+                lp = (chat_logprobs if self.chat else completion_logprobs)(toks, lps, self.token_text, tops=tops)
             out.append(self.writer.text(i, text, lp))
         if end is not None:
             if end.get("ev") == "error":
@@ -68,6 +78,14 @@ class StreamEncoder:
             self.usages[i] = end.get("usage") or {}
             self.left -= 1
         return b"".join(out)
+
+    def _echo(self, i: int, prompt_lp: dict | None) -> bytes:
+        """Choice i's echoed prompt as its first chunk (with its logprobs when the request asked)."""
+        text, self.echo[i] = self.echo[i], None
+        if text is None:
+            return b""
+        lp = echo_logprobs(prompt_lp, self.token_text, True) if prompt_lp is not None and self.logprobs else None
+        return self.writer.text(i, text, lp)
 
     def tail(self) -> bytes:
         """The usage chunk (with `stream_options.include_usage`), summed over the choices that ended."""

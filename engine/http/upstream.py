@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 from engine.async_client import AsyncClient
@@ -98,6 +99,10 @@ class Upstream:
             if not models:
                 return
             served: dict[str, ServedModel] = {}
+            adapters = [e for e in models if e.get("parent")]  # LoRA adapters: their base model's tokenizer
+            models = [e for e in models if not e.get("parent")]
+            if not models:
+                return
             for entry in models:
                 m = self.served.get(entry["alias"])
                 path = self.package or entry.get("path") or entry.get("package")
@@ -109,6 +114,11 @@ class Upstream:
                         log.info("model %s: chat template: %s", m.alias, m.chat_template)
                 served[entry["alias"]] = m
             default = next((e for e in models if e.get("default")), models[0])
+            for entry in adapters:
+                base = served.get(entry["parent"])
+                if base is not None:
+                    served[entry["alias"]] = dataclasses.replace(base, alias=entry["alias"])
+                    models.append(entry)
             self.models, self.served, self.model = models, served, served[default["alias"]]
 
     def model_for(self, name: str | None) -> ServedModel | None:

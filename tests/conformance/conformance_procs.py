@@ -1,102 +1,55 @@
 """Module-scoped real set-ups for the conformance runs: daemons and balancers started once per test module.
 
-The per-test `daemon`/`balancer` fixtures (tests/conftest.py,
-tests/engine/balancer/balancer_procs.py) start processes per test; the
+The per-test `daemon`/`balancer` fixtures start processes per test; the
 conformance modules run many checks against one set-up, so they start it
-once with the same command lines and the same teardown checks (exit 0, no
-shared memory and no worker left).
+once, with the same launcher and the same teardown checks (`DaemonSet`:
+exit 0, no shared memory and no worker left).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 import orjson
-import psutil
 
-from conftest import ROOT, START_TIMEOUT_S, DaemonProc, _wait_healthy, daemon_command, shm_objects_of
+from daemon_procs import START_TIMEOUT_S, DaemonProc, DaemonSet
+from repo_root import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "engine", "balancer"))  # the balancer tests' process helpers
-from balancer_procs import BalancerProc, tcp_endpoint, write_config  # noqa: E402
+from balancer_procs import BalancerProc, start_balancer, stop_and_check, tcp_endpoint  # noqa: E402
 
 
-class Procs:
-    """Processes of one set-up; `close()` stops them and returns what their exit left wrong (as a context
-    manager, leaving it asserts there was nothing)."""
+class Procs(DaemonSet):
+    """Processes of one set-up: its daemons (each on its own board id) and balancers."""
 
     def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="ncf-", dir="/tmp")
-        self.daemons: list[DaemonProc] = []
+        super().__init__(tempfile.mkdtemp(prefix="ncf-", dir="/tmp"))
         self.balancers: list[BalancerProc] = []
 
     def daemon(self, *, backend: str = "ref", chips: int = 1, settings: dict | None = None,
                tcp: bool = False, extra: list[str] | None = None) -> tuple[DaemonProc, str | None]:
         """A daemon on an ipc:// endpoint (admin rights) and, with `tcp`, a tcp:// one too (none)."""
-        n = len(self.daemons)
-        rt = os.path.join(self.dir, f"r{n}")
-        os.makedirs(rt, mode=0o700)
-        endpoint = f"ipc://{rt}/d.sock"
         ep_tcp = tcp_endpoint() if tcp else None
-        cmd = daemon_command(endpoint, rt, backend=backend, chips=chips, config=None, settings=settings,
-                             backend_options=None, extra=(["--endpoint", ep_tcp] if tcp else []) + list(extra or []))
-        cmd[cmd.index("--board") + 1] += f"c{n}"
-        log_path = os.path.join(self.dir, f"daemon{n}.log")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        d = DaemonProc(proc, endpoint, rt, log_path)
-        self.daemons.append(d)
-        _wait_healthy(d, START_TIMEOUT_S)
-        d.remember_children()
+        d = self.start(backend=backend, chips=chips, settings=settings,
+                       extra=(["--endpoint", ep_tcp] if tcp else []) + list(extra or []),
+                       board=f"t{os.getpid() % 100000}c{len(self.daemons)}")
         return d, ep_tcp
 
     def balancer(self, backends: list, policy: str = "round-robin") -> BalancerProc:
-        n = len(self.balancers)
-        endpoint = tcp_endpoint()
-        cfg = write_config(os.path.join(self.dir, f"bal{n}.toml"), endpoint=endpoint, backends=backends,
-                           policy=policy)
-        log_path = os.path.join(self.dir, f"bal{n}.log")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "engine.balancer.main", "--config", cfg], cwd=ROOT,
-                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        b = BalancerProc(proc, endpoint, self.dir, log_path, config_path=cfg)
+        b = start_balancer(self.dir, len(self.balancers), backends=backends, policy=policy)
         self.balancers.append(b)
         b.wait_backends_up(len(backends), timeout=START_TIMEOUT_S)
         return b
-
-    def __enter__(self) -> "Procs":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        problems = self.close()
-        assert not problems, "\n".join(problems)
 
     def log_tails(self, n: int = 2000) -> str:
         """The end of every process's log, for a failure message."""
         return "\n".join(f"--- {p.log_path}\n{p.log()[-n:]}" for p in [*self.daemons, *self.balancers])
 
     def close(self) -> list[str]:
-        problems = []
-        for b in self.balancers:
-            rc = b.stop() if b.proc.poll() is None else b.proc.returncode
-            if rc != 0:
-                problems.append(f"balancer {b.pid} exited {rc}:\n{b.log()[-3000:]}")
-        for d in self.daemons:
-            rc = d.stop() if d.proc.poll() is None else d.proc.returncode
-            if rc != 0:
-                problems.append(f"daemon {d.pid} exited {rc}:\n{d.log()[-3000:]}")
-            left = shm_objects_of(d.pid)
-            if left:
-                problems.append(f"daemon {d.pid} left shared memory: {left}")
-            alive = [c.pid for c in d._children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-            for c in d._children:
-                if c.pid in alive:
-                    c.kill()
-            if alive:
-                problems.append(f"daemon {d.pid} left child processes {alive}")
+        problems = stop_and_check(self.balancers) + super().close()
         shutil.rmtree(self.dir, ignore_errors=True)
         return problems
 

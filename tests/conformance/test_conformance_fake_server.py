@@ -2,25 +2,26 @@
 forced on would), passes the same scripted server when it sends one event per message, and fails it for each
 other scripted breach of the document, in the check named for that promise.
 
-The server is conftest's scripted ROUTER (plain pyzmq) with the answers written here: it answers `health` with the documented minimum the
-suite needs, a `generate` with one `tokens` event and its `done` (or, with `stream: false`, the `done` alone)
-and a malformed message with its 400; each `fault` breaks one promise.
+The server is the scripted ROUTER of tests/fake_server.py (plain pyzmq) with the answers written here: it
+answers `health` with the documented minimum the suite needs, a `generate` with one `tokens` event and its
+`done` (or, with `stream: false`, the `done` alone) and a malformed message with its 400; each `fault` breaks
+one promise.
 """
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import orjson
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
+from tools.load.ports import free_port
 
 
 class Script:
-    """The scripted server's answers (conftest's `FakeServer` carries them), with one promise broken by `fault`."""
+    """The scripted server's answers (`FakeServer` carries them), with one promise broken by `fault`."""
 
     def __init__(self, fault: str | None = None) -> None:
         self.fault = fault
@@ -115,9 +116,7 @@ def test_each_breach_fails_the_check_named_for_it(scripted, fault, check, words)
 
 
 def test_an_endpoint_that_does_not_answer_is_reported_with_what_to_do():
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     res = run_cli(f"tcp://127.0.0.1:{port}", "--timeout", "1")
     assert res.returncode == 2
     assert "no health reply" in res.stderr and "npuserve health" in res.stderr, res.stderr

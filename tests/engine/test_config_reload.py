@@ -58,6 +58,8 @@ def test_tenants_added_changed_and_removed_are_listed_key_by_key():
         "queues.tenants.b.max_waiting_tokens": (10, None),
         "queues.tenants.c.weight": (None, 0.5), "queues.tenants.c.max_active_sequences": (None, 0),
         "queues.tenants.c.max_waiting_tokens": (None, 0),
+        "queues.tenants.b.default_adapter": ("", None), "queues.tenants.b.allowed_adapters": ((), None),
+        "queues.tenants.c.default_adapter": (None, ""), "queues.tenants.c.allowed_adapters": (None, ()),
     }
     assert all(c.reloadable for c in config_changes(old, new))
 

@@ -13,7 +13,8 @@ import psutil
 import pytest
 import zmq
 
-from conftest import idle_activity, sweep_shm
+from idle_activity import idle_activity
+from shm_sweep import sweep_shm
 import ipc.doorbell as doorbell_mod
 from ipc.doorbell import SemaphoreDoorbell, ZmqDoorbell
 from ipc.ring import Ring

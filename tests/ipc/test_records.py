@@ -25,8 +25,8 @@ DTYPES = {"tokens": np.int32, "positions": np.int32, "query_start": np.int32, "l
 
 
 def assert_same_job(a: Job, b: Job) -> None:
-    assert (a.job_id, a.generation, a.kind, a.return_logits, a.submitted_ns, a.follow) == \
-        (b.job_id, b.generation, b.kind, b.return_logits, b.submitted_ns, b.follow)
+    assert (a.job_id, a.generation, a.kind, a.return_logits, a.submitted_ns, a.queue_next_step) == \
+        (b.job_id, b.generation, b.kind, b.return_logits, b.submitted_ns, b.queue_next_step)
     for name in FIELDS:
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype, name
@@ -97,7 +97,7 @@ def coherent_jobs(draw) -> Job:
         lanes[0] = Lane([1], 0, [0])
     return build_job(kind, lanes, job_id=draw(st.integers(0, 2**62)), generation=draw(st.integers(0, 2**31)),
                      table_width=draw(st.sampled_from([None, 8])), return_logits=draw(st.booleans()),
-                     follow=draw(st.booleans()))
+                     queue_next_step=draw(st.booleans()))
 
 
 def lane_by_lane_job(kind: JobKind, lanes: list, batch: int | None, table_width: int | None) -> dict:
@@ -356,12 +356,12 @@ def test_decode_job_is_build_job_of_the_same_lanes(data):
                   top_k=data.draw(st.integers(0, 50)), seed=data.draw(st.integers(-2**63, 2**64 - 1)),
                   want_logprobs=data.draw(st.booleans())) for _ in range(n)]
     kw = dict(job_id=data.draw(st.integers(0, 2**40)), generation=3, batch=batch, table_width=width,
-              decode_steps=data.draw(st.sampled_from([1, 4])), follow=data.draw(st.booleans()))
+              decode_steps=data.draw(st.sampled_from([1, 4])), queue_next_step=data.draw(st.booleans()))
     want = build_job(JobKind.DECODE, lanes, **kw)
     got = decode_job([ln.tokens[0] for ln in lanes], [ln.start for ln in lanes], [ln.block_table for ln in lanes],
                      [(ln.temperature, ln.top_p, ln.top_k, ln.seed, ln.want_logprobs) for ln in lanes], **kw)
     assert_same_job(got, want)
-    assert (got.decode_steps, got.follow) == (want.decode_steps, want.follow)
+    assert (got.decode_steps, got.queue_next_step) == (want.decode_steps, want.queue_next_step)
     for name in FIELDS:
         assert getattr(got, name).dtype == getattr(want, name).dtype, name
 

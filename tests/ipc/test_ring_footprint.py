@@ -1,9 +1,9 @@
-"""A ring's resident memory follows its occupancy, not its capacity (issue 13).
+"""A ring's resident memory follows its occupancy, not its capacity.
 
 Every shared-memory page the writer's head passes over stays resident in both
-processes. A daemon's rings are 64 MiB and almost always nearly empty; when
-the head marched through the whole capacity before wrapping, the scheduler's
-and the workers' RSS grew linearly for hours under steady load.
+processes. A daemon's rings are 64 MiB and almost always nearly empty; a head
+that marched through the whole capacity before wrapping would grow the
+scheduler's and the workers' RSS linearly for hours under steady load.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import sweep_shm
+from shm_sweep import sweep_shm
 from ipc.ring import REWIND_AFTER, Ring
 
 PREFIX = "npuservetestfp"

@@ -36,7 +36,7 @@ def test_every_generate_field_is_kept_when_valid():
     full = gen(model="tiny", max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1,
                stop_token_ids=[9], stop=[[1, 2], [3]], ignore_eos=True, deadline_ms=500, tenant="acme",
                priority=-3, logprobs=True, stream=False, continuation=[4, 5], pool="bulk",
-               speculative="ngram")
+               speculative="ngram", adapter="sql-lora")
     assert validate_request(full) == full
 
 
@@ -142,9 +142,9 @@ def test_every_op_has_a_minimal_valid_form(op):
     minimal = {"v": 1, "op": op, "id": "q"}
     if op == "generate":
         minimal["prompt"] = [1]
-    if op in ("load", "unload", "replace", "rollback"):
+    if op in ("load", "unload", "replace", "rollback", "load_lora", "unload_lora"):
         minimal["alias"] = "tiny"
-    if op in ("load", "replace"):
+    if op in ("load", "replace", "load_lora"):
         minimal["package"] = "/srv/models/tiny-v2"
     out = validate_request(minimal)
     assert out["op"] == op and out["id"] == "q"

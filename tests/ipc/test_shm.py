@@ -12,7 +12,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from conftest import sweep_shm
+from shm_sweep import sweep_shm
 from ipc.doorbell import SemaphoreDoorbell
 from ipc.naming import make_name, parse_owner_pid
 from ipc.shm import SHM_PREFIX, Segment, list_segments, list_semaphores, parse_owner_pid as shm_parse, reap_stale

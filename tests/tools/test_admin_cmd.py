@@ -1,7 +1,7 @@
 """`npuserve admin`: argument parsing, the wire fields of each op, output, and exit codes with hints.
 
 `models` runs against a real daemon. The lifecycle ops' replies and refusals
-come from a scripted server (conftest.FakeServer, a real ZeroMQ ROUTER) that
+come from a scripted server (fake_server.FakeServer, a real ZeroMQ ROUTER) that
 answers with the documented contract (docs/protocol.md), so every exit path
 of the CLI is pinned whatever daemon it is merged with.
 """
@@ -18,7 +18,7 @@ import time
 import orjson
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 from test_cli_commands import NPUSERVE, npuserve
 from tools import admin_cmd
 

@@ -8,7 +8,7 @@ import sys
 import orjson
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 
 
 @pytest.mark.parametrize("backend", ["stub", "ref", "ctypes"])

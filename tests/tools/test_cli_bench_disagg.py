@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.bench_disagg import fresh_prompts, parse_args, verdict
+from tools.bench.serve.disagg import fresh_prompts, parse_args, verdict
 from tools.load.report import Slo
 from tools.load.workload import Request
 

@@ -9,7 +9,7 @@ import sys
 import orjson
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 from tools.load.paired import Target, compare, format_comparison, run_rounds
 from tools.load.runner import Record
 

@@ -8,11 +8,11 @@ import sys
 
 import orjson
 
-from conftest import ROOT
+from repo_root import ROOT
 
 
 def test_bench_ipc_json_lines_rows_cover_every_transport_and_size_then_summary():
-    from tools.bench_ipc import PAYLOADS
+    from tools.bench.micro.ipc import PAYLOADS
 
     p = subprocess.run([sys.executable, "-m", "tools.cli", "bench-ipc", "--json", "--iters", "10"], cwd=ROOT,
                        capture_output=True, timeout=300)

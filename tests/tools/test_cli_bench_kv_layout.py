@@ -7,7 +7,7 @@ import statistics
 import subprocess
 import sys
 
-from conftest import ROOT
+from repo_root import ROOT
 from workers.default_package import ensure_default_gguf_package
 
 

@@ -7,7 +7,7 @@ import sys
 
 import orjson
 
-from conftest import ROOT
+from repo_root import ROOT
 
 
 def _run(*args: str, timeout: float = 300) -> list[dict]:

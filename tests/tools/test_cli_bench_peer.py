@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
+from repo_root import ROOT
 from workers.default_package import ensure_default_gguf_package
 
 
@@ -31,7 +31,7 @@ def test_bench_peer_prints_rows_for_both_engines_and_ratios():
 
 
 def test_ratios_carry_each_rounds_paired_ratio_and_flag_a_bound_inside_their_spread():
-    from tools.bench_peer import Row, format_table, ratio_rows
+    from tools.bench.serve.peer import Row, format_table, ratio_rows
 
     def row(engine, rnd, tok_s, ttft_p99):
         return Row(engine, 32, "plain", tok_s, 500.0, ttft_p99, 100.0, 110.0, rnd)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tools import bench_recovery
+from tools.bench import recovery as bench_recovery
 
 
 def test_two_faults_of_each_kind_give_fault_rows_and_a_summary(capsys):

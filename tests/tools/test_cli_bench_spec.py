@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tools.bench_spec import PEER, PLAIN, SPEC, Row, format_report, ratios, spec_delta
+from tools.bench.serve.spec import PEER, PLAIN, SPEC, Row, format_report, ratios, spec_delta
 
 
 def test_spec_delta_is_the_run_alone() -> None:

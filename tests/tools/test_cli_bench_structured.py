@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tools.bench_structured import SCHEMAS, _mask_us_per_step, compare, parse_args
+from tools.bench.serve.structured import SCHEMAS, _mask_us_per_step, compare, parse_args
 
 
 def test_targets_are_judged_on_the_medians_over_rounds():

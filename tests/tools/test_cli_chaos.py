@@ -8,7 +8,7 @@ import sys
 import orjson
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 from tools.chaos.main import SCENARIOS, run_one
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,8 @@ import time
 import orjson
 import pytest
 
-from conftest import ROOT, shm_objects_of
+from daemon_procs import shm_objects_of
+from repo_root import ROOT
 from tools.stats_cmd import flatten, format_stats
 
 NPUSERVE = [sys.executable, "-m", "tools.cli"]

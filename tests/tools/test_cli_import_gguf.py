@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from repo_root import ROOT
 
 GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 

@@ -10,7 +10,8 @@ import numpy as np
 import orjson
 import pytest
 
-from conftest import ROOT, done_ev, tokens_ev
+from fake_server import done_ev, tokens_ev
+from repo_root import ROOT
 from workers.backends.stub import stub_tokens
 
 MODEL = {"alias": "tiny", "backend": "stub", "vocab_size": 320, "max_seq": 2048, "eos_ids": [257],

@@ -13,7 +13,7 @@ import time
 import orjson
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 from test_cli_commands import NPUSERVE, npuserve
 from tools.stats_cmd import format_report
 from tools.stats_view import Figures, render

@@ -3,7 +3,7 @@ conversation workload over HTTP, both ways of reporting prompt tokens computed, 
 
 from __future__ import annotations
 
-from tools.bench_http_peer import CONVERSATION_METRICS, CONVERSATION_TARGETS, parse_args
+from tools.bench.serve.http_peer import CONVERSATION_METRICS, CONVERSATION_TARGETS, parse_args
 from tools.load import conversation_http as conv
 from tools.load import local_front
 from tools.load.paired import compare

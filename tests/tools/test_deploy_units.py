@@ -21,7 +21,9 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT, free_tcp_port, read_log, wait_until
+from repo_root import ROOT
+from tools.load.ports import free_port
+from waiting import read_log, wait_until
 from engine.balancer.settings import load_settings
 from engine.config import load_config
 from engine.daemon import paths
@@ -126,7 +128,7 @@ def test_the_exec_start_lines_serve_a_request_front_to_balancer_to_board(root):
         text = _point_at(open(path).read(), root)
         if name.startswith("board-"):  # fast and model-free: the stub backend on one chip
             text = text.replace('backend = "ref"', 'backend = "stub"').replace("chips = 2", "chips = 1")
-        port = free_tcp_port()
+        port = free_port()
         text = text.replace('listen = "127.0.0.1:8000"', f'listen = "127.0.0.1:{port}"') if name == "http.toml" \
             else text
         open(path, "w").write(text)

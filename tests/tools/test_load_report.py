@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.bench import compare
+from tools.bench.serve.load import compare
 from tools.load.report import Slo, pareto, summarize
 from tools.load.runner import Record
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tools.bench_scenario import parse_generated
+from tools.bench.serve.scenario import parse_generated
 from tools.load import runner, scenario_metrics as m, scenarios as sc
 from tools.load.report import Slo
 from tools.load.runner import Record

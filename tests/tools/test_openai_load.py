@@ -10,7 +10,7 @@ import sys
 import orjson
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 from tools.load.openai_load import BAD_EVENT, CUT_OFF, OpenAIDriver, StreamTally, base_url, completion_body, error_code
 from tools.load.report import summarize
 from tools.load.runner import Record, run_loop

@@ -238,7 +238,7 @@ def test_released_blocks_free_their_cells(backend):
 
 
 def _greedy_rounds(b, prompts, tables, max_tokens, release, solo_decodes):
-    """Two requests as the daemon ran them together in issue 8's reproduction, job for job: the first
+    """Two requests as the daemon runs them together, job for job: the first
     prompt's prefill and `solo_decodes` decodes, the second's prefill, then both decode in one job."""
     out = [[] for _ in prompts]
 
@@ -260,7 +260,8 @@ def _greedy_rounds(b, prompts, tables, max_tokens, release, solo_decodes):
 
 
 def test_a_second_concurrent_round_on_gemma_gives_the_solo_tokens(gemma_package):
-    """Issue 8's bug: sent together a second time, "The capital of France is" diverged at token 5.
+    """Sent together a second time, "The capital of France is" must not diverge from the solo run (without
+    release notices it does, at token 5).
 
     Without release notices the first round's cells stay until their blocks are
     reused; the second round then gets cells below its own earlier ones, and

@@ -148,7 +148,7 @@ def test_stub_kv_ops_are_shaped_no_ops():
 # -- sim latency model ---------------------------------------------------------------------------
 
 
-def test_latency_model_defaults_follow_seed_002():
+def test_latency_model_defaults_are_the_documented_ones():
     m = LatencyModel()
     assert m.decode_seconds(0) == pytest.approx(0.018)
     assert m.decode_seconds(16) == pytest.approx(0.018 + 16 * 0.00012)

@@ -484,7 +484,7 @@ def worker_blas_pool():
     for the time of a test that compares the two bit for bit: on some CPUs (seen on an AVX-512 EPYC) sgemm
     rounds differently with 1 and 2 threads. Afterwards the pool is set back to this process's default
     (its environment's BLAS thread count, else one per core), which is what it started with."""
-    from tools.bench_backend import openblas_threads, set_openblas_threads
+    from tools.bench.micro.backend import openblas_threads, set_openblas_threads
     from workers.control import worker_environ
 
     set_openblas_threads(openblas_threads(worker_environ()) or os.cpu_count() or 1)

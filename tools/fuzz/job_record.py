@@ -77,7 +77,7 @@ def _seeds() -> list[bytes]:
         build_job(JobKind.PREFILL, [Lane([5, 6], 0, [3], constraint=9, constraint_key=4, replay=[1],
                                          grammar="start: \"a\"")], batch=2, job_id=4),
         decode_job([4, 5], [3, 9], [[0], [1, 2]], [(0.0, 1.0, 0, 0, False), (1.0, 0.5, 3, 7, True)], batch=4,
-                   decode_steps=2, follow=True),
+                   decode_steps=2, queue_next_step=True),
         Job.kv_copy(5, 1, [0, 1], [2, 3]),
         Job.kv_copy(6, 1, [4], [0], kind=JobKind.KV_EXPORT),
     ]

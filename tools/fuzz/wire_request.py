@@ -48,6 +48,8 @@ SEEDS = [
     _seed(op="replace", alias="m", package="pkgs/m2", deadline_s=None, auth=None),
     _seed(op="rollback", alias="m"), _seed(op="drain", timeout_ms=100, backend="tcp://127.0.0.1:1"),
     _seed(op="resume"), _seed(op="reenable_inflight", chip=1),
+    _seed(op="generate", prompt=[1], adapter="sql"), _seed(op="load_lora", alias="sql", package="loras/sql", base="m"),
+    _seed(op="unload_lora", alias="sql"),
 ]
 
 _NAMES = sorted({f for fields in schema.OP_FIELDS.values() for f in fields} | {"v", "op", "id", "kind", "body",
@@ -91,6 +93,7 @@ def check_generate(r: dict) -> None:
     if "text" in r:
         _check(_is_text(r["text"], 0, 1 << 20), "text", r)
     _check(r["model"] is None or _is_name(r["model"]), "model", r)
+    _check(r.get("adapter") is None or _is_name(r["adapter"]), "adapter", r)
     _check(_is_int(r["max_tokens"], 1, 1 << 20), "max_tokens", r)
     _check(_is_num(r["temperature"], 0.0, 100.0), "temperature", r)
     _check(_is_num(r["top_p"], 0.0, 1.0, lo_open=True), "top_p", r)
@@ -137,9 +140,11 @@ def check_admin(r: dict) -> None:
     op = r["op"]
     if op in schema.ADMIN_OPS:
         _check(r["auth"] is None or _is_text(r["auth"], 1, 256), "auth", r)
-    if op in ("load", "unload", "replace", "rollback"):
+    if op in ("load", "unload", "replace", "rollback", "load_lora", "unload_lora"):
         _check(_is_name(r["alias"]), "alias", r)
-    if op in ("load", "replace"):
+    if op == "load_lora":
+        _check(r["base"] is None or _is_name(r["base"]), "base", r)
+    if op in ("load", "replace", "load_lora"):
         _check(_is_text(r["package"], 1, 4096), "package", r)
     if op in ("unload", "replace", "rollback"):
         _check(r["deadline_s"] is None or _is_num(r["deadline_s"], 0.0, 86_400.0), "deadline_s", r)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+from dataclasses import dataclass
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int:
@@ -16,6 +17,20 @@ def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+@dataclass
+class Child:
+    """A server process a tool started (a front, a balancer), writing its output to `log_path`."""
+
+    proc: subprocess.Popen
+    log_path: str
+
+    def log_tail(self, n: int = 3000) -> str:
+        return log_tail(self.log_path, n)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        return stop(self.proc, timeout)
 
 
 def log_tail(path: str, n: int = 3000) -> str:

@@ -1,7 +1,7 @@
 """Multi-turn conversations over OpenAI HTTP (`/v1/completions`, streamed), for any server: TTFT and prompt
 tokens computed per request.
 
-The same workload as `npuserve bench --conversations` (tools/bench_conversations.py), but over HTTP so
+The same workload as `npuserve bench --conversations` (tools/bench/serve/conversations.py), but over HTTP so
 that llama.cpp's own server can run it too: each turn's prompt is the whole conversation so far (token ids)
 plus a new user message, turn by turn (every conversation's turn t, `concurrency` at a time, before any turn
 t+1). The assistant's turn in the history is the workload's own tokens, not the generated text (token ids

@@ -36,7 +36,7 @@ class LocalServer:
 
 
 def start(gguf: str, *, threads: int, parallel: int, ctx_per_slot: int, api_key: str | None = None,
-          cache_ram_mib: int | None = None, threads_http: int | None = None,
+          cache_ram_mib: int | None = None, threads_http: int | None = None, swa_full: bool = False,
           timeout: float = 300.0) -> LocalServer:
     """Start the server on `gguf` with `parallel` slots of `ctx_per_slot` tokens; wait for its URL.
 
@@ -51,6 +51,8 @@ def start(gguf: str, *, threads: int, parallel: int, ctx_per_slot: int, api_key:
         cmd += ["--api-key", api_key]
     if cache_ram_mib is not None:
         cmd += ["--cache-ram", str(cache_ram_mib)]
+    if swa_full:
+        cmd += ["--swa-full"]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root)
     ready, _, _ = select.select([proc.stdout], [], [], timeout)  # it prints its URL once the model is loaded
@@ -76,6 +78,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--cache-ram", type=int, help="MiB of llama.cpp's host prompt cache (its --cache-ram; "
                                                   "default: llama.cpp's own, 8192; 0 disables it)")
     ap.add_argument("--threads-http", type=int, default=0, help="HTTP threads (0: llama.cpp's default)")
+    ap.add_argument("--swa-full", action="store_true", help="a full-size sliding-window KV cache, as the "
+                                                            "llamacpp backend keeps it (llama.cpp's --swa-full)")
     a = ap.parse_args(argv)
     p = xlc.CommonParams()
     p.model.path = a.gguf
@@ -89,6 +93,7 @@ def main(argv: list[str]) -> int:
         p.cache_ram_mib = a.cache_ram
     if a.threads_http > 0:
         p.n_threads_http = a.threads_http
+    p.swa_full = a.swa_full
     p.warmup = False
     p.endpoint_metrics = True  # /metrics: the scenarios read what the server computed (bench --scenario hangups)
     p.verbosity = -1

@@ -98,35 +98,50 @@ def _exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def start(*, backend: str, chips: int, settings: list[str] | tuple[str, ...] = (),
-          backend_options: list[str] | tuple[str, ...] = (), prefix: str = "npl-",
-          env: dict | None = None, wrap: list[str] | None = None, extra: list[str] | tuple[str, ...] = ()) -> LocalDaemon:
-    """Start `python -m engine.daemon.main` on an ipc:// endpoint in a fresh private directory.
-
-    `wrap` prefixes the command (e.g. a namespace launcher for the /dev/shm chaos scenario); `extra`
-    is appended to it (more `npuserve serve` flags, e.g. `--trace FILE`).
-    """
-    _exit_on_sigterm()
-    tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    endpoint = f"ipc://{tmp}/d.sock"
-    cmd = [sys.executable, "-m", "engine.daemon.main", "--backend", backend, "--chips", str(chips),
-           "--runtime-dir", tmp, "--endpoint", endpoint, "--board", f"l{os.getpid() % 100000}"]
-    for kv in (*LOAD_SETTINGS, *settings):
+def daemon_command(endpoint: str, runtime_dir: str, *, backend: str, chips: int, board: str,
+                   settings: list[str] | tuple[str, ...] = (), backend_options: list[str] | tuple[str, ...] = (),
+                   extra: list[str] | tuple[str, ...] = (), python: str = sys.executable) -> list[str]:
+    """The command line of `python -m engine.daemon.main`; `settings` and `backend_options` are KEY=VALUE
+    strings (TOML values), `extra` more `npuserve serve` flags. The test suite starts its daemons with it too."""
+    cmd = [python, "-m", "engine.daemon.main", "--backend", backend, "--chips", str(chips),
+           "--runtime-dir", runtime_dir, "--endpoint", endpoint, "--board", board]
+    for kv in settings:
         cmd += ["--set", kv]
     for kv in backend_options:
         cmd += ["--backend-option", kv]
-    cmd += list(extra)
+    return cmd + list(extra)
+
+
+def start(*, backend: str, chips: int, settings: list[str] | tuple[str, ...] = (),
+          backend_options: list[str] | tuple[str, ...] = (), prefix: str = "npl-",
+          env: dict | None = None, wrap: list[str] | None = None, extra: list[str] | tuple[str, ...] = (),
+          endpoint: str | None = None, board: str | None = None,
+          limits: tuple[str, ...] = LOAD_SETTINGS, python: str = sys.executable, cwd: str | None = None) -> LocalDaemon:
+    """Start `python -m engine.daemon.main` in a fresh private directory, on an ipc:// endpoint there
+    unless `endpoint` names one (tcp://, for several daemons behind a balancer).
+
+    `wrap` prefixes the command (e.g. a namespace launcher for the /dev/shm chaos scenario); `extra`
+    is appended to it (more `npuserve serve` flags, e.g. `--trace FILE`); `limits` are the admission
+    settings that come before `settings`; `python` and `cwd` run another source tree's daemon (with its
+    PYTHONPATH in `env`).
+    """
+    _exit_on_sigterm()
+    tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    endpoint = endpoint or f"ipc://{tmp}/d.sock"
+    cmd = daemon_command(endpoint, tmp, backend=backend, chips=chips, board=board or f"l{os.getpid() % 100000}",
+                         settings=(*limits, *settings), backend_options=backend_options, extra=extra, python=python)
     log_path = os.path.join(tmp, "daemon.log")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([*(wrap or []), *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=root, env=env)
+                                stdin=subprocess.DEVNULL, cwd=cwd or root, env=env)
     return LocalDaemon(proc, endpoint, tmp, log_path, _tmp=tmp)
 
 
 def wait_healthy(endpoint: str, daemon: LocalDaemon | None = None, timeout: float = 120.0,
-                 chips_up: int = 1) -> dict:
-    """Poll `health` until at least `chips_up` chips serve; raise SystemExit with the daemon's log otherwise."""
+                 chips_up: int = 1, backends_up: int | None = None) -> dict:
+    """Poll `health` until at least `chips_up` chips serve (and, for a balancer, `backends_up` backends
+    route); raise SystemExit with the daemon's log otherwise."""
     from engine.client import Client
     from engine.errors import ClientError
 
@@ -138,8 +153,9 @@ def wait_healthy(endpoint: str, daemon: LocalDaemon | None = None, timeout: floa
                                  f"{daemon.log_tail()}")
             try:
                 h = c.health()
-                if h.get("chips_up", 0) >= chips_up:
+                if h.get("chips_up", 0) >= chips_up and h.get("backends_up", 0) >= (backends_up or 0):
                     return h
+                time.sleep(0.05)
             except ClientError:
                 pass
     raise SystemExit(f"daemon at {endpoint} not healthy within {timeout:.0f} s"

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tools.load import child_process
+from tools.load.child_process import Child
 from tools.load.ports import free_port
 
 if TYPE_CHECKING:
@@ -28,16 +28,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class LocalFront:
-    proc: subprocess.Popen
-    url: str
-    log_path: str
-
-    def log_tail(self, n: int = 3000) -> str:
-        return child_process.log_tail(self.log_path, n)
-
-    def stop(self, timeout: float = 30.0) -> int:
-        return child_process.stop(self.proc, timeout)
+class LocalFront(Child):
+    url: str = ""
 
     def cleanup(self) -> None:
         self.stop()
@@ -56,7 +48,7 @@ def start(upstream: str, *, extra: list[str] | tuple[str, ...] = (), timeout: fl
            *extra]
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root)
-    front = LocalFront(proc, f"http://127.0.0.1:{port}", log_path)
+    front = LocalFront(proc, log_path, url=f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,60 +1,93 @@
-"""One workload over two routes side by side: rounds in alternating order, medians, ratios, distance from targets.
+"""Sides of a comparison run in paired rounds: the one alternating loop, medians, ratios, targets, the report.
 
-What `bench-http` (front vs ZeroMQ on one daemon) and `bench-http-peer`
-(npuserve vs llama.cpp's server, both over HTTP) share. The machine is
-noisy, so each round runs both routes on the same requests back to back,
-the order flips every round, and the verdict is on the medians over rounds.
+What every side-by-side benchmark of tools/bench shares. The machine is
+noisy, so each round runs every side on the same requests back to back,
+the order flips every round (`alternate`), and the verdict is on the medians
+over rounds, with each round's own ratio beside it.
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence, TypeVar
 
-from tools.load.report import summarize, table
+from tools.load.report import publish, summarize, table
 from tools.load.runner import Record
 from tools.load.workload import Request
 
+S, G, R, T = TypeVar("S"), TypeVar("G"), TypeVar("R"), TypeVar("T")
 METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms")
 
 
 @dataclass(frozen=True)
 class Target:
-    """`ratio >= bound` (min), `ratio <= bound` (max) of subject over baseline, or `subject - baseline <= bound`
-    (diff), on the medians of `metric`."""
+    """A bound on a comparison, on the medians over rounds: `min`/`max`: subject / baseline >= / <= bound;
+    `diff`: subject - baseline <= bound; `own_max`: each side's own value <= bound (no baseline needed)."""
 
     metric: str
-    kind: str  # "min" | "max" | "diff"
+    kind: str  # "min" | "max" | "diff" | "own_max"
     bound: float
 
     def __str__(self) -> str:
         if self.kind == "diff":
             return f"{self.metric} +{self.bound:g} at most"
+        if self.kind == "own_max":
+            return f"{self.metric} <= {self.bound:g}"
         return f"{'>=' if self.kind == 'min' else '<='} {self.bound:g}x"
 
     def met(self, value: float) -> bool:
-        """`value` (the ratio, or the difference for `diff`) is on the right side of the bound."""
+        """`value` (the ratio, the difference for `diff`, the side's own for `own_max`) is on the right side."""
         return value >= self.bound if self.kind == "min" else value <= self.bound
+
+    def margin(self, value: float) -> float:
+        """How far on the right side of the bound (negative: missed by that much)."""
+        return round(value - self.bound if self.kind == "min" else self.bound - value, 3)
+
+
+def alternate(sides: Sequence[S], rounds: int, run: Callable[[S, int, G], R], *, groups: Sequence[G] = (None,),
+              flip: Callable[[int, G], bool] = lambda rnd, group: rnd % 2 == 1) -> list[R]:
+    """The one loop of every side-by-side comparison: each round, for each group (e.g. a concurrency), every
+    side once, `run(side, round, group)`; the order reversed where `flip(round, group)` (every other round).
+
+    Both sides of a round run back to back and the order flips, so a drift in the machine's load hits
+    each side alike and a round's ratio is a paired measurement.
+    """
+    out = []
+    for rnd in range(rounds):
+        for group in groups:
+            for side in (sides[::-1] if flip(rnd, group) else sides):
+                out.append(run(side, rnd, group))
+    return out
+
+
+def per_round(make: Callable[[int], T]) -> Callable[[int], T]:
+    """`make(round)`, made once per round however many sides ask (every side of a round gets the same)."""
+    made: dict[int, T] = {}
+
+    def get(rnd: int) -> T:
+        if rnd not in made:
+            made[rnd] = make(rnd)
+        return made[rnd]
+    return get
 
 
 def run_rounds(routes: dict[str, Callable[[list[Request]], list[Record]]], make_requests: Callable[[int], list[Request]],
                rounds: int, extra: dict | None = None, on_row: Callable[[dict], None] | None = None,
                on_start: Callable[[str], None] | None = None) -> list[dict]:
     """Each round: the same requests (`make_requests(round)`) over every route, order flipped every round."""
-    rows = []
-    labels = list(routes)
-    for rnd in range(rounds):
-        reqs = make_requests(rnd)
-        for label in labels if rnd % 2 == 0 else labels[::-1]:
-            if on_start:
-                on_start(f"round {rnd + 1}/{rounds}: {label}")
-            row = {"label": label, "round": rnd + 1, **(extra or {}), **summarize(routes[label](reqs))}
-            rows.append(row)
-            if on_row:
-                on_row(row)
-    return rows
+    requests = per_round(make_requests)
+
+    def run(label: str, rnd: int, _group) -> dict:
+        reqs = requests(rnd)
+        if on_start:
+            on_start(f"round {rnd + 1}/{rounds}: {label}")
+        row = {"label": label, "round": rnd + 1, **(extra or {}), **summarize(routes[label](reqs))}
+        if on_row:
+            on_row(row)
+        return row
+
+    return alternate(list(routes), rounds, run)
 
 
 def medians(rows: list[dict], label: str, metrics: tuple[str, ...] = METRICS) -> dict[str, float | None]:
@@ -110,11 +143,9 @@ def compare(rows: list[dict], subject: str, baseline: str, targets: list[Target]
                 continue
             else:
                 value = row["ratio"]
-            ok = t.met(value)
-            dist = value - t.bound if t.kind == "min" else t.bound - value
             per_round = round_values(rows, subject, baseline, m, t.kind == "diff")
-            out.append({**row, "target": str(t), "target_kind": t.kind, "bound": t.bound, "value": value, "met": ok,
-                        "margin": round(dist, 3), "rounds": per_round,
+            out.append({**row, "target": str(t), "target_kind": t.kind, "bound": t.bound, "value": value,
+                        "met": t.met(value), "margin": t.margin(value), "rounds": per_round,
                         "within_spread": bound_within(per_round, t.bound)})
             break
         else:
@@ -144,20 +175,13 @@ def format_comparison(comparison: list[dict]) -> str:
 def report(prog: str, title: str, rows: list[dict], comparison: list[dict], as_json: bool, summary: dict) -> int:
     """Print the runs and the comparison (a table, or JSON Lines: the rows, then one summary); the exit status."""
     met = [c["met"] for c in comparison if "met" in c]
-    if as_json:
-        from tools.json_lines import emit
 
-        for r in rows:
-            emit("row", r)
-        emit("summary", {**summary, "comparison": comparison, "targets_met": all(met) if met else None})
-    else:
-        print(title)
-        print(table(rows))
-        print("(latencies in ms; subject against baseline on the medians over rounds below)")
+    def text() -> str:
+        lines = [title, table(rows), "(latencies in ms; subject against baseline on the medians over rounds below)"]
         for c in dict.fromkeys(x.get("concurrency") for x in comparison):
-            print(f" concurrency {c}:")
-            print(format_comparison([x for x in comparison if x.get("concurrency") == c]))
-    errors = sum(r["errors"] for r in rows)
-    if errors:
-        print(f"{prog}: {errors} requests failed (see error_codes)", file=sys.stderr)
-    return 0 if errors == 0 else 1
+            lines += [f" concurrency {c}:", format_comparison([x for x in comparison if x.get("concurrency") == c])]
+        return "\n".join(lines)
+
+    json_lines = [*(("row", r) for r in rows),
+                  ("summary", {**summary, "comparison": comparison, "targets_met": all(met) if met else None})]
+    return publish(prog, as_json, json_lines, text, rows)

@@ -1,7 +1,10 @@
-"""From request records to numbers: percentiles, throughput, SLO goodput, the Pareto frontier, the table."""
+"""From request records to numbers: percentiles, throughput, SLO goodput, the Pareto frontier, the table; and
+`publish`, the one way a benchmark prints them (JSON Lines by kind, or text) and sets its exit status."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tools.load.runner import Record
@@ -125,3 +128,20 @@ def table(rows: list[dict], columns: list[tuple[str, str]] = COLUMNS) -> str:
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def publish(prog: str, as_json: bool, lines: Iterable[tuple[str, dict]], text: Callable[[], str],
+            runs: Iterable[dict] = (), errors_key: str = "errors") -> int:
+    """A benchmark's output, one way for all: JSON Lines (`lines`, each `(kind, object)`) or the human `text()`;
+    then the exit status, 1 when any of `runs` had failed requests (counted in `errors_key`), said on stderr."""
+    if as_json:
+        from tools.json_lines import emit
+
+        for kind, obj in lines:
+            emit(kind, obj)
+    else:
+        print(text())
+    errors = sum(r.get(errors_key) or 0 for r in runs)
+    if errors:
+        print(f"{prog}: {errors} requests failed (see error_codes)", file=sys.stderr)
+    return 0 if errors == 0 else 1

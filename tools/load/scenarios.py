@@ -1,4 +1,4 @@
-"""The head-to-head scenarios: where the scheduler, not the kernels, decides (issue 24; seed 001 §5-§7).
+"""The head-to-head scenarios: loads where the scheduler, not the kernels, decides how a server does.
 
 Each scenario is a request generator (its requests, fixed from a seed, with
 the arrival time, stream, tenant, hang-up point and role of each), the
@@ -27,6 +27,7 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from tools.load.paired import Target
 from tools.load.report import Slo
 from tools.load.workload import Request
 
@@ -35,26 +36,12 @@ DEFERRED = {"multi-turn": "multi-turn chat is the conversation workload: `npuser
                           "(against llama.cpp's server and its host prompt cache)"}
 
 
-@dataclass(frozen=True)
-class Target:
-    """`ratio_max`/`ratio_min`: subject / baseline on the medians <= / >= bound; `max`: each side's own
-    value <= bound (no peer needed)."""
+# How a scenario row names a target's kind: a ratio to the peer's, or a side's own bound.
+ROW_KIND = {"max": "ratio_max", "min": "ratio_min", "own_max": "max"}
 
-    metric: str
-    kind: str  # "ratio_max" | "ratio_min" | "max"
-    bound: float
 
-    def __str__(self) -> str:
-        if self.kind == "max":
-            return f"{self.metric} <= {self.bound:g}"
-        return f"{self.metric} {'<=' if self.kind == 'ratio_max' else '>='} {self.bound:g}x the peer's"
-
-    def met(self, value: float) -> bool:
-        return value >= self.bound if self.kind == "ratio_min" else value <= self.bound
-
-    def margin(self, value: float) -> float:
-        """How far on the right side of the bound (negative: missed by that much)."""
-        return round(value - self.bound if self.kind == "ratio_min" else self.bound - value, 3)
+def describe(t: Target) -> str:
+    return str(t) if t.kind == "own_max" else f"{t.metric} {t} the peer's"
 
 
 @dataclass(frozen=True)
@@ -194,7 +181,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         quick={"streams": 3, "per_stream": 20, "stream_prompt": 16, "stream_output": 16, "longs": 1,
                "long_prompt": 200, "long_output": 4, "long_at": 0.3},
         generate=_long_prompt,
-        targets=(Target("worst_gap_ms", "ratio_max", 0.5), Target("long_ttft_max_ms", "ratio_max", 1.2)),
+        targets=(Target("worst_gap_ms", "max", 0.5), Target("long_ttft_max_ms", "max", 1.2)),
         plot="timeline"),
     Scenario(
         "tenant-flood", "tenant a floods, tenant b sends a few: b's TTFT, a's tokens/s",
@@ -203,7 +190,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         quick={"flood_streams": 6, "per_stream": 20, "a_prompt": 16, "a_output": 16, "b_requests": 2,
                "b_prompt": 16, "b_output": 8, "b_at": 0.3},
         generate=_tenant_flood,
-        targets=(Target("b_ttft_p50_ms", "ratio_max", 0.15), Target("a_tokens_per_s", "ratio_min", 0.95)),
+        targets=(Target("b_ttft_p50_ms", "max", 0.15), Target("a_tokens_per_s", "min", 0.95)),
         plot="ttft_cdf"),
     Scenario(
         "burst", "open-loop Poisson arrivals with bursts above capacity: goodput at the SLO",
@@ -213,14 +200,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         quick={"rate": 10.0, "duration_s": 1.5, "burst_every_s": 1.0, "burst_size": 8, "burst_spread_s": 0.1,
                "prompt_min": 8, "prompt_max": 32, "output_min": 4, "output_max": 16},
         generate=_burst,
-        targets=(Target("goodput_requests_per_s", "ratio_min", 1.2),)),
+        targets=(Target("goodput_requests_per_s", "min", 1.2),)),
     Scenario(
         "hangups", "clients hanging up mid-stream: tokens generated for nobody, the others' TPOT",
         options={"streams": 8, "per_stream": 6, "prompt": 64, "output": 128, "hangup_every": 2,
                  "hangup_min": 4, "hangup_max": 48},
         quick={"streams": 4, "per_stream": 4, "prompt": 16, "output": 32, "hangup_min": 2, "hangup_max": 8},
         generate=_hangups,
-        targets=(Target("wasted_per_disconnect", "max", 1.0),)),
+        targets=(Target("wasted_per_disconnect", "own_max", 1.0),)),
 )}
 
 
@@ -262,9 +249,9 @@ def verdicts(s: Scenario, rows: list[dict], subject: str, baseline: str | None) 
 
     out = []
     for t in s.targets:
-        row: dict = {"scenario": s.name, "target": str(t), "metric": t.metric, "target_kind": t.kind,
+        row: dict = {"scenario": s.name, "target": describe(t), "metric": t.metric, "target_kind": ROW_KIND[t.kind],
                      "bound": t.bound}
-        if t.kind == "max":
+        if t.kind == "own_max":
             for label in [subject] + ([baseline] if baseline else []):
                 v = median(label, t.metric)
                 out.append({**row, "subject": label, "value": v, "met": None if v is None else t.met(v),

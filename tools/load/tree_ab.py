@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+from tools.load.paired import alternate
+
 DEFAULT_CMD = "npuserve bench-serve --backend stub --concurrency 64"
 # bench-serve's own daemon settings (tools/load/local_daemon.py LOAD_SETTINGS, --max-inflight 2), for
 # --per-process, which starts the daemon itself to read its threads' and its workers' CPU times
@@ -67,18 +69,13 @@ def _children(pid: int) -> list[int]:
 def run_per_process(tree: str, python: str, nice: int, concurrency: int) -> dict:
     """bench-serve --endpoint against a daemon started here: CPU per token of the daemon, its workers and
     the client processes (bench-serve's own), apart."""
-    import tempfile
+    from tools.load import local_daemon
 
-    tmp = tempfile.mkdtemp(prefix="npab-", dir="/tmp")
-    ep = f"ipc://{tmp}/d.sock"
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    pre = ["nice", "-n", str(nice)] if nice else []
-    cmd = [*pre, python, "-m", "engine.daemon.main", "--backend", "stub", "--chips", "2", "--runtime-dir", tmp,
-           "--endpoint", ep, "--board", f"ab{os.getpid() % 100000}"]
-    for kv in _DAEMON_SETTINGS:
-        cmd += ["--set", kv]
-    with open(os.path.join(tmp, "daemon.log"), "wb") as log:
-        d = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    daemon = local_daemon.start(backend="stub", chips=2, settings=_DAEMON_SETTINGS, limits=(), prefix="npab-",
+                                env=env, wrap=["nice", "-n", str(nice)] if nice else None,
+                                board=f"ab{os.getpid() % 100000}", python=python, cwd=tree)
+    d, tmp, ep = daemon.proc, daemon.runtime_dir, daemon.endpoint
     try:
         deadline = time.monotonic() + 120
         while not (os.path.exists(f"{tmp}/d.sock") and len(_children(d.pid)) >= 2):
@@ -94,12 +91,7 @@ def run_per_process(tree: str, python: str, nice: int, concurrency: int) -> dict
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # bench-serve and its clients, reaped in run_once
         after = [_proc_cpu(d.pid)] + [_proc_cpu(w) for w in workers]
     finally:
-        d.send_signal(2)
-        try:
-            d.wait(30)
-        except subprocess.TimeoutExpired:
-            d.kill()
-            d.wait()
+        daemon.stop()
     res["daemon_s"] = after[0] - before[0]
     res["workers_s"] = sum(after[1:]) - sum(before[1:])
     res["clients_s"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
@@ -123,27 +115,28 @@ def main(argv: list[str] | None = None) -> int:
     words = a.cmd.split()
     cmd = [a.python, "-m", "tools.cli", *words[1:]] if words[0] == "npuserve" else words
     runs: dict[str, list[dict]] = {"old": [], "new": []}
-    for r in range(a.rounds):
-        order = ("old", "new") if r % 2 == 0 else ("new", "old")
-        for which in order:
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            if a.per_process:
-                res = run_per_process(getattr(a, which), a.python, a.nice, a.concurrency)
-            else:
-                res = run_once(getattr(a, which), cmd, a.nice)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-            per = 1e6 / res["tokens"] if res["tokens"] else float("nan")
-            split = ""
-            if a.per_process:  # over the run only (the daemon's and workers' start-up left out)
-                cpu = res["daemon_s"] + res["workers_s"] + res["clients_s"]
-                split = (f" = daemon {res['daemon_s'] * per:.1f} + workers {res['workers_s'] * per:.1f}"
-                         f" + clients {res['clients_s'] * per:.1f}")
-            res["cpu_us_per_token"] = cpu * per
-            runs[which].append(res)
-            load = os.getloadavg()[0]
-            print(f"round {r + 1} {which}: {res['tok_s']:.1f} tokens/s, {res['cpu_us_per_token']:.1f} us CPU/token"
-                  f"{split} (load {load:.2f})", flush=True)
+
+    def one(which: str, r: int, _group) -> None:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if a.per_process:
+            res = run_per_process(getattr(a, which), a.python, a.nice, a.concurrency)
+        else:
+            res = run_once(getattr(a, which), cmd, a.nice)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        per = 1e6 / res["tokens"] if res["tokens"] else float("nan")
+        split = ""
+        if a.per_process:  # over the run only (the daemon's and workers' start-up left out)
+            cpu = res["daemon_s"] + res["workers_s"] + res["clients_s"]
+            split = (f" = daemon {res['daemon_s'] * per:.1f} + workers {res['workers_s'] * per:.1f}"
+                     f" + clients {res['clients_s'] * per:.1f}")
+        res["cpu_us_per_token"] = cpu * per
+        runs[which].append(res)
+        load = os.getloadavg()[0]
+        print(f"round {r + 1} {which}: {res['tok_s']:.1f} tokens/s, {res['cpu_us_per_token']:.1f} us CPU/token"
+              f"{split} (load {load:.2f})", flush=True)
+
+    alternate(("old", "new"), a.rounds, one)
     med = {w: (statistics.median(x["tok_s"] for x in rs), statistics.median(x["cpu_us_per_token"] for x in rs))
            for w, rs in runs.items()}
     ratios = [n["tok_s"] / o["tok_s"] for o, n in zip(runs["old"], runs["new"])]

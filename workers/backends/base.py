@@ -131,6 +131,10 @@ class StepOutput:
     # verification jobs (Job.draft_lens): logits [len(spec_verify.draft_rows(job)), V] of the draft rows.
     # A backend that makes them says so with describe().extra["spec_verify"] = True.
     draft_logits: np.ndarray | None = None
+    # lanes asking for their prompt's logprobs (ipc.logprob_wants.PROMPT): logits of the rows
+    # `workers.logprob_alternatives.prompt_rows(job)` names, in that order. A backend that makes them says so
+    # with describe().extra["prompt_logprobs"] = True.
+    prompt_logits: np.ndarray | None = None
 
 
 class BackendError(RuntimeError):
@@ -171,7 +175,7 @@ class ChipBackend(abc.ABC):
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
         """Write host KV content (from swap_out) into `blocks`."""
 
-    def decode_steps(self, job: Job) -> tuple[np.ndarray, np.ndarray] | None:
+    def decode_steps(self, job: Job, penalties=None) -> tuple[np.ndarray, np.ndarray] | None:
         """A multi-step decode job's `job.decode_steps` steps on the device, each step fed the token the step
         before sampled there, with `workers.sampling`'s sampler.
 
@@ -180,6 +184,8 @@ class ChipBackend(abc.ABC):
         backend has no device loop (the default), so the worker runs the host loop. The worker asks only for
         jobs the device can sample alone (`workers.execute_job.device_loop_job`). A backend with one says so in
         `describe().extra["device_decode_loop"]`.
+        `penalties` (`workers.penalties.DevicePenalties`): the lanes' penalties and counts before step 0;
+        a backend whose device loop cannot apply them returns None (the host loop applies them).
         """
         return None
 
@@ -189,6 +195,20 @@ class ChipBackend(abc.ABC):
         Backends whose KV lives in the blocks have nothing to do; one that keeps
         its own KV store (llama.cpp's cells) frees what it holds for them.
         """
+
+    # ---- LoRA adapters (a backend that serves them says so in describe().extra["lora"]) ----
+
+    def read_adapter(self, path: str, sha256: str):
+        """An adapter package read into host memory, in this backend's form (kept in the worker's host cache)."""
+        raise BackendError(f"{type(self).__name__}: LoRA adapters are not supported by this backend")
+
+    def load_adapter(self, slot: int, host_adapter) -> None:
+        """Put a `read_adapter` result into device slot `slot` (replacing what it held); jobs then name the slot
+        in `Job.adapter`."""
+        raise BackendError(f"{type(self).__name__}: LoRA adapters are not supported by this backend")
+
+    def unload_adapter(self, slot: int) -> None:
+        """Free device slot `slot`."""
 
     def health(self) -> dict:
         return {"ok": True}

@@ -75,6 +75,8 @@ _REQUIRED = ("simpler_abi_version", "simpler_model_describe", "simpler_model_pre
 DEVICE_KV = ("simpler_kv_block_bytes", "simpler_kv_init", "simpler_kv_copy_out", "simpler_kv_copy_in",
              "simpler_model_prefill_paged", "simpler_model_decode_paged")  # optional, all or none
 DEVICE_LOOP = "simpler_model_decode_steps_paged"  # optional; needs the device-resident KV group
+DEVICE_LOOP_PENALIZED = "simpler_model_decode_steps_penalized_paged"  # optional, beside DEVICE_LOOP
+LORA = ("simpler_lora_slots", "simpler_lora_load", "simpler_lora_select")  # optional, all or none
 
 
 class NativeLibraryError(BackendError):
@@ -154,6 +156,17 @@ def _bind(lib: ctypes.CDLL, library: str) -> None:
         lib.simpler_model_prefill_paged.restype = c_int
         lib.simpler_model_decode_paged.argtypes = [c_int, c_int, vp, vp, vp, vp, c_int, vp, c_int]
         lib.simpler_model_decode_paged.restype = c_int
+    lora = [s for s in LORA if hasattr(lib, s)]
+    if lora and len(lora) != len(LORA):
+        raise NativeLibraryError(f"chip library {library!r} exports part of the LoRA group; it lacks: "
+                                 f"{', '.join(s for s in LORA if s not in lora)}")
+    if lora:
+        lib.simpler_lora_slots.argtypes = [c_int]
+        lib.simpler_lora_slots.restype = c_int
+        lib.simpler_lora_load.argtypes = [c_int, c_int, vp, c_size]
+        lib.simpler_lora_load.restype = c_int
+        lib.simpler_lora_select.argtypes = [c_int, c_int, vp]
+        lib.simpler_lora_select.restype = c_int
     if hasattr(lib, DEVICE_LOOP):
         if not present:
             raise NativeLibraryError(f"chip library {library!r} exports {DEVICE_LOOP} without the device-resident "
@@ -161,6 +174,11 @@ def _bind(lib: ctypes.CDLL, library: str) -> None:
         fn = getattr(lib, DEVICE_LOOP)
         fn.argtypes = [c_int, c_int, c_int, vp, vp, vp, vp, c_int, vp, vp, vp, vp, vp, vp]
         fn.restype = c_int
+        if hasattr(lib, DEVICE_LOOP_PENALIZED):
+            fn = getattr(lib, DEVICE_LOOP_PENALIZED)
+            fn.argtypes = [c_int, c_int, c_int, vp, vp, vp, vp, c_int, vp, vp, vp, vp,
+                           ctypes.POINTER(SimplerLanePenalties), vp, vp]
+            fn.restype = c_int
 
 
 def device_kv_of(lib: ctypes.CDLL) -> bool:
@@ -176,6 +194,14 @@ def _file_sha256(path: str) -> str:
 
 def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
+
+
+class SimplerLanePenalties(ctypes.Structure):
+    """npuserve_chip.h's simpler_lane_penalties: pointers to the per-lane arrays (workers.penalties)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "presence", "frequency", "repetition", "min_p", "min_tokens", "done", "seen_start", "seen_ids",
+        "seen_counts", "bias_start", "bias_ids", "bias_values", "stop_start", "stop_ids")]
 
 
 class CtypesBackend(ChipBackend):
@@ -220,14 +246,26 @@ class CtypesBackend(ChipBackend):
         self.device_kv = device_kv_of(self._lib)
         # multi-step decode jobs run on the device (_bind made sure the library has device KV then)
         self.device_loop = bool(device_loop) and hasattr(self._lib, DEVICE_LOOP)
+        self.device_loop_penalized = self.device_loop and hasattr(self._lib, DEVICE_LOOP_PENALIZED)
         self._device_loaded = False
         # bytes per token of a block in the transfer format: the library's own (device) or kv_in's (host)
         self.block_token_bytes = self._device_block_token_bytes() if self.device_kv else self.kv_bytes_per_token
+        self.lora_slots = self._lora_slot_count()
+        self._lora_loaded: set[int] = set()  # device slots holding an adapter
         self.tp_rank, self.tp_world = int(tp_rank), int(tp_world)
         self.collective: AllReduce | None = None
         self._reduce_cb = None  # the C callback object: kept alive as long as the library may call it
         if self.tp_world > 1:
             self._init_tp(tp_group, float(tp_timeout_s))
+
+    def _lora_slot_count(self) -> int:
+        if not hasattr(self._lib, LORA[0]):
+            return 0
+        n = int(self._lib.simpler_lora_slots(self.chip_id))
+        if n <= 0:
+            raise NativeLibraryError(f"simpler_lora_slots(chip {self.chip_id}) in {self.library!r} returned "
+                                     f"{_STATUS.get(n, n)}: npuserve needs a positive slot count")
+        return n
 
     def _device_block_token_bytes(self) -> int:
         n = int(self._lib.simpler_kv_block_bytes(self.chip_id, self.block_size))
@@ -281,8 +319,62 @@ class CtypesBackend(ChipBackend):
             extra={"library": self.library, "chip_id": self.chip_id, "abi_version": ABI_VERSION,
                    "kv_bytes_per_token": self.kv_bytes_per_token, "device_kv": self.device_kv,
                    "device_decode_loop": self.device_loop,
-                   "tp": {"rank": self.tp_rank, "world": self.tp_world}},
+                   "tp": {"rank": self.tp_rank, "world": self.tp_world},
+                   **({"lora": {"slots": self.lora_slots if self.tp_world == 1 else 0, "mixed": True}}
+                      if self.lora_slots else {})},
         )
+
+    # -- LoRA adapters (the optional simpler_lora_* group) ----------------------------
+
+    def read_adapter(self, path: str, sha256: str) -> bytes:
+        """The adapter's weights file as the library takes it (the daemon checked it against the base package)."""
+        if not self.lora_slots:
+            return super().read_adapter(path, sha256)
+        from workers.lora.adapter_package import ADAPTER_FILE, read_adapter_facts
+        from workers.package_manifest import PackageError
+
+        facts = read_adapter_facts(path)
+        if sha256 and facts.sha256 != sha256:
+            raise PackageError(f"{path}: manifest.json changed since the adapter was verified (sha256 differs)")
+        with open(os.path.join(facts.path, ADAPTER_FILE), "rb") as f:
+            data = f.read()
+        if hashlib.sha256(data).hexdigest() != facts.manifest["files"][ADAPTER_FILE]:
+            raise PackageError(f"{path}/{ADAPTER_FILE}: sha256 does not match the manifest")
+        return data
+
+    def load_adapter(self, slot: int, host_adapter: bytes) -> None:
+        if not self.lora_slots:
+            return super().load_adapter(slot, host_adapter)
+        buf = np.frombuffer(host_adapter, dtype=np.uint8)
+        rc = self._lib.simpler_lora_load(self.chip_id, int(slot), _ptr(buf), buf.nbytes)
+        if rc != 0:
+            raise BackendError(f"simpler_lora_load(chip {self.chip_id}, slot {slot}) failed: {_STATUS.get(rc, rc)}")
+        self._lora_loaded.add(int(slot))
+
+    def unload_adapter(self, slot: int) -> None:
+        if self.lora_slots and int(slot) in self._lora_loaded:
+            self._lib.simpler_lora_load(self.chip_id, int(slot), None, 0)
+            self._lora_loaded.discard(int(slot))
+
+    def _check_adapters(self, job: Job) -> None:
+        """ValueError (the job is refused, nothing written) for a lane naming a slot that holds no adapter."""
+        if job.adapter.size:
+            used = {int(s) for s, v in zip(job.adapter, job.lane_valid) if v and s >= 0}
+            if not used <= self._lora_loaded:
+                raise ValueError(f"job {job.job_id}: adapter slot(s) {sorted(used - self._lora_loaded)} hold no "
+                                 f"adapter")
+
+    def _select(self, job: Job, lanes: list[int] | None = None) -> None:
+        """simpler_lora_select for the next model call: every lane of the job, or the listed lanes in order."""
+        if not self.lora_slots:
+            return
+        if not job.adapter.size:
+            slots = np.zeros(0, np.int32)
+        else:
+            slots = np.ascontiguousarray(job.adapter if lanes is None else job.adapter[lanes], dtype=np.int32)
+        rc = self._lib.simpler_lora_select(self.chip_id, int(slots.size), _ptr(slots) if slots.size else None)
+        if rc != 0:
+            raise self._fail("simpler_lora_select", rc, job)
 
     def load(self, package) -> None:
         """Allocate the KV cache (here, or the library's device pool). The model is whatever the library was built with."""
@@ -365,9 +457,11 @@ class CtypesBackend(ChipBackend):
             table = np.asarray(job.block_tables[lane])
             self._lane_slots(table, 0, start)
             plan.append((lane, tokens, start, table, self._lane_slots(table, start, start + tokens.size)))
+        self._check_adapters(job)
         logits = np.zeros((job.batch, self.vocab_size), dtype=np.float32)
         if self.device_kv:
             for lane, tokens, start, table, _ in plan:
+                self._select(job, [lane])
                 t = np.ascontiguousarray(table, dtype=np.int32)
                 rc = self._lib.simpler_model_prefill_paged(self.chip_id, _ptr(tokens), int(tokens.size), start,
                                                            _ptr(t), int(t.size), _ptr(logits[lane]), self.vocab_size)
@@ -377,6 +471,7 @@ class CtypesBackend(ChipBackend):
         for lane, tokens, start, table, out_slots in plan:
             kv_in = self._gather(table, start)  # after earlier lanes' writes, in case they share blocks
             kv_out = np.empty((tokens.size, self.kv_bytes_per_token), dtype=np.uint8)
+            self._select(job, [lane])
             rc = self._lib.simpler_model_prefill(
                 self.chip_id, _ptr(tokens), int(tokens.size), _ptr(kv_in) if kv_in.size else None,
                 kv_in.nbytes, _ptr(kv_out), _ptr(logits[lane]), self.vocab_size,
@@ -390,6 +485,7 @@ class CtypesBackend(ChipBackend):
         if job.kind != JobKind.DECODE:
             raise ValueError(f"decode called with a {job.kind.name} job")
         self._kv_cache()
+        self._check_adapters(job)
         if self.device_kv:
             return self._decode_paged(job)
         b = job.batch
@@ -417,6 +513,7 @@ class CtypesBackend(ChipBackend):
             keep.append((out_slots, kv_in, kv_out))
         logits = np.zeros((b, self.vocab_size), dtype=np.float32)
         if keep:
+            self._select(job)
             rc = self._lib.simpler_model_decode(
                 self.chip_id, b, _ptr(tokens), _ptr(valid), ctypes.addressof(kv_in_ptrs),
                 _ptr(kv_sizes), ctypes.addressof(kv_out_ptrs), _ptr(logits), self.vocab_size,
@@ -445,6 +542,7 @@ class CtypesBackend(ChipBackend):
             self._lane_slots(tables[lane], 0, int(starts[lane]) + 1)
         logits = np.zeros((b, self.vocab_size), dtype=np.float32)
         if valid.any():
+            self._select(job)
             rc = self._lib.simpler_model_decode_paged(self.chip_id, b, _ptr(tokens), _ptr(valid), _ptr(starts),
                                                       _ptr(tables), int(tables.shape[1]), _ptr(logits),
                                                       self.vocab_size)
@@ -452,14 +550,14 @@ class CtypesBackend(ChipBackend):
                 raise self._fail("simpler_model_decode_paged", rc, job)
         return StepOutput(logits=logits)
 
-    def decode_steps(self, job: Job) -> tuple[np.ndarray, np.ndarray] | None:
+    def decode_steps(self, job: Job, penalties=None) -> tuple[np.ndarray, np.ndarray] | None:
         """All `job.decode_steps` steps in one `simpler_model_decode_steps_paged` call, sampled on the device.
 
         Tokens int32 [B, n] (-1 on inactive lanes) and logprobs float32 [B, n] (0 where a lane does not want
         them), as the worker's host loop returns them; None without the symbol. Every lane's table is
         checked to reach its last step's position before the call, so a rejected job writes no KV.
         """
-        if not self.device_loop:
+        if not self.device_loop or (penalties is not None and not self.device_loop_penalized):
             return None
         if job.kind != JobKind.DECODE:
             raise ValueError(f"decode_steps called with a {job.kind.name} job")
@@ -482,18 +580,29 @@ class CtypesBackend(ChipBackend):
         out_logprobs = np.zeros((b, n), dtype=np.float32)
         if not valid.any():
             return out_tokens, out_logprobs
+        self._check_adapters(job)
+        self._select(job)
         want = (np.asarray(job.want_logprobs) != 0) & (valid != 0)
         temperature = np.ascontiguousarray(job.temperature, dtype=np.float32)
         top_p = np.ascontiguousarray(job.top_p, dtype=np.float32)
         top_k = np.ascontiguousarray(job.top_k, dtype=np.int32)
         seed = np.ascontiguousarray(job.seed, dtype=np.uint64)
-        rc = getattr(self._lib, DEVICE_LOOP)(
-            self.chip_id, b, n, _ptr(tokens), _ptr(valid), _ptr(starts), _ptr(tables), int(tables.shape[1]),
-            _ptr(temperature), _ptr(top_p), _ptr(top_k), _ptr(seed), _ptr(out_tokens),
-            _ptr(out_logprobs) if want.any() else None,
-        )
+        head = (self.chip_id, b, n, _ptr(tokens), _ptr(valid), _ptr(starts), _ptr(tables), int(tables.shape[1]),
+                _ptr(temperature), _ptr(top_p), _ptr(top_k), _ptr(seed))
+        tail = (_ptr(out_tokens), _ptr(out_logprobs) if want.any() else None)
+        if penalties is None:
+            symbol = DEVICE_LOOP
+            rc = getattr(self._lib, DEVICE_LOOP)(*head, *tail)
+        else:
+            symbol = DEVICE_LOOP_PENALIZED
+            arrays = penalties.c_arrays()  # kept alive for the call
+            if any(arrays[k].shape != (b,) for k in ("presence", "min_tokens", "done")):
+                raise ValueError(f"job {job.job_id}: penalties for another batch than {b}")
+            st = SimplerLanePenalties(*(arrays[name].ctypes.data if arrays[name].size else None
+                                        for name, _ in SimplerLanePenalties._fields_))
+            rc = getattr(self._lib, DEVICE_LOOP_PENALIZED)(*head, ctypes.byref(st), *tail)
         if rc != 0:
-            raise self._fail(DEVICE_LOOP, rc, job)
+            raise self._fail(symbol, rc, job)
         out_logprobs[~want] = 0.0
         return out_tokens, out_logprobs
 

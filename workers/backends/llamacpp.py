@@ -55,6 +55,7 @@ import numpy as np
 from ipc.records import Job, JobKind
 from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLayout, KvTransferCost, OneStepBackend,
                                    StepOutput)
+from workers.logprob_alternatives import prompt_rows
 
 SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": True}
 
@@ -64,6 +65,7 @@ SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "co
 # ~1.2 ms a block, a prefill ~14 ms a token. The prefill figure is taken ~3x faster than measured (more
 # threads, an idle machine): promotion still wins from the first whole block.
 TRANSFER_COST = KvTransferCost(base_s=5e-4, per_block_s=1.5e-3, prefill_s_per_token=5e-3)
+LORA_SLOTS = 8  # LoRA adapters loaded on the model at once (llama.cpp keeps them in host memory)
 
 
 @dataclass
@@ -113,6 +115,7 @@ class LlamacppBackend(OneStepBackend):
         self._n_ubatch = n_ubatch
         self.package = None
         self.model = None
+        self._adapters: dict[int, int] = {}  # device slot -> llama_adapter_lora pointer
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -170,8 +173,59 @@ class LlamacppBackend(OneStepBackend):
 
     def unload(self) -> None:
         if self.model is not None:
-            self.model.close()
+            self.model.close()  # frees its adapters too
         self.package = self.model = None
+        self._adapters = {}
+
+    # ---- LoRA adapters: llama.cpp's LoRA GGUF, one adapter set per context (so per job) ----------------
+
+    def read_adapter(self, path: str, sha256: str) -> str:
+        """The adapter's GGUF path, after checking it fits the loaded model (PackageError names the mismatch)."""
+        from workers.lora.adapter_package import read_adapter_facts
+        from workers.lora.gguf_adapter import GGUF_ADAPTER_FILE, check_gguf_against_base
+        from workers.package_manifest import PackageError
+
+        pkg, _ = self._loaded()
+        facts = read_adapter_facts(path)
+        if sha256 and facts.sha256 != sha256:
+            raise PackageError(f"{path}: manifest.json changed since the adapter was verified (sha256 differs)")
+        if facts.format != "gguf":
+            raise PackageError(f"{path}: the llamacpp backend takes LoRA GGUF adapters, not {facts.format}")
+        check_gguf_against_base(facts, pkg.gguf_path)
+        return os.path.join(facts.path, GGUF_ADAPTER_FILE)
+
+    def load_adapter(self, slot: int, host_adapter: str) -> None:
+        from workers.llamacpp.binding import LlamaCppUnavailable
+
+        _, model = self._loaded()
+        if not 0 <= slot < LORA_SLOTS:
+            raise BackendError(f"llamacpp backend: adapter slot {slot} outside 0..{LORA_SLOTS - 1}")
+        self.unload_adapter(slot)
+        try:
+            self._adapters[slot] = model.lora_load(host_adapter)
+        except LlamaCppUnavailable as e:
+            raise BackendError(f"llamacpp backend: {e}") from e
+
+    def unload_adapter(self, slot: int) -> None:
+        ptr = self._adapters.pop(slot, None)
+        if ptr is not None and self.model is not None:
+            self.model.lora_set(None)  # it may be the context's current adapter
+            self.model.lora_free(ptr)
+
+    def _job_adapter(self, job: Job, lanes: np.ndarray):
+        """The one adapter (pointer, or None for the base) every valid lane of the job runs under."""
+        if not job.adapter.size:
+            return None
+        used = set(job.adapter[lanes].tolist())
+        if len(used) > 1:
+            raise ValueError(f"job {job.job_id}: llama.cpp applies one adapter set per context, the lanes name "
+                             f"{sorted(used)}")
+        slot = used.pop() if used else -1
+        if slot < 0:
+            return None
+        if slot not in self._adapters:
+            raise ValueError(f"adapter slot {slot} holds no adapter")
+        return self._adapters[slot]
 
     def _loaded(self):
         if self.model is None:
@@ -198,7 +252,10 @@ class LlamacppBackend(OneStepBackend):
             extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
                    "architecture": pkg.architecture, "bos_id": pkg.bos_id, "pad_id": pkg.pad_id,
                    "threads": self.threads, "n_seq_max": self.n_seq_max, "kv_cells": info["n_ctx"],
-                   "supports": dict(SUPPORTS), "tokenizer": dict(pkg.tokenizer), "spec_verify": True},
+                   "supports": dict(SUPPORTS), "tokenizer": dict(pkg.tokenizer), "spec_verify": True,
+                   "prompt_logprobs": True,
+                   # LoRA GGUF adapters, one per job (llama.cpp sets adapters per context)
+                   "lora": {"slots": LORA_SLOTS, "mixed": False}},
         )
 
     def health(self) -> dict:
@@ -213,6 +270,8 @@ class LlamacppBackend(OneStepBackend):
 
         _, model = self._loaded()
         lanes = RefBackend._validate(job, self._limits, self._limits)  # the same checks as the oracle
+        adapter = self._job_adapter(job, lanes)  # ValueError (nothing written) for a mixed or empty slot
+        model.lora_set(adapter)  # llama.cpp changes nothing when it is the context's current set
         b = job.batch
         if self._out.shape[0] < b:
             self._out = np.zeros((b, model.n_vocab), np.float32)
@@ -249,10 +308,11 @@ class LlamacppBackend(OneStepBackend):
         out_rows[last] = lanes
         # verification: the draft rows' logits too, in rows b.. of the output (spec_verify.draft_rows order)
         n_draft = self._want_draft_rows(job, lane_list, counts, want, out_rows, b)
-        logits = self._out[:b]  # _want_draft_rows may have grown the buffer
+        n_prompt = self._want_prompt_rows(job, rows, want, out_rows, b + n_draft)
+        logits = self._out[:b]  # _want_draft_rows / _want_prompt_rows may have grown the buffer
         # Every lane valid and wanting logits (decode steps, mixed jobs of whole prompts): the logits are
         # read where llama.cpp wrote them, lane i in row i, instead of copied (a MB per lane on Gemma).
-        in_place = len(lane_list) == b and bool(emit.all()) and not n_draft
+        in_place = len(lane_list) == b and bool(emit.all()) and not n_draft and not n_prompt
         if in_place:
             rc, view = model.decode_in_place(job.tokens[rows], job.positions[rows], seq_ids, want)
         else:
@@ -269,7 +329,23 @@ class LlamacppBackend(OneStepBackend):
         quiet[lanes[emit]] = False
         if quiet.any():
             logits[quiet] = 0
-        return StepOutput(logits=logits, draft_logits=self._out[b:b + n_draft] if n_draft else None)
+        return StepOutput(logits=logits, draft_logits=self._out[b:b + n_draft] if n_draft else None,
+                          prompt_logits=self._out[b + n_draft:b + n_draft + n_prompt] if n_prompt else None)
+
+    def _want_prompt_rows(self, job: Job, rows: np.ndarray, want: np.ndarray, out_rows: np.ndarray, at: int) -> int:
+        """Ask for the logits of the rows prompt logprobs need (`prompt_rows`), into output rows at, at+1, ...;
+        returns how many. Only the lanes that ask pay: llama.cpp computes the output rows it is asked for."""
+        wanted = prompt_rows(job)
+        if not wanted.size:
+            return 0
+        where = np.searchsorted(rows, wanted)  # rows: the job's token indices in batch order (ascending)
+        want[where] = 1
+        out_rows[where] = np.arange(at, at + wanted.size)
+        if self._out.shape[0] < at + wanted.size:
+            grown = np.zeros((at + wanted.size, self._out.shape[1]), np.float32)
+            grown[:self._out.shape[0]] = self._out
+            self._out = grown
+        return int(wanted.size)
 
     def _want_draft_rows(self, job: Job, lane_list: list[int], counts: list[int], want: np.ndarray,
                          out_rows: np.ndarray, b: int) -> int:

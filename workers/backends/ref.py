@@ -27,18 +27,22 @@ from ipc.records import Job
 from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLayout, KvTransferCost, OneStepBackend,
                                    StepOutput)
 from workers.default_package import ensure_default_package
+from workers.logprob_alternatives import prompt_rows
+from workers.lora.adapter_package import LoraWeights, check_against_base, read_adapter, read_adapter_facts
+from workers.lora.lora_rows import LoraRows, LoraStack
 from workers.model_package import ModelPackage
 from workers.package_loader import load_package
+from workers.package_manifest import PackageError
 from workers.paged_kv import PagedKvCache
 from workers.spec_verify import draft_rows
-from workers.transformer import Transformer
+from workers.transformer import Transformer, weight_shapes
 
 
 class RefBackend(OneStepBackend):
     name = "ref"
 
     def __init__(self, *, num_blocks: int | None = None, chip_id: int = 0, tp_rank: int = 0, tp_world: int = 1,
-                 tp_group: str = "", tp_timeout_s: float = 30.0, tp_mode: str = "shared") -> None:
+                 tp_group: str = "", tp_timeout_s: float = 30.0, tp_mode: str = "shared", lora_slots: int = 8) -> None:
         if num_blocks is not None and num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         if tp_world < 1 or not 0 <= tp_rank < tp_world:
@@ -53,6 +57,11 @@ class RefBackend(OneStepBackend):
         self.package: ModelPackage | None = None
         self.model: Transformer | None = None
         self.cache: PagedKvCache | None = None
+        if lora_slots < 0:
+            raise ValueError("lora_slots must be >= 0")
+        # device slots of LoRA adapters (Job.adapter names them); lanes of any of them share a job
+        self.adapters: list[LoraWeights | None] = [None] * int(lora_slots)
+        self._stack: LoraStack | None = None  # the slots stacked for the gathered product; None: rebuild
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -108,13 +117,53 @@ class RefBackend(OneStepBackend):
             extra={"chip_id": self.chip_id, "package": pkg.path, "model_name": pkg.name,
                    "bos_id": pkg.bos_id, "pad_id": pkg.pad_id, "dims": d.to_dict(),
                    "tp": {"rank": self.tp_rank, "world": self.tp_world},
-                   "spec_verify": self.tp_world == 1},  # draft rows: not proven across tensor-parallel ranks
+                   "spec_verify": self.tp_world == 1,  # draft rows: not proven across tensor-parallel ranks
+                   "prompt_logprobs": True,
+                   # LoRA: device slots, and lanes of different adapters may share a job
+                   "lora": {"slots": len(self.adapters) if self.tp_world == 1 else 0, "mixed": True}},
         )
 
     def health(self) -> dict:
         ok = self.package is not None and not (self.collective is not None and self.collective.aborted)
         return {"ok": ok, "backend": self.name, "chip_id": self.chip_id,
                 "model_sha256": self.package.sha256 if self.package else ""}
+
+    # ---- LoRA adapters ---------------------------------------------------------------
+
+    def read_adapter(self, path: str, sha256: str) -> LoraWeights:
+        """The adapter's tensors, after checking it fits the loaded model (PackageError names the mismatch)."""
+        pkg, _, _ = self._loaded()
+        facts = read_adapter_facts(path)
+        if sha256 and facts.sha256 != sha256:
+            raise PackageError(f"{path}: manifest.json changed since the adapter was verified (sha256 differs)")
+        check_against_base(facts, "llama-like", pkg.dims.layers, weight_shapes(pkg.dims, pkg.vocab_size))
+        return read_adapter(facts)
+
+    def load_adapter(self, slot: int, host_adapter: LoraWeights) -> None:
+        if self.tp_world > 1:
+            raise BackendError("ref backend: LoRA adapters are not served across tensor-parallel ranks")
+        if not 0 <= slot < len(self.adapters):
+            raise BackendError(f"ref backend: adapter slot {slot} outside 0..{len(self.adapters) - 1}")
+        self.adapters[slot] = host_adapter
+        self._stack = None
+
+    def unload_adapter(self, slot: int) -> None:
+        if 0 <= slot < len(self.adapters):
+            self.adapters[slot] = None
+            self._stack = None
+
+    def _lora_rows(self, job: Job, lanes: np.ndarray, counts: np.ndarray) -> LoraRows | None:
+        """The lanes' adapters (ValueError before any KV write for a slot that holds none)."""
+        if not job.adapter.size:
+            return None
+        lane_slot = job.adapter[lanes].astype(np.int64)
+        used = np.unique(lane_slot[lane_slot >= 0])
+        for s in used:
+            if s >= len(self.adapters) or self.adapters[s] is None:
+                raise ValueError(f"adapter slot {int(s)} holds no adapter")
+        if len(used) > 1 and self._stack is None:
+            self._stack = LoraStack(self.adapters)
+        return LoraRows.for_lanes(self.adapters, lane_slot, counts, self._stack if len(used) > 1 else None)
 
     # ---- compute -------------------------------------------------------------------
 
@@ -127,12 +176,18 @@ class RefBackend(OneStepBackend):
             return StepOutput(logits=logits)
         qs = job.query_start.astype(np.int64)
         starts, ends = qs[lanes], qs[lanes + 1]
+        lora = self._lora_rows(job, lanes, ends - starts)
         # Valid lanes are packed back to back (inactive lanes own no tokens), but select explicitly.
         rows = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)])
         lane_starts = np.concatenate([[0], np.cumsum(ends - starts)])
         # draft rows as indices into the selected (packed) rows
         packed_at = np.full(len(job.tokens), -1, np.int64)
         packed_at[rows] = np.arange(len(rows))
+        # prompt logprobs: the rows of the lanes that ask, after the draft rows
+        wanted_prompt = prompt_rows(job)
+        n_draft = len(want)
+        if wanted_prompt.size:
+            want = np.concatenate([np.asarray(want, np.int64).reshape(-1), wanted_prompt])
         extra = packed_at[want] if len(want) else None
         try:
             out = model.forward_paged(
@@ -143,6 +198,7 @@ class RefBackend(OneStepBackend):
                 job.context_lens[lanes].astype(np.int64),
                 job.block_tables[lanes].astype(np.int64),
                 extra_rows=extra,
+                lora=lora,
             )
         except Exception as e:  # noqa: BLE001 - after the first write the KV state is unknown
             if self.collective is not None:
@@ -151,7 +207,9 @@ class RefBackend(OneStepBackend):
                 self.collective.abort()
             raise BackendError(f"ref backend: {type(e).__name__}: {e}") from e
         logits[lanes] = out[:len(lanes)]
-        return StepOutput(logits=logits, draft_logits=out[len(lanes):] if extra is not None else None)
+        at = len(lanes)
+        return StepOutput(logits=logits, draft_logits=out[at:at + n_draft] if n_draft else None,
+                          prompt_logits=out[at + n_draft:] if wanted_prompt.size else None)
 
     @staticmethod
     def _validate(job: Job, pkg: ModelPackage, cache: PagedKvCache) -> np.ndarray:
@@ -192,6 +250,10 @@ class RefBackend(OneStepBackend):
 
     def swap_in(self, blocks: np.ndarray, data: np.ndarray) -> None:
         self._loaded()[2].swap_in(blocks, data)
+
+    def swap_out_rows(self, blocks: np.ndarray):
+        """What swap_out would return, as rows in place in the cache (ipc.kv_slots.ScatteredRows)."""
+        return self._loaded()[2].host_rows(blocks)
 
 
 _ORACLES: dict[tuple[str, str], Transformer] = {}

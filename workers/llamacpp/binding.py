@@ -24,7 +24,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIM_SOURCE = os.path.join(HERE, "npl_shim.c")
 INCLUDE_DIR = os.path.join(HERE, "include")
-ABI_VERSION = 4
+ABI_VERSION = 5
 XLLAMACPP_PIN = "2026.10.11549"
 
 _lock = threading.Lock()
@@ -125,6 +125,9 @@ _SIGS = {
     "npl_clear": (None, [_P]),
     "npl_tokenize": (_I, [_P, ctypes.c_char_p, _I, _P, _I, _I, _I]),
     "npl_piece": (_I, [_P, _I32, ctypes.c_char_p, _I, _I]),
+    "npl_lora_load": (_P, [_P, ctypes.c_char_p, ctypes.c_char_p, _I]),
+    "npl_lora_free": (None, [_P]),
+    "npl_lora_set": (_I, [_P, _P]),
 }
 
 
@@ -273,6 +276,23 @@ class LlamaModel:
 
     def clear(self) -> None:
         self._lib.npl_clear(self._handle())
+
+    # -- LoRA adapters (llama.cpp's adapter API: one set per context) --
+    def lora_load(self, path: str) -> int:
+        """A LoRA GGUF loaded for this model: an opaque adapter pointer (LlamaCppUnavailable when refused)."""
+        err = ctypes.create_string_buffer(512)
+        ptr = self._lib.npl_lora_load(self._handle(), os.fsencode(path), err, len(err))
+        if not ptr:
+            raise LlamaCppUnavailable(f"{path}: {err.value.decode(errors='replace')}")
+        return ptr
+
+    def lora_free(self, adapter: int) -> None:
+        self._lib.npl_lora_free(adapter)
+
+    def lora_set(self, adapter: int | None) -> None:
+        """Every sequence of the following decodes runs under `adapter` (None: the base model)."""
+        if self._lib.npl_lora_set(self._handle(), adapter) != 0:
+            raise RuntimeError("llama_set_adapters_lora failed")
 
     def tokenize(self, text: str | bytes, *, add_special: bool, parse_special: bool = False) -> list[int]:
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)

@@ -13,7 +13,7 @@
 
 #include "llama.h"
 
-#define NPL_ABI_VERSION 4
+#define NPL_ABI_VERSION 5
 /* LLAMA_MAX_SEQ of the pinned llama.cpp (src/llama-cparams.h); the wheel does not export
  * llama_max_parallel_sequences(). */
 #define NPL_MAX_SEQ 256
@@ -237,4 +237,25 @@ int npl_tokenize(void *p, const char *text, int len, int32_t *out, int max, int 
 
 int npl_piece(void *p, int32_t token, char *buf, int len, int special) {
     return llama_token_to_piece(((npl_handle *)p)->vocab, token, buf, len, 0, special != 0);
+}
+
+/* LoRA adapters (llama.cpp's adapter API). An adapter belongs to the handle's model; llama.cpp applies one
+ * set of adapters per context, so every sequence of the next decodes runs under the set adapter (NULL: none). */
+void *npl_lora_load(void *hp, const char *path, char *err, int errlen) {
+    npl_handle *h = (npl_handle *)hp;
+    struct llama_adapter_lora *a = llama_adapter_lora_init(h->model, path);
+    if (!a) npl_err(err, errlen, "llama_adapter_lora_init failed (not a LoRA GGUF for this model?)");
+    return a;
+}
+
+void npl_lora_free(void *adapter) {
+    if (adapter) llama_adapter_lora_free((struct llama_adapter_lora *)adapter);
+}
+
+int npl_lora_set(void *hp, void *adapter) {
+    npl_handle *h = (npl_handle *)hp;
+    if (!h->ctx) return -1;
+    struct llama_adapter_lora *a = (struct llama_adapter_lora *)adapter;
+    float scale = 1.0f;
+    return (int)llama_set_adapters_lora(h->ctx, a ? &a : NULL, a ? 1 : 0, a ? &scale : NULL);
 }

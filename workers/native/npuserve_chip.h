@@ -224,6 +224,79 @@ int simpler_model_decode_steps_paged(int chip_id, int batch, int n_steps, const 
                                      const float* temperature, const float* top_p, const int32_t* top_k,
                                      const uint64_t* seed, int32_t* out_tokens, float* out_logprobs);
 
+/*
+ * Device-side multi-step decode with penalties (optional, beside the symbol
+ * above; a library without it gets the jobs that have penalised lanes as n
+ * one-step decodes sampled on the host; the ABI version is unchanged):
+ * simpler_model_decode_steps_penalized_paged takes the arguments of
+ * simpler_model_decode_steps_paged plus `penalties`, per lane [batch]:
+ *   presence, frequency, repetition, min_p : the lane's penalties (0, 0, 1, 0 = none)
+ *   min_tokens, done : EOS and the stop ids are masked while done + k < min_tokens
+ *                      at step k (done = output tokens before step 0's sample)
+ *   seen_ids[seen_start[i]:seen_start[i+1]] : lane i's distinct prompt and
+ *                      output token ids before step 0, seen_counts beside
+ *                      them their occurrences in the output (0: prompt only)
+ *   bias_ids / bias_values [bias_start[i]:bias_start[i+1]] : the logit bias
+ *   stop_ids [stop_start[i]:stop_start[i+1]] : what min_tokens masks
+ * Step k of lane i samples, from a float32 copy z of its logits: z[stop] =
+ * -inf while done + k < min_tokens; z[id] += bias; for every seen token
+ * z = z > 0 ? z / repetition : z * repetition; for every output token
+ * z -= frequency * count (the product rounded to float32), then z -= presence;
+ * then, unless greedy (temperature <= 0 or top_k == 1), z = -inf where
+ * (z - max z) / max(temperature, 1e-30) < ln(min_p) in float32 / float64
+ * when min_p > 0; then the sampler above on z. The sampled token counts as an
+ * output token from step k + 1 on. Logprobs stay those of the raw logits.
+ * (workers/penalties.py is the host's statement of the same.)
+ */
+typedef struct simpler_lane_penalties {
+    const float* presence;
+    const float* frequency;
+    const float* repetition;
+    const float* min_p;
+    const int32_t* min_tokens;
+    const int32_t* done;
+    const int32_t* seen_start; /* [batch + 1] */
+    const int32_t* seen_ids;
+    const int32_t* seen_counts;
+    const int32_t* bias_start; /* [batch + 1] */
+    const int32_t* bias_ids;
+    const float* bias_values;
+    const int32_t* stop_start; /* [batch + 1] */
+    const int32_t* stop_ids;
+} simpler_lane_penalties;
+
+int simpler_model_decode_steps_penalized_paged(int chip_id, int batch, int n_steps, const int32_t* tokens,
+                                               const uint8_t* lane_valid, const int32_t* start,
+                                               const int32_t* block_tables, int table_stride,
+                                               const float* temperature, const float* top_p, const int32_t* top_k,
+                                               const uint64_t* seed, const simpler_lane_penalties* penalties,
+                                               int32_t* out_tokens, float* out_logprobs);
+
+/*
+ * LoRA adapters (optional: all three symbols or none; the ABI version is
+ * unchanged). A library without them serves no adapters (npuserve refuses to
+ * load one on its board). npuserve owns which adapter sits in which slot
+ * (least recently used swapped out, never one the running job uses).
+ *
+ * simpler_lora_slots: how many adapters the chip holds in device memory at
+ *   once (> 0), or a negative SIMPLER_E_* code.
+ * simpler_lora_load: copy an adapter into device slot `slot` (0 <= slot <
+ *   slots), replacing what it held; `data`/`size` are the adapter package's
+ *   weights file as-is (npuserve's npz adapter: adapter.npz, see docs/lora.md),
+ *   owned by the caller for the call only. size 0 (data NULL) frees the slot.
+ * simpler_lora_select: the adapter of each lane of the model calls that follow
+ *   on this chip, until the next select: slots[i] for lane i (a decode batch's
+ *   lane, or lane 0 for a prefill call), -1 = the base model; lanes at or past
+ *   n run the base model. npuserve calls it before every model call (n 0 when
+ *   no lane has an adapter). A slot that holds no adapter is SIMPLER_E_INVALID
+ *   and the selection is unchanged. Lanes of different adapters may share one
+ *   decode call. The KV a lane writes under an adapter is that adapter's:
+ *   npuserve never lets a lane under another adapter read it.
+ */
+int simpler_lora_slots(int chip_id);
+int simpler_lora_load(int chip_id, int slot, const void* data, size_t size);
+int simpler_lora_select(int chip_id, int n, const int32_t* slots);
+
 #ifdef __cplusplus
 }
 #endif

@@ -28,13 +28,22 @@
  * Device-resident KV (simpler_kv_*, simpler_model_*_paged; at the end): the
  * chip's paged cache lives in this library, npuserve names block ids.
  *
- * Device-side multi-step decode (simpler_model_decode_steps_paged; at the very
- * end): n decode steps on the paged pool, each sampled here by a C port of
- * workers/sampling.py (the sampler section below). `ref_sample_rows` exposes
+ * Device-side multi-step decode (simpler_model_decode_steps_paged and its
+ * penalised variant; at the very end): n decode steps on the paged pool, each
+ * sampled here by a C port of workers/sampling.py (the sampler section below)
+ * and of workers/penalties.py. `ref_sample_rows` exposes
  * that sampler alone for the tests; it is not part of the ABI.
  * REF_LOOP_TRACE=PATH in the environment: each call of the loop appends a line
  * "chip batch n_steps" to PATH (a test's evidence that the loop ran, from
  * inside a worker process).
+ *
+ * LoRA adapters (simpler_lora_*; -DREF_LORA=0 leaves them out): an adapter is
+ * an opaque blob; its key is a hash of its bytes (never 0). A lane under an
+ * adapter mixes the key into every step of its running hash, so its logits
+ * differ from the base model's and from any other adapter's, and KV written
+ * under one adapter fails verification (SIMPLER_E_KV_CORRUPT) when read under
+ * another: the device itself checks that npuserve keys KV by adapter.
+ *   step_a(h, t, key) = mix32(h * 0x01000193 + t + 1 + key * 0x27D4EB2F)   (key 0 = the base: step)
  *
  * Python re-statement (used by the tests):
  *   mix32(x)       = lowbias32 finalizer below
@@ -61,6 +70,11 @@
 #ifndef REF_DEVICE_LOOP
 #define REF_DEVICE_LOOP 1
 #endif
+#ifndef REF_LORA
+#define REF_LORA 1
+#endif
+#define REF_LORA_SLOTS 8
+#define REF_MAX_LANES 256
 #define REF_MAX_CHIPS 64
 #define REF_MAGIC 0x4E50554Bu /* "NPUK" */
 #define REF_H0 0x811C9DC5u
@@ -81,9 +95,53 @@ static uint32_t mix32(uint32_t x) {
     return x;
 }
 
-static uint32_t step(uint32_t h, int32_t token) {
-    return mix32(h * 0x01000193u + (uint32_t)token + 1u);
+static uint32_t step(uint32_t h, int32_t token, uint32_t key) {
+    return mix32(h * 0x01000193u + (uint32_t)token + 1u + key * 0x27D4EB2Fu);
 }
+
+/* LoRA state per chip: the key of each device slot (0 = empty) and the slot of each lane of the next calls. */
+static uint32_t lora_keys[REF_MAX_CHIPS][REF_LORA_SLOTS];
+static int32_t lane_slots[REF_MAX_CHIPS][REF_MAX_LANES];
+static int n_lane_slots[REF_MAX_CHIPS];
+
+/* The adapter key of lane `lane` of the current call (0: the base model). */
+static uint32_t lane_key(int chip_id, int lane) {
+    if (lane >= n_lane_slots[chip_id]) return 0u;
+    int32_t s = lane_slots[chip_id][lane];
+    return s < 0 ? 0u : lora_keys[chip_id][s];
+}
+
+#if REF_LORA
+int simpler_lora_slots(int chip_id) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS) return SIMPLER_E_INVALID;
+    return REF_LORA_SLOTS;
+}
+
+int simpler_lora_load(int chip_id, int slot, const void* data, size_t size) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS || slot < 0 || slot >= REF_LORA_SLOTS || (size > 0 && data == NULL))
+        return SIMPLER_E_INVALID;
+    if (size == 0) {
+        lora_keys[chip_id][slot] = 0u;
+        return SIMPLER_OK;
+    }
+    uint32_t h = REF_H0;
+    const unsigned char* p = (const unsigned char*)data;
+    for (size_t i = 0; i < size; i++) h = mix32(h * 0x01000193u + p[i]);
+    lora_keys[chip_id][slot] = h ? h : 1u;
+    return SIMPLER_OK;
+}
+
+int simpler_lora_select(int chip_id, int n, const int32_t* slots) {
+    if (chip_id < 0 || chip_id >= REF_MAX_CHIPS || n < 0 || n > REF_MAX_LANES || (n > 0 && slots == NULL))
+        return SIMPLER_E_INVALID;
+    for (int i = 0; i < n; i++)
+        if (slots[i] >= REF_LORA_SLOTS || slots[i] < -1 || (slots[i] >= 0 && lora_keys[chip_id][slots[i]] == 0u))
+            return SIMPLER_E_INVALID;
+    memcpy(lane_slots[chip_id], slots, (size_t)n * sizeof(int32_t));
+    n_lane_slots[chip_id] = n;
+    return SIMPLER_OK;
+}
+#endif /* REF_LORA */
 
 typedef struct ref_tp {
     int rank, world;
@@ -119,7 +177,7 @@ static int write_logits(int chip_id, uint32_t h, float* logits, int vocab) {
 }
 
 /* Verify a KV history and return its final running hash via *h_out. */
-static int check_history(const void* kv_in, size_t kv_size, int32_t* n_out, uint32_t* h_out) {
+static int check_history(const void* kv_in, size_t kv_size, uint32_t key, int32_t* n_out, uint32_t* h_out) {
     if (kv_size % sizeof(ref_kv_entry) != 0) return SIMPLER_E_INVALID;
     size_t n = kv_size / sizeof(ref_kv_entry);
     if (n > 0 && kv_in == NULL) return SIMPLER_E_INVALID;
@@ -130,7 +188,7 @@ static int check_history(const void* kv_in, size_t kv_size, int32_t* n_out, uint
         ref_kv_entry e;
         memcpy(&e, p + i * sizeof e, sizeof e);
         if (e.magic != REF_MAGIC || e.position != (int32_t)i) return SIMPLER_E_KV_CORRUPT;
-        h = step(h, e.token);
+        h = step(h, e.token, key);
         if (e.hash != h) return SIMPLER_E_KV_CORRUPT;
     }
     *n_out = (int32_t)n;
@@ -157,7 +215,7 @@ int simpler_model_describe(int chip_id, simpler_model_info* out) {
 }
 
 /* Append n tokens after a verified history; writes their KV entries and the last logits. */
-static int extend(int chip_id, int32_t pos, uint32_t h, const int32_t* tokens, int n, void* kv_out,
+static int extend(int chip_id, int32_t pos, uint32_t h, uint32_t key, const int32_t* tokens, int n, void* kv_out,
                   float* logits, int vocab) {
     if ((int64_t)pos + n > REF_MAX_SEQ) return SIMPLER_E_TOO_LONG;
     for (int i = 0; i < n; i++) {
@@ -165,7 +223,7 @@ static int extend(int chip_id, int32_t pos, uint32_t h, const int32_t* tokens, i
     }
     unsigned char* o = (unsigned char*)kv_out;
     for (int i = 0; i < n; i++) {
-        h = step(h, tokens[i]);
+        h = step(h, tokens[i], key);
         ref_kv_entry e = {REF_MAGIC, tokens[i], pos + i, h};
         memcpy(o + (size_t)i * sizeof e, &e, sizeof e);
     }
@@ -180,9 +238,10 @@ int simpler_model_prefill(int chip_id, const int32_t* tokens, int n_tokens,
         return SIMPLER_E_INVALID;
     int32_t pos;
     uint32_t h;
-    int rc = check_history(kv_in, kv_size, &pos, &h);
+    uint32_t key = lane_key(chip_id, 0);
+    int rc = check_history(kv_in, kv_size, key, &pos, &h);
     if (rc != SIMPLER_OK) return rc;
-    return extend(chip_id, pos, h, tokens, n_tokens, kv_out, logits, vocab);
+    return extend(chip_id, pos, h, key, tokens, n_tokens, kv_out, logits, vocab);
 }
 
 int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
@@ -198,9 +257,10 @@ int simpler_model_decode(int chip_id, int batch, const int32_t* tokens,
         if (kv_out[b] == NULL) return SIMPLER_E_INVALID;
         int32_t pos;
         uint32_t h;
-        int rc = check_history(kv_in[b], kv_size[b], &pos, &h);
+        uint32_t key = lane_key(chip_id, b);
+        int rc = check_history(kv_in[b], kv_size[b], key, &pos, &h);
         if (rc != SIMPLER_OK) return rc;
-        rc = extend(chip_id, pos, h, &tokens[b], 1, kv_out[b], logits + (size_t)b * (size_t)vocab, vocab);
+        rc = extend(chip_id, pos, h, key, &tokens[b], 1, kv_out[b], logits + (size_t)b * (size_t)vocab, vocab);
         if (rc != SIMPLER_OK) return rc;
     }
     return SIMPLER_OK;
@@ -493,7 +553,7 @@ static ref_kv_entry* slot(const ref_pool* p, const int32_t* table, int n_table, 
 
 /* One sequence on paged KV: gather [0, start), verify, extend by n tokens, scatter [start, start + n). */
 static int paged_extend(int chip_id, const int32_t* tokens, int n, int32_t start, const int32_t* table,
-                        int n_table, float* logits, int vocab) {
+                        int n_table, uint32_t key, float* logits, int vocab) {
     const ref_pool* p = pool_of(chip_id);
     if (p == NULL || table == NULL || start < 0 || n <= 0) return SIMPLER_E_INVALID;
     if ((int64_t)start + n > REF_MAX_SEQ) return SIMPLER_E_TOO_LONG;
@@ -504,8 +564,8 @@ static int paged_extend(int chip_id, const int32_t* tokens, int n, int32_t start
     for (int32_t pos = 0; pos < start; pos++) hist[pos] = *slot(p, table, n_table, pos);
     int32_t got;
     uint32_t h;
-    int rc = check_history(hist, (size_t)start * sizeof(ref_kv_entry), &got, &h);
-    if (rc == SIMPLER_OK) rc = extend(chip_id, start, h, tokens, n, hist + start, logits, vocab);
+    int rc = check_history(hist, (size_t)start * sizeof(ref_kv_entry), key, &got, &h);
+    if (rc == SIMPLER_OK) rc = extend(chip_id, start, h, key, tokens, n, hist + start, logits, vocab);
     if (rc == SIMPLER_OK)
         for (int i = 0; i < n; i++) *slot(p, table, n_table, (int64_t)start + i) = hist[start + i];
     free(hist);
@@ -515,7 +575,7 @@ static int paged_extend(int chip_id, const int32_t* tokens, int n, int32_t start
 int simpler_model_prefill_paged(int chip_id, const int32_t* tokens, int n_tokens, int32_t start,
                                 const int32_t* block_table, int n_table, float* logits, int vocab) {
     if (vocab != REF_VOCAB || tokens == NULL || logits == NULL) return SIMPLER_E_INVALID;
-    return paged_extend(chip_id, tokens, n_tokens, start, block_table, n_table, logits, vocab);
+    return paged_extend(chip_id, tokens, n_tokens, start, block_table, n_table, lane_key(chip_id, 0), logits, vocab);
 }
 
 int simpler_model_decode_paged(int chip_id, int batch, const int32_t* tokens, const uint8_t* lane_valid,
@@ -527,7 +587,7 @@ int simpler_model_decode_paged(int chip_id, int batch, const int32_t* tokens, co
     for (int b = 0; b < batch; b++) {
         if (!lane_valid[b]) continue;
         int rc = paged_extend(chip_id, &tokens[b], 1, start[b], block_tables + (size_t)b * (size_t)table_stride,
-                              table_stride, logits + (size_t)b * (size_t)vocab, vocab);
+                              table_stride, lane_key(chip_id, b), logits + (size_t)b * (size_t)vocab, vocab);
         if (rc != SIMPLER_OK) return rc;
     }
     return SIMPLER_OK;
@@ -543,20 +603,92 @@ static void trace_loop(int chip_id, int batch, int n_steps) {
 }
 
 /*
+ * Penalties (workers/penalties.py, in its order and float32 operations) on a
+ * copy z of lane b's logits at its step k: min_tokens, logit bias,
+ * repetition, frequency, presence; min_p once the row is final (below).
+ * counts/seen: the lane's output counts and prompt-or-output marks [vocab].
+ */
+static void penalize_row(float* z, int v, const simpler_lane_penalties* pen, int b, int32_t done,
+                         const int32_t* counts, const uint8_t* seen) {
+    if (done < pen->min_tokens[b])
+        for (int32_t j = pen->stop_start[b]; j < pen->stop_start[b + 1]; j++)
+            if (pen->stop_ids[j] >= 0 && pen->stop_ids[j] < v) z[pen->stop_ids[j]] = -INFINITY;
+    for (int32_t j = pen->bias_start[b]; j < pen->bias_start[b + 1]; j++)
+        if (pen->bias_ids[j] >= 0 && pen->bias_ids[j] < v) z[pen->bias_ids[j]] += pen->bias_values[j];
+    float r = pen->repetition[b], f = pen->frequency[b], p = pen->presence[b];
+    if (r != 1.0f)
+        for (int i = 0; i < v; i++)
+            if (seen[i]) z[i] = z[i] > 0 ? z[i] / r : z[i] * r;
+    if (f == 0.0f && p == 0.0f) return;
+    for (int i = 0; i < v; i++) {
+        if (counts[i] <= 0) continue;
+        if (f != 0.0f) {
+            volatile float d = f * (float)counts[i]; /* rounded to float32 before the subtraction, as numpy */
+            z[i] -= d;
+        }
+        if (p != 0.0f) z[i] -= p;
+    }
+}
+
+/* min_p: -inf where (z - max z) / temperature < ln(min_p), the scaling sample_row applies. */
+static void min_p_filter(float* z, int v, float temperature, float min_p) {
+    if (!(min_p > 0.0f) || !(temperature > 0.0f)) return;
+    float zmax = -INFINITY;
+    for (int i = 0; i < v; i++)
+        if (z[i] > zmax) zmax = z[i];
+    float t = (double)temperature >= 1e-30 ? temperature : (float)1e-30;
+    double lm = log((double)min_p);
+    for (int i = 0; i < v; i++) {
+        float s = (z[i] - zmax) / t;
+        if ((double)s < lm) z[i] = -INFINITY;
+    }
+}
+
+static int check_penalties(const simpler_lane_penalties* pen, int batch, const uint8_t* lane_valid, int v) {
+    if (pen->presence == NULL || pen->frequency == NULL || pen->repetition == NULL || pen->min_p == NULL ||
+        pen->min_tokens == NULL || pen->done == NULL || pen->seen_start == NULL || pen->bias_start == NULL ||
+        pen->stop_start == NULL)
+        return SIMPLER_E_INVALID;
+    const int32_t* starts[3] = {pen->seen_start, pen->bias_start, pen->stop_start};
+    for (int a = 0; a < 3; a++) {
+        if (starts[a][0] != 0) return SIMPLER_E_INVALID;
+        for (int b = 0; b < batch; b++)
+            if (starts[a][b + 1] < starts[a][b]) return SIMPLER_E_INVALID;
+    }
+    if ((pen->seen_start[batch] && (pen->seen_ids == NULL || pen->seen_counts == NULL)) ||
+        (pen->bias_start[batch] && (pen->bias_ids == NULL || pen->bias_values == NULL)) ||
+        (pen->stop_start[batch] && pen->stop_ids == NULL))
+        return SIMPLER_E_INVALID;
+    for (int b = 0; b < batch; b++) {
+        if (!lane_valid[b]) continue;
+        if (!(pen->repetition[b] > 0.0f) || !isfinite(pen->repetition[b]) || !isfinite(pen->presence[b]) ||
+            !isfinite(pen->frequency[b]) || !(pen->min_p[b] >= 0.0f && pen->min_p[b] <= 1.0f) ||
+            pen->done[b] < 0)
+            return SIMPLER_E_INVALID;
+        for (int32_t j = pen->seen_start[b]; j < pen->seen_start[b + 1]; j++)
+            if (pen->seen_ids[j] < 0 || pen->seen_ids[j] >= v || pen->seen_counts[j] < 0) return SIMPLER_E_INVALID;
+        for (int32_t j = pen->bias_start[b]; j < pen->bias_start[b + 1]; j++)
+            if (!isfinite(pen->bias_values[j])) return SIMPLER_E_INVALID;
+    }
+    return SIMPLER_OK;
+}
+
+/*
  * Multi-step decode on the device: step-major (every valid lane's step k
  * before any step k + 1, as a compiled batch runs), each step a paged_extend
- * (verify the lane's history, write its new KV entry) and a sample.
+ * (verify the lane's history, write its new KV entry) and a sample; with
+ * `pen`, the lanes' penalties first (their counts advance by each sample).
  */
-int simpler_model_decode_steps_paged(int chip_id, int batch, int n_steps, const int32_t* tokens,
-                                     const uint8_t* lane_valid, const int32_t* start,
-                                     const int32_t* block_tables, int table_stride,
-                                     const float* temperature, const float* top_p, const int32_t* top_k,
-                                     const uint64_t* seed, int32_t* out_tokens, float* out_logprobs) {
+static int decode_steps(int chip_id, int batch, int n_steps, const int32_t* tokens, const uint8_t* lane_valid,
+                        const int32_t* start, const int32_t* block_tables, int table_stride,
+                        const float* temperature, const float* top_p, const int32_t* top_k, const uint64_t* seed,
+                        const simpler_lane_penalties* pen, int32_t* out_tokens, float* out_logprobs) {
     const ref_pool* p = pool_of(chip_id);
     if (p == NULL || batch <= 0 || n_steps <= 0 || tokens == NULL || lane_valid == NULL || start == NULL ||
         block_tables == NULL || table_stride <= 0 || temperature == NULL || top_p == NULL || top_k == NULL ||
         seed == NULL || out_tokens == NULL)
         return SIMPLER_E_INVALID;
+    if (pen != NULL && check_penalties(pen, batch, lane_valid, REF_VOCAB) != SIMPLER_OK) return SIMPLER_E_INVALID;
     for (int b = 0; b < batch; b++) { /* everything checked before the first step writes anything */
         if (!lane_valid[b]) continue;
         const int32_t* table = block_tables + (size_t)b * (size_t)table_stride;
@@ -569,31 +701,84 @@ int simpler_model_decode_steps_paged(int chip_id, int batch, int n_steps, const 
     }
     trace_loop(chip_id, batch, n_steps);
     float* logits = malloc((size_t)REF_VOCAB * sizeof(float));
+    float* z = pen != NULL ? malloc((size_t)REF_VOCAB * sizeof(float)) : NULL;
+    int32_t* counts = pen != NULL ? calloc((size_t)batch * REF_VOCAB, sizeof(int32_t)) : NULL;
+    uint8_t* seen = pen != NULL ? calloc((size_t)batch * REF_VOCAB, 1) : NULL;
     int32_t* cur = malloc((size_t)batch * sizeof(int32_t));
     sample_scratch sc;
-    int rc = scratch_init(&sc, REF_VOCAB) && logits != NULL && cur != NULL ? SIMPLER_OK : SIMPLER_E_DEVICE;
+    int rc = scratch_init(&sc, REF_VOCAB) && logits != NULL && cur != NULL &&
+                     (pen == NULL || (z != NULL && counts != NULL && seen != NULL))
+                 ? SIMPLER_OK
+                 : SIMPLER_E_DEVICE;
     if (cur != NULL) memcpy(cur, tokens, (size_t)batch * sizeof(int32_t));
+    if (rc == SIMPLER_OK && pen != NULL)
+        for (int b = 0; b < batch; b++)
+            for (int32_t j = pen->seen_start[b]; lane_valid[b] && j < pen->seen_start[b + 1]; j++) {
+                counts[(size_t)b * REF_VOCAB + pen->seen_ids[j]] = pen->seen_counts[j];
+                seen[(size_t)b * REF_VOCAB + pen->seen_ids[j]] = 1;
+            }
     for (int k = 0; k < n_steps && rc == SIMPLER_OK; k++) {
         for (int b = 0; b < batch && rc == SIMPLER_OK; b++) {
             if (!lane_valid[b]) continue;
             const int32_t* table = block_tables + (size_t)b * (size_t)table_stride;
-            rc = paged_extend(chip_id, &cur[b], 1, start[b] + k, table, table_stride, logits, REF_VOCAB);
+            rc = paged_extend(chip_id, &cur[b], 1, start[b] + k, table, table_stride, lane_key(chip_id, b), logits,
+                              REF_VOCAB);
             if (rc != SIMPLER_OK) break;
+            const float* row = logits;
+            if (pen != NULL) {
+                memcpy(z, logits, (size_t)REF_VOCAB * sizeof(float));
+                penalize_row(z, REF_VOCAB, pen, b, pen->done[b] + k, counts + (size_t)b * REF_VOCAB,
+                             seen + (size_t)b * REF_VOCAB);
+                if (top_k[b] != 1) min_p_filter(z, REF_VOCAB, temperature[b], pen->min_p[b]);
+                row = z;
+            }
             int32_t tok;
             float zmax;
-            rc = sample_row(logits, REF_VOCAB, temperature[b], top_p[b], top_k[b],
+            rc = sample_row(row, REF_VOCAB, temperature[b], top_p[b], top_k[b],
                             lane_uniform(seed[b], (int64_t)start[b] + k + 1), &sc, &tok, &zmax);
             if (rc != SIMPLER_OK) break;
             size_t at = (size_t)b * (size_t)n_steps + (size_t)k;
             out_tokens[at] = tok;
-            if (out_logprobs != NULL) out_logprobs[at] = logprob_of(logits, REF_VOCAB, zmax, tok);
+            if (out_logprobs != NULL) {
+                float raw_max = logits[0];
+                for (int i = 1; i < REF_VOCAB; i++)
+                    if (logits[i] > raw_max) raw_max = logits[i];
+                out_logprobs[at] = logprob_of(logits, REF_VOCAB, raw_max, tok); /* the model's own */
+            }
+            if (pen != NULL) {
+                counts[(size_t)b * REF_VOCAB + tok]++;
+                seen[(size_t)b * REF_VOCAB + tok] = 1;
+            }
             cur[b] = tok;
         }
     }
     scratch_free(&sc);
     free(logits);
+    free(z);
+    free(counts);
+    free(seen);
     free(cur);
     return rc;
+}
+
+int simpler_model_decode_steps_paged(int chip_id, int batch, int n_steps, const int32_t* tokens,
+                                     const uint8_t* lane_valid, const int32_t* start,
+                                     const int32_t* block_tables, int table_stride,
+                                     const float* temperature, const float* top_p, const int32_t* top_k,
+                                     const uint64_t* seed, int32_t* out_tokens, float* out_logprobs) {
+    return decode_steps(chip_id, batch, n_steps, tokens, lane_valid, start, block_tables, table_stride, temperature,
+                        top_p, top_k, seed, NULL, out_tokens, out_logprobs);
+}
+
+int simpler_model_decode_steps_penalized_paged(int chip_id, int batch, int n_steps, const int32_t* tokens,
+                                               const uint8_t* lane_valid, const int32_t* start,
+                                               const int32_t* block_tables, int table_stride,
+                                               const float* temperature, const float* top_p, const int32_t* top_k,
+                                               const uint64_t* seed, const simpler_lane_penalties* penalties,
+                                               int32_t* out_tokens, float* out_logprobs) {
+    if (penalties == NULL) return SIMPLER_E_INVALID;
+    return decode_steps(chip_id, batch, n_steps, tokens, lane_valid, start, block_tables, table_stride, temperature,
+                        top_p, top_k, seed, penalties, out_tokens, out_logprobs);
 }
 #endif /* REF_DEVICE_LOOP */
 #endif /* REF_DEVICE_KV */

@@ -48,7 +48,7 @@ class KvSequence:
     cache_stopped: bool = False  # insert hit a concurrent duplicate; stop feeding the cache
     cache_tail: int | None = None  # the block at position cache_blocks-1 (None when cache_blocks == 0)
     cache_epoch: int = -1  # PrefixCache.epoch when cache_tail was recorded; a mismatch means re-walk
-    # The hand-off of a queued next step (executor.queue_next_step): a second job, submitted while
+    # A queued next step (executor.queue_next_step): a second job, submitted while
     # pending_job runs, that writes the positions after it. It becomes the pending job when pending_job commits.
     next_job: int | None = None
     next_len: int | None = None
@@ -218,16 +218,16 @@ class KvManager:
         if self.paranoid:
             self.check_invariants()
 
-    def queue_next(self, seq_id: int, job_id: int, new_len: int) -> None:
+    def queue_next_step(self, seq_id: int, job_id: int, new_len: int) -> None:
         """Hand the lane to a second job queued behind its pending one (the next decode step).
 
         The sequence stays UPDATING: when the pending job commits, `job_id`
         becomes the pending job with `new_len`. Lanes are owned by one job at
-        a time except for this hand-off, so at most one job may be queued.
+        a time except for a queued step, so at most one job may be queued.
         """
         seq = self._seqs.get(seq_id)
         if seq is None or seq.state is not S.UPDATING or seq.next_job is not None:
-            raise KvStateError(f"queue_next on seq {seq_id} in state {self.state(seq_id).name}"
+            raise KvStateError(f"queue_next_step on seq {seq_id} in state {self.state(seq_id).name}"
                                + ("" if seq is None or seq.next_job is None else f", job {seq.next_job} queued"))
         assert seq.pending_len is not None
         if not seq.pending_len < new_len <= seq.reserved_len:
@@ -551,7 +551,7 @@ class KvManager:
         )
 
     def queued_steps(self) -> int:
-        """Lanes with a second job queued behind their running one (`queue_next`): the hand-offs in flight.
+        """Lanes with a second job queued behind their running one (`queue_next_step`): the queued steps in flight.
 
         O(sequences): for stats snapshots. A sequence made UNKNOWN keeps its job ids for late failures, so
         only UPDATING ones count.

@@ -20,6 +20,7 @@ from engine.core.actions import FailRequest
 from engine.core.chip_state import ChipState
 from engine.core.dispatch import ChipCandidate, choose_chip
 from engine.core.kv import OutOfBlocks, PrefixKey
+from engine.core.logprob_asks import whole_prompt
 from engine.core.request_record import RequestRecord
 from engine.core.requests import GenerateParams, RequestState
 from engine.core.retry_after import NOT_READY_RETRY_S, clamp_ms, until_ms
@@ -209,7 +210,7 @@ class Admission:
 
     # ----------------------------------------------------------- reservation
     def _prefix_key(self, r: RequestRecord) -> PrefixKey | None:
-        if not self.st.config.prefix_cache:
+        if not self.st.config.prefix_cache or whole_prompt(r):
             return None
         return PrefixKey(self.st.model.generation, r.params.prefix_salt)
 

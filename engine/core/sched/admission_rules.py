@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from engine.core.requests import GenerateParams
+from ipc.logprob_wants import MAX_TOP
 
 
 class AdmissionOutcome(enum.Enum):
@@ -82,8 +83,10 @@ def validate_params(p: GenerateParams, limits: ModelLimits) -> AdmissionDecision
 
     if not p.prompt:
         return bad("empty_prompt", "the prompt is empty")
-    if p.max_tokens < 1:
-        return bad("invalid_max_tokens", "max_tokens must be >= 1")
+    if p.max_tokens < (0 if p.prompt_logprobs is not None else 1):
+        return bad("invalid_max_tokens", "max_tokens must be >= 1 (0 only with prompt_logprobs)")
+    if not 0 <= p.top_logprobs <= MAX_TOP or not 0 <= (p.prompt_logprobs or 0) <= MAX_TOP:
+        return bad("invalid_logprobs", f"top_logprobs and prompt_logprobs must be in 0..{MAX_TOP}")
     for name, toks in (("prompt", p.prompt), ("continuation", p.continuation), ("stop_token_ids", p.stop_token_ids)):
         for t in toks:
             if not 0 <= int(t) < limits.vocab_size:
@@ -92,6 +95,14 @@ def validate_params(p: GenerateParams, limits: ModelLimits) -> AdmissionDecision
         for t in s:
             if not 0 <= int(t) < limits.vocab_size:
                 return bad("token_out_of_range", f"stop sequence token {t} is outside [0, {limits.vocab_size})")
+    pen = p.penalties
+    if pen is not None:
+        for t in pen.bias_ids:
+            if not 0 <= t < limits.vocab_size:
+                return bad("token_out_of_range", f"logit_bias: token id {t} is outside [0, {limits.vocab_size})")
+        if pen.min_tokens > p.max_tokens:
+            return bad("invalid_min_tokens", f"min_tokens: must be at most max_tokens ({p.max_tokens}), got "
+                                             f"{pen.min_tokens}")
     if len(p.continuation) > p.max_tokens:
         return bad("continuation_too_long", "continuation is longer than max_tokens")
     total = len(p.prompt) + p.max_tokens

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from engine.core.actions import Action
 from engine.core.chip_state import ChipState, InflightJob
+from engine.core.logprob_asks import lane_asks
 from engine.core.request_record import RequestRecord
 from engine.core.requests import TERMINAL_STATES, RequestState
 from engine.core.sched.admission import Admission
 from engine.core.sched.lifecycle import Lifecycle
 from engine.core.sched.output import Output
 from engine.core.sched.state import SchedState, block_end
-from ipc.records import JobResult
+from engine.core.stop_conditions import StopReason
+from ipc.records import JobKind, JobResult
 
 S = RequestState
 _NO_LPS: tuple[float, ...] = ()
@@ -41,7 +43,9 @@ class Completion:
         lps = result.logprobs
         lps = [] if lps is None or not any_sampled else lps.tolist()
         start_lens = job.start_lens
-        dropped, followable = job.dropped, ch.followable if st.follow else None
+        dropped, queueable = job.dropped, ch.queueable if st.queue_next_step else None
+        # alternatives ride in decode results that have them; prompt logprobs only in prefill jobs
+        asks = result.top_ids is not None or job.kind is not JobKind.DECODE
         for lane, (rid, seq_id, new_len, sampled) in enumerate(zip(job.lanes, job.seq_ids, job.new_lens,
                                                                    job.sampled)):
             if dropped and rid in dropped:
@@ -51,10 +55,10 @@ class Completion:
             if job.drafts is not None and job.drafts[lane]:
                 self._complete_verify(ch, job, lane, r, result, toks, lps, now, out)
                 continue
-            nxt = r.next_job  # a queued next step takes the lane over (KV: the hand-off at commit)
+            nxt = r.next_job  # a queued next step takes the lane over (KV: promoted at commit)
             r.job_id, r.next_job = nxt, None
-            if followable is not None and nxt is None:
-                followable.pop(rid, None)
+            if queueable is not None and nxt is None:
+                queueable.pop(rid, None)
             if r.state in TERMINAL_STATES:  # cancelled / expired / shut down while running: drop the output
                 if len(r.tokens) >= new_len:
                     kv.commit(seq_id, job_id, r.tokens)
@@ -73,6 +77,15 @@ class Completion:
                 r.move(S.PREFILL_READY)
                 ch.prefill.push(rid, r.prefill_target, front=True)
                 r.ready_since = now
+                continue
+            if asks and (r.sampling[4] > 1 or r.params.prompt_logprobs is not None):  # logprobs beyond the token's
+                lane_lps, ok = lane_asks(r, result, lane, lps, out)
+                if not ok:
+                    self.lifecycle.fail_bad_token(r, ch, "the chip returned no prompt logprobs", now, out)
+                elif r.stop.exhausted():  # max_tokens 0: the prompt's logprobs were the answer
+                    self.output.finish(r, StopReason.LENGTH, now, out)
+                else:
+                    accept(r, ch, toks, lane_lps, lane, lane + 1, now, out)
                 continue
             accept(r, ch, toks, lps, lane, lane + 1, now, out)  # the lane's run: its one token
 

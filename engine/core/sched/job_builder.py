@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 from engine.core.batch_planner import PromptChunk
 from engine.core.chip_state import ChipState
+from engine.core.logprob_asks import whole_prompt
+from engine.core.lora.job_lanes import AdapterLanes
 from engine.core.prefill_queues import WorkClass
 from engine.core.request_record import RequestRecord
 from engine.core.sched.admission import Admission
@@ -38,6 +40,7 @@ class JobBuilder:
     def __init__(self, st: SchedState, admission: Admission) -> None:
         self.st = st
         self.admission = admission
+        self.adapters = AdapterLanes()  # LoRA: which lanes a job may take (engine/core/lora/job_lanes.py)
 
     def plans(self, ch: ChipState, now: float) -> Iterator[JobPlan]:
         """The chip's next jobs while it has free slots; launch each before asking for the next."""
@@ -54,12 +57,12 @@ class JobBuilder:
         decode_failed = False  # no decode job could go this time (no KV room): the slot goes to prompts
         while ch.in_service:
             n = len(ch.inflight) - ch.transfers
-            # With queued next steps the chip takes one job past the limit while a running lane may be
-            # followed: its next step, or a prompt's job in its place (the chip then runs that instead).
-            if n >= limit and not (n == limit and st.follow and ch.followable):
+            # With queued next steps the chip takes one job past the limit while a running lane may
+            # get a queued step: its next step, or a prompt's job in its place (the chip then runs that instead).
+            if n >= limit and not (n == limit and st.queue_next_step and ch.queueable):
                 return
             classes = ch.prefill.nonempty()
-            if not decode_failed and ((st.follow and ch.followable) or (
+            if not decode_failed and ((st.queue_next_step and ch.queueable) or (
                     ch.decode_ready and self._may_fire(st.planner.decode_hold(ch.decode_ready, st.requests, now)))):
                 classes.append(WorkClass.DECODE)
             cls = ch.wrr.pick(classes)
@@ -84,14 +87,16 @@ class JobBuilder:
     # ------------------------------------------------------------------ jobs
     def _decode(self, ch: ChipState, now: float) -> JobPlan | None:
         """One decode job; None when none could go. With queued next steps, the lanes running now that may
-        be followed are candidates beside the ready ones."""
+        get a queued step are candidates beside the ready ones."""
         st = self.st
         plan = st.planner
         pool: Collection[int] = ch.decode_ready
-        if st.follow and ch.followable:
-            pool = {**ch.decode_ready, **ch.followable}
+        if st.queue_next_step and ch.queueable:
+            pool = {**ch.decode_ready, **ch.queueable}
         cands = plan.decode_candidates(pool, st.requests)
         chosen = self._with_room(ch, plan.pick_lanes(cands, plan.decode_profile(len(cands))))
+        if st.model.lora_slots:  # lanes of more adapters than the chip holds (or of another group) wait
+            chosen = self.adapters.decode(st.model, ch.chip, chosen)
         if not chosen:
             return None
         batch = plan.fitting_profile(len(chosen))
@@ -103,8 +108,10 @@ class JobBuilder:
         st = self.st
         r = st.requests[rid]
         start = r.committed
-        end = st.planner.prefill_end(start, r.prefill_target)
+        end = r.prefill_target if whole_prompt(r) else st.planner.prefill_end(start, r.prefill_target)
         st.job_counts.prefill_job(end - start)
+        if st.model.lora_slots:
+            self.adapters.prefill(st.model, ch.chip, r)
         return self._plan(ch, JobKind.PREFILL, [], [(r, start, end)], None)
 
     def _mixed(self, ch: ChipState, budget: int, now: float) -> JobPlan | None:
@@ -120,6 +127,9 @@ class JobBuilder:
         st = self.st
         plan, requests = st.planner, st.requests
         decode: list[RequestRecord] = []
+        lora = st.model.lora_slots
+        if lora:
+            self.adapters.begin_mixed(st.model, ch.chip)
         waiting = len(ch.prefill)
         if waiting and not ch.decode_ready:
             if not self._may_fire(plan.prompts_hold(ch.prefill, requests, budget, now)):
@@ -127,13 +137,23 @@ class JobBuilder:
         if ch.decode_ready and (waiting or self._may_fire(plan.decode_hold(ch.decode_ready, requests, now))):
             cands = plan.decode_candidates(ch.decode_ready, requests)
             decode = self._with_room(ch, plan.mixed_decode_lanes(cands, budget, bool(waiting)))
+            if lora:
+                decode = self.adapters.decode(st.model, ch.chip, decode, mixed_job=True)
             if decode and not waiting and st.config.decode_steps > 1:
                 steps = self._steps_for(ch, decode, now)
                 if steps > 1:  # else a one-step mixed job, and the next prompt to arrive rides in one again
+                    if lora:
+                        self.adapters.end_mixed(st.model, ch.chip, decode, [])
                     batch = plan.fitting_profile(len(decode))
                     st.job_counts.decode_job(batch, len(decode))
                     return self._plan(ch, JobKind.DECODE, decode, [], batch, steps)
         prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, budget - len(decode))
+        if lora:
+            if prompts:
+                prompts, put_back = self.adapters.prompts(st.model, ch.prefill, decode, prompts)
+                left += put_back
+            if self.adapters.end_mixed(st.model, ch.chip, decode, prompts):
+                return self._mixed(ch, budget, now)  # the overdue adapter had nothing here: plan freely
         prompt_tokens = budget - len(decode) - left
         decode = plan.trim_decode(decode, prompt_tokens, left)
         if not decode and not prompts:
@@ -146,7 +166,7 @@ class JobBuilder:
         """The plan, with drafts where lanes speculate: only in a plain one-step job (a queued step or a
         multi-step job has no room for drafts); a verification job is prefill-like, one lane per request."""
         st = self.st
-        if st.spec.verify and steps == 1 and not (st.follow and any(r.job_id is not None for r in decode)):
+        if st.spec.verify and steps == 1 and not (st.queue_next_step and any(r.job_id is not None for r in decode)):
             planned = self._drafts(ch, decode, sum(e - s for _, s, e in prompts))
             if planned is not None:
                 return JobPlan(JobKind.PREFILL, decode, prompts, None, steps, planned[0],
@@ -173,7 +193,7 @@ class JobBuilder:
         chosen: list[RequestRecord] = []
         for r in picked:
             if r.job_id is not None:  # a queued next step: room for the position after its running job's
-                if r.request_id in ch.followable and self._room_for_next(ch, r):
+                if r.request_id in ch.queueable and self._room_for_next(ch, r):
                     chosen.append(r)
                 continue
             # committed < reserved: the next position already has KV room (_ensure_room's fast case)
@@ -216,7 +236,7 @@ class JobBuilder:
             return 1
         horizon = now + cfg.decode_steps_deadline_margin_s
         for r in chosen:
-            if r.job_id is not None or r.params.constraint is not None \
+            if r.job_id is not None or r.params.constraint is not None or r.params.top_logprobs \
                     or (r.deadline is not None and r.deadline <= horizon):
                 return 1
             n = min(n, r.stop.max_tokens - r.stop.produced, st.model.max_seq - r.committed)

@@ -55,8 +55,8 @@ class Lifecycle:
             ch.prefill.remove(r.request_id)
             ch.decode_ready.pop(r.request_id, None)
             self.admission.unbind(r, released=True)
-        elif old is S.DECODE_RUNNING and st.follow and r.chip is not None:
-            st.chips[r.chip].followable.pop(r.request_id, None)  # no next step for it now
+        elif old is S.DECODE_RUNNING and st.queue_next_step and r.chip is not None:
+            st.chips[r.chip].queueable.pop(r.request_id, None)  # no next step for it now
         if state is S.COMPLETED:
             r.move(S.FINISHING)
         r.move(state)
@@ -114,7 +114,7 @@ class Lifecycle:
 
     def lane_lost(self, r: RequestRecord, reason: str, message: str, now: float, out: list[Action]) -> None:
         """A lane of a job that will never complete (job failed, chip down): unbind; retry or fail unless ended."""
-        if r.next_job is not None or self.st.follow:
+        if r.next_job is not None or self.st.queue_next_step:
             self._drop_from_other_job(r)
         r.job_id = None
         r.next_job = None
@@ -130,7 +130,7 @@ class Lifecycle:
         ch = self.st.chips[r.chip] if r.chip is not None else None
         if ch is None:
             return
-        ch.followable.pop(r.request_id, None)
+        ch.queueable.pop(r.request_id, None)
         for j in (r.job_id, r.next_job):
             other = ch.inflight.get(j) if j is not None else None
             if other is not None:
@@ -167,7 +167,7 @@ class Lifecycle:
             ch.kv.cache.evict_sink.clear()
             ch.transfers = 0
         ch.inflight.clear()
-        ch.followable.clear()
+        ch.queueable.clear()
         ch.kv.chip_fault()
         for rid in inflight_lanes:
             r = st.requests.get(rid)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from engine.core.actions import Action, EmitTokens, FinishRequest
 from engine.core.chip_state import ChipState
+from engine.core.logprob_asks import split
 from engine.core.request_record import RequestRecord
 from engine.core.requests import RequestState
 from engine.core.sched.admission import Admission
@@ -67,13 +68,18 @@ class Output:
                     st.note_downgraded(ch)
                 r.t_last_token = now
                 r.emitted += len(emit)
-                out.append(EmitTokens(r.request_id, emit, emit_lps[:len(emit)] if r.params.logprobs else None, text))
+                if r.params.top_logprobs:  # the entries are TokenLogprob: their alternatives go beside
+                    lps_out, tops = split(emit_lps[:len(emit)])
+                    out.append(EmitTokens(r.request_id, emit, lps_out, text, tops))
+                else:
+                    out.append(EmitTokens(r.request_id, emit, emit_lps[:len(emit)] if r.params.logprobs else None,
+                                          text))
             if stop is not None:
                 self._finish(r, stop, now, out)
                 return i
             i += 1
         if r.job_id is not None:  # its queued next step already carries it (still DECODE_RUNNING)
-            ch.may_follow(r)
+            ch.may_queue_step(r)
         else:
             r.move(S.DECODE_READY)
             r.ready_since = now
@@ -94,6 +100,8 @@ class Output:
         r.terminal_emitted = True
         r.move(S.COMPLETED)
         self.lifecycle.forget_if_done(r)
+
+    finish = _finish  # a request ended outside accept (max_tokens 0 with prompt logprobs)
 
     def _detokenize(self, ts: TextStream, emit: list[int], stop: StopReason | None
                     ) -> tuple[list[int], str, StopReason | None]:

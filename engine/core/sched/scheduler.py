@@ -32,6 +32,7 @@ from collections.abc import Callable
 from engine.core.actions import Action, FailRequest, FinishRequest
 from engine.core.batch_planner import BatchPlanner
 from engine.core.chip_state import ChipState
+from engine.core.logprob_asks import sampling_want
 from engine.core.request_record import RequestRecord
 from engine.core.requests import GenerateParams, RequestState
 from engine.core.retry_after import QueueDrainRate
@@ -107,21 +108,23 @@ class Scheduler:
             return [FailRequest(request_id, 400, "no_tokenizer", "stop: string stops need the model's tokenizer "
                                 "and this model has none; use token-id stop sequences", False)]
         stop = StopChecker.build(params.max_tokens, tuple(st.model.eos_ids), params.ignore_eos,
-                                 params.stop_token_ids, params.stop, params.continuation)
+                                 params.stop_token_ids, params.stop, params.continuation,
+                                 0 if params.penalties is None else params.penalties.min_tokens)
         deadline_s = params.deadline_ms / 1000.0 if params.deadline_ms is not None else st.config.default_deadline_s
         r = RequestRecord(
             request_id=request_id, params=params, arrival=now,
             deadline=None if deadline_s is None else now + deadline_s,
             stop=stop, tokens=[int(t) for t in params.prompt] + [int(t) for t in params.continuation],
-            sampling=(params.temperature, params.top_p, params.top_k, params.seed & 0xFFFFFFFFFFFFFFFF, params.logprobs),
+            sampling=(params.temperature, params.top_p, params.top_k, params.seed & 0xFFFFFFFFFFFFFFFF,
+                      sampling_want(params.logprobs, params.top_logprobs)),
         )
         st.counters["accepted"] += 1
         if st.piece is not None:
-            r.text = TextStream(params.stop_strings)
+            r.text = TextStream(params.stop_strings, 0 if params.penalties is None else params.penalties.min_tokens)
             # The continuation was shown by another server: replay it so held text carries over.
             if r.text.prime(st.piece(int(t)) for t in params.continuation):
                 return self._lifecycle.finish_now(r, StopReason.STOP.value, now)
-        if stop.exhausted():  # the continuation already used up max_tokens: nothing to compute
+        if stop.exhausted() and params.prompt_logprobs is None:  # max_tokens used up: nothing to compute
             return self._lifecycle.finish_now(r, StopReason.LENGTH.value, now)
         self._admission.enqueue(r)
         return []

@@ -57,6 +57,8 @@ class ModelSpec:
     mixed_batch_tokens: int = 0  # > 0: a prefill job may mix lanes (decode + prompt chunks) up to this many tokens
     spec_verify: bool = False  # the backend verifies draft tokens (describe().extra["spec_verify"])
     spec_draft: bool = False  # the workers run a draft model (describe().extra["spec_draft"])
+    lora_slots: int = 0  # LoRA adapters a job's lanes may name (the chips' device slots); 0 = none
+    lora_mixed: bool = True  # lanes of different adapters may share a job; False: jobs grouped by adapter
 
 
 @dataclass(eq=False)
@@ -66,7 +68,7 @@ class SchedState:
     profiles: tuple[int, ...]
     chunked: bool
     planner: BatchPlanner
-    follow: bool  # queued next steps (executor.queue_next_step): decode jobs only
+    queue_next_step: bool  # queued next steps (executor.queue_next_step): decode jobs only
     spec: SpecPlanner
     piece: Callable[[int], bytes] | None  # the tokenizer's bytes of a token (None: token ids only)
     chips: dict[int, ChipState]
@@ -141,7 +143,7 @@ class SchedState:
         st = cls(
             config=config, model=model, profiles=profiles, chunked=chunked, planner=planner,
             # a mixed job's lanes take prompts as they come: no queued next steps there
-            follow=bool(config.queue_next_step and not planner.mixed_budget),
+            queue_next_step=bool(config.queue_next_step and not planner.mixed_budget),
             spec=SpecPlanner(config.spec_method, config.spec_max_draft_tokens, config.spec_max_batch_lanes,
                              model.spec_verify, draft_model=model.spec_draft),
             piece=piece, chips=states, tpot_watch=policy.tpot_regression > 0 and policy.max_inflight > 1,

@@ -95,7 +95,8 @@ class SpecPlanner:
         if room <= 0 or decode_lanes > self.max_batch_lanes:
             return [], False
         method = self.method_for(r.params.speculative)
-        if method == "off" or r.params.constraint is not None:  # structured output: the mask is not drafted
+        if method == "off" or r.params.host_stepped or r.params.top_logprobs:
+            # structured output, penalties: not drafted; alternatives come from one-step jobs only
             return [], False
         lane = r.spec
         if lane is None:

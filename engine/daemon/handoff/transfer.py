@@ -118,7 +118,10 @@ class TransferServer:
             return
         want = max(0, int(hdr.get("want", len(held.blocks))))
         credit = max(1, min(int(hdr.get("credit", DEFAULT_CREDIT)), 64))
-        self._serves[key] = (Serve(key[1], hid, held.blocks[:want], now, credit=credit, timeout_s=self.timeout_s), g)
+        sums = hdr.get("sums")
+        sums = tuple(s for s in sums if isinstance(s, str)) if isinstance(sums, list) else ()
+        self._serves[key] = (Serve(key[1], hid, held.blocks[:want], now, credit=credit, timeout_s=self.timeout_s,
+                                   sums=sums), g)
         _count(g, "handoff_claimed")
 
     def _release(self, hid: str, ok: bool) -> None:

@@ -1,1 +1,1 @@
-"""Model lifecycle of a board daemon: the package gate, signatures, generations (issue 12)."""
+"""Model lifecycle of a board daemon: the package gate, signatures, generations (docs/models.md#model-lifecycle)."""

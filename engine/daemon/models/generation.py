@@ -1,6 +1,6 @@
 """One model generation's processes and core: its chip links (workers, rings), scheduler and supervisor.
 
-A generation is a unit of its own (issue 12): its package, its scheduler core
+A generation is a unit of its own (docs/models.md#model-lifecycle): its package, its scheduler core
 with its own KV pool per chip, one worker per chip of the board and the rings
 between them. With `board.chips_per_replica` > 1 a "chip" of everything here is
 a tensor-parallel replica: its workers sit behind one `ReplicaLink`. Unloading it is stopping its workers, unlinking its shared
@@ -100,6 +100,7 @@ class Generation:
         self.handoff_hold = None  # prefill/decode hand-offs held for their decode boards (handoff/hold.py)
         self.supervisor: Supervisor | None = None
         self.rids: set[int] = set()  # requests pinned to this generation (clients' and the load job's)
+        self.adapters: dict[int, tuple[str, str]] = {}  # LoRA adapters its workers know: number -> (path, sha256)
         self._backlog: list[deque[Job]] = [deque() for _ in range(chips)]
         self.device_us = [0] * chips
         self.worker_us = [0] * chips
@@ -136,6 +137,7 @@ class Generation:
                 o.update(self.extra_backend_options)
                 if cfg.speculative.draft_package:  # the worker loads it beside the target (workers.main.load_draft)
                     o["spec_draft_package"] = cfg.speculative.draft_package
+                o["lora_limits"] = [cfg.lora.max_loaded_per_chip, cfg.lora.max_cached]  # the worker's adapter book
                 opts.append(o)
             if per == 1:
                 link = ChipLink(ctx=self.ctx, board=cfg.board.id, chip=chip, backend=cfg.board.backend,
@@ -181,7 +183,10 @@ class Generation:
                           max_seq=info.max_seq, profiles=tuple(profiles), chunked_prefill=info.chunked_prefill,
                           mixed_batch_tokens=info.mixed_batch_tokens,
                           spec_verify=bool(info.extra.get("spec_verify", False)),
-                          spec_draft=bool(info.extra.get("spec_draft", False)))
+                          spec_draft=bool(info.extra.get("spec_draft", False)),
+                          lora_slots=min(int((info.extra.get("lora") or {}).get("slots", 0)),
+                                         cfg.lora.max_loaded_per_chip),
+                          lora_mixed=bool((info.extra.get("lora") or {}).get("mixed", True)))
         chips = [ChipSpec(chip=c, num_blocks=i.kv.num_blocks, block_size=i.kv.block_size)
                  for c, i in enumerate(infos)]
         try:
@@ -252,6 +257,8 @@ class Generation:
                     log("chip_up", chip=chip, pid=ev.pid, model=self.alias, generation=self.id)
                     if self.kv_tiers is not None:  # a restarted worker maps the pool again
                         self.links[chip].attach_kv_pool(self.kv_tiers.pool_message())
+                    for number, (path, sha) in self.adapters.items():  # a restarted worker knows none
+                        self.links[chip].lora_add(number, path, sha)
                     out += sched.on_chip_up(chip, now)
             elif t is WorkerFailed:
                 if sup.state(chip) is not ChipState.OUT:

@@ -1,6 +1,6 @@
 """One load (or replace, rollback, start-up load) of an alias, carried out step by step on the loop.
 
-Steps (seed 001 §11): resolve, verify (every sha256; in a thread, since
+Steps (docs/models.md#the-package-gate): resolve, verify (every sha256; in a thread, since
 hashing a large package takes seconds and the loop must keep serving),
 validate (manifest against the config), capacity (the board's budget),
 configure (start the generation's workers; their READY arrives on the

@@ -1,4 +1,4 @@
-"""The package gate: the checks `load` runs on a package before any worker starts (seed 001 §11, steps 1-4).
+"""The package gate: the checks `load` runs on a package before any worker starts (docs/models.md#the-package-gate).
 
     resolve    the package folder, realpath'd, must lie inside the configured model root
     signature  when a public key is configured: manifest.sig must be its Ed25519 signature of manifest.json

@@ -1,6 +1,6 @@
 """How busy each chip is kept: its busy fraction per window, from the worker's own device times.
 
-Issue 23 asks for overlap to be proven from data, not assumed: the worker
+Overlap of host and device work is proven from data, not assumed: the worker
 reports, with every result, when its backend call began and how long the chip
 sat idle since the previous call ended (`JobResult.device_start_ns`,
 `idle_us`). The metrics recorder feeds each result here; every publish reads

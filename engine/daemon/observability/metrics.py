@@ -16,26 +16,30 @@ Two kinds of figures, two ways across the thread boundary:
 Labels are bounded: model_name, chip, queue, kind, profile, state, reason
 (codes from the core, a fixed set) and tenant only for tenants named in the
 configuration (all others are summed as "other"). A request or job id never
-becomes a label; they go to traces (seed 001 §16).
+becomes a label (unbounded label values grow a scraper's memory without
+end); they go to traces (docs/observability.md).
 """
 
 from __future__ import annotations
 
 import errno
-import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.core.actions import EmitTokens, FailRequest, FinishRequest, SubmitJob
+from engine.core.inflight_governor import DowngradeReason
+from engine.core.stop_conditions import StopReason
 from engine.daemon.constraint_cache import BOARD_CACHE
 from engine.core.model_state import ModelState
+from engine.daemon.observability import exposition
 from engine.daemon.observability.chip_occupancy import ChipOccupancy
 from engine.daemon.observability.kv_tier_metrics import tier_families
+from engine.daemon.observability.lora_metrics import lora_families
 from engine.daemon.observability.loop_histogram import LoopHistogram
 
 if TYPE_CHECKING:
@@ -64,6 +68,9 @@ IDLE_GAP_BUCKETS = (0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.
                     0.25, 1.0, 5.0)
 KV_BLOCK_STATES = ("free", "used", "evictable", "quarantined")  # a partition of every chip's blocks
 ADMISSION_BLOCK_REASONS = ("kv", "max_sequences", "tenant_cap", "static_batching")  # Scheduler.admission_blocked
+# Counters whose label values are a fixed set start at 0 for each value (Prometheus's advice), so a scrape stores
+# every documented name from the start and a rate over them is 0, not absent, before the first event.
+FINISH_REASONS = tuple(r.value for r in StopReason) + ("cancelled",)
 
 
 class MetricsPortBusy(RuntimeError):
@@ -148,6 +155,8 @@ def build_snapshot(v: "Views", now: float, bounded_tenants: frozenset[str]) -> S
     b.one("counter", "loop_turns", "Turns of the scheduler loop.", v.liveness.turns)
     b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if gens.accepting else 0)
     constraint_families(b)
+    if gens.lora.loads:
+        lora_families(b, gens.lora.stats())
     merge(b.families)
     merge(_lifecycle_families(gens))
     return tuple(merged.values())
@@ -177,7 +186,7 @@ def constraint_families(b: _Builder) -> None:
 
 
 def _lifecycle_families(gens: "Generations") -> list[Family]:
-    """Model generations by state, their requests, and the loads and unloads so far (seed 001 §16 "model")."""
+    """Model generations by state, their requests, and the loads and unloads so far (docs/observability.md)."""
     recs = sorted(gens.models.generations.values(), key=lambda r: r.id)
     fams = [Family("gauge", "model_generation_state", "1 for the lifecycle state each model generation is in.",
                    ("model_name", "generation", "state"),
@@ -291,8 +300,7 @@ def _generation_families(b: _Builder, st: dict, chips: list[dict], bounded_tenan
           [((str(c["chip"]),), c["restarts_total"]) for c in chips])
     b.add("counter", "inflight_downgrades", "Chips dropped from ping/pong to one job in flight, by reason "
           "(crosstalk, status_anomaly, repeated_timeouts, tpot_regression).", ("reason",),
-          [((k[len("inflight_downgrades_"):],), v) for k, v in sorted(counters.items())
-           if k.startswith("inflight_downgrades_")])
+          [((r.value,), counters.get(f"inflight_downgrades_{r.value}", 0)) for r in DowngradeReason])
     b.add("gauge", "inflight_limit", "Jobs a chip may hold in flight now (executor.max_inflight, or 1 after a "
           "downgrade).", ("chip",), [((chip,), c["inflight_governor"]["limit"]) for chip, c in st["chips"].items()
                                      if "inflight_governor" in c])
@@ -372,14 +380,13 @@ class MetricsRecorder:
         self.next_publish = 0.0
         self._last_activity: tuple | None = None  # what had happened at the last publish (see `publish`)
         self._next_idle_publish = 0.0
-        self._server = None
-        self._server_thread: threading.Thread | None = None
+        self._http: exposition.MetricsHttp | None = None
 
     # -- HTTP --------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> None:
-        """Start the /metrics HTTP server (a prometheus_client thread). Raises MetricsPortBusy."""
+        """Start the /metrics HTTP server (a thread; text or OpenMetrics, same names). Raises MetricsPortBusy."""
         try:
-            self._server, self._server_thread = start_http_server(port, addr=host, registry=self.registry)
+            self._http = exposition.serve(host, port, [self.registry])
         except OSError as e:
             why = "is in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror}"
             raise MetricsPortBusy(f"metrics port {host}:{port} {why}; choose another with --metrics-port "
@@ -387,16 +394,12 @@ class MetricsRecorder:
 
     @property
     def port(self) -> int | None:
-        return None if self._server is None else self._server.server_address[1]
+        return None if self._http is None else self._http.port
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._server_thread is not None:
-            self._server_thread.join(5)
-            self._server_thread = None
+        if self._http is not None:
+            self._http.close()
+            self._http = None
 
     # -- loop-thread hooks -----------------------------------------------------------------
     def series(self, alias: str) -> "_ModelSeries":
@@ -404,6 +407,10 @@ class MetricsRecorder:
         if s is None:
             s = self._series[alias] = _ModelSeries(self.ttft.labels(alias), self.itl.labels(alias),
                                                    self.e2e.labels(alias), self.queue.labels(alias))
+            for reason in FINISH_REASONS:  # each model's counters exist (at 0) from its first scrape
+                self.success.labels(alias, reason)
+            self.constraint_masks.labels(alias)
+            self.constraint_mask_seconds.labels(alias)
         return s
 
     def on_actions(self, actions: list, now: float, generation: int = 0, alias: str | None = None) -> None:

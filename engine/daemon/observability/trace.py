@@ -13,7 +13,7 @@ board, with:
 * one "chip N device" thread per chip: the backend calls themselves, on the
   worker's clock (CLOCK_MONOTONIC, as the loop's), with an "idle" slice for
   each gap between one call's end and the next one's start: the overlap of
-  host and device work (issue 23) is read off this track, not assumed;
+  host and device work is read off this track, not assumed;
 * one async track per request: a "request" slice with nested "queued",
   "prefill" and "decode" phases, so a request that waited shows which queue it
   waited in while the chip slots show what ran instead.

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
-import pytest
-
-from conftest import ROOT, DaemonProc
+from daemon_procs import DaemonProc
+from repo_root import ROOT
+from tools.load.ports import free_port
 
 START_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tcp_endpoint() -> str:
@@ -63,37 +56,31 @@ def write_config(path: str, *, endpoint: str, backends: list[str] | list[dict], 
     return path
 
 
-@pytest.fixture
-def balancer(short_dir):
-    """Factory: `balancer(backends=[...], policy=..., extra_toml=...)` -> BalancerProc (a tcp:// endpoint)."""
-    started: list[BalancerProc] = []
+def start_balancer(directory: str, n: int, *, backends: list, policy: str = "round-robin", extra_toml: str = "",
+                   endpoint: str | None = None) -> BalancerProc:
+    """Balancer number `n` of a test (its config and log in `directory`) on a tcp:// endpoint; not yet waited for."""
+    endpoint = endpoint or tcp_endpoint()
+    cfg = write_config(os.path.join(directory, f"bal{n}.toml"), endpoint=endpoint, backends=backends,
+                       policy=policy, extra=extra_toml)
+    log_path = os.path.join(directory, f"bal{n}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "engine.balancer.main", "--config", cfg], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return BalancerProc(proc, endpoint, directory, log_path, config_path=cfg)
 
-    def start(*, backends: list, policy: str = "round-robin", extra_toml: str = "", endpoint: str | None = None,
-              wait_up: int | None = None, health_kw: dict | None = None) -> BalancerProc:
-        n = len(started)
-        endpoint = endpoint or tcp_endpoint()
-        cfg = write_config(os.path.join(short_dir, f"bal{n}.toml"), endpoint=endpoint, backends=backends,
-                           policy=policy, extra=extra_toml)
-        log_path = os.path.join(short_dir, f"bal{n}.log")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "engine.balancer.main", "--config", cfg], cwd=ROOT,
-                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        b = BalancerProc(proc, endpoint, short_dir, log_path, config_path=cfg)
-        started.append(b)
-        b.wait_backends_up(len(backends) if wait_up is None else wait_up, **(health_kw or {}))
-        return b
 
-    yield start
+def stop_and_check(balancers: list[BalancerProc]) -> list[str]:
+    """Stop each (unless it exited) and return the exits that were not the expected one."""
     problems = []
-    for b in started:
+    for b in balancers:
         rc = b.stop() if b.proc.poll() is None else b.proc.returncode
         if b.expect_exit is not None and rc != b.expect_exit:
             problems.append(f"balancer {b.pid} exited {rc}:\n{b.log()[-3000:]}")
-    assert not problems, "\n".join(problems)
+    return problems
 
 
 def tcp_daemon(daemon, **kw):
-    """A daemon (conftest fixture factory) listening on a tcp:// endpoint too; returns (DaemonProc, tcp endpoint)."""
+    """A daemon (the `daemon` fixture's factory) listening on a tcp:// endpoint too; returns (DaemonProc, tcp endpoint)."""
     ep = tcp_endpoint()
     d = daemon(extra=["--endpoint", ep] + list(kw.pop("extra", [])), **kw)
     return d, ep

@@ -4,9 +4,9 @@ One prefill board and one decode board behind `npuserve balance` (roles in its [
 disaggregated outputs equal a co-located run (the oracle: the decode board serving each request whole),
 greedy and sampled, short and long prompts, with prefix hits on either side; faults (the prefill board
 killed after it answered, the decode board killed mid-stream, a cancel during the hand-off) give every
-request one terminal event and leave both boards' pools and the balancer empty. Until the KV export/import
-of issue 22 reaches the boards, every hand-off recomputes the prompt on the decode board (its counters say
-so); that is the fallback the tests pin.
+request one terminal event and leave both boards' pools and the balancer empty. Without a KV path between
+the boards (no `board.handoff_peer_dirs`), every hand-off recomputes the prompt on the decode board (its
+counters say so); that is the fallback the tests pin where they set no such path.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import signal
 import time
 
 import pytest
-from balancer_procs import balancer, tcp_daemon  # noqa: F401  (fixture)
+from balancer_procs import tcp_daemon
 from raw_streams import gen_msg, run_streams, streamed_tokens, terminal_events
 
-from conftest import wait_until
+from waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

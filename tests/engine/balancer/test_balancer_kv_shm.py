@@ -15,7 +15,8 @@ from balancer_procs import tcp_daemon, tcp_endpoint
 from raw_streams import gen_msg, run_streams, streamed_tokens, terminal_events
 from test_balancer_disagg import daemon_counters
 
-from conftest import shm_objects_of, wait_until
+from daemon_procs import shm_objects_of
+from waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -16,11 +16,11 @@ import threading
 
 import pytest
 import zmq
-from balancer_procs import balancer, tcp_daemon, tcp_endpoint  # noqa: F401  (fixture)
+from balancer_procs import tcp_daemon, tcp_endpoint
 from raw_streams import gen_msg, run_streams, streamed_tokens, terminal_events
 from test_balancer_disagg import check_one_done_each, daemon_counters, kv_used_blocks
 
-from conftest import wait_until
+from waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -169,3 +169,14 @@ def test_without_both_roles_nothing_changes():
     (s,) = sends(core.submit(1, gen(max_tokens=5), 0.1))
     assert "handoff" not in s.msg and s.msg["max_tokens"] == 5
     assert core._reqs[1].stage is Stage.WHOLE
+
+
+def test_both_legs_carry_the_requests_lora_adapter():
+    """The adapter is part of the KV's key on both boards (its sha256 salts the prefix hashes): the prefill
+    leg computes the prompt under it and the decode leg imports it under it."""
+    core = make()
+    s = run_prefill(core, adapter="sql")
+    assert s.msg["adapter"] == "sql"
+    core.on_event(P1, tokens(s.msg["id"], [7]), 0.2)
+    (d,) = sends(core.on_event(P1, done(s.msg["id"]), 0.21))
+    assert d.backend == D1 and d.msg["adapter"] == "sql"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import zmq
-from balancer_procs import balancer, tcp_daemon  # noqa: F401  (fixture)
+from balancer_procs import tcp_daemon
 
 from engine.client import open_dealer
 from engine.errors import Forbidden, InvalidRequest, ModelNotFound, Unavailable

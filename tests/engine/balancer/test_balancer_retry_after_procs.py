@@ -4,7 +4,7 @@ their estimate kept; the balancer's own 503 draining carries its own."""
 from __future__ import annotations
 
 import pytest
-from balancer_procs import balancer, tcp_daemon  # noqa: F401  (fixture)
+from balancer_procs import tcp_daemon
 
 from engine.core.retry_after import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
 from engine.errors import Overloaded, Unavailable

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from balancer_procs import balancer, tcp_daemon, write_config  # noqa: F401  (fixture)
+from balancer_procs import tcp_daemon, write_config
 from raw_streams import gen_msg, run_streams, streamed_tokens, terminal_events
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ import stat
 import time
 
 import pytest
-from balancer_procs import balancer, tcp_daemon  # noqa: F401  (fixture)
+from balancer_procs import tcp_daemon
 from raw_streams import gen_msg, run_streams, streamed_tokens, terminal_events
 
 from engine.daemon.curve import client_keys

@@ -7,7 +7,7 @@ from __future__ import annotations
 import orjson
 import pytest
 import zmq
-from balancer_procs import balancer, tcp_daemon  # noqa: F401  (fixture)
+from balancer_procs import tcp_daemon
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import pytest
 
 from engine import errors
 from engine.async_client import AsyncClient, Inbox, _Expired, dispatch
-from conftest import CODES, done_ev, echo_server as _echo, error_ev, tokens_ev
+from fake_server import CODES, done_ev, echo_server as _echo, error_ev, tokens_ev
 
 
 def run(coro):

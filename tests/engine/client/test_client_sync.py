@@ -8,7 +8,8 @@ import pytest
 
 from engine import errors
 from engine.client import Client
-from conftest import CODES, done_ev, echo_server as _echo, error_ev, tokens_ev, wait_until
+from fake_server import CODES, done_ev, echo_server as _echo, error_ev, tokens_ev
+from waiting import wait_until
 
 @pytest.mark.parametrize("code,cls", CODES)
 def test_server_error_codes_become_their_exception(fake_server, code, cls):

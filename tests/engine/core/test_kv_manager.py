@@ -438,16 +438,16 @@ def test_rollback_tail_refuses_cached_blocks_and_lanes_in_flight() -> None:
     assert m.grow(1, 16) and len(m.block_table(1)) == 4  # the lane grows again from there
 
 
-# -- the queued next step's hand-off ----------------------------------------------------------------------
+# -- the queued next step ----------------------------------------------------------------------------------
 
 
 def test_queued_next_step_takes_the_lane_when_its_predecessor_commits() -> None:
     m = mgr()
     prefill(m, 1, list(range(6)), 8, job=1)
     m.begin_update(1, 2, 7)  # step N writes position 6
-    m.queue_next(1, 3, 8)  # step N+1, queued while N runs, writes position 7
+    m.queue_next_step(1, 3, 8)  # step N+1, queued while N runs, writes position 7
     with pytest.raises(KvStateError):
-        m.queue_next(1, 4, 8)  # one hand-off at a time
+        m.queue_next_step(1, 4, 8)  # one queued step at a time
     with pytest.raises(StaleJob):
         m.commit(1, 3, list(range(8)))  # N+1 cannot complete before N
     m.commit(1, 2, list(range(7)))
@@ -462,7 +462,7 @@ def test_a_queued_step_past_the_lane_end_is_abandoned_and_its_block_given_back()
     prefill(m, 1, list(range(7)), 8, job=1)  # 2 blocks
     m.begin_update(1, 2, 8)  # N writes position 7: fills block 1
     assert m.grow(1, 9)  # N+1 writes position 8: a third block
-    m.queue_next(1, 3, 9)
+    m.queue_next_step(1, 3, 9)
     m.commit(1, 2, list(range(8)))  # N sampled EOS: N+1 is past the end
     m.take_freed()
     third = m.block_table(1)[2]
@@ -478,7 +478,7 @@ def test_a_failed_queued_step_or_predecessor_makes_the_lane_unknown() -> None:
         m = mgr()
         prefill(m, 1, list(range(6)), 8, job=1)
         m.begin_update(1, 2, 7)
-        m.queue_next(1, 3, 8)
+        m.queue_next_step(1, 3, 8)
         m.fail(1, failed)
         assert m.state(1) is S.UNKNOWN
         m.fail(1, 5 - failed)  # the other job's late failure changes nothing

@@ -180,7 +180,7 @@ class KvMachine(RuleBasedStateMachine):
     @rule(idx=st.integers(0, 99), n=st.integers(1, 4), gen=st.integers(0, 2**18),
           outcome=st.sampled_from(["both", "abandon_next", "abandon_both", "fail_first", "fail_next"]))
     def queued_step(self, idx: int, n: int, gen: int, outcome: str) -> None:
-        """Step N and its queued step N+1: the hand-off at N's commit, or either discarded/failed."""
+        """Step N and its queued step N+1: N+1 takes the lane at N's commit, or either discarded/failed."""
         sid = self.pick(idx, (S.RESERVED, S.ACTIVE))
         if sid is None:
             return
@@ -192,9 +192,9 @@ class KvMachine(RuleBasedStateMachine):
         j1, j2 = self.next_job + 1, self.next_job + 2
         self.next_job += 2
         self.m.begin_update(sid, j1, first)
-        self.m.queue_next(sid, j2, second)
+        self.m.queue_next_step(sid, j2, second)
         with pytest.raises(KvStateError):
-            self.m.queue_next(sid, j2 + 1, second)
+            self.m.queue_next_step(sid, j2 + 1, second)
         while len(q.tokens) < second:
             q.tokens.append((gen >> (len(q.tokens) % 16)) % 3)
         q.state, q.job, q.pending_len = S.UPDATING, j1, first

@@ -127,3 +127,33 @@ def test_silent_receiver_ends_the_serve():
     s = Serve("t", "h", CHAINS, 0.0, credit=1, timeout_s=1.0)
     s.pump(0.0, lambda c: True, RECS.get)
     assert not s.expired(0.5) and s.expired(1.0)
+
+
+def test_chunk_checksum_is_crc32c_when_the_claim_offers_it_and_crc32_otherwise():
+    import zlib
+
+    import crc32c
+
+    p = Pull("t", "h", want=10, now=0.0)
+    claim = p.outbox.pop(0)[0]
+    assert claim["sums"] == ["crc32c"]
+    s = _serve(claim, 0.0, chunk_blocks=4, sums=tuple(claim["sums"]))
+    s.pump(0.0, lambda c: True, RECS.get)
+    chunks = [(h, pl) for h, pl in s.outbox if h["t"] == "chunk"]
+    assert chunks and all("crc" not in h and h["crc32c"] == crc32c.crc32c(pl) for h, pl in chunks)
+    old = _serve({k: v for k, v in claim.items() if k != "sums"}, 0.0, chunk_blocks=4)  # a receiver without `sums`
+    old.pump(0.0, lambda c: True, RECS.get)
+    assert all("crc32c" not in h and h["crc"] == zlib.crc32(pl) for h, pl in old.outbox if h["t"] == "chunk")
+    p2 = Pull("t", "h", want=10, now=0.0)
+    p2.outbox.clear()
+    s2 = _serve(claim, 0.0, chunk_blocks=4, sums=("crc32c",))
+    _run(p2, s2, 0.0)
+    assert p2.state is PullState.DONE and p2.records == [RECS[c] for c in CHAINS]
+
+
+def test_crc32c_chunk_corruption_fails_and_releases():
+    p = Pull("t", "h", want=10, now=0.0)
+    s = _serve(p.outbox.pop(0)[0], 0.0, chunk_blocks=2, sums=("crc32c",))
+    _run(p, s, 0.0, corrupt=2)
+    assert p.state is PullState.FAILED and p.failure == "checksum" and p.records == []
+    assert s.state is ServeState.ENDED

@@ -69,7 +69,7 @@ class FakeExecutor:
                 self.jobs.append((a.chip, a.job))
             elif isinstance(a, EmitTokens):
                 assert a.request_id not in self.terminal, f"tokens after the terminal event of {a.request_id}"
-                assert a.tokens or a.text, "EmitTokens with neither tokens nor text"
+                assert a.tokens or a.text or a.prompt_logprobs, "EmitTokens with neither tokens nor text"
                 self.tokens.setdefault(a.request_id, []).extend(a.tokens)
                 if a.text is not None:
                     self.texts.setdefault(a.request_id, []).append(a.text)

@@ -1,7 +1,7 @@
 """executor.queue_next_step: a decode lane's step N+1 submitted while step N runs.
 
-The fake worker here resolves FOLLOW_PREVIOUS tokens with the worker's own
-`FollowTokens` and makes each token depend on the lane's input token too, so
+The fake worker here resolves QUEUED_STEP_TOKEN tokens with the worker's own
+`QueuedStepTokens` and makes each token depend on the lane's input token too, so
 a queued step fed the wrong token would change the output. Every run is
 compared with the same requests run synchronously (one job, no queued step).
 """
@@ -16,10 +16,10 @@ import pytest
 
 from engine.core.actions import FailRequest, FinishRequest
 from engine.core.scheduler_config import SchedulerConfig
-from ipc.records import FOLLOW_PREVIOUS, Job, JobKind, JobResult, JobStatus
+from ipc.records import QUEUED_STEP_TOKEN, Job, JobKind, JobResult, JobStatus
 from test_scheduler_fakes import EOS, VOCAB, FakeExecutor, decode_turn_gaps, kv_fully_free, make_scheduler, params
 from test_scheduler_text import piece
-from workers.follow_tokens import FollowTokens, UnresolvedFollow
+from workers.queued_step_tokens import QueuedStepTokens, UnresolvedQueuedStep
 
 BS = 16
 
@@ -32,14 +32,14 @@ def chained_token(seed: int, pos: int, prev: int) -> int:
 
 @dataclass
 class FollowingExecutor(FakeExecutor):
-    follow: FollowTokens = field(default_factory=lambda: FollowTokens(BS))
-    invalid: set[int] = field(default_factory=set)  # jobs the worker refused (an unresolvable follow)
+    queued_step_tokens: QueuedStepTokens = field(default_factory=lambda: QueuedStepTokens(BS))
+    invalid: set[int] = field(default_factory=set)  # jobs the worker refused (an unresolvable queued-step token)
 
     def result_for(self, job: Job, status: JobStatus = JobStatus.OK) -> JobResult:
         if status == JobStatus.OK:
             try:
-                self.follow.resolve(job)
-            except UnresolvedFollow:
+                self.queued_step_tokens.resolve(job)
+            except UnresolvedQueuedStep:
                 self.invalid.add(job.job_id)
                 return JobResult.failed(job, JobStatus.INVALID)
         else:
@@ -48,9 +48,9 @@ class FollowingExecutor(FakeExecutor):
         for lane in range(job.batch):
             if job.lane_valid[lane] and job.sample[lane]:
                 prev = int(job.lane_tokens(lane)[-1])
-                assert prev != FOLLOW_PREVIOUS
+                assert prev != QUEUED_STEP_TOKEN
                 toks[lane] = chained_token(int(job.seed[lane]), int(job.context_lens[lane]), prev)
-        self.follow.record(job, toks)
+        self.queued_step_tokens.record(job, toks)
         return JobResult(job_id=job.job_id, generation=job.generation, kind=job.kind, status=status,
                          tokens=toks, logprobs=np.full(job.batch, -0.5, np.float32))
 
@@ -68,7 +68,7 @@ def pipelined(ex: FakeExecutor, now: float = 0.0, dt: float = 0.001, events=None
         ex.handle(ex.sched.tick(now))
         if held is not None:  # a queued step's input is the token its predecessor has not yet sampled
             held.append((decoded, len(ex.pending),
-                         sum(bool((job.tokens == FOLLOW_PREVIOUS).any()) for _, job in ex.pending)))
+                         sum(bool((job.tokens == QUEUED_STEP_TOKEN).any()) for _, job in ex.pending)))
         if events and step in events:
             events[step](now)
         if ex.pending:
@@ -133,8 +133,8 @@ def test_outputs_equal_the_synchronous_run(max_inflight: int) -> None:
 
 
 @pytest.mark.parametrize("max_inflight", [1, 2])
-def test_a_ready_lane_takes_its_turn_beside_the_followed_ones(max_inflight: int) -> None:
-    """9 lanes for a B8: the lanes followed step after step once sorted first and kept the ninth at its
+def test_a_ready_lane_takes_its_turn_beside_the_lanes_with_queued_steps(max_inflight: int) -> None:
+    """9 lanes for a B8: the lanes with a step queued step after step once sorted first and kept the ninth at its
     first token until they finished (it had 1 token, the others 86-100); now it takes turns with them."""
     cfg = SchedulerConfig(queue_next_step=True, max_inflight=max_inflight)
     ex = FollowingExecutor(make_scheduler(cfg, block_size=BS, num_blocks=256), token_fn=lambda s, p: 0)
@@ -150,7 +150,7 @@ def test_a_ready_lane_takes_its_turn_beside_the_followed_ones(max_inflight: int)
     assert min(got) >= max(got) // 2, got
     assert max(decode_turn_gaps(ex.jobs).values()) <= 3  # no lane sat out more than two decode jobs running
     decode_lanes = sum(int(j.lane_valid.sum()) for _, j in ex.jobs if j.kind == JobKind.DECODE)
-    assert ex.sched.counters["queued_steps"] >= 0.75 * decode_lanes  # and the chip still follows its lanes
+    assert ex.sched.counters["queued_steps"] >= 0.75 * decode_lanes  # and the chip still queues steps behind its lanes
 
 
 def test_cancels_and_deadlines_mid_step_end_cleanly() -> None:
@@ -217,7 +217,7 @@ def test_worker_killed_with_two_jobs_and_a_queued_step_in_flight() -> None:
     # the stats gauge an operator (and the chaos scenario worker-kill-inflight) reads: lanes with a queued step
     assert ex.sched.stats()["chips"]["0"]["queued_steps_inflight"] == queued()
     ex.pending.clear()
-    ex.follow = FollowTokens(BS)  # the new worker remembers nothing
+    ex.queued_step_tokens = QueuedStepTokens(BS)  # the new worker remembers nothing
     ex.handle(ex.sched.on_chip_down(0, now))
     assert ex.sched.stats()["chips"]["0"]["queued_steps_inflight"] == 0  # the lanes went with the chip
     ex.handle(ex.sched.on_chip_up(0, now))

@@ -10,7 +10,7 @@ import orjson
 import pytest
 import zmq
 
-from conftest import shm_objects_of
+from daemon_procs import shm_objects_of
 from engine.errors import ServerError
 
 pytestmark = pytest.mark.integration
@@ -219,7 +219,8 @@ def test_in_flight_lane_that_emitted_no_token_is_requeued_when_its_worker_dies(d
 
 def test_a_job_timeout_restarts_the_worker_and_the_board_keeps_serving(daemon):
     """A job slower than executor.job_timeout_ms: the chip is treated as hung, its worker restarted, and its
-    quarantined KV recovered on READY, so later requests are served (they used to wait for KV forever)."""
+    quarantined KV recovered on READY, so later requests are served (without it they would wait for KV
+    forever)."""
     slow_prefill = {**SLOW, "flops_per_token": 1.0, "throughput_flops": 100.0}  # a prompt token takes 10 ms
     d = daemon(backend="sim", chips=1, backend_options=slow_prefill,
                settings={"executor.job_timeout_ms": 1000, "recovery.max_resets_per_10min": 10})

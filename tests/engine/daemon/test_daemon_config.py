@@ -11,7 +11,9 @@ import orjson
 import psutil
 import pytest
 
-from conftest import ROOT, log_events, shm_objects_of
+from daemon_procs import shm_objects_of
+from repo_root import ROOT
+from waiting import log_events
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import time
 import jsonschema
 import pytest
 
-from conftest import daemon_process
+from daemon_procs import daemon_process
 from engine.errors import InvalidRequest
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from conftest import log_events, shm_objects_of, wait_for_log
+from daemon_procs import shm_objects_of
+from waiting import log_events, wait_for_log
 from engine.async_client import AsyncClient
 from engine.errors import ClientError, Overloaded, Unavailable
 

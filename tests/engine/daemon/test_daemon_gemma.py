@@ -62,8 +62,8 @@ def test_gemma_serves_english_and_matches_llama_cpp_server(daemon, gemma_package
     async def run():
         async with AsyncClient(d.endpoint, timeout=300) as c:
             by_ids = await asyncio.gather(*(c.generate(p, **kw) for p in prompts))
-            # Together again on the same daemon: this round used to diverge (issue 8: the first round's
-            # llama.cpp cells lingered, and the second round's cells landed before its own earlier ones).
+            # Together again on the same daemon: the round that diverges if the first round's llama.cpp cells
+            # linger (the second round's cells then land before its own earlier ones; docs/models.md#correctness).
             by_text = await asyncio.gather(*(c.generate(t, **kw) for t in PROMPTS))
             streamed = [await streamed_text(c, t) for t in PROMPTS]
             return by_ids, by_text, streamed

@@ -10,7 +10,7 @@ import sys
 
 import orjson
 
-from conftest import ROOT
+from repo_root import ROOT
 from engine.daemon import log as daemon_log
 from engine.daemon.log import EVENTS, LEVELS, human_line, json_line
 

@@ -1,9 +1,9 @@
-"""A 2-chip `ref` daemon under issue 13's mixed load keeps a flat memory footprint.
+"""A 2-chip `ref` daemon under a mixed load (`tools.mixed_load.Mix`) keeps a flat memory footprint.
 
-The leak of issue 13: the shared-memory rings between the scheduler and the
-workers were written front to back through their whole 64 MiB before
-wrapping, and every page passed over stayed resident, so the scheduler
-process (four rings) grew by ~30 KiB per request and each worker (two rings)
+The leak this guards against: shared-memory rings between the scheduler and
+the workers written front to back through their whole 64 MiB before
+wrapping keep every page passed over resident, so the scheduler process
+(four rings) would grow by ~30 KiB per request and each worker (two rings)
 by half that, for hours. The mix (cancels, deadlines, non-streamed requests,
 shared prefixes) also exercises every way a request can end, so per-request
 bookkeeping that is never dropped would show here too.

@@ -12,8 +12,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ROOT
+from repo_root import ROOT
 from engine.errors import InvalidRequest
+from tools.load.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -22,18 +23,12 @@ VLLM_NAMED = ["npuserve:num_requests_running", "npuserve:num_requests_waiting", 
               "npuserve:prefix_cache_queries", "npuserve:prefix_cache_hits", "npuserve:time_to_first_token_seconds",
               "npuserve:inter_token_latency_seconds", "npuserve:e2e_request_latency_seconds",
               "npuserve:prompt_tokens", "npuserve:generation_tokens", "npuserve:request_success"]
-# seed 001 §16 figures
+# the scheduler's own figures (docs/observability.md)
 SEED_NAMED = ["npuserve:queue_depth", "npuserve:queue_oldest_wait_seconds", "npuserve:requests_admitted",
               "npuserve:requests_rejected", "npuserve:batch_fill_ratio", "npuserve:decode_lane_waste",
               "npuserve:kv_blocks", "npuserve:worker_restarts", "npuserve:job_latency_seconds"]
 ID_LABELS = {"id", "rid", "request", "request_id", "job", "job_id", "seq", "seq_id"}
 SIM = {"decode_base_ms": 2.0, "decode_per_lane_ms": 0.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict:

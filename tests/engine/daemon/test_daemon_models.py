@@ -1,4 +1,4 @@
-"""Model lifecycle on a real daemon (issue 12): load/unload/replace/rollback/models over the wire.
+"""Model lifecycle on a real daemon (docs/models.md#model-lifecycle): load/unload/replace/rollback/models over the wire.
 
 Real daemon and worker processes (ref backend, the NumPy transformer), real
 packages built by workers/model_maker.py under a model root.
@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-from conftest import shm_objects_of, wait_until
+from daemon_procs import shm_objects_of
+from waiting import wait_until
 from engine.errors import ClientError
 from workers.model_maker import make_model
 from workers.package_loader import load_package

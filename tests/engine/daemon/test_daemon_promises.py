@@ -19,7 +19,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from conftest import shm_objects_of, wait_until
+from daemon_procs import shm_objects_of
+from waiting import wait_until
 from engine.errors import ServerError, Unavailable
 
 pytestmark = pytest.mark.integration

@@ -6,6 +6,8 @@ import orjson
 import pytest
 import zmq
 
+from tools.load.ports import free_port
+
 pytestmark = pytest.mark.integration
 
 MAX_MSG = 65536
@@ -135,16 +137,8 @@ def test_cancel_of_unknown_id_is_harmless(served):
     assert not s.poll(300), f"a cancel of an unknown id was answered: {s.recv()!r}"  # a cancel has no reply
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        return so.getsockname()[1]
-
-
 def test_admin_ops_are_refused_on_tcp_and_allowed_on_ipc(daemon):
-    port = _free_port()
+    port = free_port()
     d = daemon(backend="stub", chips=1, extra=["--endpoint", f"tcp://127.0.0.1:{port}"])
     from engine.client import Client
     from engine.errors import Forbidden

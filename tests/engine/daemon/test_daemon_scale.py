@@ -10,7 +10,7 @@ import orjson
 import psutil
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from conftest import idle_activity
+from idle_activity import idle_activity
 from engine.async_client import AsyncClient
 from engine.errors import ClientTimeout, DeadlineExceeded, Overloaded, ServerError, Unavailable
 

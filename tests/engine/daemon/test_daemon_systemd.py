@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-from conftest import ROOT, log_events, shm_objects_of, wait_for_log
+from daemon_procs import shm_objects_of
+from repo_root import ROOT
+from waiting import log_events, wait_for_log
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel replicas in the daemon (issue 28): 2 chips as 1 replica and as 2 replicas serve the
+"""Tensor-parallel replicas in the daemon (docs/backends.md): 2 chips as 1 replica and as 2 replicas serve the
 same request mix with the oracle's tokens; a rank killed or stopped mid-job fails or requeues every lane,
 the replica's workers restart together, and no shared memory is left (the fixture checks)."""
 
@@ -122,7 +122,8 @@ def test_a_degree_the_package_does_not_support_fails_start_up_with_exit_2(short_
     import subprocess
     import sys
 
-    from conftest import ROOT, shm_objects_of
+    from daemon_procs import shm_objects_of
+    from repo_root import ROOT
 
     # The built-in tiny model has 4 query heads over 2 KV heads: degrees 1 and 2 only.
     p = subprocess.Popen([sys.executable, "-m", "engine.daemon.main", "--backend", "ref", "--chips", "3",

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 from engine.async_client import AsyncClient
 from engine.errors import InvalidRequest
 from ipc.codec import encode

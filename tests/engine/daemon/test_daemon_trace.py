@@ -67,7 +67,7 @@ def test_trace_has_every_job_and_request_phase(daemon, short_dir):
     names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {names[j["tid"]].rsplit(" slot", 1)[0] for j in jobs} <= {"chip 0", "chip 1"}
     assert names[1] == "scheduler loop"
-    # the workers' own record of the device calls and the gaps between them (issue 23)
+    # the workers' own record of the device calls and the gaps between them: how busy each chip is kept
     device = [e for e in events if e["ph"] == "X" and e["name"] in ("device prefill", "device decode")]
     assert len(device) == len(jobs) and {names[e["tid"]] for e in device} == {"chip 0 device", "chip 1 device"}
     assert any(e["name"] == "idle" and e["args"]["gap_us"] >= 0 for e in events)

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from conftest import free_tcp_port
+from tools.load.ports import free_port
 from engine.daemon.kv_events import block_hash, encode_message, events_of
 
 BS = 16
@@ -56,7 +56,7 @@ def receive(sub: zmq.Socket, until, timeout: float = 30.0) -> list[tuple[int, li
 
 @pytest.mark.integration
 def test_daemon_publishes_the_blocks_a_prompt_fills_and_what_it_evicts(daemon):
-    port = free_tcp_port()
+    port = free_port()
     d = daemon(backend="stub", settings={"kv_events.endpoint": f"tcp://127.0.0.1:{port}",
                                          "kv_events.topic": "board-kv", "kv.num_blocks": 8})
     assert '"event":"kv_events_publishing"' in d.log()
@@ -130,7 +130,7 @@ def test_the_publisher_follows_the_default_generation_and_clears_the_router_on_a
     new, new_cache = generation()
     ctx = zmq.Context()
     try:
-        pub = KvEventPublisher(ctx, f"tcp://127.0.0.1:{free_tcp_port()}", "t", {0: old_cache}, owner=old)
+        pub = KvEventPublisher(ctx, f"tcp://127.0.0.1:{free_port()}", "t", {0: old_cache}, owner=old)
         sent: list[list[str]] = []
         pub._send = lambda events: sent.append([e["type"] for e in events])
         assert old_cache.journal == [] and new_cache.journal is None

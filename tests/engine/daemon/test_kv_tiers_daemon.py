@@ -11,7 +11,7 @@ import json
 import os
 import signal
 
-from tests.conftest import wait_until
+from waiting import wait_until
 from tools.stats_view import render
 
 SHARED = [(7 * i + 3) % 300 + 1 for i in range(48)]  # 3 full blocks of 16

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 
-from tests.conftest import wait_until
+from waiting import wait_until
 
 TEXT = ("The history of the Roman Empire begins with the founding of Rome, which according to legend happened "
         "in 753 BC when the twins Romulus and Remus")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import daemon_process, http_front_process
+from daemon_procs import daemon_process
+from http_front_procs import http_front_process
 
 from engine.http.app import MAX_BODY_BYTES
 

@@ -15,7 +15,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import daemon_process, http_front_process
+from daemon_procs import daemon_process
+from http_front_procs import http_front_process
 
 pytestmark = pytest.mark.integration
 

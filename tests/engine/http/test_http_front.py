@@ -12,7 +12,10 @@ import httpx
 import openai
 import orjson
 import pytest
-from conftest import ROOT, daemon_process, http_front_process, start_http_front, wait_until
+from daemon_procs import daemon_process
+from http_front_procs import http_front_process, start_http_front
+from repo_root import ROOT
+from waiting import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.client import Client
@@ -101,10 +104,10 @@ def test_max_tokens_stop_seed_and_temperature(oai, lib):
 
 
 BAD = [
-    ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
@@ -114,7 +117,10 @@ BAD = [
     ({"prompt": "x", "no_stop_trim": True}, "no_stop_trim"),
     ({"prompt": "x", "return_hidden_states": True}, "return_hidden_states"),
     ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
-    ({"prompt": "x", "min_tokens": 4}, "min_tokens"),
+    ({"prompt": "x", "min_p": 2}, "min_p"),
+    ({"prompt": "x", "logit_bias": {"5": 200}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 4}, "min_tokens"),
     ({"prompt": []}, "prompt"),
     ({}, "prompt"),
 ]
@@ -292,3 +298,35 @@ def test_an_upstream_that_stops_answering_ends_streams_in_flight_and_comes_back(
     wait_until(lambda: front.get("/health")[0] == 200, timeout=60, what="/health 200 again")
     with openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0) as c:
         assert c.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("body,code", [
+    ({"logprobs": 2}, "top_logprobs_unsupported"),
+    ({"echo": True, "logprobs": 0, "max_tokens": 0}, "prompt_logprobs_unsupported"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs_unsupported"),
+])
+def test_logprobs_a_device_sampling_backend_cannot_give_are_400_with_their_code(board, body, code):
+    _, front = board
+    r = httpx.post(front.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, **body},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == code
+    ok = httpx.post(front.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200  # the board keeps serving
+
+
+def test_a_hang_up_ends_every_choice_of_an_n_request(board, lib):
+    _, front = board
+    before = cancelled_count(lib)
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 2000, "temperature": 1.0, "seed": 1, "n": 3,
+            "stream": True}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", front.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = set()
+            for line in r.iter_lines():  # until every choice streams: all three are running upstream
+                if line.startswith("data: {"):
+                    seen |= {c["index"] for c in orjson.loads(line[6:])["choices"]}
+                if seen == {0, 1, 2}:
+                    break
+    wait_until(lambda: cancelled_count(lib) == before + 3, timeout=30, what="every choice cancelled upstream")
+    wait_until(lambda: lib.stats()["daemon"]["active_requests"] == 0, timeout=30, what="nothing left running")

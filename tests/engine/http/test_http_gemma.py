@@ -7,7 +7,8 @@ import os
 import httpx
 import openai
 import pytest
-from conftest import daemon_process, http_front_process
+from daemon_procs import daemon_process
+from http_front_procs import http_front_process
 
 from engine.client import Client
 from engine.http.served_model import load_served_model, read_manifest

@@ -47,7 +47,7 @@ def test_an_exported_descriptor_travels_whole():
     assert parse_chat({"messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": params}).handoff == desc
 
 
-def test_other_peers_params_are_a_recompute_and_min_tokens_stays_refused_elsewhere():
+def test_other_peers_params_are_a_recompute_and_min_tokens_is_kept_elsewhere():
     nixl = {"do_remote_prefill": True, "remote_engine_id": "e" * 300, "remote_block_ids": [3],
             "remote_host": "10.0.0.1", "remote_port": 5600}
     h = parse_completion({"prompt": "x", "kv_transfer_params": nixl}).handoff
@@ -56,8 +56,7 @@ def test_other_peers_params_are_a_recompute_and_min_tokens_stays_refused_elsewhe
     assert parse_completion({"prompt": "x", "kv_transfer_params": {}}).handoff is None
     with pytest.raises(OpenAIError):
         parse_completion({"prompt": "x", "kv_transfer_params": []})
-    with pytest.raises(OpenAIError):
-        parse_completion({"prompt": "x", "min_tokens": 1})
+    assert parse_completion({"prompt": "x", "min_tokens": 1}).sampling["min_tokens"] == 1
 
 
 def test_a_mangled_descriptor_is_a_recompute_not_a_refused_request():

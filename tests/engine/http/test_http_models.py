@@ -1,4 +1,4 @@
-"""The HTTP front in front of a board that serves several models (issue 12's lifecycle behind issue 14's front).
+"""The HTTP front in front of a board that serves several models (loads, replaces and unloads behind it).
 
 Real daemon (ref backend, two packages under a model root) and a real `npuserve http`; the official
 `openai` client. The front learns what the board serves on every heartbeat, so a model loaded or
@@ -11,7 +11,7 @@ import openai
 import orjson
 import pytest
 
-from conftest import wait_until
+from waiting import wait_until
 from workers.model_maker import make_model
 from workers.package_loader import load_package
 

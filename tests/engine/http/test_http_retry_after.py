@@ -8,7 +8,7 @@ import math
 
 import httpx
 import pytest
-from conftest import wait_until
+from waiting import wait_until
 
 from engine.core.retry_after import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
 

@@ -65,9 +65,11 @@ def test_too_many_prompts():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("best_of", 2), ("echo", True), ("suffix", "x"), ("presence_penalty", 0.5), ("frequency_penalty", 1),
-    ("logit_bias", {"1": 2}), ("no_stop_trim", True), ("skip_special_tokens", False), ("return_hidden_states", True),
-    ("min_tokens", 3), ("logprobs", 2), ("max_tokens", 0), ("max_tokens", 1.5), ("temperature", -1),
+    ("n", 0), ("n", 17), ("best_of", 0), ("best_of", 17), ("echo", 1), ("suffix", "x"), ("presence_penalty", 2.5),
+    ("frequency_penalty", -3), ("logit_bias", {"1": 101}), ("logit_bias", {"x": 1}), ("logit_bias", [1]),
+    ("repetition_penalty", 0), ("min_p", 2), ("min_p", "0.1"), ("min_tokens", -1), ("min_tokens", 1.5),
+    ("no_stop_trim", True), ("skip_special_tokens", False), ("return_hidden_states", True),
+    ("logprobs", 21), ("logprobs", -1), ("max_tokens", 0), ("max_tokens", 1.5), ("temperature", -1),
     ("temperature", True), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("seed", 2**64), ("stop", [""]),
     ("stop", ["x"] * 17), ("stop", 5), ("stream", "yes"), ("stream_options", {"include_usage": True}),
     ("user", 5), ("model", ""), ("stop_token_ids", [-1]), ("priority", 101), ("unknown_thing", 1),
@@ -137,3 +139,20 @@ def test_any_body_is_parsed_or_one_openai_error(body):
         parse_completion(body)
     except OpenAIError as e:
         assert e.status == 400 and set(e.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_logprob_and_choice_fields_become_their_wire_asks():
+    r = parse_completion({"prompt": "x", "logprobs": 3, "echo": True, "max_tokens": 0, "n": 2, "best_of": 4})
+    assert (r.top_logprobs, r.echo, r.n, r.best_of) == (3, True, 2, 4)
+    assert r.sampling["top_logprobs"] == 3 and r.sampling["prompt_logprobs"] == 3 and r.sampling["max_tokens"] == 0
+    r = parse_completion({"prompt": "x", "echo": True, "max_tokens": 0})  # scoring without logprobs: no tops
+    assert r.sampling["prompt_logprobs"] == 0 and "top_logprobs" not in r.sampling
+    assert "prompt_logprobs" not in parse_completion({"prompt": "x", "echo": True}).sampling  # echo: the text
+    c = parse_chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 20})
+    assert c.sampling["top_logprobs"] == 20
+    for body, field in (({"logprobs": False, "top_logprobs": 2}, "top_logprobs"), ({"max_tokens": 0}, "max_tokens"),
+                        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+        e = err(parse_chat, {"messages": [{"role": "user", "content": "hi"}], **body})
+        assert e.param == field
+    e = err(parse_completion, {"prompt": "x", "best_of": 2, "stream": True})
+    assert e.param == "best_of"

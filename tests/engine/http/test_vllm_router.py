@@ -28,8 +28,11 @@ import openai
 import pytest
 import zmq
 
-from conftest import (ROOT, DaemonProc, HttpFrontProc, _wait_healthy, free_tcp_port, read_log, start_http_front,
-                      wait_until)
+from daemon_procs import DaemonProc
+from http_front_procs import HttpFrontProc, start_http_front
+from repo_root import ROOT
+from tools.load.ports import free_port
+from waiting import read_log, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -133,7 +136,7 @@ def cluster_of(daemon, short_dir):
         `pd`: board 0 is a prefill board, board 1 a decode board, and the router runs in its PD mode."""
         started = []
         for i in range(2):  # both daemons load at once (a model takes seconds), then both fronts
-            kv = f"tcp://127.0.0.1:{free_tcp_port()}" if kv_events else ""
+            kv = f"tcp://127.0.0.1:{free_port()}" if kv_events else ""
             board_settings = {**(settings or {}), **({"kv_events.endpoint": kv} if kv else {})}
             if pd:  # both boards on this host with disk KV tiers: the decode board imports the prefill board's
                 board_settings.update({"board.role": ("prefill", "decode")[i],
@@ -143,8 +146,7 @@ def cluster_of(daemon, short_dir):
                                            "kv.promote": "always"})
             started.append((daemon(settings=board_settings, wait=False, **daemon_options), kv))
         for d, kv in started:
-            _wait_healthy(d, START_TIMEOUT_S)
-            d.remember_children()
+            d.wait_healthy(START_TIMEOUT_S)
             log = os.path.join(short_dir, f"front{len(boards)}.log")
             boards.append(Board(d, start_http_front(d.endpoint, log, front_args), kv))
         policy = ["--policy", "cache_aware"]
@@ -152,14 +154,14 @@ def cluster_of(daemon, short_dir):
             policy = ["--policy", "kv_aware", "--kv-event-block-size", str(SIM_BLOCK_SIZE), "--kv-event-model", MODEL]
             for b in boards:
                 policy += ["--kv-event-source", f"{b.front.url}={b.kv_events}"]
-        port = free_tcp_port()
+        port = free_port()
         router_log = os.path.join(short_dir, "router.log")
         with open(router_log, "wb") as log:
             router = subprocess.Popen(
                 [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port),
                  *(["--vllm-pd-disaggregation", "--prefill", boards[0].front.url, "--decode", boards[1].front.url]
                    if pd else ["--worker-urls", *[b.front.url for b in boards]]), *policy,
-                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_tcp_port()),
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                  "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1",
                  "--log-level", "debug"],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

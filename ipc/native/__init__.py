@@ -1,0 +1,1 @@
+"""C sources of the transport's optional fast paths (built and loaded by ipc.native_lib)."""
