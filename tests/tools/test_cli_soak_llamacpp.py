@@ -20,7 +20,7 @@ import sys
 import orjson
 import pytest
 
-from conftest import ROOT
+from repo_root import ROOT
 
 BOUND = 16
 

@@ -9,7 +9,7 @@ import textwrap
 
 import orjson
 
-from conftest import ROOT
+from repo_root import ROOT
 
 PROBE = textwrap.dedent("""
     import os, signal, time
