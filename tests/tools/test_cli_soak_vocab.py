@@ -22,7 +22,7 @@ from repo_root import ROOT
 @pytest.mark.integration
 def test_a_large_vocabulary_soak_keeps_the_daemon_flat_and_the_token_cache_at_its_bound():
     p = subprocess.run([sys.executable, "-m", "tools.cli", "soak", "--json", "--backend", "stub", "--chips", "1",
-                        "--backend-option", "vocab_size=262144", "--duration", "20s", "--interval", "5s",
+                        "--backend-option", "vocab_size=262144", "--duration", "15s", "--interval", "3s",
                         "--fresh-prompts", "--max-tokens", "64", "--long-prompt", "256",
                         "--set", "recovery.heartbeat_timeout_ms=20000"],
                        cwd=ROOT, capture_output=True, timeout=300)
