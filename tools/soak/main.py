@@ -35,12 +35,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="npuserve soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=parse_duration, default=parse_duration("10m"), help="e.g. 30s, 10m, 24h")
     p.add_argument("--endpoint", help="soak this daemon or balancer instead of starting a daemon")
-    p.add_argument("--backend", choices=("stub", "sim", "ref"), default="ref")
+    p.add_argument("--backend", choices=("stub", "sim", "ref", "llamacpp"), default="ref")
+    p.add_argument("--package", metavar="DIR", help="the model package the daemon serves (default: the backend's "
+                                                    "built-in tiny model); not with --switch-every")
     p.add_argument("--chips", type=int, default=2)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="daemon config override")
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--concurrency", type=int, default=16, help="requests outstanding at once")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--prompt-ids", type=int, default=256, metavar="N",
+                   help="prompt token ids are drawn below N (and the model's vocabulary; default 256)")
+    p.add_argument("--max-tokens", type=int, default=32, metavar="N", help="output tokens per request: 1..N")
+    p.add_argument("--fresh-prompts", action="store_true",
+                   help="every request a new prompt and seed instead of one of the pool's 64 templates (reaches "
+                        "per-token and per-prompt caches; the request run alone is computed per request)")
+    p.add_argument("--long-prompt", type=int, default=1024, metavar="N",
+                   help="prompts of the `long` kind: N/2..N tokens, at most half the context (default 1024)")
     p.add_argument("--interval", type=parse_duration, help="seconds between progress lines (default: duration/20, 5..60)")
     p.add_argument("--no-oracle", action="store_true", help="skip the comparison with the request run alone")
     p.add_argument("--warmup", type=float, default=0.25, help="fraction of the run before the leak fit starts")
@@ -49,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=120.0, help="a request with no terminal event by then "
                                                                         "is a violation")
     p.add_argument("--json", action="store_true", help="JSON Lines: a sample per interval, then the verdict")
+    p.add_argument("--tracemalloc", metavar="DIR",
+                   help="trace the daemon's and workers' allocations, write a heap snapshot to DIR at every "
+                        "progress line and print each process's heap diff after warm-up (slow; debugging)")
     g = p.add_argument_group("model switching and faults")
     g.add_argument("--switch-every", type=parse_every, metavar="PERIOD",
                    help="replace / rollback the served model every PERIOD: a duration (300, 5m) or a count of "
@@ -66,12 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
 class Soak:
     def __init__(self, a: argparse.Namespace, endpoint: str, model: dict, daemon_pid: int | None,
                  packages: dict[str, str] | None = None, gens=None, chips: int = 1) -> None:
-        from tools.soak.mix import Expected, templates
+        from tools.soak.mix import Expected, TemplateMaker, templates
 
         self.a = a
         self.endpoint = endpoint
         self.model = model
-        self.pool = templates(model)
+        maker = TemplateMaker(model, max_tokens=a.max_tokens, prompt_ids=a.prompt_ids, long_prompt=a.long_prompt)
+        self.pool = templates(model, maker=maker)
+        self.fresh = maker if a.fresh_prompts else None  # it goes on making templates after the pool
         use_oracle = not a.no_oracle and (a.endpoint is None or model.get("backend") != "ref")
         self.expected = Expected(model, use_oracle)
         # switching: the tokens each package must produce, and which generation serves which package
@@ -102,6 +117,8 @@ class Soak:
         self.timeline: list[dict] = []
         self.t0 = time.monotonic()
         self.checked_oracle = 0
+        self.heap = None  # tools.soak.heap.HeapDumps with --tracemalloc
+        self.piece_cache: dict | None = None  # the board's token-bytes cache at the end (its `stats`)
 
     def violate(self, what: str, **ctx) -> None:
         self.violation_count += 1
@@ -125,7 +142,7 @@ class Soak:
         self.duplicated += len(tr.terminals) > 1 or tr.after_terminal > 0
         allow: frozenset[int] = frozenset()
         if self.gens is None:
-            want = self.expected.tokens(tmpl)
+            want = self.expected.tokens(tmpl, keep=self.fresh is None)
         else:
             want = self._switching_checks(tr, tmpl)
             if term is not None and term["ev"] == "error" and term.get("code") == 500 and self._in_worker_fault(tr):
@@ -156,9 +173,9 @@ class Soak:
                              f"it was sent", request=tr.rid, kind=tr.kind)
             pkg = self.gens.package_of.get(gen)
             if pkg in self.by_package:
-                return self.by_package[pkg].tokens(tmpl)
+                return self.by_package[pkg].tokens(tmpl, keep=self.fresh is None)
         # no generation named (an error) or not known yet: the package whose tokens it streamed
-        cands = [e.tokens(tmpl) for e in self.by_package.values()]
+        cands = [e.tokens(tmpl, keep=self.fresh is None) for e in self.by_package.values()]
         if not cands or cands[0] is None:
             return None
         return next((c for c in cands if c[:len(tr.tokens)] == tr.tokens), cands[0])
@@ -283,7 +300,7 @@ class Soak:
 
         async def slot() -> None:
             while time.monotonic() < end and not stop.is_set():
-                tmpl, kind, extra = pick(self.rng, self.pool)
+                tmpl, kind, extra = pick(self.rng, self.pool, self.fresh)
                 cancel_after = extra.pop("cancel_after", None)
                 tr = await load.start(list(tmpl.prompt), kind=kind, cancel_after=cancel_after,
                                       **tmpl.fields(), **extra)
@@ -314,6 +331,8 @@ class Soak:
                 if now >= next_print:
                     next_print = now + interval
                     self.print_sample(self.sample_line())
+                    if self.heap is not None:
+                        self.heap.request(now - self.t0)
 
         watcher = asyncio.get_running_loop().create_task(watch())
         operator = None
@@ -339,6 +358,9 @@ class Soak:
                 self.violate("event for an unknown or long-finished request id", event=str(ev)[:200])
             self.sampler.maybe_sample(self.finished)
             self.print_sample(self.sample_line(final=True))
+            if self.heap is not None:
+                self.heap.request(time.monotonic() - self.t0)
+                await asyncio.to_thread(self.heap.wait_written)
             if self.gens is not None and watcher not in done:
                 await asyncio.to_thread(self.round_end, True)
         finally:
@@ -350,11 +372,16 @@ class Soak:
         for t in teardown:
             self.violate(t)
         th = LeakThresholds(rss_bytes_per_request=self.a.leak_bytes_per_request, warmup_fraction=self.a.warmup)
-        switching = {}
+        extra: dict = {}
         if self.daemon_pid is None:
             leaks = {"enough_samples": False}
         elif self.gens is None:
+            from tools.soak.rounds import per_worker
+
             leaks = leak_verdict(self.sampler.samples, th)
+            extra = {"worker_leaks": per_worker(self.sampler.samples, th)}
+            if any(w.get("leak") for w in extra["worker_leaks"]):
+                leaks = {**leaks, "leak": True}
         else:  # workers and rings come and go with switches: fitted per round and per worker process instead
             from tools.soak.rounds import per_switch, per_worker
 
@@ -362,7 +389,7 @@ class Soak:
                                  counts=("daemon_fds", "daemon_threads"))
             round_leaks = leak_verdict(self.round_samples, th)
             workers = per_worker(self.sampler.samples, th)
-            switching = {"switches": self.switch_rows, "faults": self.fault_rows, "rounds": self.round_rows,
+            extra = {"switches": self.switch_rows, "faults": self.fault_rows, "rounds": self.round_rows,
                          "round_leaks": round_leaks, "worker_leaks": workers,
                          "per_switch": per_switch(self.round_samples, self.a.warmup),
                          "switches_answered": sum(1 for r in self.switch_rows if r["error"] is None),
@@ -371,9 +398,13 @@ class Soak:
                          "done_by_generation": {k: v for k, v in self.done_by_generation.items() if v}}
             if round_leaks.get("leak") or any(w.get("leak") for w in workers):
                 leaks = {**leaks, "leak": True}
+        if self.heap is not None:
+            extra["heap_diffs"] = self.heap.diffs(leaks.get("warmup_s", 0.0))
+        if self.piece_cache is not None:
+            extra["piece_cache"] = self.piece_cache
         fail = bool(self.violation_count) or bool(leaks.get("leak"))
         return {"verdict": "fail" if fail else "pass", "requests": self.finished,
-                "lost": self.lost, "duplicated": self.duplicated, **switching,
+                "lost": self.lost, "duplicated": self.duplicated, **extra,
                 "violations": self.violations, "violation_count": self.violation_count,
                 "leaks": leaks, "errors_by_code": dict(self.errors_by_code),
                 "finish_reasons": dict(self.finish_reasons), "by_kind": dict(self.by_kind),
@@ -385,15 +416,21 @@ class Soak:
 def main(argv: list[str]) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    if a.concurrency < 1 or a.chips < 1 or a.duration <= 0:
-        print("npuserve soak: --concurrency, --chips and --duration must be positive", file=sys.stderr)
+    if a.concurrency < 1 or a.chips < 1 or a.duration <= 0 or a.prompt_ids < 2 or a.max_tokens < 1 \
+            or a.long_prompt < 2:
+        print("npuserve soak: --concurrency, --chips, --duration, --max-tokens must be positive, --prompt-ids and "
+              "--long-prompt at least 2", file=sys.stderr)
         return 2
     switching = a.switch_every is not None or a.fault_every is not None
     bad = [n for n in a.faults.split(",") if n.strip() and n.strip() not in FAULTS]
     if bad:
         p.error(f"--faults: unknown {bad}; choose from {', '.join(FAULTS)}")
+    if a.tracemalloc and a.endpoint:
+        p.error("--tracemalloc needs the soak's own daemon (no --endpoint)")
     if switching and a.endpoint:
         p.error("--switch-every / --fault-every need the soak's own daemon (no --endpoint)")
+    if a.package and (a.endpoint or switching):
+        p.error("--package is for the soak's own one-model daemon (not with --endpoint or --switch-every)")
     if a.switches is not None and (a.switch_every is None or a.switches < 1):
         p.error("--switches N needs --switch-every and N >= 1")
     from tools.load import local_daemon
@@ -401,7 +438,11 @@ def main(argv: list[str]) -> int:
     d = None
     root_parent = None
     try:
-        packages, extra, settings = None, [], list(a.set)
+        packages, extra, settings, env = None, [], list(a.set), None
+        if a.tracemalloc:
+            from tools.soak import heap
+
+            settings, env = [*heap.SETTINGS, *settings], heap.env(a.tracemalloc)
         if switching:
             import tempfile
 
@@ -413,11 +454,13 @@ def main(argv: list[str]) -> int:
             extra = ["--model-root", root, "--model", f"{ALIAS}=a"]
             # the faults, not the schedule of restarts, decide when a chip gives up (later --set wins)
             settings = ["recovery.max_resets_per_10min=1000", *settings]
+        if a.package:
+            extra = ["--package", os.path.abspath(a.package)]
         if a.endpoint:
             endpoint = a.endpoint
         else:
             d = local_daemon.start(backend=a.backend, chips=a.chips, settings=settings,
-                                   backend_options=a.backend_option, prefix="nps-", extra=extra)
+                                   backend_options=a.backend_option, prefix="nps-", extra=extra, env=env)
             endpoint = d.endpoint
         health = local_daemon.wait_healthy(endpoint, d, chips_up=1 if a.endpoint else a.chips)
         pid = d.pid if d else health.get("pid")
@@ -434,6 +477,10 @@ def main(argv: list[str]) -> int:
 
             gens = Generations(int(health["model"]["generation"]), "a")
         soak = Soak(a, endpoint, health["model"], pid, packages, gens, a.chips)
+        if a.tracemalloc and pid is not None:
+            from tools.soak.heap import HeapDumps
+
+            soak.heap = HeapDumps(a.tracemalloc, pid)
         asyncio.run(soak.run())
         workers = []
         if d is not None:
@@ -441,6 +488,10 @@ def main(argv: list[str]) -> int:
                 workers = [c["pid"] for c in local_daemon.wait_healthy(endpoint, d, timeout=10)["chips"] if c.get("pid")]
             except SystemExit:
                 pass
+        try:
+            soak.piece_cache = local_daemon.stats(endpoint).get("piece_cache")
+        except Exception:  # noqa: BLE001 - a balancer or an older board answers no such figure: nothing to report
+            pass
         res = soak.verdict(d.stop_and_check(workers) if d is not None else [])
     finally:
         if d is not None:
@@ -462,6 +513,10 @@ def main(argv: list[str]) -> int:
         from tools.soak.report import print_tables
 
         print_tables(res, out)
+    elif leaks.get("enough_samples"):
+        from tools.soak.report import print_process_slopes
+
+        print_process_slopes(res, out)
     workers = (f"workers {leaks['workers_anon_rss']['per_request']:.0f} B/request" if "workers_anon_rss" in leaks
                else "workers: per process, above")
     print(f"soak: {res['verdict'].upper()}: {res['requests']} requests in {res['duration_s']} s, "
@@ -475,6 +530,12 @@ def main(argv: list[str]) -> int:
              f"leaks {flagged or 'none'} (daemon anon RSS {leaks['daemon_anon_rss']['per_request']:.0f} B/request, "
              f"{workers} after {leaks['warmup_s']} s warm-up)"),
           file=out)
+    if res.get("heap_diffs"):
+        from tools.heap_diff import format_diff
+
+        for hd in res["heap_diffs"]:
+            print(format_diff(hd, f"heap of {hd['role']} (pid {hd['pid']}), snapshot {hd['from_snapshot']} to "
+                                  f"{hd['snapshots']}"), file=out)
     for v in res["violations"][:10]:
         print(f"  violation at {v['t_s']} s: {v['what']}", file=sys.stderr)
     return 0 if res["verdict"] == "pass" else 1

@@ -40,38 +40,62 @@ class Template:
                     top_p=self.top_p, ignore_eos=True)
 
 
-def templates(model: dict, n: int = 64, seed: int = 7, max_tokens: int = 32) -> list[Template]:
-    rng = random.Random(seed)
-    vocab = min(model["vocab_size"], 256)
-    eos = set(model.get("eos_ids") or [])
-    ids = [t for t in range(1, vocab) if t not in eos]
-    tok = lambda: rng.choice(ids)  # noqa: E731
-    systems = [[tok() for _ in range(48)] for _ in range(3)]  # three full-block shared prefixes
-    long_len = max(64, min(1024, model["max_seq"] // 2))
-    out = []
-    for i in range(n):
-        hint = ("prefix", "long", "plain", "plain")[i % 4]
+HINTS = ("prefix", "long", "plain", "plain")  # how the pool's prompts are built, in turn
+
+
+class TemplateMaker:
+    """Makes templates: prompt ids drawn from 1..`prompt_ids`-1 (EOS excluded, below the vocabulary), up to
+    `max_tokens` output tokens each; `long` prompts of `long_prompt`/2..`long_prompt` tokens (at most half
+    the context); `prefix` prompts one of three shared 48-token system prompts and a short tail."""
+
+    def __init__(self, model: dict, seed: int = 7, max_tokens: int = 32, prompt_ids: int = 256,
+                 long_prompt: int = 1024) -> None:
+        self.rng = random.Random(seed)
+        self.model = model
+        self.max_tokens = max_tokens
+        vocab = min(model["vocab_size"], prompt_ids)
+        eos = set(model.get("eos_ids") or [])
+        self.ids = [t for t in range(1, vocab) if t not in eos]
+        self.systems = [[self.tok() for _ in range(48)] for _ in range(3)]  # three full-block shared prefixes
+        self.long_len = max(min(64, long_prompt), min(long_prompt, model["max_seq"] // 2))
+        self.made = 0
+
+    def tok(self) -> int:
+        return self.rng.choice(self.ids)
+
+    def make(self, hint: str) -> Template:
+        rng, i = self.rng, self.made
+        self.made += 1
         if hint == "prefix":
-            prompt = systems[i % 3] + [tok() for _ in range(rng.randrange(1, 12))]
+            prompt = self.systems[i % 3] + [self.tok() for _ in range(rng.randrange(1, 12))]
         elif hint == "long":
-            prompt = [tok() for _ in range(rng.randrange(long_len // 2, long_len))]
+            prompt = [self.tok() for _ in range(rng.randrange(self.long_len // 2, self.long_len))]
         else:
-            prompt = [tok() for _ in range(rng.randrange(1, 40))]
-        g = rng.randrange(1, max_tokens + 1)
-        g = max(1, min(g, model["max_seq"] - len(prompt)))
-        out.append(Template(i, hint, tuple(prompt), g, rng.randrange(1 << 32), rng.choice([0.0, 0.7, 1.0]),
-                            rng.choice([0, 20]), rng.choice([1.0, 0.9])))
-    return out
+            prompt = [self.tok() for _ in range(rng.randrange(1, 40))]
+        g = rng.randrange(1, self.max_tokens + 1)
+        g = max(1, min(g, self.model["max_seq"] - len(prompt)))
+        return Template(i, hint, tuple(prompt), g, rng.randrange(1 << 32), rng.choice([0.0, 0.7, 1.0]),
+                        rng.choice([0, 20]), rng.choice([1.0, 0.9]))
 
 
-def pick(rng: random.Random, pool: list[Template]) -> tuple[Template, str, dict]:
-    """(template, kind, extra wire fields + load options) of the next request."""
+def templates(model: dict, n: int = 64, seed: int = 7, max_tokens: int = 32,
+              prompt_ids: int = 256, long_prompt: int = 1024, maker: TemplateMaker | None = None) -> list[Template]:
+    """The pool: `n` templates of `maker` (default: a new one with these parameters), their hints in turn."""
+    maker = maker or TemplateMaker(model, seed, max_tokens, prompt_ids, long_prompt)
+    return [maker.make(HINTS[i % len(HINTS)]) for i in range(n)]
+
+
+def pick(rng: random.Random, pool: list[Template], fresh: TemplateMaker | None = None
+         ) -> tuple[Template, str, dict]:
+    """(template, kind, extra wire fields + load options) of the next request; with `fresh`, a new template
+    (never sent before: a new prompt and seed) instead of one of the pool."""
     kind = rng.choices(list(KINDS), list(KINDS.values()))[0]
-    if kind in ("prefix", "long"):
-        cands = [t for t in pool if t.kind_hint == kind]
+    if fresh is not None:
+        t = fresh.make(kind if kind in ("prefix", "long") else rng.choice(HINTS))
+    elif kind in ("prefix", "long"):
+        t = rng.choice([t for t in pool if t.kind_hint == kind])
     else:
-        cands = pool
-    t = rng.choice(cands)
+        t = rng.choice(pool)
     extra: dict = {"tenant": rng.choice(TENANTS)}
     if kind == "cancel":
         extra["cancel_after"] = rng.randrange(0, max(1, t.max_tokens))
@@ -91,13 +115,15 @@ class Expected:
         self._package = package
         self._cache: dict[int, list[int]] = {}
 
-    def tokens(self, t: Template) -> list[int] | None:
+    def tokens(self, t: Template, keep: bool = True) -> list[int] | None:
+        """The tokens `t` must produce; `keep=False` for a template sent once (not cached)."""
         if not self.enabled:
             return None
         got = self._cache.get(t.key)
         if got is None:
             got = self._compute(t)
-            self._cache[t.key] = got
+            if keep:
+                self._cache[t.key] = got
         return got
 
     def _compute(self, t: Template) -> list[int]:

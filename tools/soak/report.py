@@ -14,21 +14,16 @@ def _table(head: list[str], rows: list[list], out: IO[str]) -> None:
             print("  ".join("-" * x for x in w), file=out)
 
 
+def _verdict_rows(scope: str, verdict: dict, metrics: tuple[str, ...] | None = None) -> list[list]:
+    if not verdict.get("enough_samples"):
+        return [[scope, "(not enough samples)", "", "", "", ""]]
+    return [[scope, m, v["per_request"], v["late_per_request"], v["growth"], "LEAK" if v["leak"] else "flat"]
+            for m, v in verdict.items() if isinstance(v, dict) and (metrics is None or m in metrics)]
+
+
 def slope_rows(res: dict) -> list[list]:
     """[scope, metric, per request, second half, fitted growth, verdict] for every fitted metric."""
-    rows = []
-
-    def add(scope: str, verdict: dict) -> None:
-        if not verdict.get("enough_samples"):
-            rows.append([scope, "(not enough samples)", "", "", "", ""])
-            return
-        for m, v in verdict.items():
-            if isinstance(v, dict):
-                rows.append([scope, m, v["per_request"], v["late_per_request"], v["growth"],
-                             "LEAK" if v["leak"] else "flat"])
-
-    add("daemon, every sample", res["leaks"])
-    add("per round", res["round_leaks"])
+    rows = _verdict_rows("daemon, every sample", res["leaks"]) + _verdict_rows("per round", res["round_leaks"])
     fitted = [w for w in res["worker_leaks"] if w["enough_samples"]]
     if fitted:
         top = max(fitted, key=lambda w: w["anon_rss_per_request"])
@@ -42,6 +37,24 @@ def slope_rows(res: dict) -> list[list]:
     else:
         rows.append(["workers", "(no worker lived long enough to fit)", "", "", "", ""])
     return rows
+
+
+def print_process_slopes(res: dict, out: IO[str]) -> None:
+    """The plain soak's memory slopes: the daemon, the workers summed, and each worker process on its own."""
+    rows = _verdict_rows("daemon", res["leaks"], ("daemon_anon_rss", "daemon_fds"))
+    rows += _verdict_rows("workers, summed", res["leaks"], ("workers_anon_rss", "workers_fds", "shm_bytes"))
+    for w in res.get("worker_leaks", []):
+        if w["enough_samples"]:
+            rows.append([f"worker pid {w['pid']}", "anon_rss", w["anon_rss_per_request"],
+                         w["anon_rss_late_per_request"], w["anon_rss_growth"], "LEAK" if w["leak"] else "flat"])
+    print("\nleak slopes per process (bytes per request after warm-up; LEAK: both above the threshold and the "
+          "fitted growth over 1 MiB):", file=out)
+    _table(["process", "metric", "per request", "second half", "growth", "verdict"], rows, out)
+    pc = res.get("piece_cache")
+    if pc:
+        print(f"piece cache: {pc['entries']} of at most {pc['max_entries']} token ids, {pc['hits']} hits, "
+              f"{pc['misses']} misses", file=out)
+    print(file=out)
 
 
 def print_tables(res: dict, out: IO[str]) -> None:

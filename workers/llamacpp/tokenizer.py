@@ -5,6 +5,11 @@
 plain text, so a user cannot forge control tokens. `piece` is
 `llama_token_to_piece` without special tokens: the bytes a token adds to
 the output text (b"" for BOS/EOS/control tokens). No hand-written BPE.
+
+Nothing is cached per token here: llama.cpp answers from its own table, and
+a dict filled as tokens are first seen grows with every new token of a
+262,144-id vocabulary (the daemon keeps a bounded cache of its own,
+`model.piece_cache_entries`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ class GgufTokenizer:
         self.bos_id: int = info["bos"]
         self.eos_id: int = info["eos"]
         self.add_bos: bool = bool(info["add_bos"])
-        self._pieces: dict[int, bytes] = {}
 
     def encode(self, text: str) -> list[int]:
         return self._model.tokenize(text, add_special=True, parse_special=False)
@@ -45,12 +49,9 @@ class GgufTokenizer:
         return self._model.tokenize(data, add_special=False, parse_special=False)
 
     def piece(self, token_id: int) -> bytes:
-        p = self._pieces.get(token_id)
-        if p is None:
-            if not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"token id {token_id} outside 0..{self.vocab_size - 1}")
-            p = self._pieces[token_id] = self._model.piece(token_id, special=False)
-        return p
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} outside 0..{self.vocab_size - 1}")
+        return self._model.piece(token_id, special=False)
 
     def decode(self, token_ids) -> str:
         """All pieces joined and decoded (invalid UTF-8 replaced): for tests and tools."""

@@ -32,7 +32,7 @@ from engine.daemon.kv_tier_shell import KvTierShell
 from engine.daemon.log import log
 from engine.daemon.replica_link import ReplicaLink
 from engine.daemon.supervisor import ChipState, Decision, Supervisor
-from engine.daemon.text_io import piece_function, served_tokenizer
+from engine.daemon.text_io import piece_cache_stats, piece_function, served_tokenizer
 from ipc.records import Job, JobResult
 from ipc.ring import RingFull
 from ipc.shm import ShmFull
@@ -94,6 +94,7 @@ class Generation:
         self.infos: dict[int, BackendInfo] = {}
         self.info: BackendInfo | None = None
         self.tokenizer = None
+        self.piece = None  # the tokenizer's bytes of a token, behind the bounded cache (engine.daemon.text_io)
         self.scheduler: Scheduler | None = None
         self.kv_tiers: KvTierShell | None = None  # the host/disk KV tiers (kv.host_pool_mb, kv.disk_dir)
         self.handoff_hold = None  # prefill/decode hand-offs held for their decode boards (handoff/hold.py)
@@ -192,7 +193,8 @@ class Generation:
             self.tokenizer = served_tokenizer(self.package_path, info, package=self.package)
         except Exception as e:  # noqa: BLE001 - any failure to load it fails the load, named
             raise GenerationError("configure", f"cannot load the model's tokenizer: {e}") from None
-        piece = None if self.tokenizer is None else piece_function(self.tokenizer)
+        piece = None if self.tokenizer is None else piece_function(self.tokenizer, cfg.model.piece_cache_entries)
+        self.piece = piece
         # Golden cases and warm-up are the load's own requests: they must not meet the clients' admission
         # limits (max_waiting_requests may be 0, max_queue_wait_ms shorter than a warm-up's queue). The
         # configured limits apply from publication (`serve`).
@@ -399,6 +401,10 @@ class Generation:
             s["device_s"] = round(self.device_us[s["chip"]] / 1e6, 3)
             s["worker_s"] = round(self.worker_us[s["chip"]] / 1e6, 3)
         return snap
+
+    def piece_cache_stats(self) -> dict | None:
+        """The token-bytes cache of this generation's tokenizer (`model.piece_cache_entries`); None without one."""
+        return piece_cache_stats(self.piece)
 
     def model_info(self) -> dict:
         """The single-model `model` entry of health (what a one-model daemon has always answered)."""

@@ -148,6 +148,7 @@ def build_snapshot(v: "Views", now: float, bounded_tenants: frozenset[str]) -> S
     for g in sorted(gens.serving_generations(), key=lambda g: g.id):
         b = _Builder(g.alias, g.id)
         _generation_families(b, g.scheduler.stats(now), g.chips_info(now), bounded_tenants)
+        piece_cache_families(b, g.piece_cache_stats())
         merge(b.families)
     b = _Builder(gens.model_alias)
     b.one("gauge", "loop_lag_seconds", "Longest recent turn of the scheduler loop.", v.liveness.lag_s(now))
@@ -159,6 +160,16 @@ def build_snapshot(v: "Views", now: float, bounded_tenants: frozenset[str]) -> S
     merge(b.families)
     merge(_lifecycle_families(gens))
     return tuple(merged.values())
+
+
+def piece_cache_families(b: _Builder, pc: dict | None) -> None:
+    """The generation's token-bytes cache (model.piece_cache_entries): its size against the bound, hits, misses."""
+    if pc is None:
+        return
+    b.one("gauge", "piece_cache_entries", "Token ids whose text bytes the daemon caches (at most "
+          "model.piece_cache_entries).", pc["entries"])
+    b.add("counter", "piece_cache_lookups", "Lookups of a generated token's text bytes, by result.", ("result",),
+          [(("hit",), pc["hits"]), (("miss",), pc["misses"])])
 
 
 def constraint_families(b: _Builder) -> None:
