@@ -54,6 +54,11 @@ EVENTS: dict[str, str] = {
     "model_drain_first": "info",
     "model_recovering": "warning",
     "model_unloaded": "info",
+    # LoRA adapters (engine/daemon/lora_registry.py)
+    "lora_loaded": "info",
+    "lora_refused": "warning",
+    "lora_unloading": "info",
+    "lora_unloaded": "info",
     # stop, drain
     "drain_started": "info",
     "drain_progress": "info",
