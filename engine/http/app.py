@@ -149,29 +149,6 @@ class SSEResponse(Response):
             self.on_end(outcome)
 
 
-async def merged_batches(client, msgs: list[dict]) -> AsyncIterator[tuple[int, list[dict]]]:
-    """(choice index, batch) of several upstream streams as they come; closing it cancels them all."""
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, msg: dict) -> None:
-        async with contextlib.aclosing(client.stream_batches(msg)) as it:
-            async for batch in it:
-                q.put_nowait((i, batch))
-
-    tasks = [asyncio.ensure_future(pump(i, m)) for i, m in enumerate(msgs)]
-    try:
-        left = len(msgs)
-        while left:
-            i, batch = await q.get()
-            if batch[-1].get("ev") in ("done", "error"):
-                left -= 1
-            yield i, batch
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 class Front:
     """The routes' state: upstream link, keys, settings, metrics."""
 
@@ -407,7 +384,7 @@ class Front:
         # One choice (nearly every stream): its batches straight from the client, no merging generator between.
         single = n == 1
         batches = self.upstream.client.stream_batches(prep.msgs[0]) if single else \
-            merged_batches(self.upstream.client, prep.msgs) if prep.per_prompt == 1 else \
+            staggered_batches(self.upstream.client, prep.msgs, 1) if prep.per_prompt == 1 else \
             prompt_counted_once(staggered_batches(self.upstream.client, prep.msgs, prep.per_prompt),
                                 prep.per_prompt)
         metrics.in_flight.inc()

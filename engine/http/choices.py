@@ -60,7 +60,7 @@ async def staggered_batches(client, msgs: list[dict], m: int) -> AsyncIterator[t
     """(choice index, batch) of the choices' upstream streams. Each prompt's m choices are one upstream request
     with the wire field `n` (the board computes the prompt once and keeps them together); from an upstream that
     does not know `n` (remembered on the client), m sibling requests: the prompt's siblings start when its
-    leader's first batch has come. Closing it cancels them all."""
+    leader's first batch has come. m = 1: each message's stream, merged as they come. Closing it cancels them all."""
     q: asyncio.Queue = asyncio.Queue()
     started = [asyncio.Event() for _ in range(0, len(msgs), m)]
 
