@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 
 import jsonschema
 import pytest
 
+from chip_faults import frozen_then_killed
 from daemon_procs import daemon_process
 from engine.errors import InvalidRequest
 
@@ -75,18 +73,10 @@ def test_constrained_requests_requeued_when_their_worker_dies_complete_validly(b
         fault_free = [c.generate("Data:", max_tokens=60, seed=i, temperature=1.0, constraint=CONSTRAINT).tokens
                       for i in range(3)]
         victim = d.health()["chips"][0]["pid"]
-        os.kill(victim, signal.SIGSTOP)  # jobs reach its ring, none is answered
-        try:
+        with frozen_then_killed(c, victim):
             results: list = [[] for _ in range(3)]
             streams = [c.stream("Data:", max_tokens=60, seed=i, temperature=1.0, constraint=CONSTRAINT,
                                 result=results[i]) for i in range(3)]
-            deadline = time.monotonic() + 30
-            while c.stats()["scheduler"]["chips"]["0"]["inflight"] == 0:
-                assert time.monotonic() < deadline, "no job ever reached chip 0"
-                time.sleep(0.02)
-        finally:
-            os.kill(victim, signal.SIGKILL)
-            os.kill(victim, signal.SIGCONT)
         got = [[t for chunk in s for t in chunk] for s in streams]
         counters = c.stats()["scheduler"]["counters"]
     assert got == fault_free and counters.get("requeued", 0) > 0

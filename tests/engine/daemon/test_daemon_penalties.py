@@ -8,12 +8,10 @@ multi-step decode on the reference chip library's device loop and its preemption
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
 
 import pytest
 
+from chip_faults import frozen_then_killed
 from daemon_procs import daemon_process
 from engine.async_client import AsyncClient
 from engine.errors import InvalidRequest
@@ -120,18 +118,10 @@ def test_penalised_requests_requeued_off_a_dead_worker_continue_exactly(board):
     with d.client(timeout=60) as c:
         fault_free = [c.generate(p, max_tokens=n, **prm.wire()).tokens for p, n, prm in reqs]
         victim = d.health()["chips"][0]["pid"]
-        os.kill(victim, signal.SIGSTOP)  # jobs reach its ring, none is answered
-        try:
+        with frozen_then_killed(c, victim):
             results: list = [[] for _ in reqs]
             streams = [c.stream(p, max_tokens=n, result=results[i], **prm.wire())
                        for i, (p, n, prm) in enumerate(reqs)]
-            deadline = time.monotonic() + 60
-            while c.stats()["scheduler"]["chips"]["0"]["inflight"] == 0:
-                assert time.monotonic() < deadline, "no job ever reached chip 0"
-                time.sleep(0.02)
-        finally:
-            os.kill(victim, signal.SIGKILL)
-            os.kill(victim, signal.SIGCONT)
         got = [[t for chunk in s for t in chunk] for s in streams]
         counters = c.stats()["scheduler"]["counters"]
     assert got == fault_free and counters.get("requeued", 0) > 0
