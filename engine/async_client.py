@@ -275,7 +275,7 @@ class AsyncClient:
             if not finished and not self._closed:
                 await self._send_quiet(build_cancel(rid))
 
-    async def stream_batches(self, msg: dict, *, timeout: float | None = ...) -> AsyncIterator[list[dict]]:
+    def stream_batches(self, msg: dict, *, timeout: float | None = ...) -> AsyncIterator[list[dict]]:
         """Yield a generate's events in batches: every event that arrived in one receive burst, as one list.
 
         For relays (the HTTP front) that coalesce what one loop turn brought
@@ -283,30 +283,27 @@ class AsyncClient:
         `error`, not raised). `msg["id"]` must be unique among this client's
         requests in flight; leaving the loop early cancels the request.
         """
-        rid = msg["id"]
-        deadline = self._deadline(timeout)
-        q = await self._start(rid, msg, deadline)
-        finished = False
-        try:
-            while True:
-                batch = [await self._get(q, rid)]
-                while not q.empty():
-                    batch.append(q.get_nowait())
-                if batch[-1].get("ev") in ("done", "error"):
-                    finished = True
-                    yield batch
-                    return
-                yield batch
-        finally:
-            self._forget(rid)
-            if not finished:
-                self.cancel_nowait(rid)
+        return self._batches(msg, timeout, lambda batch: batch[-1].get("ev") in ("done", "error"))
 
-    async def choice_batches(self, msg: dict, *, timeout: float | None = ...) -> AsyncIterator[list[dict]]:
+    def choice_batches(self, msg: dict, *, timeout: float | None = ...) -> AsyncIterator[list[dict]]:
         """`stream_batches` of a generate with `n` > 1: its events (each with its choice's `index`) until every
         choice's terminal event, or one without `index` (the request refused whole, e.g. by a server that does
         not know `n`). Leaving the loop early cancels every choice."""
-        rid, left = msg["id"], msg["n"]
+        left = msg["n"]
+
+        def ends(batch: list[dict]) -> bool:
+            nonlocal left
+            for ev in batch:
+                if ev.get("ev") in ("done", "error"):
+                    left = left - 1 if "index" in ev else 0
+            return left <= 0
+
+        return self._batches(msg, timeout, ends)
+
+    async def _batches(self, msg: dict, timeout, ends) -> AsyncIterator[list[dict]]:
+        """A request's events in receive bursts until `ends(batch)` says its last has come; leaving early
+        cancels it."""
+        rid = msg["id"]
         q = await self._start(rid, msg, self._deadline(timeout))
         finished = False
         try:
@@ -314,10 +311,7 @@ class AsyncClient:
                 batch = [await self._get(q, rid)]
                 while not q.empty():
                     batch.append(q.get_nowait())
-                for ev in batch:
-                    if ev.get("ev") in ("done", "error"):
-                        left = left - 1 if "index" in ev else 0
-                if left <= 0:
+                if ends(batch):
                     finished = True
                     yield batch
                     return
