@@ -13,6 +13,7 @@ import pytest
 from ipc import kv_checksum, native_lib
 from ipc.allreduce import _ARRIVE, AllReduce, create_group
 from ipc.shm import list_segments, reap_stale
+from native_switch import use_native
 
 PREFIX = f"nptarc{os.getpid()}"
 SLOT = 4096
@@ -24,13 +25,6 @@ def cleanup():
     native_lib.reset()
     reap_stale(PREFIX)
     assert list(list_segments(PREFIX)) == []
-
-
-def _use_native(monkeypatch, on: bool) -> None:
-    monkeypatch.setenv("NPUSERVE_NATIVE", "1" if on else "0")
-    native_lib.reset()
-    if on and native_lib.library() is None:
-        pytest.skip(f"no C library: {native_lib.why_not}")
 
 
 def _part(call: int, rank: int, size: int) -> np.ndarray:
@@ -81,9 +75,9 @@ def _expected(world: int, call: int, size: int) -> np.ndarray:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_c_and_numpy_steps_give_the_same_bits(monkeypatch, world):
-    _use_native(monkeypatch, True)
+    use_native(monkeypatch, True)
     c = _run(world, SIZES)
-    _use_native(monkeypatch, False)
+    use_native(monkeypatch, False)
     py = _run(world, SIZES)
     for call, size in enumerate(SIZES):
         want = _expected(world, call, size)  # rank order, float32: ((x0 + x1) + x2)
@@ -93,7 +87,7 @@ def test_c_and_numpy_steps_give_the_same_bits(monkeypatch, world):
 
 def test_a_late_peer_goes_through_the_python_barrier_and_still_sums(monkeypatch):
     """Rank 1 starts only once rank 0 has published and (spin budget 0) handed the wait to Python."""
-    _use_native(monkeypatch, True)
+    use_native(monkeypatch, True)
     import ipc.allreduce as mod
 
     waits = []

@@ -12,23 +12,14 @@ import crc32c
 import numpy as np
 import pytest
 
-from ipc import kv_checksum, native_lib
+from ipc import kv_checksum
 from ipc.kv_slots import HEADER_BYTES, MAGIC, KvSlotPool, RecordRefused, encode_record, read_record, record_bytes
 from ipc.shm import list_segments, reap_stale
+from native_switch import path  # noqa: F401 - the fixture: C library and fallback
 
 PREFIX = f"npkvb{os.getpid()}"
 LAYOUT = 0x1234_5678_9ABC_DEF0
 NBYTES = 1000  # not a multiple of 8: the CRC's byte tail is exercised
-
-
-@pytest.fixture(params=["native", "fallback"])
-def path(request, monkeypatch):
-    monkeypatch.setenv("NPUSERVE_NATIVE", "1" if request.param == "native" else "0")
-    native_lib.reset()
-    if request.param == "native" and native_lib.library() is None:
-        pytest.skip(f"no C library: {native_lib.why_not}")
-    yield request.param
-    native_lib.reset()
 
 
 @pytest.fixture

@@ -4,20 +4,9 @@ format's definition ([n, 2, layers, block_size, kv_heads, head_dim]), and a roun
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from ipc import native_lib
+from native_switch import path  # noqa: F401 - the fixture: C library and fallback
 from workers.paged_kv import PagedKvCache
-
-
-@pytest.fixture(params=["native", "fallback"])
-def path(request, monkeypatch):
-    monkeypatch.setenv("NPUSERVE_NATIVE", "1" if request.param == "native" else "0")
-    native_lib.reset()
-    if request.param == "native" and native_lib.library() is None:
-        pytest.skip(f"no C library: {native_lib.why_not}")
-    yield request.param
-    native_lib.reset()
 
 
 def test_swap_out_is_the_format_and_swap_in_puts_it_back(path):
