@@ -7,7 +7,7 @@ import pytest
 
 from ipc.logprob_wants import want_code
 from ipc.records import JobKind, JobResult, JobStatus, Lane, build_job
-from workers.backends.ref import RefBackend, full_recompute_logits
+from workers.backends.ref import full_recompute_logits
 from workers.execute_job import execute_job
 from workers.model_maker import make_model
 from workers.package_loader import load_package
@@ -16,14 +16,6 @@ from workers.package_loader import load_package
 @pytest.fixture(scope="module")
 def package(tmp_path_factory):
     return load_package(make_model(str(tmp_path_factory.mktemp("pkg") / "m"), max_seq=128, kv_num_blocks=64, seed=5))
-
-
-@pytest.fixture
-def backend(package):
-    b = RefBackend()
-    b.load(package)
-    yield b
-    b.unload()
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:

@@ -23,14 +23,6 @@ def package(tmp_path_factory):
     return load_package(path)
 
 
-@pytest.fixture
-def backend(package):
-    b = RefBackend()
-    b.load(package)
-    yield b
-    b.unload()
-
-
 def _seq(seed: int, n: int) -> list[int]:
     return [256] + np.random.default_rng(seed).integers(0, 256, n - 1).tolist()
 
