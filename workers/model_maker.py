@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 
 import numpy as np
 
 from workers.model_package import ARCHITECTURE, WEIGHTS
-from workers.package_manifest import GOLDEN, SCHEMA, write_manifest
+from workers.package_manifest import GOLDEN, SCHEMA, package_folder, write_manifest
 from workers.transformer import ModelDims, Transformer, weight_shapes
 
 # Bump when this maker changes what a given default_model.json produces, so
@@ -153,10 +151,7 @@ def make_model(
     model = Transformer(dims, weights, vocab_size=vocab, max_seq=max_seq)
     cases = _golden_cases(model, rng, golden_cases, golden_max_tokens, bos, vocab, max_seq)
 
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".make-model-", dir=parent)
-    try:
+    with package_folder(out_dir, ".make-model-") as tmp:
         np.savez(os.path.join(tmp, WEIGHTS), **weights)
         with open(os.path.join(tmp, GOLDEN), "w") as f:
             json.dump(cases, f, indent=1)
@@ -177,9 +172,4 @@ def make_model(
             "seed": seed,
         }
         write_manifest(tmp, manifest, (WEIGHTS, GOLDEN))
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

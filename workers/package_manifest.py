@@ -10,9 +10,13 @@ manifest keys; the rules below hold for both.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 SCHEMA = "npuserve-model/v1"
@@ -154,6 +158,22 @@ def write_manifest(dir_: str, manifest: dict, names=None) -> None:
     manifest["files"] = {n: file_sha256(os.path.join(dir_, n)) for n in names}
     with open(os.path.join(dir_, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
+
+
+@contextlib.contextmanager
+def package_folder(out_dir: str, prefix: str) -> Iterator[str]:
+    """A temp folder beside `out_dir` for a maker to write a package into; when the block ends it becomes
+    `out_dir` (world-readable, one rename: no reader sees a half-written package), or is removed if it fails."""
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def read_golden(path: str, manifest: dict) -> list[dict]:

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 
 import numpy as np
 
 from workers.lora.adapter_package import LORA_SCHEMA, TARGETS, AdapterFacts
-from workers.package_manifest import PackageError, write_manifest
+from workers.package_manifest import PackageError, package_folder, write_manifest
 
 GGUF_ADAPTER_FILE = "adapter.gguf"
 # the npz adapter's target names -> llama.cpp's tensor names (blk.{i}.NAME.weight)
@@ -87,10 +85,7 @@ def write_gguf_adapter(out_dir: str, *, arch: str, layers: int, pairs: dict[str,
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise FileExistsError(f"{out_dir}: exists and is not an empty directory")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".make-lora-", dir=parent)
-    try:
+    with package_folder(out_dir, ".make-lora-") as tmp:
         w = gguf.GGUFWriter(os.path.join(tmp, GGUF_ADAPTER_FILE), arch)
         w.add_string("general.type", "adapter")
         w.add_string("adapter.type", "lora")
@@ -109,11 +104,6 @@ def write_gguf_adapter(out_dir: str, *, arch: str, layers: int, pairs: dict[str,
         if seed is not None:
             manifest["seed"] = seed
         write_manifest(tmp, manifest, (GGUF_ADAPTER_FILE,))
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

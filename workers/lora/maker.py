@@ -11,8 +11,6 @@ package, so `out` holds a complete adapter or nothing.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,7 +18,7 @@ import numpy as np
 from workers.lora.adapter_package import ADAPTER_FILE, LORA_SCHEMA, TARGETS, tensor_names
 from workers.model_package import ARCHITECTURE, ModelPackage
 from workers.package_loader import load_package
-from workers.package_manifest import write_manifest
+from workers.package_manifest import package_folder, write_manifest
 from workers.transformer import weight_shapes
 
 DEFAULT_TARGETS = ("wq", "wv")
@@ -58,10 +56,7 @@ def make_lora(base: str, out_dir: str, *, rank: int = 8, targets: Sequence[str] 
             tensors[a_name] = (rng.standard_normal((n_in, rank)) / np.sqrt(n_in)).astype(np.float32)
             b_std = strength / (scale * np.sqrt(rank))
             tensors[b_name] = (rng.standard_normal((rank, n_out)) * b_std).astype(np.float32)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".make-lora-", dir=parent)
-    try:
+    with package_folder(out_dir, ".make-lora-") as tmp:
         np.savez(os.path.join(tmp, ADAPTER_FILE), **tensors)
         manifest = {
             "schema": LORA_SCHEMA,
@@ -74,9 +69,4 @@ def make_lora(base: str, out_dir: str, *, rank: int = 8, targets: Sequence[str] 
             "seed": seed,
         }
         write_manifest(tmp, manifest, (ADAPTER_FILE,))
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
