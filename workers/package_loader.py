@@ -8,12 +8,11 @@ Above both kinds, so neither imports the other: a manifest with
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 from workers.gguf_package import GgufPackage, is_gguf_manifest, load_gguf_package
 from workers.model_package import ModelPackage, load_npz_package
-from workers.package_manifest import MANIFEST, PackageError
+from workers.package_manifest import MANIFEST, PackageError, read_manifest
 
 
 def load_package(path: str, verified_sha256: str | None = None) -> ModelPackage | GgufPackage:
@@ -23,18 +22,8 @@ def load_package(path: str, verified_sha256: str | None = None) -> ModelPackage 
     per load); only that the manifest is still the one it verified is checked, not every file again.
     """
     path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise PackageError(f"{path}: not a model package directory")
+    raw, manifest = read_manifest(path, "a model package")
     mpath = os.path.join(path, MANIFEST)
-    try:
-        with open(mpath, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise PackageError(f"{mpath}: cannot read ({e.strerror})") from e
-    try:
-        manifest = json.loads(raw)
-    except ValueError as e:
-        raise PackageError(f"{mpath}: not valid JSON ({e})") from e
     trusted = verified_sha256 is not None
     if trusted and hashlib.sha256(raw).hexdigest() != verified_sha256:
         raise PackageError(f"{mpath}: changed since the daemon verified the package (sha256 differs)")

@@ -176,6 +176,23 @@ def package_folder(out_dir: str, prefix: str) -> Iterator[str]:
         raise
 
 
+def read_manifest(path: str, what: str) -> tuple[bytes, object]:
+    """manifest.json of the package folder `path`: its bytes (their sha256 is the package identity) and its
+    JSON, not yet checked; PackageError names the fault (`what`, e.g. "a model package", the folder's kind)."""
+    if not os.path.isdir(path):
+        raise PackageError(f"{path}: not {what} directory")
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise PackageError(f"{mpath}: cannot read ({e.strerror})") from e
+    try:
+        return raw, json.loads(raw)
+    except ValueError as e:
+        raise PackageError(f"{mpath}: not valid JSON ({e})") from e
+
+
 def read_golden(path: str, manifest: dict) -> list[dict]:
     """golden.json, re-hashed against the manifest and checked case by case."""
     gpath = os.path.join(path, GOLDEN)

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import zipfile
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from workers.package_manifest import MANIFEST, PackageError, is_int, need, verify_listed_files
+from workers.package_manifest import MANIFEST, PackageError, is_int, need, read_manifest, verify_listed_files
 
 LORA_SCHEMA = "npuserve-lora/v1"
 ADAPTER_FILE = "adapter.npz"
@@ -90,19 +89,8 @@ def check_lora_manifest(m, where: str) -> None:
 def read_adapter_facts(path: str, verify_files: bool = True) -> AdapterFacts:
     """The adapter's manifest, checked, and (`verify_files`) every file's sha256; PackageError names the fault."""
     path = os.path.abspath(path)
-    mpath = os.path.join(path, MANIFEST)
-    if not os.path.isdir(path):
-        raise PackageError(f"{path}: not an adapter package directory")
-    try:
-        with open(mpath, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise PackageError(f"{mpath}: cannot read ({e.strerror})") from e
-    try:
-        m = json.loads(raw)
-    except ValueError as e:
-        raise PackageError(f"{mpath}: not valid JSON ({e})") from e
-    check_lora_manifest(m, mpath)
+    raw, m = read_manifest(path, "an adapter package")
+    check_lora_manifest(m, os.path.join(path, MANIFEST))
     if verify_files:
         verify_listed_files(path, m["files"])
     base = m["base"]
