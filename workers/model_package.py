@@ -10,8 +10,6 @@ loading cannot slip through.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import os
 from dataclasses import dataclass
 
@@ -25,6 +23,7 @@ from workers.package_manifest import (
     check_manifest,
     common_fields,
     need,
+    read_pinned_npz,
     verify_listed_files,
 )
 from workers.transformer import ModelDims, weight_shapes
@@ -61,18 +60,7 @@ class ModelPackage(PackageFacts):
     def weights(self) -> dict[str, np.ndarray]:
         """The weight tensors, re-verified against the manifest hash and the dims."""
         fpath = self.file_path(WEIGHTS)
-        try:
-            with open(fpath, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise PackageError(f"{fpath}: cannot read ({e.strerror})") from e
-        if hashlib.sha256(data).hexdigest() != self.manifest["files"][WEIGHTS]:
-            raise PackageError(f"{fpath}: sha256 does not match the manifest (file changed after loading)")
-        try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as z:
-                arrays = {k: np.asarray(z[k], dtype=np.float32) for k in z.files}
-        except Exception as e:  # noqa: BLE001 - any parse failure is a bad package
-            raise PackageError(f"{fpath}: not a readable .npz ({e})") from e
+        arrays = read_pinned_npz(fpath, self.manifest["files"][WEIGHTS], "loading")
         expected = weight_shapes(self.dims, self.vocab_size)
         for name, shape in expected.items():
             if name not in arrays:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 SCHEMA = "npuserve-model/v1"
 MANIFEST = "manifest.json"
@@ -191,6 +194,23 @@ def read_manifest(path: str, what: str) -> tuple[bytes, object]:
         return raw, json.loads(raw)
     except ValueError as e:
         raise PackageError(f"{mpath}: not valid JSON ({e})") from e
+
+
+def read_pinned_npz(fpath: str, sha256: str, since: str) -> dict[str, np.ndarray]:
+    """The .npz `fpath`'s arrays as float32, its bytes re-hashed against the manifest's `sha256` as they are
+    parsed, so a file swapped since `since` (the check: "verification", "loading") is refused."""
+    try:
+        with open(fpath, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise PackageError(f"{fpath}: cannot read ({e.strerror})") from e
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise PackageError(f"{fpath}: sha256 does not match the manifest (file changed after {since})")
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            return {k: np.asarray(z[k], dtype=np.float32) for k in z.files}
+    except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+        raise PackageError(f"{fpath}: not a readable .npz ({e})") from e
 
 
 def read_golden(path: str, manifest: dict) -> list[dict]:

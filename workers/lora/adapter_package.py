@@ -17,14 +17,14 @@ re-hashing the bytes it parses.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import zipfile
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from workers.package_manifest import MANIFEST, PackageError, is_int, need, read_manifest, verify_listed_files
+from workers.package_manifest import (MANIFEST, PackageError, is_int, need, read_manifest, read_pinned_npz,
+                                      verify_listed_files)
 
 LORA_SCHEMA = "npuserve-lora/v1"
 ADAPTER_FILE = "adapter.npz"
@@ -183,18 +183,7 @@ def read_adapter(facts: AdapterFacts) -> LoraWeights:
     fpath = os.path.join(facts.path, ADAPTER_FILE)
     if facts.format != "npz":
         raise PackageError(f"{facts.path}: a {facts.format} adapter, not npz")
-    try:
-        with open(fpath, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise PackageError(f"{fpath}: cannot read ({e.strerror})") from e
-    if hashlib.sha256(data).hexdigest() != facts.manifest["files"][ADAPTER_FILE]:
-        raise PackageError(f"{fpath}: sha256 does not match the manifest (file changed after verification)")
-    try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            arrays = {k: np.asarray(z[k], dtype=np.float32) for k in z.files}
-    except Exception as e:  # noqa: BLE001 - any parse failure is a bad adapter
-        raise PackageError(f"{fpath}: not a readable .npz ({e})") from e
+    arrays = read_pinned_npz(fpath, facts.manifest["files"][ADAPTER_FILE], "verification")
     pairs = {}
     scale = np.float32(facts.scale)
     for i in range(facts.base_layers):
