@@ -13,6 +13,7 @@ import asyncio
 import pytest
 
 from engine.async_client import AsyncClient
+from llama_server_reference import llama_server_texts
 from workers.llamacpp.binding import LlamaModel
 from workers.llamacpp.solo import compare_greedy, greedy_solo
 from workers.llamacpp.tokenizer import GgufTokenizer
@@ -21,28 +22,6 @@ pytestmark = pytest.mark.integration
 
 PROMPTS = ("The capital of France is", "The three primary colors are")
 MAX_TOKENS = 10
-
-
-def _llama_server_texts(gguf: str, prompts: list[list[int]]) -> list[str]:
-    """llama.cpp's own server engine (xllamacpp Server, one slot), greedy, in-process."""
-    import xllamacpp as xlc
-
-    p = xlc.CommonParams()
-    p.model.path = gguf
-    p.n_parallel = 1
-    p.n_ctx = 512
-    p.cpuparams.n_threads = p.cpuparams_batch.n_threads = 1
-    p.warmup = False
-    server = xlc.Server(p)
-    try:
-        out = []
-        for ids in prompts:
-            r = server.handle_completions({"prompt": ids, "n_predict": MAX_TOKENS, "temperature": 0.0,
-                                           "ignore_eos": True, "cache_prompt": False, "stream": False})
-            out.append(r["choices"][0]["text"])
-        return out
-    finally:
-        del server
 
 
 def test_gemma_serves_english_and_matches_llama_cpp_server(daemon, gemma_package):
@@ -85,7 +64,7 @@ def test_gemma_serves_english_and_matches_llama_cpp_server(daemon, gemma_package
     verdicts = [compare_greedy(r.tokens, want, gaps) for r, (want, gaps) in zip(results, solo)]
     verdicts += [compare_greedy(rt.tokens, want, gaps) for rt, (want, gaps) in zip(text_results, solo)]
     verdicts += [compare_greedy(sr.tokens, want, gaps) for (_, sr), (want, gaps) in zip(streamed, solo)]
-    server_texts = _llama_server_texts(gguf, prompts)
+    server_texts = llama_server_texts(gguf, [{"prompt": ids} for ids in prompts], MAX_TOKENS)
     print(f"npuserve vs llama.cpp alone: {verdicts}; llama.cpp server: {server_texts}")
     assert "differs" not in verdicts
     for v, text, server_text, (want, gaps) in zip(verdicts, [r.text for r in results + text_results]

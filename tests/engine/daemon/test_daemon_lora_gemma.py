@@ -14,6 +14,7 @@ import asyncio
 import pytest
 
 from engine.async_client import AsyncClient
+from llama_server_reference import llama_server_texts
 from workers.llamacpp.binding import LlamaModel
 from workers.llamacpp.solo import compare_greedy, greedy_solo
 from workers.llamacpp.tokenizer import GgufTokenizer
@@ -23,27 +24,6 @@ pytestmark = pytest.mark.integration
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
-
-
-def _server_texts(gguf: str, adapters: list[str], prompt: list[int], selections: list[list[dict]]) -> list[str]:
-    """llama.cpp's server engine (xllamacpp Server) with the adapters loaded unapplied, one request each."""
-    import xllamacpp as xlc
-
-    p = xlc.CommonParams()
-    p.model.path = gguf
-    p.n_parallel = 1
-    p.n_ctx = 512
-    p.cpuparams.n_threads = p.cpuparams_batch.n_threads = 1
-    p.warmup = False
-    p.lora_adapters = [xlc.CommonAdapterLoraInfo(a, 1.0) for a in adapters]
-    p.lora_init_without_apply = True
-    server = xlc.Server(p)
-    try:
-        return [server.handle_completions({"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0.0,
-                                           "ignore_eos": True, "cache_prompt": False, "stream": False,
-                                           "lora": sel})["choices"][0]["text"] for sel in selections]
-    finally:
-        del server
 
 
 def test_two_adapters_and_the_base_at_once_each_get_llama_cpps_own_answer(daemon, gemma_package, tmp_path):
@@ -73,10 +53,11 @@ def test_two_adapters_and_the_base_at_once_each_get_llama_cpps_own_answer(daemon
     finally:
         model.close()
     verdicts = [compare_greedy(r.tokens, want, gaps) for r, (want, gaps) in zip(results, solo)]
-    server = _server_texts(gguf, [f"{p}/adapter.gguf" for p in loras], prompt,
-                           [[{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}],
-                            [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.0}],
-                            [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 1.0}]])
+    selections = [[{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}],
+                  [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.0}],
+                  [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 1.0}]]
+    server = llama_server_texts(gguf, [{"prompt": prompt, "lora": sel} for sel in selections], MAX_TOKENS,
+                                tuple(f"{p}/adapter.gguf" for p in loras))
     texts = [tok.decode(r.tokens) for r in results]
     print(f"\nnpuserve {texts}\nllama.cpp server {server}\nverdicts {verdicts}")
     assert "differs" not in verdicts
