@@ -46,6 +46,15 @@ def is_admin(conn: Client) -> bool:
     return bool(conn.local or (peer is not None and peer.admin))
 
 
+def refused_unless_admin(fe, conn: Client, cid, op: str) -> bool:
+    """True when `conn` may not run the admin op `op`, its 403 `forbidden` already sent (by `fe`, the
+    daemon's Frontend): every admin op refuses a non-admin connection in the same words."""
+    if is_admin(conn):
+        return False
+    fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc://, or an admin key)")
+    return True
+
+
 # Stats keys that name tenants; a tenant's key sees only its own entry in them.
 TENANT_KEYED_STATS = ("tenant_active", "tenant_service_tokens")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.daemon.auth import is_admin
+from engine.daemon.auth import refused_unless_admin
 from engine.daemon.lora_registry import Adapter, AdapterRefused
 from ipc.schema import error_event
 
@@ -64,8 +64,7 @@ def apply_adapter(params: "GenerateParams", a: Adapter) -> None:
 
 def handle(gens: "Generations", fe: "Frontend", conn: "Conn", msg: dict, now: float) -> None:
     op, cid = msg["op"], msg["id"]
-    if not is_admin(conn):
-        fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc://, or an admin key)")
+    if refused_unless_admin(fe, conn, cid, op):
         return
     name = msg["alias"]
     if op == "unload_lora":

@@ -22,7 +22,7 @@ from engine.core.requests import GenerateParams
 from engine.core.retry_after import NOT_READY_RETRY_S, clamp_ms
 from engine.daemon.constraint_cache import BOARD_CACHE, ConstraintRejected
 from engine.daemon.text_io import TextRejected, prompt_of, split_stop
-from engine.daemon.auth import is_admin, tenant_for, visible_stats
+from engine.daemon.auth import refused_unless_admin, tenant_for, visible_stats
 from engine.daemon.handoff.intake import take_handoff
 from engine.daemon.handoff.shm import advertise, take_from_host_pool
 from engine.daemon.log import log
@@ -199,8 +199,7 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         lora_ops.handle(gens, fe, conn, msg, now)
         return []
     if op in ("drain", "resume"):
-        if not is_admin(conn):
-            fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc://, or an admin key)")
+        if refused_unless_admin(fe, conn, cid, op):
             return []
         if msg.get("backend") is not None:
             fe.error(conn, cid, 404, "backend_not_found", f"{op}: a board daemon has no backends; "
@@ -213,8 +212,7 @@ def handle(o: OpContext, conn: "Conn", msg: dict, now: float) -> list[Action]:
         fe.reply(conn, cid, op, {"accepting": gens.accepting})
         return []
     if op == "reenable_inflight":
-        if not is_admin(conn):
-            fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc://, or an admin key)")
+        if refused_unless_admin(fe, conn, cid, op):
             return []
         done = {str(g.id): g.scheduler.reenable_inflight(msg.get("chip"))
                 for g in gens.serving_generations() if g.scheduler is not None}

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.core.model_table import GenerationRecord, LifecycleError
-from engine.daemon.auth import is_admin
+from engine.daemon.auth import refused_unless_admin
 from ipc.schema import error_event
 
 if TYPE_CHECKING:
@@ -26,8 +26,7 @@ OPS = frozenset({"load", "unload", "replace", "rollback"})  # `models` is open t
 
 def handle(gens: "Generations", fe: "Frontend", conn: "Conn", msg: dict, now: float) -> None:
     op, cid = msg["op"], msg["id"]
-    if not is_admin(conn):
-        fe.error(conn, cid, 403, "forbidden", f"{op} needs an admin connection (ipc://, or an admin key)")
+    if refused_unless_admin(fe, conn, cid, op):
         return
     alias = msg["alias"]
     deadline_s = msg.get("deadline_s")
