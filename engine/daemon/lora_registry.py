@@ -83,12 +83,9 @@ def verify_adapter(path: str, model_root: str = "", public_key: str = "", resolv
         raise AdapterRefused("resolve", f"{path}: not an adapter package (no {MANIFEST})")
     signed = None
     if public_key:
-        from engine.daemon.models.package_signature import SignatureError, load_public_key, \
-            verify_manifest_signature
+        from engine.daemon.models.package_signature import SignatureError, read_signed_manifest
         try:
-            with open(os.path.join(path, MANIFEST), "rb") as f:
-                signed = f.read()
-            verify_manifest_signature(load_public_key(public_key), path, signed)
+            signed = read_signed_manifest(public_key, path)
         except SignatureError as e:
             raise AdapterRefused("signature", str(e)) from None
         except OSError as e:

@@ -103,15 +103,11 @@ def verify_package(path: str, public_key: str = "") -> Package:
     """
     signed: bytes | None = None
     if public_key:
-        from engine.daemon.models.package_signature import SignatureError, load_public_key, \
-            verify_manifest_signature
+        from engine.daemon.models.package_signature import SignatureError, read_signed_manifest
 
         mpath = os.path.join(path, MANIFEST)
         try:
-            key = load_public_key(public_key)
-            with open(mpath, "rb") as f:
-                signed = f.read()
-            verify_manifest_signature(key, path, signed)
+            signed = read_signed_manifest(public_key, path)
         except SignatureError as e:
             raise PackageRefused("signature", str(e)) from None
         except OSError as e:

@@ -116,6 +116,17 @@ def sign_package(private_key_path: str, package_dir: str) -> str:
     return out
 
 
+def read_signed_manifest(public_key_path: str, package_dir: str) -> bytes:
+    """`package_dir`'s manifest.json bytes, their signature verified with the PEM public key at
+    `public_key_path`: SignatureError when the key or signature is bad, OSError when the manifest cannot be
+    read. The caller checks that what it then loads was built from these very bytes."""
+    key = load_public_key(public_key_path)
+    with open(os.path.join(package_dir, MANIFEST), "rb") as f:
+        signed = f.read()
+    verify_manifest_signature(key, package_dir, signed)
+    return signed
+
+
 def verify_manifest_signature(public_key: Ed25519PublicKey, package_dir: str, manifest: bytes) -> None:
     """Raise SignatureError unless `package_dir/manifest.sig` is `public_key`'s signature of `manifest`."""
     spath = os.path.join(package_dir, SIGNATURE)
