@@ -9,7 +9,7 @@ import os
 import random
 
 import pytest
-from balancer_procs import balancer, tcp_daemon, tcp_endpoint  # noqa: F401  (fixture)
+from balancer_procs import tcp_daemon, tcp_endpoint
 from raw_streams import gen_msg, run_streams, streamed_tokens
 from test_balancer_disagg import check_one_done_each
 

@@ -36,6 +36,8 @@ def test_every_message_round_trips():
         Msg.HEARTBEAT: {"at": 12.5, "jobs_done": 7},
         Msg.RESULT: {"job_id": 9},
         Msg.KV_POOL: {"name": "/npuserve-0-1-kvh00", "slots": 4, "slot_bytes": 256, "disk_dir": None},
+        Msg.LORA_ADD: {"id": 3, "path": "/srv/adapters/a1", "sha256": "ab" * 32},
+        Msg.LORA_DROP: {"id": 3},
     }
     assert set(samples) == set(Msg)
     for kind, fields in samples.items():
@@ -56,6 +58,9 @@ def test_every_message_round_trips():
     orjson.dumps({"v": 1, "msg": "release"}),  # no blocks
     orjson.dumps({"v": 1, "msg": "release", "blocks": [1, -2]}),
     orjson.dumps({"v": 1, "msg": "release", "blocks": "1,2"}),
+    orjson.dumps({"v": 1, "msg": "lora_add", "id": -1, "path": "/a", "sha256": "x"}),
+    orjson.dumps({"v": 1, "msg": "lora_add", "id": 1, "path": 7, "sha256": "x"}),
+    orjson.dumps({"v": 1, "msg": "lora_drop"}),  # no id
 ])
 def test_malformed_messages_raise_control_error(data):
     with pytest.raises(ControlError):
