@@ -185,7 +185,8 @@ class Generation:
                           spec_draft=bool(info.extra.get("spec_draft", False)),
                           lora_slots=min(int((info.extra.get("lora") or {}).get("slots", 0)),
                                          cfg.lora.max_loaded_per_chip),
-                          lora_mixed=bool((info.extra.get("lora") or {}).get("mixed", True)))
+                          lora_mixed=bool((info.extra.get("lora") or {}).get("mixed", True)),
+                          kv_copy=bool((info.extra.get("supports") or {}).get("copy_blocks", True)))
         chips = [ChipSpec(chip=c, num_blocks=i.kv.num_blocks, block_size=i.kv.block_size)
                  for c, i in enumerate(infos)]
         try:

@@ -1,4 +1,5 @@
-"""`n` on the wire, on the `ref` daemon: each choice is its seeded n = 1 request, the prompt computed once."""
+"""`n` on the wire, on the `ref` daemon: each choice is its seeded n = 1 request, the prompt computed once
+(the other choices copy its partial last block on the device)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ def test_n3_choices_are_the_seeded_n1_requests_and_share_the_prompt(daemon):
         assert r.tokens == oracle.run(PROMPT, 6, 0.9, seed=choice_seed(11, k))[0], k
         assert r.finish_reason == "length"
     assert [r.usage["cached_tokens"] for r in results] == [0, 48, 48]
-    # the prompt once, then per other choice only its partial last block
-    assert after["prefill_tokens"] - before["prefill_tokens"] == len(PROMPT) + 2 * (len(PROMPT) - 48)
+    # the prompt once: the other choices copy its partial last block on the device (ref copies blocks)
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(PROMPT)
+    assert after["choices_kv_forked"] - before.get("choices_kv_forked", 0) == 2
+    assert after["choices_kv_copy_blocks"] - before.get("choices_kv_copy_blocks", 0) == 2
 
 
 def test_streamed_choices_carry_their_index_and_one_cancel_ends_them_all(daemon):
