@@ -37,7 +37,8 @@ one `llama_decode` over its lanes' tokens: one prompt (chunked when the
 scheduler chunks), or, in a mixed batch, several prompts' chunks beside
 decode lanes of one token each, as llama.cpp's own server batches them.
 Sampling stays npuserve's (the worker samples the logits returned here).
-Block copies are not supported. KV export / import (the host and disk
+Block copies are not supported, but for a fork (`copy_blocks`: a run of one
+sequence's blocks into a new sequence, its cells shared). KV export / import (the host and disk
 tiers) moves whole blocks as llama.cpp per-sequence state
 (`workers.llamacpp.kv_blocks`); an imported run from position 0 is a
 sequence of its own, one that continues a device prefix joins it when a
@@ -57,7 +58,8 @@ from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLa
                                    StepOutput)
 from workers.logprob_alternatives import prompt_rows
 
-SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": True}
+SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": True,
+            "fork_blocks": True}
 
 # The tier policy's cost model (promote a prefix when its import is expected to beat recomputing it), from
 # `npuserve bench-kv-transfer --backend llamacpp` on Gemma 3 270M Q4_K_M, block size 16, 1 thread, a loaded
@@ -509,7 +511,34 @@ class LlamacppBackend(OneStepBackend):
     # ---- block ops -------------------------------------------------------------------
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
-        raise BackendError("llamacpp backend: copy_blocks is not supported (prefix reuse is done by sequence copy)")
+        """Only a fork: `src` is a run of blocks of one sequence (blocks [k, k + len) of its table), and a new
+        sequence takes that sequence's positions up to the run's end with `dst` in the run's place, its cells
+        shared (`llama_memory_seq_cp`), as a prefix hit's (the choices of an `n` > 1 request,
+        engine/core/sched/choice_fork.py). Any other block copy is not supported."""
+        if self.model is None:
+            raise BackendError("llamacpp backend: no model loaded")
+        s_ids, d_ids = [int(b) for b in src], [int(b) for b in dst]
+        if not s_ids or len(s_ids) != len(d_ids) or len(set(d_ids)) != len(d_ids) or set(s_ids) & set(d_ids):
+            raise BackendError("llamacpp backend: copy_blocks is not supported but as a fork "
+                               "(a run of one sequence's blocks into as many other blocks)")
+        owner = None
+        for sid in self._holders.get(s_ids[0], ()):
+            seq = self._seqs[sid]
+            k = seq.blocks.index(s_ids[0])
+            if seq.blocks[k:k + len(s_ids)] == s_ids:
+                owner = seq
+                break
+        if owner is None:
+            raise BackendError(f"llamacpp backend: copy_blocks is not supported but as a fork, and blocks {s_ids} "
+                               "are no run of one sequence on this chip")
+        self.release_blocks(d_ids)  # the destinations are the fork's from now on: any older holder is stale
+        bs = self.block_size
+        end = min(owner.length, (k + len(s_ids)) * bs)
+        fork = self._new_seq({owner.sid})
+        self.model.seq_cp(owner.sid, fork.sid, 0, end)
+        fork.blocks, fork.length = (owner.blocks[:k] + d_ids)[:-(-end // bs)], end
+        for blk in fork.blocks:
+            self._holders.setdefault(blk, set()).add(fork.sid)
 
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
         """Each block's KV as llama.cpp's per-sequence state of its positions alone (see workers.llamacpp.kv_blocks)."""

@@ -11,8 +11,8 @@ position L-1, whose logits are the prefill's last row, and sampling is a
 function of (seed, position), so it samples what a prefill would have.
 
 This needs the leader still holding that KV on the same chip (it decodes),
-and a backend that copies blocks (`ModelSpec.kv_copy`; llama.cpp does not):
-otherwise the choice recomputes those tokens as a prefill, as before. A copy
+and a backend that runs the copy (`ModelSpec.kv_copy`; llama.cpp runs it as
+a sequence fork, its cells shared): otherwise the choice recomputes those tokens as a prefill, as before. A copy
 that fails loses the lane like any failed job (the choice is retried, and
 then recomputes its prompt).
 """
