@@ -5,8 +5,8 @@ choices.py) is admitted like any request: the prompt's full blocks are the
 leader's, found in the prefix cache. What is left of its prompt, the tokens
 of the partial last block (every token's block without the prefix cache),
 is then not computed again: one KV_COPY job copies the leader's blocks that
-hold positions committed..L-2 into the choice's fresh blocks, and the choice
-decodes straight away. Its first step feeds the prompt's last token at
+hold positions committed..L-2 into the choice's fresh blocks (the choices
+admitted together share one job), and the choice decodes straight away. Its first step feeds the prompt's last token at
 position L-1, whose logits are the prefill's last row, and sampling is a
 function of (seed, position), so it samples what a prefill would have.
 
@@ -45,19 +45,24 @@ class ChoiceForks:
             self._leader_of[rid] = leader
 
     def launch(self, now: float, out: list[Action]) -> None:
-        """After admission: each choice admitted since takes its leader's KV (a KV_COPY job), or recomputes."""
+        """After admission: each choice admitted since takes its leader's KV, or recomputes. The copies of one
+        chip go as one KV_COPY job (one round trip however many choices)."""
         if not self._leader_of:
             return
         st = self.st
+        copies: dict[int, list[tuple[RequestRecord, list[int], list[int], int, int]]] = {}
         for rid, leader in list(self._leader_of.items()):
             r = st.requests.get(rid)
             if r is not None and not r.terminal and r.state is S.WAITING_ADMISSION:
                 continue  # not admitted yet
             del self._leader_of[rid]
             if r is not None and r.state is S.PREFILL_READY and r.job_id is None:
-                self._fork(r, st.requests.get(leader), now, out)
+                self._fork(r, st.requests.get(leader), now, copies)
+        for chip, todo in copies.items():
+            self._submit(st.chips[chip], todo, now, out)
 
-    def _fork(self, r: RequestRecord, lead: RequestRecord | None, now: float, out: list[Action]) -> None:
+    def _fork(self, r: RequestRecord, lead: RequestRecord | None, now: float,
+              copies: dict[int, list[tuple[RequestRecord, list[int], list[int], int, int]]]) -> None:
         st = self.st
         n = r.prefill_target
         if lead is None or lead.state not in _LEADER_HOLDS_PROMPT or lead.chip != r.chip \
@@ -80,32 +85,44 @@ class ChoiceForks:
         first, last = start // bs, (end - 1) // bs + 1
         src = list(ch.kv.block_table_view(lead.seq_id)[first:last])
         dst = list(ch.kv.block_table_view(r.seq_id)[first:last])
+        copies.setdefault(ch.chip, []).append((r, src, dst, start, end))
+
+    def _submit(self, ch: ChipState, todo: list[tuple[RequestRecord, list[int], list[int], int, int]], now: float,
+                out: list[Action]) -> None:
+        st = self.st
         job_id = next(st.job_ids)
-        ch.kv.begin_update(r.seq_id, job_id, end)
-        r.job_id = job_id
+        src = [b for _, s, _, _, _ in todo for b in s]
+        dst = [b for _, _, d, _, _ in todo for b in d]
+        for r, _, _, _, end in todo:
+            ch.kv.begin_update(r.seq_id, job_id, end)
+            r.job_id = job_id
+        lanes = [r.request_id for r, *_ in todo]
         ch.inflight[job_id] = InflightJob(
-            job_id=job_id, kind=JobKind.KV_COPY, lanes=[r.request_id], seq_ids=[r.seq_id], start_lens=[start],
-            new_lens=[end], sampled=[False], batch=1, submitted_at=now, timeout_at=now + st.config.job_timeout_s)
+            job_id=job_id, kind=JobKind.KV_COPY, lanes=lanes, seq_ids=[r.seq_id for r, *_ in todo],
+            start_lens=[t[3] for t in todo], new_lens=[t[4] for t in todo], sampled=[False] * len(todo),
+            batch=len(todo), submitted_at=now, timeout_at=now + st.config.job_timeout_s)
         st.counters["choices_kv_copy_blocks"] += len(src)
+        st.counters["choices_kv_copy_jobs"] += 1
         ch.release_freed(out)  # before the copy: it may write a block freed just now
-        out.append(SubmitJob(ch.chip, Job.kv_copy(job_id, st.model.generation, src, dst), [r.request_id]))
+        out.append(SubmitJob(ch.chip, Job.kv_copy(job_id, st.model.generation, src, dst), lanes))
 
     def result(self, ch: ChipState, job: InflightJob, result: JobResult, now: float, out: list[Action]) -> None:
-        """A choice's KV_COPY answered: its prompt's KV is whole, it decodes next (or the lane is lost)."""
+        """A KV_COPY of choices answered: their prompts' KV is whole, they decode next (or the lanes are lost)."""
         st = self.st
         if result.generation != st.model.generation or result.kind != job.kind or result.status != JobStatus.OK:
             st.counters["choices_kv_copy_failed"] += 1
             self.lifecycle.fail_job(ch, job, "job_failed", "copying the leader's KV failed", now, out)
             return
-        r = st.requests[job.lanes[0]]
-        ch.kv.commit(r.seq_id, job.job_id, r.tokens)
-        r.committed = job.new_lens[0]
-        r.job_id = None
-        if r.terminal:  # cancelled or expired while copying
-            self.admission.unbind(r, released=True)
-            self.lifecycle.forget_if_done(r)
-            return
-        self._to_decode(ch, r, now)
+        for rid, seq_id, new_len in zip(job.lanes, job.seq_ids, job.new_lens):
+            r = st.requests[rid]
+            ch.kv.commit(seq_id, job.job_id, r.tokens)
+            r.committed = new_len
+            r.job_id = None
+            if r.terminal:  # cancelled or expired while copying
+                self.admission.unbind(r, released=True)
+                self.lifecycle.forget_if_done(r)
+                continue
+            self._to_decode(ch, r, now)
 
     def _to_decode(self, ch: ChipState, r: RequestRecord, now: float) -> None:
         r.move(S.DECODE_READY)

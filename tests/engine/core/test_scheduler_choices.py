@@ -109,10 +109,10 @@ def test_with_kv_copy_n4_computes_no_prompt_token_twice_and_each_choice_is_its_s
     c = s.stats()["counters"]
     assert c["prefill_tokens"] == PROMPT  # exactly the prompt, once
     assert c["prefix_hit_tokens"] == 3 * 32 and c["choices_kv_forked"] == 3
-    copies = _copies(ex)
-    assert len(copies) == 3 and c["choices_kv_copy_blocks"] == 3
-    assert len({int(j.src_blocks[0]) for j in copies}) == 1  # the leader's partial last block, to each choice
-    assert len({int(j.dst_blocks[0]) for j in copies} | {int(copies[0].src_blocks[0])}) == 4
+    [copy] = _copies(ex)  # the three choices admitted together: one copy job
+    assert c["choices_kv_copy_blocks"] == 3 and c["choices_kv_copy_jobs"] == 1
+    assert len(set(copy.src_blocks.tolist())) == 1  # the leader's partial last block, to each choice
+    assert len(set(copy.dst_blocks.tolist()) | set(copy.src_blocks.tolist())) == 4
     for k, rid in enumerate([10, 11, 12, 13]):
         assert ex.terminal[rid].finish_reason == "length"
         assert ex.tokens[rid] == _n1_tokens(p, k), k
@@ -180,15 +180,16 @@ def test_a_failed_copy_retries_the_choice_which_then_recomputes():
     assert not s.has_work() and not s.chips[0].kv.seq_ids()  # its blocks: quarantined, as any failed job's
 
 
-def test_a_choice_cancelled_while_its_copy_runs_gives_its_blocks_back():
+def test_a_choice_cancelled_while_its_copy_runs_gives_its_blocks_back_and_the_others_go_on():
     s = make_scheduler(kv_copy=True)
     ex = FakeExecutor(s)
-    ex.handle(s.submit_choices([1, 2], params(n_prompt=PROMPT, max_tokens=50), 0.0))
+    p = params(n_prompt=PROMPT, max_tokens=6, seed=4)
+    ex.handle(s.submit_choices([1, 2, 3], p, 0.0))
     ex.step(0.0)  # the leader's prompt
-    ex.handle(s.tick(0.01))  # choice 2 admitted: its copy goes out
+    ex.handle(s.tick(0.01))  # choices 2 and 3 admitted: their copy goes out, one job
     assert [j.kind for _, j in ex.pending].count(JobKind.KV_COPY) == 1
     ex.handle(s.cancel(2, 0.01))
-    ex.handle(s.cancel(1, 0.01))
     ex.run(0.02)
-    assert ex.terminal[2].finish_reason == "cancelled"
+    assert ex.terminal[2].finish_reason == "cancelled" and ex.terminal[2].usage["completion_tokens"] == 0
+    assert ex.tokens[3] == _n1_tokens(p, 2) and ex.tokens[1] == _n1_tokens(p, 0)
     assert not s.has_work() and kv_fully_free(s)
