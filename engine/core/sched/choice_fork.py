@@ -6,15 +6,16 @@ leader's, found in the prefix cache. What is left of its prompt, the tokens
 of the partial last block (every token's block without the prefix cache),
 is then not computed again: one KV_COPY job copies the leader's blocks that
 hold positions committed..L-2 into the choice's fresh blocks (the choices
-admitted together share one job), and the choice decodes straight away. Its first step feeds the prompt's last token at
-position L-1, whose logits are the prefill's last row, and sampling is a
-function of (seed, position), so it samples what a prefill would have.
+admitted together share one job), and the choice decodes straight away. Its
+first step feeds the prompt's last token at position L-1, whose logits are
+the prefill's last row, and sampling is a function of (seed, position), so
+it samples what a prefill would have.
 
 This needs the leader still holding that KV on the same chip (it decodes),
 and a backend that runs the copy (`ModelSpec.kv_copy`; llama.cpp runs it as
-a sequence fork, its cells shared): otherwise the choice recomputes those tokens as a prefill, as before. A copy
-that fails loses the lane like any failed job (the choice is retried, and
-then recomputes its prompt).
+a sequence fork, its cells shared): otherwise the choice recomputes those
+tokens as a prefill, as before. A copy that fails loses its lanes like any
+failed job (the choices are retried, and then recompute their prompt).
 """
 
 from __future__ import annotations
