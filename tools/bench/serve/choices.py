@@ -12,7 +12,8 @@ wait for choice 0's prompt and then fork its KV (docs/protocol.md "Several
 choices"). Target: `n=N` TTFT P50 <= 1.2x `n=1`'s, on the medians over
 rounds (each round's own ratio beside it). Also printed: the daemon's
 `prefill_tokens` over each side's run beside its prompts' length: equal
-for both sides when the backend copies (or forks) blocks: each prompt computed once. `--json`: JSON Lines (`kind`: row, summary).
+for both sides when the backend copies (or forks) blocks, each prompt
+computed once. `--json`: JSON Lines (`kind`: row, summary).
 """
 
 from __future__ import annotations
