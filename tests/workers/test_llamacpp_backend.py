@@ -133,10 +133,10 @@ def test_describe_says_what_the_runtime_supports(backend, gguf_pkg):
     assert info.name == "llamacpp" and info.vocab_size == 320 and info.chunked_prefill
     assert info.kv.num_blocks == gguf_pkg.kv_num_blocks and info.extra["kv_cells"] >= info.kv.num_blocks * 16
     assert info.extra["supports"] == {"prefix_reuse": True, "truncate": True, "chunked_prefill": True,
-                                      "copy_blocks": False, "swap": True}
+                                      "copy_blocks": False, "swap": True, "fork_blocks": True}
     assert info.kv_transfer is not None and info.kv.block_bytes() >= backend._kv_io.state_bytes
-    with pytest.raises(BackendError, match="not supported"):
-        backend.copy_blocks(np.array([0]), np.array([1]))
+    with pytest.raises(BackendError, match="not supported but as forks"):
+        backend.copy_blocks(np.array([0]), np.array([1]))  # block 0 holds nothing: no sequence's run
     with pytest.raises(BackendError, match="no whole block"):
         backend.swap_out(np.array([0]))
 
@@ -182,6 +182,27 @@ def test_prefix_reuse_copies_the_cached_prefix(backend):
     cont = _decode(backend, [Lane([5], 35, [0, 1, 2])])[0]
     again = _prefill(backend, shared + tail_a + [5], [30, 31, 32])
     assert np.abs(cont - again).max() < 1e-3
+
+
+def test_a_fork_takes_the_partial_block_and_both_sequences_go_on_like_recompute(backend, gguf_pkg):
+    """The choices of an n > 1 request: the leader's partial last block copied (cells shared) into the
+    choice's own block, the choice decoding the prompt's last token from there, the leader going on."""
+    npz = load_package(ensure_default_package())
+    p = _prompt(11, 40)  # two full blocks (0, 1) and 8 tokens in the leader's block 2
+    _prefill(backend, p, [0, 1, 2])
+    _decode(backend, [Lane([5], 40, [0, 1, 2])])  # the leader decodes on into its block before the fork
+    backend.copy_blocks(np.array([2, 2]), np.array([7, 8]))  # two choices' forks in one copy
+    rows = _decode(backend, [Lane([p[-1]], 39, [0, 1, 7]), Lane([6], 41, [0, 1, 2]), Lane([p[-1]], 39, [0, 1, 8])])
+    assert np.abs(rows[0] - full_recompute_logits(npz, p)[-1]).max() < ATOL
+    assert np.abs(rows[1] - full_recompute_logits(npz, p + [5, 6])[-1]).max() < ATOL
+    assert np.abs(rows[2] - rows[0]).max() < 1e-3
+    choice = _decode(backend, [Lane([9], 40, [0, 1, 7])])[0]  # the choice's own token after the prompt
+    assert np.abs(choice - full_recompute_logits(npz, p + [9])[-1]).max() < ATOL
+    backend.release_blocks([2])  # the leader ends: the choice keeps its cells
+    again = _decode(backend, [Lane([3], 41, [0, 1, 7])])[0]
+    assert np.abs(again - full_recompute_logits(npz, p + [9, 3])[-1]).max() < ATOL
+    with pytest.raises(BackendError, match="not supported but as forks"):
+        backend.copy_blocks(np.array([7, 50]), np.array([9, 10]))  # block 50 is in no sequence
 
 
 def test_reused_blocks_drop_the_stale_sequence(backend):

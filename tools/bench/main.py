@@ -30,6 +30,7 @@ SERVE: dict[str, tuple[str, tuple[str, ...], str]] = {
     "peer": ("tools.bench.serve.peer", (), "npuserve (llamacpp) against llama.cpp's server engine, in-process"),
     "spec": ("tools.bench.serve.spec", (), "n-gram speculative decoding against plain decoding and llama.cpp's"),
     "structured": ("tools.bench.serve.structured", (), "JSON-schema constraints against none and llama.cpp"),
+    "choices": ("tools.bench.serve.choices", (), "n > 1 choices' TTFT against n = 1"),
     "balancer": ("tools.bench.serve.balancer", (), "a balancer against direct daemon access; routing policies"),
     "disagg": ("tools.bench.serve.disagg", (), "a prefill/decode pair against co-location on two sim boards"),
     "busy": ("tools.bench.serve.busy", (), "executor modes (queued next step, ping/pong, multi-step) against sync"),

@@ -37,7 +37,8 @@ one `llama_decode` over its lanes' tokens: one prompt (chunked when the
 scheduler chunks), or, in a mixed batch, several prompts' chunks beside
 decode lanes of one token each, as llama.cpp's own server batches them.
 Sampling stays npuserve's (the worker samples the logits returned here).
-Block copies are not supported. KV export / import (the host and disk
+Block copies are not supported, but for a fork (`copy_blocks`: a run of one
+sequence's blocks into a new sequence, its cells shared). KV export / import (the host and disk
 tiers) moves whole blocks as llama.cpp per-sequence state
 (`workers.llamacpp.kv_blocks`); an imported run from position 0 is a
 sequence of its own, one that continues a device prefix joins it when a
@@ -57,7 +58,8 @@ from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLa
                                    StepOutput)
 from workers.logprob_alternatives import prompt_rows
 
-SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": True}
+SUPPORTS = {"prefix_reuse": True, "truncate": True, "chunked_prefill": True, "copy_blocks": False, "swap": True,
+            "fork_blocks": True}
 
 # The tier policy's cost model (promote a prefix when its import is expected to beat recomputing it), from
 # `npuserve bench-kv-transfer --backend llamacpp` on Gemma 3 270M Q4_K_M, block size 16, 1 thread, a loaded
@@ -509,7 +511,39 @@ class LlamacppBackend(OneStepBackend):
     # ---- block ops -------------------------------------------------------------------
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
-        raise BackendError("llamacpp backend: copy_blocks is not supported (prefix reuse is done by sequence copy)")
+        """Only forks: `src` is runs of blocks, each of one sequence (its blocks [k, k + len)), and for each a
+        new sequence takes that sequence's positions up to the run's end with the run's `dst` in its place, its
+        cells shared (`llama_memory_seq_cp`), as a prefix hit's (the choices of `n` > 1 requests,
+        engine/core/sched/choice_fork.py: a run starts at a leader's first block of its own, so runs split
+        where one sequence's blocks stop following on). Any other block copy is not supported."""
+        if self.model is None:
+            raise BackendError("llamacpp backend: no model loaded")
+        s_ids, d_ids = [int(b) for b in src], [int(b) for b in dst]
+        if not s_ids or len(s_ids) != len(d_ids) or len(set(d_ids)) != len(d_ids) or set(s_ids) & set(d_ids):
+            raise BackendError("llamacpp backend: copy_blocks is not supported but as forks "
+                               "(runs of one sequence's blocks into as many other blocks)")
+        forks = []
+        i = 0
+        while i < len(s_ids):
+            owner = next((self._seqs[sid] for sid in self._holders.get(s_ids[i], ())), None)
+            if owner is None:
+                raise BackendError(f"llamacpp backend: copy_blocks is not supported but as forks, and block "
+                                   f"{s_ids[i]} is in no sequence on this chip")
+            k = owner.blocks.index(s_ids[i])
+            j = i + 1
+            while j < len(s_ids) and k + j - i < len(owner.blocks) and owner.blocks[k + j - i] == s_ids[j]:
+                j += 1
+            forks.append((owner, k, d_ids[i:j]))
+            i = j
+        self.release_blocks(d_ids)  # the destinations are the forks' from now on: any older holder is stale
+        bs = self.block_size
+        for owner, k, run in forks:
+            end = min(owner.length, (k + len(run)) * bs)
+            fork = self._new_seq({owner.sid})
+            self.model.seq_cp(owner.sid, fork.sid, 0, end)
+            fork.blocks, fork.length = (owner.blocks[:k] + run)[:-(-end // bs)], end
+            for blk in fork.blocks:
+                self._holders.setdefault(blk, set()).add(fork.sid)
 
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:
         """Each block's KV as llama.cpp's per-sequence state of its positions alone (see workers.llamacpp.kv_blocks)."""

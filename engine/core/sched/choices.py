@@ -4,9 +4,8 @@ Choice 0 (the leader) is submitted at once; choices 1..n-1 are held until the
 leader's prompt is computed (it decodes, or it ended), then submitted: their
 prompt's full KV blocks are then the leader's, found in the prefix cache
 (shared, reference-counted), and each recomputes only the tokens after the
-last full block (a backend job cannot copy a block, so the partial last block
-is recomputed, not copied). Without the prefix cache each choice computes the
-whole prompt. Each choice is then an ordinary request: admission, tenant
+last full block: where the backend copies blocks, by copying the leader's
+(engine/core/sched/choice_fork.py), else by computing them again. Each choice is then an ordinary request: admission, tenant
 fairness and KV reservation count it, and it ends with its own terminal event.
 
 Seeds: choice k of a request with seed s samples with seed
@@ -58,11 +57,12 @@ class HeldChoices:
                     return p
         return None
 
-    def due(self, requests: dict, everything: bool = False) -> list[tuple[int, GenerateParams]]:
-        """The held choices whose leader computed its prompt or ended (all of them with `everything`)."""
+    def due(self, requests: dict, everything: bool = False) -> list[tuple[int, int, GenerateParams]]:
+        """(leader, rid, params) of the held choices whose leader computed its prompt or ended (all of them
+        with `everything`)."""
         out = []
         for leader in list(self._held):
             r = requests.get(leader)
             if everything or r is None or r.terminal or r.state in _PROMPT_DONE:
-                out += self._held.pop(leader)
+                out += [(leader, rid, p) for rid, p in self._held.pop(leader)]
         return out

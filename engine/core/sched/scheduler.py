@@ -40,6 +40,7 @@ from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_stats import JobCounts, queue_stats, scheduler_stats
 from engine.core.sched.admission import Admission
 from engine.core.sched.admission_rules import CapacityBudget, ModelLimits
+from engine.core.sched.choice_fork import ChoiceForks
 from engine.core.sched.choices import HeldChoices, choice_params
 from engine.core.sched.completion import Completion
 from engine.core.sched.job_builder import JobBuilder
@@ -52,7 +53,7 @@ from engine.core.stop_conditions import StopChecker, StopReason
 from engine.core.text_stream import TextStream
 from engine.core.tier_jobs import TierJobs
 from engine.core.tier_transfers import KvTiers
-from ipc.records import JobResult, JobStatus
+from ipc.records import JobKind, JobResult, JobStatus
 
 __all__ = ["ChipSpec", "ModelSpec", "Scheduler", "SchedulerConfig"]
 
@@ -96,6 +97,7 @@ class Scheduler:
         self._builder = JobBuilder(st, self._admission)
         self._launcher = Launcher(st, self._tier_jobs)
         self._held = HeldChoices()  # choices of n > 1 requests waiting for their leader's prompt (choices.py)
+        self._forks = ChoiceForks(st, self._admission, self._lifecycle)  # released choices take the leader's KV
 
     # ------------------------------------------------------------------ events
     def submit(self, request_id: int, params: GenerateParams, now: float) -> list[Action]:
@@ -145,8 +147,10 @@ class Scheduler:
 
     def _release_choices(self, now: float, out: list[Action], everything: bool = False) -> list[Action]:
         if self._held:
-            for rid, p in self._held.due(self._st.requests, everything):
+            for leader, rid, p in self._held.due(self._st.requests, everything):
                 out += self.submit(rid, p, now)
+                if not everything:
+                    self._forks.released(leader, rid)
         return out
 
     def cancel(self, request_id: int, now: float) -> list[Action]:
@@ -178,6 +182,8 @@ class Scheduler:
         out: list[Action] = []
         if job.kind in TRANSFERS:
             self._tier_jobs.transfer_result(ch, job, result, now, out)
+        elif job.kind is JobKind.KV_COPY:
+            self._forks.result(ch, job, result, now, out)
         elif result.generation != st.model.generation or result.kind != job.kind \
                 or result.tokens.shape[0] != job.batch:
             st.counters["stale_results"] += 1
@@ -224,6 +230,7 @@ class Scheduler:
         self._admission.admit(now)
         if st.tiers is not None:
             self._tier_jobs.launch_transfers(now, out)
+        self._forks.launch(now, out)
         st.window_wakeup = None
         plans, launch = self._builder.plans, self._launcher.launch
         for ch in st.chips.values():

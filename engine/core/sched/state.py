@@ -59,6 +59,7 @@ class ModelSpec:
     spec_draft: bool = False  # the workers run a draft model (describe().extra["spec_draft"])
     lora_slots: int = 0  # LoRA adapters a job's lanes may name (the chips' device slots); 0 = none
     lora_mixed: bool = True  # lanes of different adapters may share a job; False: jobs grouped by adapter
+    kv_copy: bool = False  # the backend copies KV blocks on the device (KV_COPY jobs): choices fork by copy
 
 
 @dataclass(eq=False)

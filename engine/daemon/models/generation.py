@@ -60,6 +60,12 @@ class GenerationError(Exception):
         self.message = message
 
 
+def _forks_blocks(supports: dict) -> bool:
+    """The backend runs the KV_COPY job of a choice's fork (engine/core/sched/choice_fork.py): block copies in
+    general, or just that fork (`fork_blocks`, llamacpp); a backend that says nothing copies blocks."""
+    return bool(supports.get("fork_blocks", supports.get("copy_blocks", True)))
+
+
 def backend_options(cfg: Config, chip: int) -> dict:
     """The config keys a backend's constructor understands (block size, KV blocks, chip id)."""
     from workers.backends.registry import backend_class
@@ -186,7 +192,8 @@ class Generation:
                           spec_draft=bool(info.extra.get("spec_draft", False)),
                           lora_slots=min(int((info.extra.get("lora") or {}).get("slots", 0)),
                                          cfg.lora.max_loaded_per_chip),
-                          lora_mixed=bool((info.extra.get("lora") or {}).get("mixed", True)))
+                          lora_mixed=bool((info.extra.get("lora") or {}).get("mixed", True)),
+                          kv_copy=_forks_blocks(info.extra.get("supports") or {}))
         chips = [ChipSpec(chip=c, num_blocks=i.kv.num_blocks, block_size=i.kv.block_size)
                  for c, i in enumerate(infos)]
         try:

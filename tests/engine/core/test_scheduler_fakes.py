@@ -30,9 +30,10 @@ def default_token(seed: int, position: int) -> int:
     return 1 + (seed * 1_000_003 + position * 7_919) % (VOCAB - 1)
 
 
-def make_model(profiles=(1, 4, 8, 16), max_seq=2048, chunked=True, generation=1, mixed=0) -> ModelSpec:
+def make_model(profiles=(1, 4, 8, 16), max_seq=2048, chunked=True, generation=1, mixed=0,
+               kv_copy=False) -> ModelSpec:
     return ModelSpec(generation=generation, vocab_size=VOCAB, eos_ids=(EOS,), max_seq=max_seq,
-                     profiles=tuple(profiles), chunked_prefill=chunked, mixed_batch_tokens=mixed)
+                     profiles=tuple(profiles), chunked_prefill=chunked, mixed_batch_tokens=mixed, kv_copy=kv_copy)
 
 
 def make_scheduler(config: SchedulerConfig | None = None, *, chips=1, num_blocks=512, block_size=16,

@@ -1,4 +1,5 @@
-"""`n` on the wire, on the `ref` daemon: each choice is its seeded n = 1 request, the prompt computed once."""
+"""`n` on the wire, on the `ref` daemon: each choice is its seeded n = 1 request, the prompt computed once
+(the other choices copy its partial last block on the device)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ def test_n3_choices_are_the_seeded_n1_requests_and_share_the_prompt(daemon):
         assert r.tokens == oracle.run(PROMPT, 6, 0.9, seed=choice_seed(11, k))[0], k
         assert r.finish_reason == "length"
     assert [r.usage["cached_tokens"] for r in results] == [0, 48, 48]
-    # the prompt once, then per other choice only its partial last block
-    assert after["prefill_tokens"] - before["prefill_tokens"] == len(PROMPT) + 2 * (len(PROMPT) - 48)
+    # the prompt once: the other choices copy its partial last block on the device (ref copies blocks)
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(PROMPT)
+    assert after["choices_kv_forked"] - before.get("choices_kv_forked", 0) == 2
+    assert after["choices_kv_copy_blocks"] - before.get("choices_kv_copy_blocks", 0) == 2
 
 
 def test_streamed_choices_carry_their_index_and_one_cancel_ends_them_all(daemon):
@@ -61,3 +64,28 @@ def test_streamed_choices_carry_their_index_and_one_cancel_ends_them_all(daemon)
                 ends[ev["index"]] = ev
     assert "index" not in repr(one)
     assert {k: (e["ev"], e["finish_reason"]) for k, e in ends.items()} == {k: ("done", "cancelled") for k in range(3)}
+
+
+def test_llamacpp_choices_fork_the_leaders_sequence_and_equal_greedy_alone(daemon):
+    """llama.cpp copies no block, but forks a sequence (its cells shared): the choices there take the leader's
+    partial last block that way, and each gives the tokens llama.cpp gives the prompt alone."""
+    from workers.default_package import ensure_default_gguf_package
+    from workers.llamacpp.binding import LlamaModel
+    from workers.llamacpp.solo import compare_greedy, greedy_solo
+    from workers.package_loader import load_package
+
+    prompt = [256] + PROMPT[1:]  # the tiny GGUF's vocabulary: 320 ids, 256 its BOS
+    d = daemon(backend="llamacpp", chips=1, settings={"board.threads_per_chip": 1})
+    with d.client(timeout=120) as c:
+        before = c.stats()["scheduler"]["counters"]
+        results = c.generate_choices(prompt, 3, max_tokens=10, temperature=0.0, ignore_eos=True)
+        after = c.stats()["scheduler"]["counters"]
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompt)
+    assert after["choices_kv_copy_blocks"] - before.get("choices_kv_copy_blocks", 0) == 2
+    model = LlamaModel(load_package(ensure_default_gguf_package()).gguf_path, n_ctx=256, n_batch=256, n_seq_max=1,
+                       n_threads=1)
+    try:
+        want, gaps = greedy_solo(model, prompt, 10)
+    finally:
+        model.close()
+    assert all(compare_greedy(r.tokens, want, gaps) != "differs" for r in results), [r.tokens for r in results]
