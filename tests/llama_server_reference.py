@@ -14,6 +14,7 @@ def llama_server_texts(gguf: str, requests: list[dict], max_tokens: int, adapter
     p.n_ctx = 512
     p.cpuparams.n_threads = p.cpuparams_batch.n_threads = 1
     p.warmup = False
+    p.swa_full = True  # a full-size sliding-window cache, as the llamacpp backend keeps it
     if adapters:
         p.lora_adapters = [xlc.CommonAdapterLoraInfo(a, 1.0) for a in adapters]
         p.lora_init_without_apply = True
