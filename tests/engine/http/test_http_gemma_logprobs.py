@@ -7,8 +7,6 @@ import math
 import httpx
 import openai
 import pytest
-from daemon_procs import daemon_process
-from http_front_procs import http_front_process
 
 from engine.client import Client
 
@@ -19,11 +17,8 @@ TEXT = "The capital of France is Paris, and the capital of Italy is"
 
 
 @pytest.fixture(scope="module")
-def gemma_board(gemma_package):
-    with daemon_process("llamacpp", extra=["--package", gemma_package],
-                        settings={"board.threads_per_chip": 1, "model.alias": ALIAS}) as d, \
-            http_front_process(d.endpoint) as front:
-        yield d, front
+def gemma_board(gemma_front):
+    return gemma_front  # the session's Gemma board and front (tests/engine/http/conftest.py)
 
 
 @pytest.fixture(scope="module")

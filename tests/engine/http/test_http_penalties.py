@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-from daemon_procs import daemon_process
-from http_front_procs import http_front_process
 
 from engine.client import Client
 
@@ -20,11 +18,8 @@ VOCAB = 262144
 
 
 @pytest.fixture(scope="module")
-def board(gemma_package):
-    with daemon_process("llamacpp", extra=["--package", gemma_package],
-                        settings={"board.threads_per_chip": 1, "model.alias": ALIAS}) as d, \
-            http_front_process(d.endpoint) as front:
-        yield d, front
+def board(gemma_front):
+    return gemma_front  # the session's Gemma board and front (tests/engine/http/conftest.py)
 
 
 @pytest.fixture(scope="module")
