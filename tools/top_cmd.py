@@ -9,7 +9,9 @@ at the next refresh; Ctrl-C leaves cleanly.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 
 from engine.client import Client, default_endpoint
@@ -40,6 +42,29 @@ def down_message(endpoint: str, err: ClientError, timeout: float, interval: floa
             f"`npuserve top ENDPOINT`.\nAsking again every {interval:g} s; Ctrl-C to quit.")
 
 
+class CtrlC:
+    """Ctrl-C ends `top` between frames: a KeyboardInterrupt raised inside the client's locks or its socket
+    call could leave a lock held and hang the exit, so the signal only interrupts the sleep between frames
+    and is otherwise noted and acted on once the frame in hand is written."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.sleeping = False
+
+    def __call__(self, signum, frame) -> None:
+        self.asked = True
+        if self.sleeping:
+            raise KeyboardInterrupt
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeping = True
+        try:
+            if not self.asked:
+                time.sleep(seconds)
+        finally:
+            self.sleeping = False
+
+
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
     endpoint = a.endpoint or a.endpoint_opt or default_endpoint()
@@ -47,9 +72,12 @@ def main(argv: list[str]) -> int:
     previous: tuple[float, dict] | None = None
     ok = False
     n = 0
+    ctrl_c = CtrlC()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, ctrl_c)
     try:
         with Client(endpoint, timeout=a.timeout) as c:
-            while True:
+            while not ctrl_c.asked:
                 n += 1
                 try:
                     stats = c.stats()
@@ -64,8 +92,10 @@ def main(argv: list[str]) -> int:
                 sys.stdout.flush()
                 if a.iterations and n >= a.iterations:
                     break
-                time.sleep(a.interval)
+                ctrl_c.sleep(a.interval)
     except KeyboardInterrupt:
+        pass
+    if ctrl_c.asked:
         sys.stdout.write("\n")
         return 0
     return 0 if ok else 2
