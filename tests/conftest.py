@@ -69,3 +69,25 @@ def gemma_package(tmp_path_factory):
                               kv_num_blocks=256, profiles=(1, 2, 4, 8), progress=lambda _msg: None)
     assert wrote
     return path
+
+
+# Files whose tests run longest (soaks, real-model boards, 100 load cycles, live Prometheus), measured with
+# `pytest --durations`: collected first, so that xdist's workers (one file at a time each) start them early and
+# end together instead of one worker finishing them alone at the end of the run.
+LONG_FILES = (
+    "tests/engine/daemon/test_daemon_models.py",
+    "tests/engine/daemon/test_daemon_memory.py",
+    "tests/engine/daemon/test_daemon_gemma_spec.py",
+    "tests/tools/test_cli_soak.py",
+    "tests/tools/test_cli_soak_llamacpp.py",
+    "tests/tools/test_cli_soak_vocab.py",
+    "tests/tools/test_cli_soak_switching.py",
+    "tests/tools/test_monitoring_live.py",
+    "tests/tools/test_cli_bench_scenario.py",
+    "tests/engine/http/test_http_tools.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
