@@ -9,7 +9,10 @@ between jobs, in `ConstraintBook`:
   (re)builds the matcher from the grammar and replays the output tokens so
   far: the state is a pure function of (grammar, tokens), the same on any chip;
 * a decode lane feeds its input token (the token sampled last step) to the
-  matcher, once: a retried job feeds nothing twice (`consumed` counts).
+  matcher, once: a retried job feeds nothing twice (`consumed` counts);
+* a lane with speculative drafts is then stepped through its drafts to mask
+  each draft position, and set back to its accepted run once the drafts are
+  verified (`workers.draft_masks`; `drafted` counts the drafts fed meanwhile).
 
 The mask is computed just before sampling, on the logits of this step, and
 applied before temperature/top-k/top-p (disallowed tokens get -inf); EOS is
@@ -44,6 +47,7 @@ class LaneState:
     constraint_id: int
     matcher: object  # llguidance.LLMatcher
     consumed: int  # output tokens fed to the matcher
+    drafted: int = 0  # draft tokens fed past them, pending their verification (workers.draft_masks)
 
 
 @dataclass
@@ -168,8 +172,12 @@ class ConstraintBook:
             raise ConstraintError(f"lane {lane}: no constraint state for request key {key} (its prefill ran "
                                   f"on another worker)")
         self._states.move_to_end(key)
+        if st.drafted:  # drafts of a job that failed before their verification
+            st.matcher.rollback(st.drafted)
+            st.drafted = 0
         if st.consumed == done - 1:
-            st.matcher.consume_token(int(job.lane_tokens(lane)[-1]))
+            d = int(job.draft_lens[lane]) if job.draft_lens.size else 0
+            st.matcher.consume_token(int(job.lane_tokens(lane)[-1 - d]))  # the input token, before any drafts
             st.consumed = done
         elif st.consumed != done:
             raise ConstraintError(f"lane {lane}: matcher fed {st.consumed} tokens, the job says {done}")
@@ -181,44 +189,86 @@ class ConstraintBook:
         if not job.constrained:
             return out
         ids = job.constraint_id
-        tok = self.tokenizer
         for lane in lanes.tolist():
             if not ids[lane]:
                 continue
-            st = self._state(job, lane)
-            t0 = time.perf_counter_ns()
-            m = st.matcher
-            if m.is_error():
-                self.stats.errors += 1
-                ok = np.zeros(vocab, bool)
-                ok[tok.eos_token] = True
-            else:
-                bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
-                ok = np.zeros(vocab, bool)
-                n = min(vocab, bits.shape[0])
-                ok[:n] = bits[:n]
-                if not ok.any():  # an exhausted grammar: end the request
-                    ok[tok.eos_token] = True
-            self.stats.masks += 1
-            self.stats.mask_us += (time.perf_counter_ns() - t0) // 1000
-            out[lane] = ok
+            out[lane] = self.mask_of(self._state(job, lane).matcher, vocab)
         return out
 
+    def mask_of(self, m, vocab: int) -> np.ndarray:
+        """bool [vocab]: the tokens matcher `m` allows next (only EOS for a matcher in error or exhausted)."""
+        t0 = time.perf_counter_ns()
+        ok = np.zeros(vocab, bool)
+        if m.is_error():
+            self.stats.errors += 1
+            ok[self.tokenizer.eos_token] = True
+        else:
+            bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
+            n = min(vocab, bits.shape[0])
+            ok[:n] = bits[:n]
+            if not ok.any():  # an exhausted grammar: end the request
+                ok[self.tokenizer.eos_token] = True
+        self.stats.masks += 1
+        self.stats.mask_us += (time.perf_counter_ns() - t0) // 1000
+        return ok
 
     def masks(self, job, lanes: np.ndarray, vocab: int) -> dict[int, LaneMask]:
         """`allowed` in the compact form sampling uses ({lane: LaneMask})."""
         return {lane: LaneMask.of(ok) for lane, ok in self.allowed(job, lanes, vocab).items()}
 
-    def start(self, job, lanes: np.ndarray):
-        """A future of `masks(job, lanes, vocab_size)`, computed beside the backend call; None when the job
-        has no constrained lane among `lanes`."""
-        if not job.constrained or self.vocab_size is None or not job.constraint_id[lanes].any():
+    def draft_masks(self, job, lanes: np.ndarray, vocab: int) -> dict[int, DraftMasks]:
+        """{lane: DraftMasks} for constrained `lanes` that carry drafts: the mask of each draft position.
+
+        The mask of draft row j is the matcher's after the lane's input token
+        and drafts 1..j. The matcher is stepped through the drafts while the
+        grammar allows them; the first draft it forbids ends the rows there
+        (that draft is rejected at its row whatever the model says, and no
+        later row can matter). The drafts stay fed (`LaneState.drafted`)
+        until `settle` keeps the accepted ones.
+        """
+        out: dict[int, DraftMasks] = {}
+        for lane in lanes.tolist():
+            st = self._state(job, lane)
+            d = int(job.draft_lens[lane])
+            m = st.matcher
+            rows = [self.mask_of(m, vocab)]
+            for t in job.lane_tokens(lane)[-d:].tolist():
+                if not 0 <= t < vocab or m.is_error() or m.is_stopped() or not rows[-1][t] or not m.consume_token(t):
+                    break
+                st.drafted += 1
+                rows.append(self.mask_of(m, vocab))
+            out[lane] = DraftMasks(st, [LaneMask.of(ok) for ok in rows])
+        return out
+
+    def step_masks(self, job, lanes: np.ndarray, vocab: int, draft_lanes: np.ndarray | None = None
+                   ) -> tuple[dict[int, LaneMask], dict[int, DraftMasks]]:
+        """(`masks` of `lanes`, `draft_masks` of `draft_lanes`): what one job samples under."""
+        drafted = self.draft_masks(job, draft_lanes, vocab) if draft_lanes is not None and draft_lanes.size else {}
+        return self.masks(job, lanes, vocab), drafted
+
+    def start(self, job, lanes: np.ndarray, draft_lanes: np.ndarray | None = None):
+        """A future of `step_masks(job, lanes, vocab_size, draft_lanes)`, computed beside the backend call;
+        None when the job has no constrained lane among them."""
+        has_drafts = draft_lanes is not None and draft_lanes.size > 0
+        if not job.constrained or self.vocab_size is None or not (job.constraint_id[lanes].any() or has_drafts):
             return None
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="constraint-masks")
-        return self._pool.submit(self.masks, job, lanes, self.vocab_size)
+        return self._pool.submit(self.step_masks, job, lanes, self.vocab_size, draft_lanes)
+
+    @staticmethod
+    def settle(dm: DraftMasks, accepted: int) -> None:
+        """The lane's matcher where its accepted run leaves it: the rejected drafts fed for masking rolled
+        back, the accepted ones counted as output."""
+        st = dm.state
+        if not 0 <= accepted <= st.drafted:
+            raise ConstraintError(f"{accepted} drafts accepted, {st.drafted} allowed by the grammar")
+        if st.drafted > accepted:
+            st.matcher.rollback(st.drafted - accepted)
+        st.consumed += accepted
+        st.drafted = 0
 
 
 @dataclass(frozen=True)
@@ -237,3 +287,13 @@ class LaneMask:
         if 2 * ids.shape[0] <= ok.shape[0]:
             return cls(ok.shape[0], ids, None)
         return cls(ok.shape[0], None, np.flatnonzero(~ok))
+
+
+@dataclass
+class DraftMasks:
+    """The masks of a constrained lane's draft rows, in order: rows[j] for the row that predicts draft j+1
+    (the matcher after the input token and drafts 1..j). len(rows) - 1 drafts passed the grammar; with all
+    d of them, rows[d] is the mask of the lane's last row (the token after the drafts)."""
+
+    state: LaneState
+    rows: list[LaneMask]

@@ -83,9 +83,6 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
                 return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000,
                                   f"import refused ({exc.cause}): {exc}")
             return JobOutcome(JobStatus.OK, tokens, logprobs, None, (time.perf_counter_ns() - t0) // 1000)
-        if job.draft_lens.size and job.constrained and job.constraint_id[job.draft_lens != 0].any():
-            # spec_verify's row_mask hook would need the matcher advanced through each draft: not done
-            raise ConstraintError("a constrained lane cannot carry draft tokens")
         penalised = job.penalties is not None and bool(job.penalties.active.any())
         if penalised and job.draft_lens.size and (job.penalties.active[job.draft_lens != 0] != 0).any():
             raise PenaltyError("a penalised lane cannot carry draft tokens")  # its counts would need each draft
@@ -101,11 +98,17 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         if draft is not None and job.draft_src.size:
             job = draft.propose(job)
         lanes = np.flatnonzero((job.sample != 0) & (job.lane_valid != 0))
-        masks = constraints.start(job, lanes) if job.constrained and constraints is not None else None
+        drafted = constrained_draft_lanes(job, lanes)  # sampled under their draft rows' masks, in verify_drafts
+        if drafted.size:
+            if constraints is None:
+                raise ConstraintError("constrained lanes in a job run without a constraint book")
+            lanes = np.setdiff1d(lanes, drafted)
+        masks = constraints.start(job, lanes, drafted) if job.constrained and constraints is not None else None
         try:
             out = backend.prefill(job) if job.kind == JobKind.PREFILL else backend.decode(job)
         finally:
-            lane_masks = masks.result() if masks is not None else None  # never leave the helper on a dead job
+            # never leave the helper on a dead job
+            lane_masks, draft_masks = masks.result() if masks is not None else (None, None)
         device_us = (time.perf_counter_ns() - t0) // 1000
         accepted = accepted_lps = accepted_toks = None
         extra = None
@@ -115,11 +118,16 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
             if job.draft_lens.size:
                 if out.draft_logits is None:
                     raise RuntimeError("the backend cannot verify draft tokens (no draft_logits)")
-                accepted, accepted_lps, accepted_toks = verify_drafts(job, out.draft_logits, tokens, logprobs)
+                if drafted.size and draft_masks is None:
+                    draft_masks = constraints.draft_masks(job, drafted, out.logits.shape[1])
+                accepted, accepted_lps, accepted_toks = verify_drafts(job, out.draft_logits, tokens, logprobs,
+                                                                      draft_masks, out.logits)
+                for lane, dm in (draft_masks or {}).items():
+                    constraints.settle(dm, int(accepted[lane]))
             if asks_more(job.want_logprobs):
                 extra = logprob_arrays(job, out, lanes)
         elif out.tokens is not None:
-            if job.constrained and job.constraint_id[lanes].any():
+            if job.constrained and (job.constraint_id[lanes].any() or drafted.size):
                 raise ConstraintError("this backend samples on the device: constrained lanes need logits")
             if penalised and job.penalties.active[lanes].any():
                 raise PenaltyError("this backend samples on the device: penalised lanes need logits")
@@ -170,6 +178,13 @@ def logprob_arrays(job: Job, out, lanes: np.ndarray) -> dict | None:
         if ids is not None:
             arrays["prompt_top_ids"], arrays["prompt_top_logprobs"] = ids, tlps
     return arrays or None
+
+
+def constrained_draft_lanes(job: Job, lanes: np.ndarray) -> np.ndarray:
+    """The constrained lanes among `lanes` that carry drafts (their every row is sampled under its own mask)."""
+    if not job.constrained or not job.draft_lens.size:
+        return np.zeros(0, np.int64)
+    return lanes[(job.draft_lens[lanes] != 0) & (job.constraint_id[lanes] != 0)]
 
 
 def device_loop_job(job: Job) -> bool:

@@ -16,22 +16,20 @@ differs (or the one after the last draft) is the lane's next token. So:
   seed and the position, whatever the draft proposed: token for token the
   output of the same request without speculation.
 
-A per-lane constraint mask (structured output), when a worker applies one,
-must be applied to each draft position's row before it is sampled here; the
-hook is `row_mask`.
+A constrained lane (structured output) samples each draft row under the mask
+of the grammar advanced through the drafts before it, its last row included
+(`masked`, `workers.masked_verify`): the same rule, under the same masks as
+plain constrained decoding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from ipc.records import Job
+from workers.constraints import DraftMasks
+from workers.masked_verify import verify_masked
 from workers.sampling import sample
-
-# (lane, draft index j, logits row) -> the row to sample (masked); None: no constraints
-RowMask = Callable[[int, int, np.ndarray], np.ndarray]
 
 
 def draft_rows(job: Job) -> np.ndarray:
@@ -49,12 +47,15 @@ def draft_rows(job: Job) -> np.ndarray:
 
 
 def verify_drafts(job: Job, rows_logits: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
-                  row_mask: RowMask | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  masked: dict[int, DraftMasks] | None = None, last_logits: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Accept drafts lane by lane; rewrites tokens[lane] (and logprobs) to the token after the accepted run.
 
     `rows_logits` [len(draft_rows(job)), V]: the logits of `draft_rows(job)`,
     in that order; `tokens`/`logprobs` [B] hold each lane's sample from its
-    last row (what follows a fully accepted run). Returns (accepted int32
+    last row (what follows a fully accepted run); `masked` lanes (constrained,
+    with their draft rows' masks) are sampled here under those masks, their
+    last row too, from `last_logits` [B, V]. Returns (accepted int32
     [B], the accepted drafts' logprobs float32 and tokens int32, packed lane
     after lane).
     """
@@ -71,8 +72,13 @@ def verify_drafts(job: Job, rows_logits: np.ndarray, tokens: np.ndarray, logprob
             continue
         rows = rows_logits[at:at + d]
         at += d
-        if row_mask is not None:
-            rows = np.stack([row_mask(lane, j, rows[j]) for j in range(d)])
+        if masked is not None and lane in masked:
+            a, tokens[lane], logprobs[lane], lps, toks = verify_masked(job, lane, rows, last_logits[lane],
+                                                                       masked[lane])
+            accepted[lane] = a
+            acc_lps.extend(lps.tolist())
+            acc_toks.extend(toks.tolist())
+            continue
         drafts = job.tokens[ends[lane] - d:ends[lane]]
         ctx = int(job.context_lens[lane])
         # the sampled token at row j sits at position ctx - d + j (the one after the token of row j)

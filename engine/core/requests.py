@@ -96,6 +96,6 @@ class GenerateParams:
     @property
     def host_stepped(self) -> bool:
         """Whether each token needs the worker's per-request state (a constraint matcher, penalty counts):
-        then no queued next step or drafts (and, for a constraint, no multi-step decode)."""
+        then no queued next step (and, for a constraint, no multi-step decode; for penalties, no drafts)."""
         return self.constraint is not None or self.penalties is not None
     adapter: int = -1  # the board's number of the LoRA adapter the request runs under; -1 = the base model

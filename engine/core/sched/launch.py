@@ -153,8 +153,9 @@ class Launcher:
             block_table=ch.kv.block_table_view(r.seq_id), sample=sample,
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, want_logprobs=want,
             drafts=len(drafts) if drafts else 0, draft_model=draft_model,
-            **(_NO_CONSTRAINT if p.constraint is None else
-               lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), end, r.prefill_target)),
+            **(_NO_CONSTRAINT if p.constraint is None else  # a drafted lane's output count: up to its real token
+               lane_fields(p.constraint, r.request_id, r.tokens, len(p.prompt), start + 1 if drafts else end,
+                           r.prefill_target)),
             penalty=None if p.penalties is None or not sample else
             lane_penalty(p.penalties, r.request_id, r.tokens, len(p.prompt), min(end, len(r.tokens)),
                          r.prefill_target, r.stop.eos_ids | r.stop.stop_token_ids),  # a multi-step job's end: ahead

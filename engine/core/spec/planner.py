@@ -104,8 +104,9 @@ class SpecPlanner:
         if room <= 0 or decode_lanes > self.max_batch_lanes:
             return [], False
         method = self.method_for(r.params.speculative)
-        if method == "off" or r.params.host_stepped or r.params.top_logprobs:
-            # structured output, penalties: not drafted; alternatives come from one-step jobs only
+        if method == "off" or r.params.penalties is not None or r.params.top_logprobs:
+            # penalties: not drafted (their counts would need each draft); alternatives come from one-step jobs
+            # only. Structured output drafts: the worker masks each draft row (workers/masked_verify.py).
             return [], False
         lane = r.spec
         if lane is None:
