@@ -44,8 +44,13 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: steps whose draft i was accepted
     # acceptance-rate histogram: steps whose accepted/drafted fell in [i/10, (i+1)/10) (1.0 in the last)
     rate_buckets: list[int] = field(default_factory=lambda: [0] * 10)
+    constrained_drafts: int = 0  # of `drafts`, on constrained lanes (structured output)
+    constrained_accepted_tokens: int = 0  # of `accepted_tokens`, on constrained lanes
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, constrained: bool = False) -> None:
+        if constrained:
+            self.constrained_drafts += 1
+            self.constrained_accepted_tokens += accepted
         self.drafts += 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
@@ -66,6 +71,8 @@ class SpecCounters:
             "tokens_per_step": self.emitted_tokens / self.drafts if self.drafts else None,
             "accepted_per_pos": list(self.accepted_per_pos),
             "acceptance_rate_buckets": list(self.rate_buckets),
+            "constrained": {"num_drafts": self.constrained_drafts,
+                            "num_accepted_tokens": self.constrained_accepted_tokens},
         }
 
 
@@ -134,7 +141,7 @@ class SpecPlanner:
     def observe(self, r, drafted: int, accepted: int) -> None:
         if r.spec is not None:
             r.spec.k.observe(drafted, accepted)
-        self.counters.observe(drafted, accepted)
+        self.counters.observe(drafted, accepted, r.params.constraint is not None)
 
 
 def draft_room(committed: int, reserved: int, max_seq: int) -> int:
