@@ -49,6 +49,8 @@ constrained (C = B then; else C = 0 and they are empty):
 * constraint_done[C] int32: how many output tokens come before the token this
   lane samples. A decode lane's input token is output token done-1, which the
   worker feeds to the lane's matcher once (a retried job feeds nothing new).
+  On a lane with drafts, `done` counts up to its last real token (the drafts
+  are not output yet).
 * replay[R] int32 with replay_start[C+1]: for a sampling prefill lane, its
   output tokens so far (`done` of them; a requeued or resumed request), which
   rebuild the state from the grammar: deterministic, on any chip.
