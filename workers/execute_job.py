@@ -122,8 +122,6 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
                     draft_masks = constraints.draft_masks(job, drafted, out.logits.shape[1])
                 accepted, accepted_lps, accepted_toks = verify_drafts(job, out.draft_logits, tokens, logprobs,
                                                                       draft_masks, out.logits)
-                for lane, dm in (draft_masks or {}).items():
-                    constraints.settle(dm, int(accepted[lane]))
             if asks_more(job.want_logprobs):
                 extra = logprob_arrays(job, out, lanes)
         elif out.tokens is not None:
@@ -152,6 +150,10 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
                 lp_steps.append(lp)
             tokens, logprobs = np.stack(steps, axis=1), np.stack(lp_steps, axis=1)
             device_us = (time.perf_counter_ns() - t0) // 1000
+        # last: a job that fails before this leaves the matchers as before it (its fed drafts rolled back by
+        # the lane's next job), so its retry feeds the same tokens
+        for lane, dm in (draft_masks or {}).items():
+            constraints.settle(dm, int(accepted[lane]))
     except Exception as exc:  # a device-level fault fails this job, never the worker
         return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
                           (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")

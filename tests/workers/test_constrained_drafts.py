@@ -180,3 +180,48 @@ def test_drafted_constrained_output_equals_plain_decoding(backend, package, temp
     assert spec.logprobs[:n] == pytest.approx(plain.logprobs, abs=1e-4)
 
     assert accepted > 0 and rejected > 0 and book.stats.masks > masks0
+
+
+class _FailingOnce:
+    """The backend, but its next prefill fails (a device fault after the job's masks were computed)."""
+
+    def __init__(self, backend):
+        self.backend, self.armed = backend, True
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def prefill(self, job):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("device fault")
+        return self.backend.prefill(job)
+
+
+def test_a_verification_job_that_fails_is_retried_from_the_state_before_it(backend, package):
+    """The failed attempt fed the drafts to the matcher for their masks; the retry (the same job) starts
+    from the state before them: the same output as a run that never failed."""
+    eos = package.eos_ids[0]
+    cid, grammar = compiled("json_schema", SCHEMA)
+    book = constraint_book(package, backend.describe())
+    runs = [Lanes(key, cid, grammar, 0.0, 0, _table(4 + key)) for key in (1, 2)]
+    for r in runs:
+        r.prefill(backend, book)
+        for _ in range(3):
+            r.step(backend, book, [])
+    plain = Lanes(3, cid, grammar, 0.0, 0, _table(8))
+    plain.prefill(backend, book)
+    while plain.tokens[-1] != eos and len(plain.output()) < 60:
+        plain.step(backend, book, [])
+    at = len(runs[0].output())
+    drafts = plain.output()[at:at + 2] + [ord("]")]  # two right, then one the schema forbids there
+    failing = _FailingOnce(backend)
+    c = {"constraint": cid, "constraint_key": 2, "constraint_done": at}
+    lane = Lane(runs[1].tokens[-1:] + drafts, len(runs[1].tokens) - 1, runs[1].table, drafts=3, **c)
+    out = execute_job(failing, build_job(JobKind.PREFILL, [lane]), constraints=book)
+    assert out.status.name == "FAILED" and "device fault" in out.error
+    for r in runs:
+        assert int(r.step(failing, book, drafts).accepted[0]) == 2
+        while r.tokens[-1] != eos and len(r.output()) < 60:
+            r.step(backend, book, [])
+        assert r.output() == plain.output()
