@@ -10,6 +10,7 @@ import pytest
 from engine.daemon.constraint_cache import ConstraintCache
 from ipc.records import Job, JobKind, Lane, build_job
 from workers.backends.ref import RefBackend, full_recompute_logits
+from workers.draft_model import DraftModel
 from workers.execute_job import execute_job
 from workers.main import constraint_book
 from workers.model_maker import make_model
@@ -65,16 +66,19 @@ class Lanes:
         self.tokens.append(int(out.tokens[0]))
         self.logprobs.append(float(out.logprobs[0]))
 
-    def step(self, backend, book, drafts: list[int]):
-        """One step; returns the outcome. With drafts: appends the accepted ones and the token after them."""
+    def step(self, backend, book, drafts: list[int], draft: DraftModel | None = None):
+        """One step; returns the outcome. With drafts: appends the accepted ones and the token after them
+        (with `draft`, the draft model proposes them in place of `drafts`, placeholders of their length)."""
         c = {"constraint": self.cid, "constraint_key": self.key, "constraint_done": len(self.tokens) - len(PROMPT)}
         kind = JobKind.PREFILL if drafts else JobKind.DECODE  # a verification job is prefill-like
         lane = Lane(self.tokens[-1:] + drafts, len(self.tokens) - 1, self.table, temperature=self.temperature,
-                    seed=self.seed, want_logprobs=True, drafts=len(drafts), **c)
+                    seed=self.seed, want_logprobs=True, drafts=len(drafts), draft_model=draft is not None, **c)
         job = Job.from_arrays(build_job(kind, [lane]).to_arrays(), copy=False)  # as the worker reads it
-        out = execute_job(backend, job, constraints=book)
+        out = execute_job(backend, job, constraints=book, draft=draft)
         assert not out.error, out.error
         a = int(out.accepted[0]) if drafts else 0
+        if draft is not None:
+            drafts = out.accepted_tokens.tolist()
         if drafts:
             assert out.accepted_tokens.tolist() == drafts[:a]
             self.logprobs += out.accepted_logprobs.tolist()
@@ -225,3 +229,36 @@ def test_a_verification_job_that_fails_is_retried_from_the_state_before_it(backe
         while r.tokens[-1] != eos and len(r.output()) < 60:
             r.step(backend, book, [])
         assert r.output() == plain.output()
+
+
+def test_a_draft_models_proposals_on_a_constrained_lane_give_the_plain_output(package):
+    """The model drafting for itself (`speculative: "draft"`) proposes its unconstrained greedy tokens; under
+    a JSON schema some are accepted, others masked out: the output is the plain constrained run's."""
+    eos = package.eos_ids[0]
+    target, mirror = RefBackend(), RefBackend(num_blocks=package.kv_num_blocks)
+    target.load(package)
+    mirror.load(package)
+    draft = DraftModel(mirror)
+    try:
+        cid, grammar = compiled("json_schema", SCHEMA)
+        book = constraint_book(package, target.describe())
+        plain = Lanes(1, cid, grammar, 0.0, 0, _table(0))
+        plain.prefill(target, book)
+        while plain.tokens[-1] != eos and len(plain.output()) < 60:
+            plain.step(target, book, [])
+        drafted = Lanes(2, cid, grammar, 0.0, 0, _table(1))
+        lane = Lane(drafted.tokens, 0, drafted.table, constraint=cid, constraint_key=2, constraint_done=0,
+                    replay=[], grammar=grammar)
+        out = execute_job(target, build_job(JobKind.PREFILL, [lane]), constraints=book, draft=draft)
+        drafted.tokens.append(int(out.tokens[0]))
+        accepted = rejected = 0
+        while eos not in drafted.output():
+            out = drafted.step(target, book, [drafted.tokens[-1]] * 4, draft=draft)
+            accepted += int(out.accepted[0])
+            rejected += int(out.accepted[0]) < 4
+        n = drafted.output().index(eos) + 1
+        assert drafted.output()[:n] == plain.output()
+        assert accepted > 0 and rejected > 0
+    finally:
+        target.unload()
+        mirror.unload()
