@@ -12,7 +12,8 @@ between jobs, in `ConstraintBook`:
   matcher, once: a retried job feeds nothing twice (`consumed` counts);
 * a lane with speculative drafts is then stepped through its drafts to mask
   each draft position, and set back to its accepted run once the drafts are
-  verified (`workers.draft_masks`; `drafted` counts the drafts fed meanwhile).
+  verified (`draft_masks`, `settle`, `workers.masked_verify`; `drafted` counts
+  the drafts fed meanwhile).
 
 The mask is computed just before sampling, on the logits of this step, and
 applied before temperature/top-k/top-p (disallowed tokens get -inf); EOS is
@@ -47,7 +48,7 @@ class LaneState:
     constraint_id: int
     matcher: object  # llguidance.LLMatcher
     consumed: int  # output tokens fed to the matcher
-    drafted: int = 0  # draft tokens fed past them, pending their verification (workers.draft_masks)
+    drafted: int = 0  # draft tokens fed past them, pending their verification (`settle`)
 
 
 @dataclass
