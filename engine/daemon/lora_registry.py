@@ -258,6 +258,10 @@ class LoraRegistry:
                         link.lora_drop(number)
 
     # ---- views -----------------------------------------------------------------------------------------
+    def served(self) -> dict[str, str]:
+        """The adapters requests may name (not those unloading), each with the alias it adapts."""
+        return {a.name: a.base for a in sorted(self.by_name.values(), key=lambda a: a.number)}
+
     def entries(self) -> list[dict]:
         return [a.entry() for a in sorted([*self.by_name.values(), *self.unloading.values()],
                                           key=lambda a: a.number)]
