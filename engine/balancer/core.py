@@ -32,6 +32,7 @@ from engine.balancer.backend_state import Backend, BackendSpec, Health, HealthPo
 from engine.balancer.pd_routing import (Stage, choose_decode, continues_after_prefill, decode_msg, first_stage,
                                         for_stage, pd_enabled, prefill_msg, shows_first_token)
 from engine.balancer.choices import ChoiceGroups
+from engine.balancer.model_match import known_adapters, matching, not_served
 from engine.balancer.prefix_index import PrefixIndex, block_hashes, text_block_hashes
 from engine.balancer.routing import RoutingPolicy, choose, imbalanced
 from engine.balancer.stats_merge import merge_stats
@@ -473,9 +474,8 @@ class BalancerCore:
                 r.stage = Stage.WHOLE
                 staged = for_stage(cands, r.stage, self.pd)
             cands = staged
-        model = r.msg.get("model")
-        if model is not None:
-            cands = [b for b in cands if _alias(b) in (None, model)]
+        if r.msg.get("model") is not None or r.msg.get("adapter") is not None:
+            cands = matching(cands, r.msg, [b for b in self.backends.values() if not b.removed])
         if r.pool is not None:
             cands = [b for b in cands if b.spec.pool == r.pool] or cands
         fresh = [b for b in cands if not b.stale(now, self.config.health)]
@@ -488,11 +488,9 @@ class BalancerCore:
     def _dispatch(self, r: BRequest, now: float) -> list:
         cands = self.candidates(r, now)
         if not cands:
-            model = r.msg.get("model")
-            aliases = {_alias(b) for b in self.backends.values() if not b.removed} - {None}
-            if model is not None and aliases and model not in aliases and not r.streamed:
-                return self._fail(r, 404, "model_not_found", f"model {model!r} is not served by any backend "
-                                                             f"(served: {', '.join(sorted(aliases))})")
+            missing = None if r.streamed else not_served(r.msg, [b for b in self.backends.values() if not b.removed])
+            if missing is not None:
+                return self._fail(r, 404, *missing)
             if r.waiting_since is None:
                 r.waiting_since = now
             limit = r.deadline if r.deadline is not None else r.waiting_since + self.config.no_backend_wait_s
@@ -707,6 +705,7 @@ class BalancerCore:
             "backends_total": len([b for b in self.backends.values() if not b.removed]),
             "active_requests": len(self._reqs) + sum(b.others_load for b in routable),
             "model": model,
+            "adapters": known_adapters(routable),
             "load": _sum_load([b.reported.get("load") for b in routable]),
             "balancer": {"policy": self.config.routing.policy.value,
                          "imbalanced": bool(len(cands) > 1 and imbalanced(cands, self.config.routing)),
@@ -728,11 +727,6 @@ def _cancel_msg(uid: str | None) -> dict:
 
 def _body(ev: dict) -> dict:
     return {k: v for k, v in ev.items() if k not in ("v", "ev", "id")}
-
-
-def _alias(b: Backend) -> str | None:
-    m = b.reported.get("model")
-    return m.get("alias") if isinstance(m, dict) else None
 
 
 def _sum_load(loads: list) -> dict:

@@ -61,6 +61,7 @@ class Adapter:
     requests: int = 0
     tokens: int = 0
     live: set[int] = field(default_factory=set)
+    facts: AdapterFacts | None = field(default=None, repr=False)  # its manifest, to check it against a new base
 
     def entry(self) -> dict:
         """Its `models` entry (vLLM lists an adapter with its base model as `parent`)."""
@@ -99,6 +100,31 @@ def verify_adapter(path: str, model_root: str = "", public_key: str = "", resolv
         if hashlib.sha256(signed).hexdigest() != facts.sha256:
             raise AdapterRefused("signature", f"{path}/{MANIFEST}: changed while it was being verified")
     return facts
+
+
+def check_fits_package(facts: AdapterFacts, pkg, alias: str) -> None:
+    """PackageError unless the adapter fits the base package (architecture, layers, every target's shape).
+
+    Reads the adapter's npz or GGUF headers (and a GGUF base's): call it off the loop."""
+    if isinstance(pkg, ModelPackage):
+        check_against_base(facts, ARCHITECTURE, pkg.dims.layers, weight_shapes(pkg.dims, pkg.vocab_size))
+    elif isinstance(pkg, GgufPackage):  # llama.cpp's LoRA GGUF against the base GGUF, from the headers
+        if facts.format != "gguf":
+            raise PackageError(f"{facts.path}: a {facts.format} adapter cannot adapt a GGUF model")
+        check_gguf_against_base(facts, pkg.gguf_path)
+    else:
+        raise PackageError(f"base model {alias!r} has no package to check the adapter against")
+
+
+def misfits(adapters: list[tuple[str, AdapterFacts]], pkg, alias: str) -> dict[str, str]:
+    """The adapters (name -> why) that do not fit `pkg`, a new package for their base alias (off the loop)."""
+    out = {}
+    for name, facts in adapters:
+        try:
+            check_fits_package(facts, pkg, alias)
+        except PackageError as e:
+            out[name] = str(e)
+    return out
 
 
 class LoraRegistry:
@@ -174,10 +200,14 @@ class LoraRegistry:
         g = gens.generations.get(gid) if gid is not None else None
         if g is None:
             raise AdapterRefused("validate", f"base model {base!r} is not loaded", 404, "model_not_found")
+        if base in gens.models.busy:  # the replace checked the adapters it saw: this one would go unchecked
+            other = gens.models.generations[gens.models.busy[base]]
+            raise AdapterRefused("validate", f"base model {base!r}: a {other.kind} is running; load the adapter "
+                                             f"when it ends", 409, "busy")
         self._check_fits(facts, g)
         self._next += 1
         a = Adapter(number=self._next, name=name, path=facts.path, sha256=facts.sha256, base=base,
-                    rank=facts.rank, targets=facts.targets)
+                    rank=facts.rank, targets=facts.targets, facts=facts)
         self.by_name[name] = a
         self.loads += 1
         self.sync()
@@ -192,16 +222,8 @@ class LoraRegistry:
         slots = (g.info.extra.get("lora") or {}).get("slots", 0) if g.info is not None else 0
         if not slots:
             raise AdapterRefused("validate", f"backend {cfg.board.backend!r} serves no LoRA adapters")
-        pkg = g.package
         try:
-            if isinstance(pkg, ModelPackage):
-                check_against_base(facts, ARCHITECTURE, pkg.dims.layers, weight_shapes(pkg.dims, pkg.vocab_size))
-            elif isinstance(pkg, GgufPackage):  # llama.cpp's LoRA GGUF against the base GGUF, from the headers
-                if facts.format != "gguf":
-                    raise PackageError(f"{facts.path}: a {facts.format} adapter cannot adapt a GGUF model")
-                check_gguf_against_base(facts, pkg.gguf_path)
-            else:
-                raise PackageError(f"base model {g.alias!r} has no package to check the adapter against")
+            check_fits_package(facts, g.package, g.alias)
         except PackageError as e:
             raise AdapterRefused("validate", str(e)) from None
 
@@ -258,6 +280,14 @@ class LoraRegistry:
                         link.lora_drop(number)
 
     # ---- views -----------------------------------------------------------------------------------------
+    def of_base(self, alias: str) -> list[tuple[str, AdapterFacts]]:
+        """The loaded adapters of `alias` with their manifests: what a replace of it must fit."""
+        return [(a.name, a.facts) for a in self.by_name.values() if a.base == alias and a.facts is not None]
+
+    def served(self) -> dict[str, str]:
+        """The adapters requests may name (not those unloading), each with the alias it adapts."""
+        return {a.name: a.base for a in sorted(self.by_name.values(), key=lambda a: a.number)}
+
     def entries(self) -> list[dict]:
         return [a.entry() for a in sorted([*self.by_name.values(), *self.unloading.values()],
                                           key=lambda a: a.number)]

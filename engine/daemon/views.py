@@ -73,6 +73,7 @@ class Views:
             "chips": self.chips_info(now),
             "model": self.model_info(),
             "models": sorted(gens.models.published),
+            "adapters": gens.lora.served(),  # what a balancer routes adapter requests by
             "board": gens.cfg.board.id,
             "role": gens.cfg.board.role,
             "pid": os.getpid(),

@@ -15,6 +15,13 @@ of the previous job, not when the worker's host code gets round to it. So the
 worker's own per-job work (publishing the last result, reading the next job)
 overlaps the next job's device time when the scheduler keeps two jobs in
 flight, and adds to it when it keeps one -- as on hardware.
+
+LoRA adapters: `lora_slots` device slots. An adapter is an npz adapter
+package of the `.npz` model package the board runs (the sim takes that
+package's shape, so the gate checks the adapter against it as for `ref`); the
+sim reads only its manifest, never its tensors, and charges what the adapter
+would cost the modelled model (`sim_lora.LoraCostModel`): per adapter lane of
+a job, mixed adapters in one job, and a swap's copy into a slot.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ import numpy as np
 from ipc.records import Job, JobKind
 import dataclasses
 
-from workers.backends.base import BackendInfo, KvTransferCost, StepOutput
+from workers.backends.base import BackendError, BackendInfo, KvTransferCost, StepOutput
 from workers.backends.sim_latency import LatencyModel
+from workers.backends.sim_lora import LoraCostModel
 from workers.backends.stub import StubBackend
 
 
@@ -69,6 +77,9 @@ class SimBackend(StubBackend):
         tp_timeout_s: float = 30.0,
         layers: int = 32,
         allreduce_us: float = 20.0,
+        # LoRA: device slots, and the extra launch a job with adapter lanes pays (sim_lora.LoraCostModel)
+        lora_slots: int = 8,
+        lora_step_ms: float = 0.3,
     ) -> None:
         super().__init__(vocab_size=vocab_size, eos_ids=eos_ids, max_seq=max_seq, block_size=block_size,
                          num_blocks=num_blocks, profiles=profiles, chip_id=chip_id, fail_job=fail_job,
@@ -97,6 +108,11 @@ class SimBackend(StubBackend):
             raise ValueError("transfer_gbps must be > 0, kv_block_bytes_model and transfer_base_ms >= 0")
         self.transfer_base_s = transfer_base_ms / 1000.0
         self.transfer_s_per_block = kv_block_bytes_model / (transfer_gbps * 1e9)
+        if lora_slots < 0:
+            raise ValueError("lora_slots must be >= 0")
+        self.lora = LoraCostModel(step_ms=lora_step_ms, transfer_gbps=transfer_gbps)
+        self.adapter_sizes: list[int] = [0] * int(lora_slots)  # per device slot: rank x targets (0: empty)
+        self.package = None
 
     def describe(self) -> BackendInfo:
         info = dataclasses.replace(super().describe(), kv_transfer=KvTransferCost(
@@ -104,9 +120,61 @@ class SimBackend(StubBackend):
             prefill_s_per_token=self.prefill_seconds(1) * self.time_scale))
         info.extra.update(
             latency=dict(self.latency.__dict__), time_scale=self.time_scale, busy_wait=self.busy_wait,
-            spin_ms=self.spin_s * 1000.0,
+            spin_ms=self.spin_s * 1000.0, lora_cost=dict(self.lora.__dict__),
+            lora={"slots": len(self.adapter_sizes) if self.tp_world == 1 else 0, "mixed": True},
         )
         return info
+
+    def load(self, package) -> None:
+        super().load(package)
+        self.package = package  # the base an adapter is checked against
+
+    # ---- LoRA adapters: the manifest only (rank, targets); the tensors are never read ----
+
+    def read_adapter(self, path: str, sha256: str) -> int:
+        """The adapter's size (rank x targets), after checking it fits the package the board runs."""
+        from workers.lora.adapter_package import check_against_base, read_adapter_facts
+        from workers.model_package import ARCHITECTURE, ModelPackage
+        from workers.transformer import weight_shapes
+
+        facts = read_adapter_facts(path)
+        if sha256 and facts.sha256 != sha256:
+            raise BackendError(f"{path}: manifest.json changed since the adapter was verified (sha256 differs)")
+        if facts.format != "npz":
+            raise BackendError(f"{path}: the sim backend serves npz adapters, not {facts.format}")
+        if isinstance(self.package, ModelPackage):
+            pkg = self.package
+            check_against_base(facts, ARCHITECTURE, pkg.dims.layers, weight_shapes(pkg.dims, pkg.vocab_size))
+        return facts.rank * len(facts.targets)
+
+    def load_adapter(self, slot: int, host_adapter: int) -> None:
+        """A swap: the modelled copy into the slot occupies the device queue like a job."""
+        if self.tp_world > 1:
+            raise BackendError("sim backend: LoRA adapters are not served across tensor-parallel ranks")
+        if not 0 <= slot < len(self.adapter_sizes):
+            raise BackendError(f"sim backend: adapter slot {slot} outside 0..{len(self.adapter_sizes) - 1}")
+        called = time.monotonic()
+        end = max(called, self._device_free_at) + self.lora.load_seconds(int(host_adapter)) * self.time_scale
+        self._device_free_at = end
+        self._wait_until(end)
+        self.adapter_sizes[slot] = int(host_adapter)
+
+    def unload_adapter(self, slot: int) -> None:
+        if 0 <= slot < len(self.adapter_sizes):
+            self.adapter_sizes[slot] = 0
+
+    def _lane_sizes(self, job: Job, lanes: np.ndarray) -> np.ndarray:
+        """Each lane's adapter size (0: base); ValueError for a slot that holds no adapter."""
+        if not job.adapter.size or not lanes.size:
+            return np.zeros(len(lanes), np.int64)
+        slot = np.asarray(job.adapter)[lanes].astype(np.int64)
+        sizes = np.zeros(len(lanes), np.int64)
+        for i, s in enumerate(slot):
+            if s >= 0:
+                if s >= len(self.adapter_sizes) or not self.adapter_sizes[s]:
+                    raise ValueError(f"adapter slot {int(s)} holds no adapter")
+                sizes[i] = self.adapter_sizes[s]
+        return sizes
 
     # Modelled device time, before time_scale.
     def decode_seconds(self, active_lanes: int) -> float:
@@ -121,16 +189,22 @@ class SimBackend(StubBackend):
         valid = np.asarray(job.lane_valid) != 0
         lens = np.diff(np.asarray(job.query_start, dtype=np.int64))
         n_tokens = int(lens[valid].sum()) if job.batch else 0
+        lanes = np.flatnonzero(valid)
+        sizes = self._lane_sizes(job, lanes)
+        lora = self.lora.prefill_seconds([(int(lens[lane]), int(z)) for lane, z in zip(lanes, sizes) if z],
+                                         self.latency.throughput_flops) / self.latency.tp_degree
         out = StepOutput(tokens=self.sampled_tokens(job))
-        self._wait_until(self._device_end(job, called, self.prefill_seconds(n_tokens)))
+        self._wait_until(self._device_end(job, called, self.prefill_seconds(n_tokens) + lora))
         return out
 
     def decode(self, job: Job) -> StepOutput:
         called = time.monotonic()
         self._check(job, JobKind.DECODE)
-        active = int(np.count_nonzero(job.lane_valid))
+        lanes = np.flatnonzero(job.lane_valid)
+        sizes = self._lane_sizes(job, lanes)
+        lora = self.lora.decode_seconds([int(z) for z in sizes if z]) / self.latency.tp_degree
         out = StepOutput(tokens=self.sampled_tokens(job))
-        self._wait_until(self._device_end(job, called, self.decode_seconds(active)))
+        self._wait_until(self._device_end(job, called, self.decode_seconds(len(lanes)) + lora))
         return out
 
     def swap_out(self, blocks: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ from engine.core.model_state import TERMINAL, ModelState
 from engine.core.model_table import GenerationRecord, ModelTable, Need
 from engine.core.requests import GenerateParams
 from engine.daemon.log import log
+from engine.daemon.lora_registry import LoraRegistry, misfits
 from engine.daemon.models import package_gate
 from engine.daemon.models.package_gate import PackageRefused
 from engine.daemon.models.generation import Generation, GenerationError
@@ -55,6 +56,7 @@ class LoadHost(Protocol):
 
     cfg: Config
     models: ModelTable
+    lora: LoraRegistry
 
     def new_generation(self, rec: GenerationRecord, *, package_path: str | None, package) -> Generation: ...
 
@@ -96,6 +98,7 @@ class LoadJob:
         self._request_error: LoadFailed | None = None
         self._future: concurrent.futures.Future | None = None
         self._pkg = None
+        self._misfits: dict[str, str] = {}  # loaded LoRA adapters of the alias that the package does not fit
         self._facts: package_gate.CapacityFacts | None = None
         self._started = 0.0
         self._pending: dict[int, int] = {}  # request id -> golden case index (-1: warm-up)
@@ -111,6 +114,9 @@ class LoadJob:
     def start(self, now: float) -> None:
         cfg = self.d.cfg
         package, given, resolve = self.rec.package, self._package_path, self._resolve
+        # A new generation of an alias must fit the LoRA adapters loaded on it (none can be added meanwhile:
+        # the alias is busy); the adapter gate's check, off the loop
+        adapters = self.d.lora.of_base(self.rec.alias) if self.rec.kind in ("replace", "rollback") else []
 
         def check():  # in a thread: the package gate's file work, no loop state touched
             path = package_gate.resolve_package(cfg.model.root, package) if resolve else given
@@ -118,6 +124,8 @@ class LoadJob:
                 return None, None, None
             pkg = package_gate.verify_package(path, cfg.model.signing_public_key)
             package_gate.validate_package(pkg, cfg)
+            if adapters:
+                self._misfits = misfits(adapters, pkg, self.rec.alias)
             return path, pkg, package_gate.capacity_facts(pkg, cfg)
 
         self._started = now
@@ -142,6 +150,12 @@ class LoadJob:
                 return
             path, pkg, f = self._future.result()  # PackageRefused (naming its step) propagates
             self._future = None
+            unfit = {n: why for n, why in self._misfits.items() if n in d.lora.by_name}  # not unloaded meanwhile
+            if unfit:
+                raise LoadFailed("validate", f"the LoRA adapters {', '.join(sorted(unfit))} loaded on "
+                                             f"{rec.alias!r} do not fit this package (unload them first): "
+                                             + "; ".join(f"{n}: {unfit[n]}" for n in sorted(unfit)),
+                                 *STEP_ERRORS["validate"])
             rec.path = path or ""
             self._pkg, self._facts = pkg, f
             if pkg is not None:

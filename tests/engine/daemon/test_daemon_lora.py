@@ -309,3 +309,22 @@ def test_a_new_generation_of_the_base_serves_the_adapters_too(board, files, expe
         got = c.generate(prompt, max_tokens=4, ignore_eos=True, adapter="a2")
     assert got.generation == reply["model"]["generation"]
     assert got.tokens == expect("a2", prompt, 4)
+
+
+def test_a_replace_with_a_base_the_loaded_adapters_do_not_fit_is_refused_and_the_board_serves_on(board, files,
+                                                                                                  expect):
+    """The new package is checked against every adapter loaded on the alias, as the adapter gate checks one."""
+    root, _, _ = files
+    other = str(root / "other")  # three layers: no adapter of the base fits it
+    prompt = _prompt(43, 6)
+    with board.client(timeout=300) as c:
+        alias = [m for m in c.call("models")["models"] if m.get("default")][0]["alias"]
+        before = c.generate(prompt, max_tokens=3, ignore_eos=True, adapter="a1").generation
+        with pytest.raises(ClientError) as e:
+            c.call("replace", alias=alias, package=other)
+        loras = {m["alias"] for m in c.call("models")["models"] if m.get("kind") == "lora" and m["state"] == "ready"}
+        got = c.generate(prompt, max_tokens=3, ignore_eos=True, adapter="a1")
+    assert (e.value.code, e.value.reason) == (400, "package_rejected")
+    assert "validate" in str(e.value) and all(n in str(e.value) for n in ("a0", "a1", "a2")), str(e.value)
+    assert {"a0", "a1", "a2"} <= loras  # nothing unloaded
+    assert got.generation == before and got.tokens == expect("a1", prompt, 3)  # still the base it fits
