@@ -91,9 +91,13 @@ class Costs:
         return next(w for top, w in self.prefill_weights if top is None or prompt <= top)
 
     def round_jobs(self, streams: float) -> float:
-        """The decode jobs that give each of a board's streams one token: one per `max_lanes`, and the
-        streams spread over the jobs in flight."""
-        return max(1.0, min(float(self.inflight), streams), streams / self.max_lanes)
+        """The decode jobs that give each of a board's streams one token: one per `max_lanes`, and with
+        several jobs in flight the streams spread over them, min(inflight, 1 + N) jobs for a stream that
+        shares the board with N ~ Poisson(streams) others (one job when it runs alone)."""
+        k = self.inflight
+        spread = sum((1 + n) * (poisson_cdf(n, streams) - poisson_cdf(n - 1, streams)) for n in range(k - 1)) \
+            + k * (1.0 - poisson_cdf(k - 2, streams))
+        return max(1.0, spread, streams / self.max_lanes)
 
     def round_s(self, streams: float) -> float:
         """Every stream of a board gets one token: its decode jobs, each streaming the weights once."""

@@ -48,7 +48,8 @@ def test_the_decode_interval_is_the_fixed_point_of_littles_law():
 
 def test_a_round_of_decode_jobs():
     c = Costs(0.001, 0.010, 0.001, inflight=2, max_lanes=16)
-    assert c.round_s(3) == pytest.approx(2 * 0.010 + 3 * 0.001)  # 3 streams over 2 jobs in flight
+    # 3 other streams on average: a stream is alone (one job a round) with P(N = 0) = e^-3, else 2 jobs
+    assert c.round_s(3) == pytest.approx((1 * math.exp(-3) + 2 * (1 - math.exp(-3))) * 0.010 + 3 * 0.001)
     assert c.round_s(40) == pytest.approx(40 / 16 * 0.010 + 40 * 0.001)  # 40 streams: 2.5 jobs of 16 lanes
     assert Costs(0.001, 0.010, 0.001).round_s(3) == pytest.approx(0.010 + 0.003)
 
