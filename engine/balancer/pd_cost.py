@@ -299,7 +299,8 @@ def capacity(predict, load: Load, top: float = 50.0) -> tuple[float, float]:
 
     coarse = best_of(_rates(top)[9::10])
     lo = max(coarse[0] - 0.5, 0.0)
-    return max(coarse, best_of(r for r in _rates(coarse[0] + 0.5) if r > lo), key=lambda x: x[1])
+    rate, good = max(coarse, best_of(r for r in _rates(coarse[0] + 0.5) if r > lo), key=lambda x: x[1])
+    return rate, round(good, 3)
 
 
 def min_winning_prompt(costs: Costs, load: Load, boards: int = 2, longest: int = 8192) -> int | None:

@@ -276,10 +276,13 @@ def main(argv: list[str]) -> int:
                        f"disaggregated goodput {v['goodput_ratio_there']}x co-located, target >= "
                        f"{TARGET_GOODPUT_RATIO}x ({'met' if v['met'] else 'MISSED'}, {v['vs_target']} of target)")
         m = res["model"]
-        model = (f"cost model (sim): goodput capacity co-located {m.get('capacity_co_located')} vs 1:1 "
-                 f"{m.get('capacity_split')} (rate, good req/s): {m.get('capacity_ratio')}x; co-located TPOT P99 "
-                 f"breaks at {m.get('break_rate')} req/s; hand-offs pay from {m.get('min_split_prompt')} prompt "
-                 f"tokens (--pd-min-prompt {a.pd_min_prompt}), the split wins from {m.get('min_winning_prompt')}")
+        co, sp, br = m.get("capacity_co_located") or (0, 0), m.get("capacity_split") or (0, 0), m.get("break_rate")
+        model = (f"cost model (the sim's costs): most goodput co-located {co[1]:g} req/s (offered {co[0]:g}), "
+                 f"1 prefill + 1 decode {sp[1]:g} (offered {sp[0]:g}): {m.get('capacity_ratio')}x; co-located TPOT "
+                 f"P99 passes the SLO " + (f"from {br:g} req/s (bound there {m.get('bound_at_break')}x)" if br
+                                            else "at no rate before co-location saturates") +
+                 f"; a hand-off pays from {m.get('min_split_prompt')} prompt tokens (--pd-min-prompt "
+                 f"{a.pd_min_prompt}), the split's capacity wins from {m.get('min_winning_prompt')}")
         return "\n".join([f"bench-disagg: {title}", table(res["rows"], COLUMNS), f"hand-offs: {res['handoffs']}",
                           verdict, model])
 
