@@ -1,8 +1,9 @@
 """The cost model of prefill/decode disaggregation: predicted goodput of co-located and split routing.
 
 Pure arithmetic over measured costs (the `sim` backend's latency model gives
-them: `Costs.from_sim`), so the balancer can decide which prompts are worth a
-hand-off and a benchmark can print what its figure could be at best. A board
+them: `Costs.from_sim`): which prompts are worth a hand-off (the balancer's
+`routing.pd_min_prompt_tokens`), which prefill:decode split of the boards has
+the most goodput, and what a benchmark's figure could be at best. A board
 is one device running one job at a time; its decode streams are stalled by
 every other job it runs (a co-located board's prompt chunks, a decode
 board's KV imports). Per board, with `r` requests/s:
@@ -19,8 +20,8 @@ the decode jobs the scheduler's weighted round robin puts between its chunks,
 and the board saturates (rho >= 1: TTFT unbounded, nothing meets the SLO in
 steady state) when prompts need more than their share of the picks.
 Goodput = rate * P(TTFT met) * P(TPOT met). Mean values and Poisson tails:
-an estimate of where the curves cross, not a simulator
-(engine/core's in-process simulator is that); docs/disaggregation.md.
+an estimate of where the curves cross, not a simulator (engine/sim is
+one); docs/disaggregation.md.
 """
 
 from __future__ import annotations
@@ -167,16 +168,16 @@ def decode_interval(costs: Costs, rate: float, output: int, stall_s: float) -> t
     if busy >= 1.0:
         return None
     t = costs.round_s(0.0) / (1.0 - busy)
-    for _ in range(500):  # T grows monotonically to the fixed point (or without bound)
+    for _ in range(5000):  # T grows monotonically to the fixed point (or without bound)
         b = rate * (output - 1) * t
         nxt = costs.round_s(b) / (1.0 - busy)
         if b > 1e6:
             return None
-        if abs(nxt - t) < 1e-12:
+        if abs(nxt - t) <= 1e-10 * t:
             break
         t = nxt
     else:
-        return None
+        return None  # so slow to settle that the board is at the edge of keeping up
     return t, rate * (output - 1) * t
 
 
@@ -194,10 +195,12 @@ def ttft_met(service_s: float, rate: float, slo_s: float | None) -> float:
     return 1.0 - rho * math.exp(-2.0 * (1.0 - rho) * (slo_s - service_s) / service_s)
 
 
-def _tpot(costs: Costs, load: Load, rate: float, stall_s: float, own_s: float) -> tuple[float, float, float, float]:
-    """(mean, p99, share meeting the SLO, round time) of a stream's TPOT on a board."""
+def _tpot(costs: Costs, load: Load, rate: float, stall_s: float, own_s: float) -> tuple:
+    """(mean, p99, share meeting the SLO, round time) of a stream's TPOT on a board; (None, None, 0, None)
+    when its decode cannot keep up."""
     td = decode_interval(costs, rate, load.output, stall_s)
-    assert td is not None
+    if td is None:
+        return None, None, 0.0, None
     t, b = td
     steps = max(load.output - 1, 1)
     rnd = costs.round_s(b)
