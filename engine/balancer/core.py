@@ -209,7 +209,8 @@ class BalancerCore:
         dl = msg.get("deadline_ms")
         pool = msg.get("pool") or self._pool_for(msg["priority"])
         r = BRequest(rid, msg, now, None if dl is None else now + dl / 1000.0, pool, self._hashes(msg))
-        r.stage = first_stage(msg, 0, self.pd) if msg.get("n", 1) == 1 else Stage.WHOLE  # choices: one board
+        r.stage = first_stage(msg, 0, self.pd, self.config.routing.pd_min_prompt_tokens) \
+            if msg.get("n", 1) == 1 else Stage.WHOLE  # choices: one board
         self._reqs[rid] = r
         return self._dispatch(r, now)
 

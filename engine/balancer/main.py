@@ -25,6 +25,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      "disaggregation; beside --backends, replacing [[backends]] with them all)")
     p.add_argument("--decode", help="comma-separated decode board endpoints")
     p.add_argument("--policy", choices=POLICIES, help="routing policy (of whole requests and prefill legs)")
+    p.add_argument("--pd-min-prompt", type=int, metavar="TOKENS",
+                   help="with --prefill/--decode: prompts shorter than this go whole to a decode board "
+                        "(replaces routing.pd_min_prompt_tokens)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus /metrics (npuserve:balancer_*) on this port (replaces metrics.port)")
     return p.parse_args(argv)
@@ -39,7 +42,8 @@ def main(argv: list[str]) -> int:
 
     def load():
         return load_settings(args.config, endpoints=args.endpoint or None, backends=backends, policy=args.policy,
-                             prefill=prefill, decode=decode, metrics_port=args.metrics_port)
+                             prefill=prefill, decode=decode, metrics_port=args.metrics_port,
+                             pd_min_prompt=args.pd_min_prompt)
 
     try:
         settings = load()

@@ -42,10 +42,18 @@ def pd_enabled(backends: Sequence[Backend]) -> bool:
     return "prefill" in roles and "decode" in roles
 
 
-def first_stage(msg: dict, streamed: int, enabled: bool) -> Stage:
-    """A request worth splitting starts at a prefill board: it wants more than the one token a prefill leg gives."""
+def first_stage(msg: dict, streamed: int, enabled: bool, min_prompt: int = 0) -> Stage:
+    """A request worth splitting starts at a prefill board: it wants more than the one token a prefill leg
+    gives, and its prompt (with any continuation) is at least `min_prompt` tokens, the length from which a
+    hand-off costs the decode board less than computing the prompt itself (engine/balancer/pd_cost.py).
+    A text prompt's length is not known here (the board tokenizes it): it is split."""
     left = int(msg.get("max_tokens", 1)) - len(msg.get("continuation") or ()) - streamed
-    return Stage.PREFILL if enabled and left > 1 else Stage.WHOLE
+    if not enabled or left <= 1:
+        return Stage.WHOLE
+    prompt = msg.get("prompt")
+    if min_prompt > 0 and isinstance(prompt, list) and len(prompt) + len(msg.get("continuation") or ()) < min_prompt:
+        return Stage.WHOLE
+    return Stage.PREFILL
 
 
 def for_stage(cands: Sequence[Backend], stage: Stage, enabled: bool) -> list[Backend]:

@@ -39,6 +39,7 @@ class RoutingPolicy:
     decode_cost_tokens: int = 64
     imbalance_abs: int = 8
     imbalance_rel: float = 2.0
+    pd_min_prompt_tokens: int = 0  # disaggregation: shorter prompts go whole to a decode board (pd_routing)
 
 
 @dataclass(frozen=True)

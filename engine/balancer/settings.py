@@ -4,7 +4,8 @@
     [balancer]  endpoints, policy
     [health]    heartbeat_interval_ms, missed_heartbeats, stale_after_ms, failure_threshold, cooldown_ms
     [retry]     max_retries, backoff_base_ms, backoff_max_ms, migrate, max_migrations, no_backend_wait_ms
-    [routing]   block_size, decode_cost_tokens, imbalance_abs, imbalance_rel, prefix_capacity_blocks
+    [routing]   block_size, decode_cost_tokens, imbalance_abs, imbalance_rel, prefix_capacity_blocks,
+                pd_min_prompt_tokens
     [metrics]   port, host
     [security]  server_secret_key, client_keys_dir, admins, forwarders, client_secret_key
     [[backends]] endpoint, pool, weight, server_key, role
@@ -68,6 +69,8 @@ class RoutingSection:
     imbalance_abs: int = key(8, integer(0), "imbalance guard: max - min load (requests) beyond which least-load")
     imbalance_rel: float = key(2.0, number(1.0), "imbalance guard: and max > this x (min + 1)")
     prefix_capacity_blocks: int = key(65536, integer(1), "block hashes remembered per backend")
+    pd_min_prompt_tokens: int = key(0, integer(0), "disaggregation: prompts shorter than this go whole to a decode "
+                                    "board, longer ones are handed off (0: every one; docs/disaggregation.md)")
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,7 @@ class BalancerSettings:
             health=HealthPolicy(h.heartbeat_interval_ms / 1000, h.missed_heartbeats, h.stale_after_ms / 1000,
                                 h.failure_threshold, h.cooldown_ms / 1000),
             routing=RoutingPolicy(Policy(self.balancer.policy), ro.block_size, ro.decode_cost_tokens,
-                                  ro.imbalance_abs, ro.imbalance_rel),
+                                  ro.imbalance_abs, ro.imbalance_rel, ro.pd_min_prompt_tokens),
             max_retries=r.max_retries, migrate=r.migrate, max_migrations=r.max_migrations,
             backoff_base_s=r.backoff_base_ms / 1000, backoff_max_s=r.backoff_max_ms / 1000,
             no_backend_wait_s=r.no_backend_wait_ms / 1000,
@@ -138,7 +141,8 @@ _PATH_KEYS = (("security", "server_secret_key"), ("security", "client_keys_dir")
 
 def load_settings(path: str | None, *, endpoints: list[str] | None = None, backends: list[str] | None = None,
                   policy: str | None = None, prefill: list[str] | None = None,
-                  decode: list[str] | None = None, metrics_port: int | None = None) -> BalancerSettings:
+                  decode: list[str] | None = None, metrics_port: int | None = None,
+                  pd_min_prompt: int | None = None) -> BalancerSettings:
     """Read and check the file (if any), then apply the command-line flags. Raises ConfigError."""
     doc: dict[str, Any] = {}
     if path:
@@ -176,6 +180,8 @@ def load_settings(path: str | None, *, endpoints: list[str] | None = None, backe
             s = replace(s, balancer=replace(s.balancer, policy=string(choices=POLICIES)(policy)))
         if metrics_port is not None:
             s = replace(s, metrics=replace(s.metrics, port=integer(0, 65535)(metrics_port)))
+        if pd_min_prompt is not None:
+            s = replace(s, routing=replace(s.routing, pd_min_prompt_tokens=integer(0)(pd_min_prompt)))
     except BadValue as bad:
         errors.append(f"command line: {bad}")
     sec = s.security

@@ -37,3 +37,32 @@ def test_flags():
     assert parse_args(["--transfer", "zmq"]).transfer == "zmq"
     with pytest.raises(SystemExit):
         parse_args(["--rates", "0"])
+
+
+def test_the_cost_model_takes_the_sim_options_of_the_run():
+    a = parse_args(["--backend-option", "flops_per_token=1e11", "--backend-option", "time_scale=0.5",
+                    "--max-inflight", "1"])
+    assert a.costs.prefill_s_per_token == pytest.approx(1e11 / 312e12 * 0.5)
+    assert a.costs.decode_base_s == pytest.approx(0.018 * 0.5) and a.costs.inflight == 1
+    assert a.costs.import_s_per_block == pytest.approx((2 << 20) / 25e9 * 0.5)
+    # the sim's defaults: an import of a 16-token block (84 us) is cheaper than computing it (718 us) from the
+    # first full block before the last token, so the disaggregated balancer hands off prompts of 17 tokens on
+    assert parse_args([]).pd_min_prompt == 17 and parse_args(["--pd-min-prompt", "0"]).pd_min_prompt == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--pd-min-prompt", "-1"])
+
+
+def test_the_verdict_is_printed_beside_the_cost_models_bound():
+    from tools.bench.serve.disagg import limits
+
+    a = parse_args(["--max-inflight", "1"])
+    rows = [row("co-located", 4.0, 41, 2.8), row("disaggregated", 4.0, 30, 2.9)]
+    v = verdict(rows, Slo(tpot_ms=40))
+    measured, model = limits(rows, v, a)
+    assert model.figure == v["goodput_ratio_there"] == measured.figure and model.target == ">= 1.3x"
+    met = model.inputs["model_co_located_met"]
+    assert 0 < met < 1 and model.bound == pytest.approx(1 / met, abs=1e-3) and model.inputs["rate"] == 4.0
+    # no measured break point: the model's own (one job in flight: none before co-location saturates)
+    (_, model) = limits([row("co-located", 1.0, 30, 1.0)], verdict([row("co-located", 1.0, 30, 1.0)],
+                                                                    Slo(tpot_ms=40)), a)
+    assert model.bound is None and "no break point" in model.limited_by

@@ -2,7 +2,8 @@
 
 One prefill board and one decode board behind `npuserve balance` (roles in its [[backends]]): the
 disaggregated outputs equal a co-located run (the oracle: the decode board serving each request whole),
-greedy and sampled, short and long prompts, with prefix hits on either side; faults (the prefill board
+greedy and sampled, short and long prompts, with prefix hits on either side (and with
+`routing.pd_min_prompt_tokens`, the short ones served whole by the decode board); faults (the prefill board
 killed after it answered, the decode board killed mid-stream, a cancel during the hand-off) give every
 request one terminal event and leave both boards' pools and the balancer empty. Without a KV path between
 the boards (no `board.handoff_peer_dirs`), every hand-off recomputes the prompt on the decode board (its
@@ -94,6 +95,27 @@ def test_disaggregated_outputs_equal_co_located(pd_pair):
     assert pc["handoff_exports"] == bal["pd_handoffs"] > 0
     assert dc["handoff_recomputed"] == bal["pd_handoffs"] and dc["handoff_imported"] == 0
     wait_until(lambda: kv_used_blocks(p) == 0 and kv_used_blocks(d) == 0, what="pools at baseline")
+
+
+def test_prompts_under_pd_min_prompt_tokens_go_whole_to_the_decode_board(daemon, balancer):
+    """routing.pd_min_prompt_tokens through a real balancer: the short prompts are served whole by the decode
+    board (no prefill leg, no hand-off), the long ones in two legs; every output is the co-located run's."""
+    (p, ep), (d, ed) = (tcp_daemon(daemon, backend="ref", settings={"board.role": "prefill"}),
+                        tcp_daemon(daemon, backend="ref", settings={"board.role": "decode"}))
+    b = balancer(backends=[{"endpoint": ep, "role": "prefill"}, {"endpoint": ed, "role": "decode"}],
+                 policy="least-load", extra_toml="[routing]\npd_min_prompt_tokens = 32")
+    rng = random.Random(11)
+    lens = [5, 60, 31, 32, 8, 90]  # 3 shorter than 32, 3 of 32 and more
+    msgs = [gen_msg(f"m{i}", [rng.randrange(1, 250) for _ in range(n)], max_tokens=6, ignore_eos=True,
+                    temperature=0.8 if i % 2 else 0.0, seed=70 + i) for i, n in enumerate(lens)]
+    expected = run_streams(d.endpoint, msgs, grace=0.1)
+    exported = daemon_counters(p)["handoff_exports"]
+    got = run_streams(b.endpoint, msgs, grace=0.1)
+    check_one_done_each(got, expected)
+    with b.client() as c:
+        bal = c.stats()["balancer"]["counters"]
+    assert bal["pd_handoffs"] == 3 and daemon_counters(p)["handoff_exports"] - exported == 3
+    assert daemon_counters(d)["handoff_recomputed"] == 3  # the decode legs (no KV path between these boards)
 
 
 def test_faults_end_every_request_once_and_free_both_pools(daemon, balancer):

@@ -12,7 +12,7 @@ from engine.balancer.core import BalancerCore, CoreConfig
 from engine.balancer.pd_routing import Stage
 from engine.balancer.routing import Policy, RoutingPolicy
 
-from test_balancer_core import beat, done, error, gen, sends, tokens
+from test_balancer_core import beat, done, error, gen, sends, tokens, validate_request
 
 P1, P2, D1, D2 = "tcp://p1:1", "tcp://p2:1", "tcp://d1:1", "tcp://d2:1"
 
@@ -180,3 +180,34 @@ def test_both_legs_carry_the_requests_lora_adapter():
     core.on_event(P1, tokens(s.msg["id"], [7]), 0.2)
     (d,) = sends(core.on_event(P1, done(s.msg["id"]), 0.21))
     assert d.backend == D1 and d.msg["adapter"] == "sql"
+
+
+def make_min(min_prompt: int) -> BalancerCore:
+    specs = [BackendSpec(P1, role="prefill"), BackendSpec(D1, role="decode")]
+    core = BalancerCore(CoreConfig(routing=RoutingPolicy(policy=Policy.PREFIX, block_size=4,
+                                                         pd_min_prompt_tokens=min_prompt)), specs, 0.0,
+                        random.Random(3))
+    core.take_setup_actions()
+    beat(core, 0.0)
+    return core
+
+
+def test_prompts_shorter_than_pd_min_prompt_tokens_go_whole_to_a_decode_board():
+    core = make_min(8)
+    (short,) = sends(core.submit(1, gen(prompt=range(1, 8), max_tokens=5), 0.1))  # 7 tokens < 8: co-located
+    assert short.backend == D1 and short.msg["max_tokens"] == 5 and "handoff" not in short.msg
+    (long,) = sends(core.submit(2, gen(prompt=range(1, 9), max_tokens=5), 0.1))  # 8 tokens: handed off
+    assert long.backend == P1 and long.msg["max_tokens"] == 1 and long.msg["handoff"] == {"export": True}
+    # the continuation counts with the prompt: 6 + 2 tokens are worth a hand-off
+    (cont,) = sends(core.submit(3, gen(prompt=range(1, 7), max_tokens=5, continuation=[9, 9]), 0.1))
+    assert cont.backend == P1 and cont.msg["handoff"] == {"export": True}
+    # a text prompt's length is not known to the balancer: it is handed off as before
+    (txt,) = sends(core.submit(4, validate_request({"v": 1, "op": "generate", "id": "t", "text": "hi",
+                                                    "max_tokens": 5}), 0.1))
+    assert txt.backend == P1
+
+
+def test_pd_min_prompt_tokens_zero_hands_off_every_prompt():
+    core = make_min(0)
+    (s,) = sends(core.submit(1, gen(prompt=(1,), max_tokens=5), 0.1))
+    assert s.backend == P1 and s.msg["handoff"] == {"export": True}

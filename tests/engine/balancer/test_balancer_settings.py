@@ -95,3 +95,19 @@ def test_prefill_without_decode_is_a_config_error():
     from engine.config_schema import ConfigError
     with pytest.raises(ConfigError, match="one prefill and one decode"):
         load_settings(None, endpoints=["tcp://127.0.0.1:1"], prefill=["tcp://p:1"])
+
+
+def test_pd_min_prompt_tokens_from_the_file_and_the_flag(tmp_path):
+    import pytest
+
+    from engine.balancer.settings import load_settings
+    from engine.config_schema import ConfigError
+    f = tmp_path / "b.toml"
+    f.write_text('schema = "npuserve-balancer/v1"\n[routing]\npd_min_prompt_tokens = 256\n')
+    kw = dict(endpoints=["tcp://127.0.0.1:1"], prefill=["tcp://p:1"], decode=["tcp://d:1"])
+    assert load_settings(str(f), **kw).core_config().routing.pd_min_prompt_tokens == 256
+    assert load_settings(str(f), pd_min_prompt=17, **kw).core_config().routing.pd_min_prompt_tokens == 17
+    assert load_settings(None, **kw).core_config().routing.pd_min_prompt_tokens == 0
+    with pytest.raises(ConfigError, match="pd_min_prompt_tokens"):
+        f.write_text('schema = "npuserve-balancer/v1"\n[routing]\npd_min_prompt_tokens = -1\n')
+        load_settings(str(f), **kw)

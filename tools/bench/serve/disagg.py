@@ -14,6 +14,13 @@ goodput against the target (>= 1.3x).
 the prefill board's block files (`disk`, the default), pulled over ZeroMQ
 (`zmq`), or not at all (`none`: it recomputes every prompt, which shows what
 the split costs without a transfer); docs/disaggregation.md.
+
+Beside each row the cost model's goodput for that side and rate
+(engine/balancer/pd_cost.py, from the sim's latency model: `model good/s`),
+and beside the verdict the model's bound on the ratio at the break point
+(`limit` lines). The disaggregated balancer hands off only prompts of at
+least `--pd-min-prompt` tokens (by default the model's shortest prompt whose
+import costs the decode board less than computing it).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import random
 import sys
 
 from tools.bench.options import add
+from tools.bench.serve.disagg_model import predicted_goodput
 from tools.json_lines import emit
 from tools.load import local_daemon, paired, runner
 from tools.load.fleet import Fleet
@@ -37,7 +45,8 @@ TARGET_GOODPUT_RATIO = 1.3
 COLUMNS = [("label", "side"), ("rate", "rate/s"), ("requests", "reqs"), ("errors", "err"),
            ("tokens_per_s", "tok/s"), ("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
            ("tpot_p50_ms", "TPOT p50"), ("tpot_p99_ms", "TPOT p99"), ("slo_met", "met"),
-           ("goodput_requests_per_s", "good req/s"), ("goodput_tokens_per_s", "good tok/s")]
+           ("goodput_requests_per_s", "good req/s"), ("goodput_tokens_per_s", "good tok/s"),
+           ("model_goodput", "model good/s")]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -54,6 +63,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "blocks (board.handoff_peer_dirs); zmq: both get a disk tier of their own and the decode "
                         "board pulls the blocks from the prefill board's board.handoff_endpoint; none: the decode "
                         "board recomputes every prompt")
+    p.add_argument("--pd-min-prompt", type=int, metavar="TOKENS",
+                   help="the disaggregated balancer's routing.pd_min_prompt_tokens (default: the cost model's "
+                        "shortest prompt worth a hand-off; 0: every prompt)")
     add(p, "json", "plot", seed=27, helps={"plot": "TPOT P99 and goodput against the rate (needs matplotlib)"})
     a = p.parse_args(argv)
     try:
@@ -64,6 +76,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(str(e))
     if not a.rate_list or min(a.rate_list) <= 0:
         p.error("--rates must be positive numbers")
+    if a.pd_min_prompt is not None and a.pd_min_prompt < 0:
+        p.error("--pd-min-prompt must be >= 0")
+    from engine.config_schema import ConfigError
+    from tools.bench.serve import disagg_model
+
+    try:
+        a.costs = disagg_model.sim_costs(a.backend_option, a.max_inflight)
+    except (ConfigError, TypeError, ValueError) as e:
+        p.error(f"--backend-option: {e}")
+    a.model_load = disagg_model.load_of(a.prompt_dist.mean, a.output_dist.mean, a.slo_obj)
+    if a.pd_min_prompt is None:
+        from engine.balancer.pd_cost import min_split_prompt
+
+        a.pd_min_prompt = min_split_prompt(a.costs) or 0  # import never pays: still hand off (what is measured)
     if a.plot:
         from tools.load.plot import require_matplotlib
 
@@ -127,18 +153,21 @@ def verdict(rows: list[dict], slo: Slo) -> dict:
             "vs_target": None if ratio is None else round(ratio / TARGET_GOODPUT_RATIO, 3)}
 
 
-def limits(rows: list[dict], v: dict) -> list:
-    """The goodput ratio at the break point beside its bound: every request offered at that rate meeting the
-    SLO, over the co-located goodput there (lim.offered)."""
+def limits(rows: list[dict], v: dict, a: argparse.Namespace | None = None) -> list:
+    """The goodput ratio at the break point beside its bounds: every request offered at that rate meeting the
+    SLO, over the co-located goodput measured there (lim.offered) and over the cost model's (with `a`)."""
+    from tools.bench.serve import disagg_model
     from tools.load import limits as lim
 
     at = v["co_located_tpot_breaks_at_rate"]
     co = next((r for r in rows if r["label"] == "co-located" and r["rate"] == at), None)
+    model = [] if a is None else [disagg_model.limit(a.costs, a.model_load, v["goodput_ratio_there"], at,
+                                                     TARGET_GOODPUT_RATIO)]
     if at is None or co is None:
         return [lim.unmodelled("disaggregated / co-located goodput", None, f">= {TARGET_GOODPUT_RATIO}x",
-                               "no break point: co-located TPOT P99 met the SLO at every rate")]
+                               "no break point: co-located TPOT P99 met the SLO at every rate"), *model]
     return [lim.offered(f"disaggregated / co-located goodput at {at:g} req/s", v["goodput_ratio_there"], at,
-                        co.get("goodput_requests_per_s"), f">= {TARGET_GOODPUT_RATIO}x")]
+                        co.get("goodput_requests_per_s"), f">= {TARGET_GOODPUT_RATIO}x"), *model]
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -149,7 +178,8 @@ def run(a: argparse.Namespace) -> dict:
         for e in boards:
             local_daemon.wait_healthy(e, timeout=120)
         routes = {"disaggregated": fleet.balancer(["--prefill", boards[0], "--decode", boards[1],
-                                                   "--policy", "least-load"], "pd").endpoint,
+                                                   "--policy", "least-load", "--pd-min-prompt",
+                                                   str(a.pd_min_prompt)], "pd").endpoint,
                   "co-located": fleet.balancer(["--backends", ",".join(boards), "--policy", "least-load"],
                                                "mixed").endpoint}
         for ep in routes.values():
@@ -169,7 +199,8 @@ def run(a: argparse.Namespace) -> dict:
             if not a.json:
                 print(f"bench-disagg: {side} at {rate:g} req/s ({n} requests) ...", file=sys.stderr, flush=True)
             recs = runner.run([routes[side]], reqs, concurrency=None, clients=1)
-            row = {"label": side, "rate": rate, **summarize(recs, a.slo_obj)}
+            row = {"label": side, "rate": rate, **summarize(recs, a.slo_obj),
+                   "model_goodput": predicted_goodput(a.costs, a.model_load, side, rate)}
             if a.json:
                 emit("row", row)
             return row
@@ -182,7 +213,21 @@ def run(a: argparse.Namespace) -> dict:
     return {"rows": rows, "verdict": verdict(rows, a.slo_obj), "handoffs": handoffs,
             "workload": {"prompt": str(a.prompt_dist), "output": str(a.output_dist), "seconds": a.seconds,
                          "backend": "sim", "boards": 2, "max_inflight": a.max_inflight, "transfer": a.transfer,
-                         "backend_options": a.backend_option}}
+                         "backend_options": a.backend_option, "pd_min_prompt": a.pd_min_prompt},
+            "model": model_summary(a)}
+
+
+def model_summary(a: argparse.Namespace) -> dict:
+    """The cost model's inputs and what it predicts for this workload (engine/balancer/pd_cost.py)."""
+    from engine.balancer.pd_cost import compare
+
+    c = a.costs
+    return {"costs": {k: getattr(c, k) for k in ("prefill_s_per_token", "decode_base_s", "decode_per_lane_s",
+                                                  "import_base_s", "import_s_per_block", "host_s", "block_size",
+                                                  "max_lanes", "inflight", "chunk_tokens")},
+            **{k: v for k, v in compare(c, a.model_load).items()
+               if k in ("break_rate", "ratio_at_break", "bound_at_break", "capacity_co_located", "capacity_split",
+                        "capacity_ratio", "min_split_prompt", "min_winning_prompt")}}
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -230,12 +275,20 @@ def main(argv: list[str]) -> int:
             verdict = (f"co-located TPOT P99 breaks {a.slo} at {v['co_located_tpot_breaks_at_rate']:g} req/s: "
                        f"disaggregated goodput {v['goodput_ratio_there']}x co-located, target >= "
                        f"{TARGET_GOODPUT_RATIO}x ({'met' if v['met'] else 'MISSED'}, {v['vs_target']} of target)")
+        m = res["model"]
+        co, sp, br = m.get("capacity_co_located") or (0, 0), m.get("capacity_split") or (0, 0), m.get("break_rate")
+        model = (f"cost model (the sim's costs): most goodput co-located {co[1]:g} req/s (offered {co[0]:g}), "
+                 f"1 prefill + 1 decode {sp[1]:g} (offered {sp[0]:g}): {m.get('capacity_ratio')}x; co-located TPOT "
+                 f"P99 passes the SLO " + (f"from {br:g} req/s (bound there {m.get('bound_at_break')}x)" if br
+                                            else "at no rate before co-location saturates") +
+                 f"; a hand-off pays from {m.get('min_split_prompt')} prompt tokens (--pd-min-prompt "
+                 f"{a.pd_min_prompt}), the split's capacity wins from {m.get('min_winning_prompt')}")
         return "\n".join([f"bench-disagg: {title}", table(res["rows"], COLUMNS), f"hand-offs: {res['handoffs']}",
-                          verdict])
+                          verdict, model])
 
     publish("bench-disagg", a.json, [("summary", {"verdict": v, "handoffs": res["handoffs"],
-                                                  "workload": res["workload"]})], text,
-            limits=limits(res["rows"], v))
+                                                  "workload": res["workload"], "model": res["model"]})], text,
+            limits=limits(res["rows"], v, a))
     return 0
 
 
