@@ -40,6 +40,7 @@ class Board:
     write_through: bool = True
     tiers_on: bool = True
     lane_imports: bool = False  # the workers take imports inside prefill jobs (ipc.lane_imports)
+    mixed_batch_tokens: int = 0  # > 0: a prefill job may carry several prompts
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -65,7 +66,8 @@ class Board:
                                  write_through=self.write_through)
         model = ModelSpec(generation=1, vocab_size=info.vocab_size, eos_ids=tuple(info.eos_ids),
                           max_seq=info.max_seq, profiles=tuple(p.batch for p in info.profiles),
-                          chunked_prefill=info.chunked_prefill, lane_imports=self.lane_imports)
+                          chunked_prefill=info.chunked_prefill, lane_imports=self.lane_imports,
+                          mixed_batch_tokens=self.mixed_batch_tokens)
         self.sched = Scheduler(self.config, model, [ChipSpec(c, self.num_blocks, info.kv.block_size)
                                                     for c in range(self.chips)], tiers=self.tiers)
         for ch in self.sched.chips.values():
