@@ -39,6 +39,11 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
   board's number of the LoRA adapter lane i runs under, -1 = the base model.
   The worker swaps the adapters into device slots (`workers.lora`). It travels
   last in the i32 blob (size in meta[27]).
+* imports (optional, prefill jobs only): host/disk-tier blocks the worker
+  writes before the prefill, each naming the lane that depends on it
+  (`ipc.lane_imports`): one extra ring array, sent only to workers that
+  announce `lane_imports`. The result's `refused[B]` names the lanes whose
+  import was refused (those wrote nothing and were not run).
 
 Constrained decoding (structured output), present only when some lane is
 constrained (C = B then; else C = 0 and they are empty):
@@ -227,6 +232,8 @@ class Job:
         lane-by-lane check would give.
         """
         b = self.batch
+        if self.imports is not None and self.kind != JobKind.PREFILL:
+            raise ValueError("only a prefill job carries imports")
         if self.kind in TRANSFER_KINDS:
             if self.src_blocks.shape != self.dst_blocks.shape:
                 raise ValueError("src_blocks and dst_blocks differ in length")

@@ -253,8 +253,8 @@ class KvTiers:
         t = None if lanes is None else lanes.pop(rid, None)
         if lanes is not None and not lanes:
             del self._lane_jobs[job_id]
-        if t is not None:
-            self._import_done(t, ok, refused, now)
+        if t is not None:  # not timed: the job's time is its prefill's as much as the import's
+            self._import_done(t, ok, refused, now, timed=False)
 
     # -- results -------------------------------------------------------------------------
     def job_done(self, job_id: int, ok: bool, refused: bool, now: float) -> _Transfer | None:
@@ -280,9 +280,10 @@ class KvTiers:
             self.counters["exported_blocks" if ok else "export_failed_blocks"] += t.blocks
         return t
 
-    def _import_done(self, t: _Transfer, ok: bool, refused: bool, now: float) -> None:
+    def _import_done(self, t: _Transfer, ok: bool, refused: bool, now: float, timed: bool = True) -> None:
         if ok:
             self.counters["bytes_moved"] += t.blocks * self.block_bytes
+        if ok and timed:
             st = self.times[t.kind]
             dt = max(0.0, now - t.submitted_at)
             st.hist[bisect.bisect_left(TRANSFER_BUCKETS, dt)] += 1
