@@ -63,8 +63,8 @@ class LaneImports:
     def validate(self, batch: int) -> None:
         """Raise ValueError unless every row names a lane of the job and a known place."""
         r = self.rows
-        if r.ndim != 2 or r.shape[1] != _COLS:
-            raise ValueError(f"imports must be [K, {_COLS}]")
+        if r.ndim != 2 or r.shape[1] != _COLS or r.dtype != np.int32:
+            raise ValueError(f"imports must be int32 [K, {_COLS}]")
         if r.shape[0] and (r[:, 0].min() < 0 or r[:, 0].max() >= batch):
             raise ValueError("imports: a block names a lane outside the job")
         if r.shape[0] and not np.isin(r[:, 3], (1, 2)).all():

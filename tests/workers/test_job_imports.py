@@ -62,3 +62,19 @@ def test_a_refused_lane_writes_nothing_and_the_other_lane_runs():
     finally:
         pool.close()
         pool.unlink()
+
+
+def test_malformed_imports_are_an_invalid_job():
+    backend = RefBackend(num_blocks=16)
+    backend.load(None)
+    job = build_job(JobKind.PREFILL, [Lane(PROMPT[48:], 48, [4, 5, 6, 7])], job_id=1)
+    for rows, why in ((np.zeros((1, 5), np.int32), "int32 [K, 8]"),
+                      (np.array([[3, 0, 4, 1, 0, 0, 0, 0]], np.int32), "names a lane outside the job"),
+                      (np.array([[0, 0, 4, 7, 0, 0, 0, 0]], np.int32), "HOST (1) or DISK (2)")):
+        job.imports = LaneImports(rows)
+        out = execute_job(backend, Job.from_arrays(job.to_arrays()), 0.0, None)
+        assert out.status.name == "INVALID" and why in out.error, out.error
+    decode = build_job(JobKind.DECODE, [Lane([5], 48, [4, 5, 6, 7])], job_id=2)
+    decode.imports = LaneImports.build([0], [0], [4], [HOST], chain_words(CHAINS[:1]))
+    out = execute_job(backend, decode, 0.0, None)
+    assert out.status.name == "INVALID" and "only a prefill job carries imports" in out.error
