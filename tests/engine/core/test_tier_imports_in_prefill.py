@@ -132,3 +132,38 @@ def test_refused_import_recomputes_its_lane_only(boards):
     assert (0, a) in redone  # the refused lane's prompt, computed again from its start
     assert not any(toks == b[pos:pos + len(toks)] for pos, toks in redone)  # lane 1's prompt was not redone
     board.check_idle()
+
+
+def test_worker_killed_with_the_job_in_flight_unpins_and_recovers(boards):
+    board = boards(lane_imports=True)
+    _history(board, [SHARED])
+    p = prompt(SHARED, 1)
+    board.submit(1, p, 6)
+    _tick(board)
+    (job,) = board.queues[0]
+    assert job.imports is not None
+    board.queues[0].clear()  # the worker died with it
+    board.handle(board.sched.on_chip_down(0, board.now))
+    board.handle(board.sched.on_chip_up(0, board.now))
+    board.run()
+    assert board.tokens[1] == _reference({1: p})[1]
+    assert board.tiers.counters["import_failed"] == 1
+    board.check_idle()  # no host entry is left pinned by the lost job
+
+
+def test_cancel_before_the_job_goes_unpins_the_plan(boards):
+    board = boards(lane_imports=True, num_blocks=16)
+    _history(board, [SHARED])
+    for j in range(3):  # the chip's job slots fill up: the next prompt waits in the prefill queue
+        board.submit(300 + j, other(10 + j)[:20], 4)
+    _tick(board)
+    board.submit(1, prompt(SHARED, 1), 6)
+    _tick(board)
+    # admitted, its promotion planned (the host entries pinned), and no job of it sent yet
+    assert any(board.tiers.host.entry(c).readers for c in board.tiers.host.chains())
+    assert not any(j.imports is not None for _, j in board.jobs)
+    board.handle(board.sched.cancel(1, board.now))
+    assert board.terminal[1].finish_reason == "cancelled"
+    board.run()
+    assert not any(j.imports is not None for _, j in board.jobs)
+    board.check_idle()  # the plan's entries were unpinned when the request let go of its KV
