@@ -39,6 +39,11 @@ Fields of a job (B = the compiled batch of the profile, 1 for prefill):
   board's number of the LoRA adapter lane i runs under, -1 = the base model.
   The worker swaps the adapters into device slots (`workers.lora`). It travels
   last in the i32 blob (size in meta[27]).
+* imports (optional, prefill jobs only): host/disk-tier blocks the worker
+  writes before the prefill, each naming the lane that depends on it
+  (`ipc.lane_imports`): one extra ring array, sent only to workers that
+  announce `lane_imports`. The result's `refused[B]` names the lanes whose
+  import was refused (those wrote nothing and were not run).
 
 Constrained decoding (structured output), present only when some lane is
 constrained (C = B then; else C = 0 and they are empty):
@@ -84,6 +89,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ipc.lane_imports import ARRAY_NAME as _IMPORTS_ARRAY, LaneImports
 from ipc.lane_penalties import ARRAY_NAMES as _PENALTY_ARRAYS, JobPenalties, LanePenalty
 
 
@@ -196,6 +202,9 @@ class Job:
     penalties: JobPenalties | None = None
     # LoRA: per lane, the board's adapter number (-1 = base model); empty = no lane has an adapter
     adapter: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    # prefill jobs: tier blocks the worker imports first, each naming the lane that depends on it
+    # (ipc.lane_imports); None = none. One extra ring array, sent only to workers that announce it.
+    imports: LaneImports | None = None
 
     @property
     def constrained(self) -> bool:
@@ -225,6 +234,8 @@ class Job:
         lane-by-lane check would give.
         """
         b = self.batch
+        if self.imports is not None and self.kind != JobKind.PREFILL:
+            raise ValueError("only a prefill job carries imports")
         if self.kind in TRANSFER_KINDS:
             if self.src_blocks.shape != self.dst_blocks.shape:
                 raise ValueError("src_blocks and dst_blocks differ in length")
@@ -249,6 +260,8 @@ class Job:
             self._validate_constraints(b)
         if self.penalties is not None:
             self.penalties.validate(b)
+        if self.imports is not None:
+            self.imports.validate(b)
         valid = self.lane_valid != 0
         # a valid decode lane carries exactly one token; an inactive lane never carries any
         bad_count = counts != valid if self.kind == JobKind.DECODE else (counts != 0) > valid
@@ -294,6 +307,8 @@ class Job:
                 "u8": ((nu8,), "|u1"), "u64": ((n64,), "<u8")}
         if self.penalties is not None:
             spec.update(self.penalties.array_spec())
+        if self.imports is not None:
+            spec.update(self.imports.array_spec())
         return spec
 
     def _group_sizes(self) -> tuple[int, int, int, int]:
@@ -357,6 +372,8 @@ class Job:
             dst["u8"][dst["u8"].shape[0] - self.draft_src.size:] = self.draft_src
         if self.penalties is not None:
             self.penalties.pack_into(dst)
+        if self.imports is not None:
+            self.imports.pack_into(dst)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The job as a ring record: {name: array}. Raises ValueError for a field of the wrong rank."""
@@ -414,6 +431,8 @@ class Job:
         if _PENALTY_ARRAYS[0] in a:
             pen = {k: (np.array(a[k]) if copy else a[k]) for k in _PENALTY_ARRAYS}
             extra["penalties"] = JobPenalties.from_arrays(pen, nlv)
+        if _IMPORTS_ARRAY in a:
+            extra["imports"] = LaneImports.from_arrays(a, copy)
         return cls(
             job_id=m[0], generation=m[1], kind=_member(_KIND_OF, JobKind, m[2]), return_logits=bool(m[3]),
             tokens=i32[:o1], positions=i32[o1:o2], query_start=i32[o2:o3], context_lens=i32[o3:o4],
@@ -479,6 +498,9 @@ class JobResult:
     prompt_start: np.ndarray | None = None  # int32 [B+1]: lane i's entries are [prompt_start[i], prompt_start[i+1])
     prompt_top_ids: np.ndarray | None = None  # int32 [R, K], -1 padded
     prompt_top_logprobs: np.ndarray | None = None  # float32 [R, K]
+    # jobs with imports (Job.imports): uint8 [B], 1 where the lane's import was refused and the lane not run
+    # (nothing written for it, tokens[lane] = -1); None = every lane ran
+    refused: np.ndarray | None = None
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         S = ResultMeta
@@ -510,6 +532,8 @@ class JobResult:
             v = getattr(self, name)
             if v is not None:
                 out[name] = np.ascontiguousarray(v, dtype=dt)
+        if self.refused is not None:
+            out["refused"] = np.ascontiguousarray(self.refused, dtype=np.uint8)
         return out
 
     @classmethod
@@ -538,6 +562,7 @@ class JobResult:
             accepted=np.array(a["accepted"]) if "accepted" in a else None,
             accepted_logprobs=np.array(a["accepted_logprobs"]) if "accepted_logprobs" in a else None,
             accepted_tokens=np.array(a["accepted_tokens"]) if "accepted_tokens" in a else None,
+            refused=np.array(a["refused"]) if "refused" in a else None,
             **{name: np.array(a[name]) for name, _ in _LOGPROB_ARRAYS if name in a},
         )
 

@@ -6,6 +6,7 @@ outcome as a result record; tests and tools run jobs through it in-process, with
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from ipc.records import Job, JobKind, JobStatus
 from workers.backends.base import ChipBackend
 from workers.constraints import ConstraintBook, ConstraintError
 from workers.draft_model import DraftModel
+from workers.job_imports import run_imports
 from workers.kv_transfer import HostKv
 from workers.lane_sampling import sample_lanes
 from workers.logprob_alternatives import lane_alternatives, prompt_alternatives, prompt_lanes
@@ -64,6 +66,8 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         job.validate()
     except ValueError as exc:
         return JobOutcome(JobStatus.INVALID, tokens, logprobs, None, 0, f"invalid job: {exc}")
+    if job.imports is not None:
+        return _with_imports(backend, job, extra_device_s, host_kv, constraints, draft, penalties)
     t0 = time.perf_counter_ns()
     masks0, mask_us0 = (constraints.stats.masks, constraints.stats.mask_us) if constraints is not None else (0, 0)
     try:
@@ -164,6 +168,31 @@ def execute_job(backend: ChipBackend, job: Job, extra_device_s: float = 0.0, hos
         return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, masks=st.masks - masks0,
                           mask_us=st.mask_us - mask_us0, **spec)
     return JobOutcome(JobStatus.OK, tokens, logprobs, logits, device_us, **spec)
+
+
+def _with_imports(backend: ChipBackend, job: Job, extra_device_s: float, host_kv: HostKv | None,
+                  constraints: ConstraintBook | None, draft: DraftModel | None,
+                  penalties: PenaltyBook | None) -> JobOutcome:
+    """A prefill job carrying tier imports: they first (a refused lane is taken out of the job), then the rest;
+    the result says per lane which were refused."""
+    b = job.batch
+    t0 = time.perf_counter_ns()
+    try:
+        job, refused, why = run_imports(job, host_kv)
+    except Exception as exc:  # a device-level fault while writing: the job fails, its lanes' KV unknown
+        return JobOutcome(JobStatus.FAILED, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
+                          (time.perf_counter_ns() - t0) // 1000, f"{type(exc).__name__}: {exc}")
+    if job.lane_valid.any():
+        out = execute_job(backend, dataclasses.replace(job, imports=None), extra_device_s, None, constraints, draft,
+                          penalties)
+    else:  # every lane's import was refused: nothing left to run
+        out = JobOutcome(JobStatus.OK, np.full(b, -1, np.int32), np.zeros(b, np.float32), None,
+                         (time.perf_counter_ns() - t0) // 1000)
+    if out.status == JobStatus.OK:
+        out.extra = {**(out.extra or {}), "refused": refused}
+        if why:
+            out.error = "; ".join(why)
+    return out
 
 
 def logprob_arrays(job: Job, out, lanes: np.ndarray) -> dict | None:

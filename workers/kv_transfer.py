@@ -90,9 +90,18 @@ class HostKv:
                     self._write_file(chains[i], encode_record(self.layout, data[i], chains[i]))
             return
         assert job.kind == JobKind.KV_IMPORT
+        self.import_blocks(job.src_blocks, job.dst_blocks, where, chain_rows)
+
+    def import_blocks(self, src_blocks: np.ndarray, dst_blocks: np.ndarray, where: list[int],
+                      chain_rows: np.ndarray) -> None:
+        """Check every record, then write the blocks (host slots / disk files -> device blocks).
+
+        RecordRefused: a record was bad and nothing was written. `chain_rows`: [n, 16] uint8.
+        """
+        chains = _ChainList(chain_rows)
         n_item = int(np.prod(self.block_shape, dtype=np.int64)) * self.dtype.itemsize
         rows = np.empty((len(chains), n_item), np.uint8)
-        src = job.src_blocks.tolist()
+        src = src_blocks.tolist()
         host = [r for r, w in enumerate(where) if w == HOST]
         try:
             if len(host) == len(chains):  # every record checked and gathered in one pass, into place
@@ -109,8 +118,7 @@ class HostKv:
         except RecordRefused as e:  # nothing was written to the device
             self.refused[e.cause] = self.refused.get(e.cause, 0) + 1
             raise
-        self.backend.swap_in(np.asarray(job.dst_blocks), rows.view(self.dtype).reshape(len(chains),
-                                                                                       *self.block_shape))
+        self.backend.swap_in(np.asarray(dst_blocks), rows.view(self.dtype).reshape(len(chains), *self.block_shape))
 
     def _pool(self) -> KvSlotPool:
         if self.pool is None:

@@ -29,6 +29,7 @@ import zmq
 
 from ipc.doorbell import SemaphoreDoorbell
 from ipc.kv_slots import KvSlotPool
+from ipc.lane_imports import CAPABILITY as LANE_IMPORTS
 from ipc.records import RESULT_META_LEN, Job, JobStatus, ResultMeta
 from ipc.ring import RecordTooLarge, Ring, RingFull
 from workers.backends.base import ChipBackend
@@ -476,6 +477,8 @@ def run(config: WorkerConfig) -> int:
             info = backend.describe()
             if draft is not None:
                 info.extra["spec_draft"] = True
+            if info.kv_transfer is not None:  # it runs tier imports carried in prefill jobs (ipc.lane_imports)
+                info.extra[LANE_IMPORTS] = True
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             _log("worker.start_failed", error=message)

@@ -5,6 +5,15 @@ tiers; this is the scheduler's side of it: exports go out as one job ahead
 of any job that could overwrite their blocks, imports planned at admission
 go out at the next tick, and an import's result is completed like a prefill
 chunk (a refused one is recomputed).
+
+When the workers run imports carried in a prefill job (`ModelSpec.lane_imports`),
+an import planned at admission goes out instead in the request's first
+prefill job (`after_imports`, `attach_imports`): the chunk starts after the
+imported tokens, and the job's lane depends on the imported blocks. A lane
+whose import the worker refused was not run and wrote nothing: its prompt is
+recomputed from what the chip holds, and the job's other lanes complete as
+usual (`lane_imports_result`). Recompute, not an error: a tier is a cache, and
+a bad entry in it must cost time, never a request.
 """
 
 from __future__ import annotations
@@ -15,8 +24,11 @@ from engine.core.requests import TERMINAL_STATES, RequestState
 from engine.core.sched.admission import Admission
 from engine.core.sched.completion import Completion
 from engine.core.sched.lifecycle import Lifecycle
+from engine.core.batch_planner import PromptChunk
+from engine.core.request_record import RequestRecord
 from engine.core.sched.state import SchedState
-from ipc.records import JobKind, JobResult, JobStatus
+from ipc.lane_imports import LaneImports
+from ipc.records import Job, JobKind, JobResult, JobStatus
 
 S = RequestState
 
@@ -75,6 +87,81 @@ class TierJobs:
             ch.release_freed(out)  # before the import: it may write a freed block
             self._submit(ch, job, [rid], [r.seq_id], [r.committed], [end], now, out)
 
+    # -- imports carried in prefill jobs -------------------------------------------------
+    def after_imports(self, ch: ChipState, prompts: list[PromptChunk]) -> list[PromptChunk]:
+        """The chunks, each of a request with an import pending starting after the imported tokens."""
+        pending = self.st.lane_imports
+        out = []
+        for r, start, end in prompts:
+            plan = pending.get(r.request_id)
+            if plan is not None:
+                assert start == r.committed
+                start = r.committed + plan.blocks * ch.block_size
+                end = min(r.prefill_target, start + (end - r.committed))
+            out.append((r, start, end))
+        return out
+
+    def attach_imports(self, ch: ChipState, job: Job, rs: list[RequestRecord], first_prompt: int,
+                       now: float) -> None:
+        """Put the pending imports of the job's prompt lanes (from lane `first_prompt` on) into the job."""
+        st = self.st
+        bs = ch.block_size
+        parts = []
+        for lane in range(first_prompt, len(rs)):
+            r = rs[lane]
+            plan = st.lane_imports.pop(r.request_id, None)
+            if plan is None:
+                continue
+            first = r.committed // bs
+            dst = ch.kv.block_table_view(r.seq_id)[first:first + plan.blocks]
+            parts.append(st.tiers.lane_import(ch.chip, job.job_id, r.request_id, lane, plan, dst, now))
+        if parts:
+            job.imports = LaneImports.concat(parts)
+            st.counters["lane_import_jobs"] += 1
+
+    def lane_imports_result(self, ch: ChipState, job: InflightJob, result: JobResult, now: float,
+                            out: list[Action]) -> bool:
+        """The imports of a prefill job that carried some; its refused lanes go back to be recomputed (and are
+        dropped from the job). True when the whole job was handled here (a worker that ignored them)."""
+        st = self.st
+        tiers = st.tiers
+        ok = (result.generation == st.model.generation and result.kind == job.kind
+              and result.status == JobStatus.OK and result.tokens.shape[0] == job.batch)
+        refused = result.refused if ok else None
+        if ok and (refused is None or refused.shape[0] != job.batch):
+            # the imports were not run, so the prefill read blocks nobody wrote: nothing of the job is sound
+            tiers.job_done(job.job_id, False, False, now)
+            st.counters["failed_jobs"] += 1
+            self.lifecycle.fail_job(ch, job, "job_invalid", "the chip ran a prefill without its KV imports",
+                                    now, out)
+            return True
+        if not ok:  # lost, failed or stale: its lanes are failed by the caller, the entries unpinned here
+            tiers.job_done(job.job_id, False, False, now)
+            return False
+        for lane, (rid, seq_id) in enumerate(zip(job.lanes, job.seq_ids)):
+            if not refused[lane]:
+                tiers.lane_import_done(job.job_id, rid, True, False, now)
+                continue
+            tiers.lane_import_done(job.job_id, rid, False, True, now)
+            st.counters["tier_refused_imports"] += 1
+            job.dropped.add(rid)  # the job's result says nothing for it
+            self._recompute(ch, job.job_id, rid, seq_id, now)
+        return False
+
+    def _recompute(self, ch: ChipState, job_id: int, rid: int, seq_id: int, now: float) -> None:
+        """A lane whose import was refused whole (nothing written): the KV holds what it held; the tokens
+        after it are computed again (or, the request having ended meanwhile, its KV is released)."""
+        r = self.st.requests[rid]
+        ch.kv.abort_update(seq_id, job_id)
+        r.job_id = None
+        if r.state in TERMINAL_STATES:
+            self.admission.unbind(r, released=True)
+            self.lifecycle.forget_if_done(r)
+            return
+        r.move(S.PREFILL_READY)
+        ch.prefill.push(rid, r.prefill_target - r.committed, front=True)
+        r.ready_since = now
+
     def transfer_result(self, ch: ChipState, job: InflightJob, result: JobResult, now: float,
                         out: list[Action]) -> None:
         st = self.st
@@ -94,13 +181,4 @@ class TierJobs:
         # Refused whole before any write: the blocks hold what they held; recompute those tokens.
         st.counters["tier_refused_imports"] += 1
         for rid, seq_id in zip(job.lanes, job.seq_ids):
-            r = st.requests[rid]
-            ch.kv.abort_update(seq_id, job.job_id)
-            r.job_id = None
-            if r.state in TERMINAL_STATES:
-                self.admission.unbind(r, released=True)
-                self.lifecycle.forget_if_done(r)
-                continue
-            r.move(S.PREFILL_READY)
-            ch.prefill.push(rid, r.prefill_target - r.committed, front=True)
-            r.ready_since = now
+            self._recompute(ch, job.job_id, rid, seq_id, now)

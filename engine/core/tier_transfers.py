@@ -19,6 +19,12 @@ computed on chip 0 is found from chip 1 and after a restart.
   after the imported tokens. A refused import (corrupt, truncated, missing,
   other layout) wrote nothing: the sequence goes back to ACTIVE, those tier
   entries are dropped, and the tokens are recomputed.
+* Promotion in the prefill job. When the workers run imports carried in a
+  prefill job (`ipc.lane_imports`), the plan rides in the job of the
+  prompt's first chunk instead (`lane_import`): no round trip of its own.
+  The worker refuses a lane whose import is bad and runs the others; the
+  refused lane's tier entries are dropped and its prompt is recomputed
+  (`lane_import_done`).
 
 Transfer jobs encode, besides src/dst blocks: tokens = the blocks' chain
 hashes (4 int32 words each) and positions = where each block goes or comes
@@ -38,6 +44,7 @@ from engine.core.kv.chain_hash import DIGEST, chain_of, extend_chain, root_hash
 from engine.core.kv.manager import KvManager
 from engine.core.kv.tier_index import EntryState, TierEntry, TierIndex
 from engine.core.kv.tier_policy import PromoteMode, TierPolicy
+from ipc.lane_imports import LaneImports
 from ipc.records import Job, JobKind
 
 HOST = 1
@@ -104,6 +111,7 @@ class KvTiers:
         self._roots: dict[str, bytes] = {}
         self._exports: dict[int, list[tuple[int, bytes, TierEntry | None, TierEntry | None]]] = {}
         self._jobs: dict[int, _Transfer] = {}
+        self._lane_jobs: dict[int, dict[int, _Transfer]] = {}  # prefill job id -> lane's request id -> its import
         self.counters: Counter[str] = Counter()
         self.times = {JobKind.KV_EXPORT: TierStats(), JobKind.KV_IMPORT: TierStats()}
 
@@ -119,6 +127,9 @@ class KvTiers:
 
     def is_transfer(self, job_id: int) -> bool:
         return job_id in self._jobs
+
+    def has_lane_imports(self, job_id: int) -> bool:
+        return job_id in self._lane_jobs
 
     # -- exports ---------------------------------------------------------------------
     def collect(self, chip: int, kv: KvManager) -> None:
@@ -218,12 +229,44 @@ class KvTiers:
         self.counters["hit_disk_blocks"] += len(plan.disk)
         return job
 
+    def lane_import(self, chip: int, job_id: int, rid: int, lane: int, plan: ImportPlan, dst: Sequence[int],
+                    now: float) -> LaneImports:
+        """The plan as imports of lane `lane` (request `rid`) of prefill job `job_id`, into device blocks `dst`."""
+        assert len(dst) == plan.blocks
+        self._lane_jobs.setdefault(job_id, {})[rid] = _Transfer(JobKind.KV_IMPORT, chip, plan.blocks, plan.host,
+                                                               plan.disk, now)
+        self.counters["import_lanes"] += 1
+        self.counters["hit_host_blocks"] += len(plan.host)
+        self.counters["hit_disk_blocks"] += len(plan.disk)
+        return LaneImports.build([lane] * plan.blocks, plan.src, dst, plan.where, chain_words(plan.chains))
+
+    def drop_plan(self, plan: ImportPlan) -> None:
+        """A plan that never went out (its request ended or was preempted first): its entries are unpinned."""
+        if self.host is not None:
+            self.host.unpin(plan.host)
+        if self.disk is not None:
+            self.disk.unpin(plan.disk)
+
+    def lane_import_done(self, job_id: int, rid: int, ok: bool, refused: bool, now: float) -> None:
+        """The import of one lane of a prefill job ended (as `job_done` for a KV_IMPORT job)."""
+        lanes = self._lane_jobs.get(job_id)
+        t = None if lanes is None else lanes.pop(rid, None)
+        if lanes is not None and not lanes:
+            del self._lane_jobs[job_id]
+        if t is not None:  # not timed: the job's time is its prefill's as much as the import's
+            self._import_done(t, ok, refused, now, timed=False)
+
     # -- results -------------------------------------------------------------------------
     def job_done(self, job_id: int, ok: bool, refused: bool, now: float) -> _Transfer | None:
         """A transfer job ended (ok, refused = the worker rejected its records, or lost when neither)."""
         t = self._jobs.pop(job_id, None)
         if t is None:
+            for lane in self._lane_jobs.pop(job_id, {}).values():  # a prefill job carrying imports, lost
+                self._import_done(lane, False, False, now)
             return None
+        if t.kind is JobKind.KV_IMPORT:
+            self._import_done(t, ok, refused, now)
+            return t
         if ok:
             self.counters["bytes_moved"] += t.blocks * self.block_bytes
             st = self.times[t.kind]
@@ -235,7 +278,16 @@ class KvTiers:
                 for e in entries:
                     tier.filled(e, ok)
             self.counters["exported_blocks" if ok else "export_failed_blocks"] += t.blocks
-            return t
+        return t
+
+    def _import_done(self, t: _Transfer, ok: bool, refused: bool, now: float, timed: bool = True) -> None:
+        if ok:
+            self.counters["bytes_moved"] += t.blocks * self.block_bytes
+        if ok and timed:
+            st = self.times[t.kind]
+            dt = max(0.0, now - t.submitted_at)
+            st.hist[bisect.bisect_left(TRANSFER_BUCKETS, dt)] += 1
+            st.seconds_sum += dt
         if self.host is not None:
             self.host.unpin(t.host)
         if self.disk is not None:
@@ -250,7 +302,6 @@ class KvTiers:
                     tier.drop(e)
         else:
             self.counters["import_failed"] += 1
-        return t
 
     def chip_down(self, chip: int, job_ids: Sequence[int], now: float) -> None:
         """The chip's worker died: its transfers in flight are lost, what it had queued is dropped."""

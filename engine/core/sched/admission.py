@@ -250,7 +250,9 @@ class Admission:
         plan = None
         if st.tiers is not None and key is not None:
             plan = st.tiers.plan_import(key.salt, r.tokens, cached // ch.block_size)
-            if plan is not None:
+            if plan is not None and st.model.lane_imports:
+                st.lane_imports[r.request_id] = plan  # rides in its first prefill job (TierJobs.attach_imports)
+            elif plan is not None:
                 st.imports.append((chip, r.request_id, plan))
         r.chip, r.seq_id = chip, seq_id
         r.committed, r.reserved, r.prefill_target = cached, reserve_len, n
@@ -276,6 +278,10 @@ class Admission:
             return
         st = self.st
         ch = st.chips[r.chip]
+        if st.lane_imports:
+            plan = st.lane_imports.pop(r.request_id, None)
+            if plan is not None:  # never sent: its tier entries are free to go again
+                st.tiers.drop_plan(plan)
         if released:
             ch.kv.release(r.seq_id)
         ch.bound.discard(r.request_id)

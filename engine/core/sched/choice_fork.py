@@ -75,6 +75,9 @@ class ChoiceForks:
             return
         start, end = r.committed, n - 1  # start: the prefix-cache hit, whole blocks; end: what decode feeds
         ch.prefill.remove(r.request_id)
+        plan = st.lane_imports.pop(r.request_id, None) if st.lane_imports else None
+        if plan is not None:  # a tier promotion its prefill job would have carried: the leader's copy covers it
+            st.tiers.drop_plan(plan)
         r.move(S.PREFILL_RUNNING)
         if r.t_first_sched is None:
             r.t_first_sched = now

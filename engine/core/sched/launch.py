@@ -36,6 +36,8 @@ class Launcher:
         the record, the requests' moves, the job in flight, then release notices and the job itself."""
         st = self.st
         kind, decode, prompts, batch, steps, drafts, model_drafts = plan
+        if st.lane_imports and prompts:  # a prompt's pending tier import rides in this job: chunks start after it
+            prompts = self.tier_jobs.after_imports(ch, prompts)
         job_id = next(st.job_ids)
         rs = decode + [r for r, _, _ in prompts]
         # a decode lane whose job is still running gets its next step queued: one position further on
@@ -51,6 +53,8 @@ class Launcher:
             model_drafts = model_drafts + [False] * len(prompts) if model_drafts is not None else None
             ends = [e + len(ds) for e, ds in zip(ends, drafts)]
         job = self._record(ch, plan, job_id, rs, starts, ends, sampled, queued, drafts, model_drafts)
+        if st.lane_imports and prompts:
+            self.tier_jobs.attach_imports(ch, job, rs, len(decode), now)
         if st.model.lora_slots:
             adapters = adapter_field(rs, job.batch)
             if adapters is not None:

@@ -162,7 +162,7 @@ class Lifecycle:
         inflight_lanes = list(dict.fromkeys(rid for job in ch.inflight.values() for rid in job.lanes
                                             if rid not in job.dropped))
         if st.tiers is not None:  # its transfers are lost, and blocks noted for export are gone with the chip
-            st.tiers.chip_down(chip, [j for j, job in ch.inflight.items() if job.kind in TRANSFERS], now)
+            st.tiers.chip_down(chip, list(ch.inflight), now)  # transfers, and prefill jobs carrying imports
             ch.kv.tier_sink.clear()
             ch.kv.cache.evict_sink.clear()
             ch.transfers = 0
@@ -232,6 +232,7 @@ class Lifecycle:
                 del ch.inflight[job.job_id]
                 if job.kind in TRANSFERS:
                     ch.transfers -= 1
+                if st.tiers is not None:  # a transfer, or a prefill job carrying imports
                     st.tiers.job_done(job.job_id, False, False, now)
                 st.counters["timed_out_jobs"] += 1
                 if ch.governor.on_timeout():

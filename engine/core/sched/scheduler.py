@@ -180,6 +180,9 @@ class Scheduler:
         assert ch is not None
         st.dirty = True
         out: list[Action] = []
+        if st.tiers is not None and st.tiers.has_lane_imports(job.job_id) \
+                and self._tier_jobs.lane_imports_result(ch, job, result, now, out):
+            return self._release_choices(now, out)
         if job.kind in TRANSFERS:
             self._tier_jobs.transfer_result(ch, job, result, now, out)
         elif job.kind is JobKind.KV_COPY:

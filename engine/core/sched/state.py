@@ -60,6 +60,7 @@ class ModelSpec:
     lora_slots: int = 0  # LoRA adapters a job's lanes may name (the chips' device slots); 0 = none
     lora_mixed: bool = True  # lanes of different adapters may share a job; False: jobs grouped by adapter
     kv_copy: bool = False  # the backend copies KV blocks on the device (KV_COPY jobs): choices fork by copy
+    lane_imports: bool = False  # the workers run tier imports carried in a prefill job (describe().extra)
 
 
 @dataclass(eq=False)
@@ -108,6 +109,8 @@ class SchedState:
     admission_blocked: str | None = None
     tenant_service: Counter[str] = field(default_factory=Counter)  # tokens computed per tenant
     imports: list[tuple[int, int, ImportPlan]] = field(default_factory=list)  # (chip, rid, plan) not launched
+    # with model.lane_imports: rid -> the plan its first prefill job carries (engine/core/tier_jobs.py)
+    lane_imports: dict[int, ImportPlan] = field(default_factory=dict)
 
     @classmethod
     def create(cls, config: SchedulerConfig, model: ModelSpec, chips: list[ChipSpec],

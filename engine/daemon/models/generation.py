@@ -33,6 +33,7 @@ from engine.daemon.log import log
 from engine.daemon.replica_link import ReplicaLink
 from engine.daemon.supervisor import ChipState, Decision, Supervisor
 from engine.daemon.text_io import piece_cache_stats, piece_function, served_tokenizer
+from ipc.lane_imports import CAPABILITY as LANE_IMPORTS
 from ipc.records import Job, JobResult
 from ipc.ring import RingFull
 from ipc.shm import ShmFull
@@ -193,7 +194,8 @@ class Generation:
                           lora_slots=min(int((info.extra.get("lora") or {}).get("slots", 0)),
                                          cfg.lora.max_loaded_per_chip),
                           lora_mixed=bool((info.extra.get("lora") or {}).get("mixed", True)),
-                          kv_copy=_forks_blocks(info.extra.get("supports") or {}))
+                          kv_copy=_forks_blocks(info.extra.get("supports") or {}),
+                          lane_imports=bool(info.extra.get(LANE_IMPORTS, False)))
         chips = [ChipSpec(chip=c, num_blocks=i.kv.num_blocks, block_size=i.kv.block_size)
                  for c, i in enumerate(infos)]
         try:

@@ -30,7 +30,8 @@ def tier_families(b: Builder, kt: dict) -> None:
           [((t,), c.get(f"hit_{t}_blocks", 0)) for t in tiers])
     b.add("counter", "kv_tier_evictions", "Blocks a tier let go of for room (LRU).", ("tier",),
           [((t,), kt[t]["counters"].get("evicted", 0)) for t in tiers])
-    b.add("counter", "kv_tier_promotions", "Blocks imported to a chip (KV_IMPORT jobs that succeeded).", (),
+    b.add("counter", "kv_tier_promotions", "Blocks imported to a chip (KV_IMPORT jobs, or imports in prefill jobs, "
+          "that succeeded).", (),
           [((), c.get("promoted_blocks", 0))])
     b.add("counter", "kv_tier_demotions", "Blocks exported from a chip, by why: write_through (new prefix "
           "blocks) or demoted (evicted by the device).", ("why",),

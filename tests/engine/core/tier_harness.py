@@ -39,6 +39,8 @@ class Board:
     mode: PromoteMode = PromoteMode.ALWAYS
     write_through: bool = True
     tiers_on: bool = True
+    lane_imports: bool = False  # the workers take imports inside prefill jobs (ipc.lane_imports)
+    mixed_batch_tokens: int = 0  # > 0: a prefill job may carry several prompts
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -64,7 +66,8 @@ class Board:
                                  write_through=self.write_through)
         model = ModelSpec(generation=1, vocab_size=info.vocab_size, eos_ids=tuple(info.eos_ids),
                           max_seq=info.max_seq, profiles=tuple(p.batch for p in info.profiles),
-                          chunked_prefill=info.chunked_prefill)
+                          chunked_prefill=info.chunked_prefill, lane_imports=self.lane_imports,
+                          mixed_batch_tokens=self.mixed_batch_tokens)
         self.sched = Scheduler(self.config, model, [ChipSpec(c, self.num_blocks, info.kv.block_size)
                                                     for c in range(self.chips)], tiers=self.tiers)
         for ch in self.sched.chips.values():
@@ -74,6 +77,7 @@ class Board:
         self.terminal: dict[int, FinishRequest | FailRequest] = {}
         self.submitted: dict[int, tuple[int, int]] = {}  # request -> (prompt length, max_tokens), for the checks
         self.kinds: list[tuple[int, str]] = []
+        self.jobs: list[tuple[int, Job]] = []  # (chip, job) as submitted
         self.now = 0.0
         self.refuse_next: dict[int, int] = {}  # chip -> jobs to drop unanswered (a worker that dies)
 
@@ -84,6 +88,7 @@ class Board:
                 job = Job.from_arrays(a.job.to_arrays())  # what crosses the ring
                 self.queues[a.chip].append(job)
                 self.kinds.append((a.chip, a.job.kind.name))
+                self.jobs.append((a.chip, a.job))
             elif isinstance(a, FinishRequest | FailRequest):
                 assert a.request_id not in self.terminal
                 self.terminal[a.request_id] = a
@@ -103,7 +108,9 @@ class Board:
                 continue
             job = q.popleft()
             out = execute_job(self.backends[chip], job, 0.0, self.host_kv[chip])
-            res = JobResult(job.job_id, job.generation, job.kind, out.status, out.tokens, out.logprobs)
+            res = JobResult(job.job_id, job.generation, job.kind, out.status, out.tokens, out.logprobs,
+                            refused=(out.extra or {}).get("refused"))
+            res = JobResult.from_arrays(res.to_arrays())  # what crosses the ring back
             self.handle(self.sched.on_result(chip, res, self.now))
             progressed = True
         return progressed

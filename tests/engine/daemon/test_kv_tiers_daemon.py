@@ -73,3 +73,21 @@ def test_restart_starts_warm_from_the_disk_tier(daemon, short_dir):
     assert t["counters"]["hit_disk_blocks"] >= 3, t  # the very first request after the restart hit
     assert t["counters"]["disk_restored_blocks"] >= 3
     assert "kv_disk_warm" in d2.log()
+
+
+def test_host_hit_is_promoted_inside_the_prefill_job(daemon, short_dir):
+    """A prefix evicted from the chip comes back from the host tier in the prefill job itself (the workers
+    announce lane imports): no KV_IMPORT job, and the tokens a recomputation gives."""
+    d = daemon(backend="ref", chips=1, settings=_settings(os.path.join(short_dir, "kv")))
+    with d.client(timeout=60) as c:
+        cold = c.generate(PROMPT_B, max_tokens=6).tokens  # computed whole: nothing in any tier yet
+        assert _tiers(c)["counters"].get("hit_host_blocks", 0) == 0
+        for k in range(3):  # unrelated prompts evict PROMPT_B's blocks from the 8-block device pool
+            c.generate([(k * 101 + j * 17) % 300 + 1 for j in range(60)], max_tokens=4)
+        warm = c.generate(PROMPT_B, max_tokens=6).tokens
+        t = _tiers(c)["counters"]
+        sched = c.stats()["scheduler"]["counters"]
+    assert warm == cold
+    assert t["hit_host_blocks"] == 3 and t["promoted_blocks"] == 3, t
+    assert t["import_lanes"] == 1 and t.get("import_jobs", 0) == 0, t
+    assert sched["lane_import_jobs"] == 1, sched
