@@ -59,6 +59,10 @@ class BatchPlanner:
         else:
             budget = config.mixed_token_budget
             self.mixed_budget = mixed_batch_tokens if budget <= 0 else min(budget, mixed_batch_tokens)
+        # Prompt tokens a mixed job takes while decode lanes run; 0: no cap. Only when prompts are chunked:
+        # an unchunked prompt above it could never go (a backend that cannot chunk keeps the budget alone).
+        cap = config.prompt_tokens_while_decoding
+        self.prompt_cap = cap if (cap > 0 and chunked and self.mixed_budget) else 0
 
     # ------------------------------------------------------------ decode lanes
     def decode_candidates(self, ready: Collection[int], requests: Mapping[int, RequestRecord]) -> list[RequestRecord]:
@@ -128,6 +132,20 @@ class BatchPlanner:
         """The decode lanes a mixed job offers a place: waiting prompts always get half the job."""
         room = max(1, budget // 2) if prompts_waiting else budget
         return self.pick_lanes(cands, min(len(cands), self.top, room))
+
+    def prompt_room(self, left: int, decoding: bool) -> int:
+        """The prompt tokens a mixed job may take of the `left` its decode lanes leave of the budget.
+
+        While decode lanes run on the chip (`decoding`: in this job or in
+        one in flight), at most `prompt_tokens_while_decoding`: every step
+        the running streams wait for then costs about a plain decode step
+        plus that share, however long the prompts arriving. A prompt above
+        the cap is chunked to it (`take_prompts`: the first prompt of a job
+        is always chunked to the room left), so it takes the cap every job
+        it leads and never waits for a job with more room.
+        """
+        cap = self.prompt_cap
+        return min(left, cap) if cap and decoding else left
 
     def take_prompts(self, queues: PrefillQueues, wrr: SmoothWeightedRoundRobin,
                      requests: Mapping[int, RequestRecord], left: int) -> tuple[list[PromptChunk], int]:
