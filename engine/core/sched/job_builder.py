@@ -148,8 +148,9 @@ class JobBuilder:
                     batch = plan.fitting_profile(len(decode))
                     st.job_counts.decode_job(batch, len(decode))
                     return self._plan(ch, JobKind.DECODE, decode, [], batch, steps)
-        room = plan.prompt_room(budget - len(decode), bool(decode) or self._decoding(ch))
-        prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, room)
+        decoding, left = bool(decode) or self._decoding(ch), budget - len(decode)
+        room = plan.prompt_room(left, decoding)
+        prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, room, plan.capped(left, decoding))
         if lora:
             if prompts:
                 prompts, put_back = self.adapters.prompts(st.model, ch.prefill, decode, prompts)

@@ -197,3 +197,37 @@ def test_the_cap_is_a_batch_key_and_may_not_be_negative():
     assert SchedulerConfig().prompt_tokens_while_decoding == 256
     with pytest.raises(ValueError, match="prompt_tokens_while_decoding"):
         SchedulerConfig(prompt_tokens_while_decoding=-1)
+
+
+def test_the_streams_next_prompts_go_first_and_a_long_prompt_keeps_half_the_cap_every_job():
+    """Scenario long-prompt over HTTP: a stream's next request is a short prompt, and the stream's gap runs
+    until its first token, so it goes whole in the next job, before the long prompt's chunk; the long
+    prompt keeps at least half the cap in every job, however many short prompts keep arriving."""
+    cap = 64
+    s, ex, now = decoding(prompt_tokens_while_decoding=cap, mixed_token_budget=512)
+    submit(ex, 10, 1000, 1, now)
+    ex.handle(s.tick(now))
+    ex.complete_all(now)
+    rid = 100
+    while 10 not in ex.terminal:
+        now += 0.001
+        arrived = []
+        for _ in range(3):  # three 20-token prompts a job: 60 of the 64 if they all went first
+            submit(ex, rid, 20, 1, now)
+            arrived.append(rid)
+            rid += 1
+        ex.handle(s.tick(now))
+        (_, job), = ex.pending
+        lanes = lanes_of(job)
+        ex.complete_all(now)
+        assert prompt_tokens(lanes) <= cap
+        if 10 not in ex.terminal:
+            assert chunks([lanes], 10) and chunks([lanes], 10)[0] >= cap // 2, lanes
+        shorts = [(seed, n) for seed, n, p in lanes if seed >= 100 and p]
+        assert shorts and all(n == 20 for _, n in shorts), lanes  # whole, one at least in every job
+        if arrived[0] == 100:
+            assert shorts[0][0] == 100  # the first to arrive goes at once, beside the long prompt's chunk
+        assert rid < 1000, "the long prompt did not finish"
+    assert ex.tokens[10] == [default_token(10, 1000)]
+    ex.run(now)
+    assert all(ex.tokens[r] == [default_token(r, 20)] for r in range(100, rid))  # every short prompt went too
