@@ -193,7 +193,14 @@ def test_a_backend_that_cannot_chunk_keeps_running_the_whole_prompt_beside_the_s
 
 
 def test_the_cap_is_a_batch_key_and_may_not_be_negative():
-    assert scheduler_config_from({"batch": {"prompt_tokens_while_decoding": 96}}).prompt_tokens_while_decoding == 96
+    from engine.config import load_config
+    from engine.config_schema import ConfigError
+
+    env = {"XDG_RUNTIME_DIR": "/run/user/1000"}
+    cfg = load_config(None, {"batch.prompt_tokens_while_decoding": 96}, env=env)
+    assert scheduler_config_from(cfg).prompt_tokens_while_decoding == 96
+    with pytest.raises(ConfigError, match="prompt_tokens_while_decoding"):
+        load_config(None, {"batch.prompt_tokens_while_decoding": -1}, env=env)
     assert SchedulerConfig().prompt_tokens_while_decoding == 256
     with pytest.raises(ValueError, match="prompt_tokens_while_decoding"):
         SchedulerConfig(prompt_tokens_while_decoding=-1)
