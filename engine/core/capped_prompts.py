@@ -8,13 +8,13 @@ from its last token to that prompt's first), so prompts that fit the room
 whole go first; a prompt above the room (or above `prefill_chunk_tokens`: it
 only goes in chunks), and one already chunked, keeps at least half of it, so
 it progresses in every job however many short prompts arrive, and its chunk
-fills whatever the whole prompts leave. A short prompt is not split to fill a remainder (as without
-the cap): it goes whole in a later job. Within a class
-first come, first served (a chunked prompt's next chunk heads its class, so
-two long prompts finish one after the other); across classes the prefill
-classes' weighted round robin. A prompt that cannot be chunked (its whole
-prompt is needed at once) and is above the room still goes whole as a job's
-first prompt, as without the cap: it could never go otherwise.
+fills whatever the whole prompts leave. A short prompt is not split to fill
+a remainder (as without the cap): it goes whole in a later job. Within a
+class first come, first served (a chunked prompt's next chunk heads its
+class, so two long prompts finish one after the other); across classes the
+prefill classes' weighted round robin. A prompt that cannot be chunked (its
+whole prompt is needed at once) and is above the room still goes whole as a
+job's first prompt, as without the cap: it could never go otherwise.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def take_capped(queues: PrefillQueues, wrr: SmoothWeightedRoundRobin, requests: 
         hs = heads()
         split = holders(hs)
         whole = {c: (r, n) for c, r, n, ok in hs if c not in split and (
-            (n <= left - reserve and (n <= chunk or not ok)) or (not ok and not prompts and n > left))}
+            (n <= left - reserve and (n <= chunk or not ok)) or (not ok and not prompts and n > left - reserve))}
         if whole:
             cls = wrr.pick(list(whole))
             assert cls is not None

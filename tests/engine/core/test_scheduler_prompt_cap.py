@@ -172,6 +172,20 @@ def test_a_zero_cap_leaves_the_mixed_budget_alone():
     assert chunks([lanes_of(job)], 10) == [512 - STREAMS]
 
 
+def test_a_prompt_that_cannot_be_chunked_still_goes_whole_as_a_jobs_first_while_a_long_one_is_chunked():
+    """Prompt logprobs need the whole prompt in one job: above the cap it goes alone and whole in a job
+    of its own turn (as without the cap), never waiting for the long prompt to finish."""
+    s, ex, now = decoding(prompt_tokens_while_decoding=64, mixed_token_budget=512)
+    submit(ex, 10, 1000, 1, now)  # medium class: 1000 / 64 = 16 jobs
+    PROMPT_LEN[11] = 100
+    ex.submit(11, params(n_prompt=100, max_tokens=1, seed=11, prompt_logprobs=0), now)  # short class
+    jobs = drive(s, ex, now, {10, 11})
+    (whole,) = [j for j in jobs if chunks([j], 11)]
+    assert chunks([whole], 11) == [100] and not chunks([whole], 10)  # alone beside the streams, whole
+    done_10 = max(i for i, j in enumerate(jobs) if chunks([j], 10))
+    assert jobs.index(whole) < done_10
+
+
 @pytest.mark.parametrize("how", ["config", "backend"])
 def test_a_backend_that_cannot_chunk_keeps_running_the_whole_prompt_beside_the_streams(how):
     """Without chunked prefill the cap does not apply: a prompt above it could never go."""
