@@ -185,6 +185,12 @@ class BatchConfig:
                                               "the backend's limit; 0 = the backend's limit. 512 (llama.cpp's "
                                               "n_ubatch): a long prompt never stalls the running streams for "
                                               "longer than one such step")
+    prompt_tokens_while_decoding: int = key(_SCHED.prompt_tokens_while_decoding, integer(0),
+                                            "mixed batches: prompt tokens a job computes at most while decode "
+                                            "lanes run on the chip (a longer prompt goes in chunks of this many, "
+                                            "one per job, when the backend chunks prefills), so the running "
+                                            "streams wait about a plain decode step plus this share per step; "
+                                            "0 = the mixed token budget alone")
     static_batching: bool = key(_SCHED.static_batching, boolean, "baseline for benchmarks: admit a new batch only once every "
                                               "admitted sequence has finished (off = continuous batching)")
 

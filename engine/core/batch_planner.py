@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping
 from operator import attrgetter
 
 from engine.core.batch_profiles import lanes_for
+from engine.core.capped_prompts import PromptChunk, take_capped
 from engine.core.logprob_asks import whole_prompt
 from engine.core.prefill_queues import PrefillQueues, SmoothWeightedRoundRobin
 from engine.core.request_record import RequestRecord
@@ -25,8 +26,6 @@ from engine.core.scheduler_config import SchedulerConfig
 
 PREFILL_WINDOW_CAP = 8  # a held job of prompts leaves at most this many prefill windows after its oldest prompt
 _DECODE_KEY = attrgetter("decode_key")
-
-PromptChunk = tuple[RequestRecord, int, int]  # (request, start, end): the prompt positions a job computes
 
 
 def hold_until(fire_at: float, window: float, held: list[RequestRecord], now: float) -> float | None:
@@ -59,6 +58,10 @@ class BatchPlanner:
         else:
             budget = config.mixed_token_budget
             self.mixed_budget = mixed_batch_tokens if budget <= 0 else min(budget, mixed_batch_tokens)
+        # Prompt tokens a mixed job takes while decode lanes run; 0: no cap. Only when prompts are chunked:
+        # an unchunked prompt above it could never go (a backend that cannot chunk keeps the budget alone).
+        cap = config.prompt_tokens_while_decoding
+        self.prompt_cap = cap if (cap > 0 and chunked and self.mixed_budget) else 0
 
     # ------------------------------------------------------------ decode lanes
     def decode_candidates(self, ready: Collection[int], requests: Mapping[int, RequestRecord]) -> list[RequestRecord]:
@@ -129,10 +132,27 @@ class BatchPlanner:
         room = max(1, budget // 2) if prompts_waiting else budget
         return self.pick_lanes(cands, min(len(cands), self.top, room))
 
+    def prompt_room(self, left: int, decoding: bool) -> int:
+        """The prompt tokens a mixed job may take of the `left` its decode lanes leave of the budget: while
+        decode lanes run on the chip (`decoding`: in this job or in one in flight), at most
+        `prompt_tokens_while_decoding`, so every step the running streams wait for costs about a plain
+        decode step plus that share, however long the prompts arriving."""
+        cap = self.prompt_cap
+        return min(left, cap) if cap and decoding else left
+
+    def capped(self, left: int, decoding: bool) -> bool:
+        """The cap binds: decode lanes run and it is below the `left` the decode lanes leave of the budget."""
+        return bool(self.prompt_cap) and decoding and self.prompt_cap < left
+
     def take_prompts(self, queues: PrefillQueues, wrr: SmoothWeightedRoundRobin,
-                     requests: Mapping[int, RequestRecord], left: int) -> tuple[list[PromptChunk], int]:
-        """Prompt chunks for a mixed job with `left` tokens of budget; returns them and the budget left
-        (negative: an unchunked prompt beyond it, see `trim_decode`).
+                     requests: Mapping[int, RequestRecord], left: int, capped: bool = False
+                     ) -> tuple[list[PromptChunk], int]:
+        """Prompt chunks for a mixed job with `left` tokens of budget (`prompt_room`); returns them and the
+        budget left (negative: an unchunked prompt beyond it, see `trim_decode`).
+
+        When the prompt cap binds (`capped`), the running streams' next
+        prompts go first and a prompt above the cap keeps half of it:
+        `capped_prompts.take_capped`. Otherwise:
 
         Prompts are taken by the prefill classes' weighted round robin and
         popped from the chip's queues (the round robin's turn is part of the
@@ -144,6 +164,8 @@ class BatchPlanner:
         max_seq).
         """
         chunk = self.chunk
+        if capped:
+            return take_capped(queues, wrr, requests, left, self.top, chunk)
         prompts: list[PromptChunk] = []
         while len(prompts) < self.top:
             classes = queues.nonempty()

@@ -68,6 +68,14 @@ class SchedulerConfig:
     # the whole prompt (the backend's limit is max_seq) in one job that every stream waits for.
     mixed_batches: bool = True
     mixed_token_budget: int = 512
+    # While decode lanes run on the chip, a mixed job computes at most this many prompt tokens (0: the
+    # budget alone), so each step the streams wait for costs about a plain decode step plus this share;
+    # a prompt longer than that goes in chunks of it, one per job, when the backend chunks prefills
+    # (BatchPlanner.prompt_room). 256, half of llama.cpp's n_ubatch: on a CPU a job's prompt tokens
+    # dominate its cost, so this halves the running streams' worst gap behind a long prompt, and the
+    # prompt pays about one more plain decode step per extra job. A token count, not a measured cost,
+    # so that what a job carries does not depend on timing.
+    prompt_tokens_while_decoding: int = 256
     # speculative decoding (engine.core.spec): "off" | "ngram" by default for requests that do not say
     spec_method: str = "off"
     spec_max_draft_tokens: int = 4
@@ -114,6 +122,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1 (a zero weight starves its queue)")
         if self.mixed_token_budget < 0:
             raise ValueError("mixed_token_budget must be >= 0 (0: the backend's limit)")
+        if self.prompt_tokens_while_decoding < 0:
+            raise ValueError("prompt_tokens_while_decoding must be >= 0 (0: no cap beyond the mixed budget)")
         if self.batching_window_s < 0 or self.prefill_window_s < 0 or self.job_timeout_s <= 0:
             raise ValueError("batching_window_s and prefill_window_s must be >= 0 and job_timeout_s > 0")
         if not 0 < self.max_tenant_lane_share <= 1:
@@ -187,6 +197,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         prefill_chunk_tokens=int(_get(b, "prefill_chunk_tokens", d.prefill_chunk_tokens)),
         mixed_batches=bool(_get(b, "mixed_batches", d.mixed_batches)),
         mixed_token_budget=int(_get(b, "mixed_token_budget", d.mixed_token_budget)),
+        prompt_tokens_while_decoding=int(_get(b, "prompt_tokens_while_decoding", d.prompt_tokens_while_decoding)),
         spec_method=str(_get(sp, "method", d.spec_method)),
         spec_max_draft_tokens=int(_get(sp, "max_draft_tokens", d.spec_max_draft_tokens)),
         spec_k_choice=str(_get(sp, "k_choice", d.spec_k_choice)),

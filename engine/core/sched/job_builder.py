@@ -20,6 +20,7 @@ from engine.core.logprob_asks import whole_prompt
 from engine.core.lora.job_lanes import AdapterLanes
 from engine.core.prefill_queues import WorkClass
 from engine.core.request_record import RequestRecord
+from engine.core.requests import RequestState
 from engine.core.sched.admission import Admission
 from engine.core.sched.state import SchedState, block_end
 from engine.core.spec.planner import draft_room
@@ -147,19 +148,34 @@ class JobBuilder:
                     batch = plan.fitting_profile(len(decode))
                     st.job_counts.decode_job(batch, len(decode))
                     return self._plan(ch, JobKind.DECODE, decode, [], batch, steps)
-        prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, budget - len(decode))
+        decoding, left = bool(decode) or self._decoding(ch), budget - len(decode)
+        room = plan.prompt_room(left, decoding)
+        prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, room, plan.capped(left, decoding))
         if lora:
             if prompts:
                 prompts, put_back = self.adapters.prompts(st.model, ch.prefill, decode, prompts)
                 left += put_back
             if self.adapters.end_mixed(st.model, ch.chip, decode, prompts):
                 return self._mixed(ch, budget, now)  # the overdue adapter had nothing here: plan freely
-        prompt_tokens = budget - len(decode) - left
+        prompt_tokens = room - left
         decode = plan.trim_decode(decode, prompt_tokens, left)
         if not decode and not prompts:
             return None
         st.job_counts.mixed_job(len(decode), len(prompts), prompt_tokens)
         return self._plan(ch, JobKind.PREFILL, decode, prompts, None)
+
+    def _decoding(self, ch: ChipState) -> bool:
+        """Decode lanes run on the chip: ready for a step, or in a job in flight (ping/pong, a queued step):
+        a job of prompts alone still delays their next step by its whole cost."""
+        if ch.decode_ready:
+            return True
+        requests = self.st.requests
+        for job in ch.inflight.values():
+            for rid in job.lanes:
+                r = requests.get(rid)
+                if r is not None and r.state is RequestState.DECODE_RUNNING:
+                    return True
+        return False
 
     def _plan(self, ch: ChipState, kind: JobKind, decode: list[RequestRecord], prompts: list[PromptChunk],
               batch: int | None, steps: int = 1) -> JobPlan:
