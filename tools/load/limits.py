@@ -92,5 +92,14 @@ def work_ratio(measure: str, ratio: float | None, ours: float | None, theirs: fl
                  higher_is_better=higher_is_better, inputs={"ours": ours, "theirs": theirs, **inputs})
 
 
+def own_best(measure: str, ratio: float | None, best: float | None, peer: float | None, what: str, target: str,
+             **inputs) -> Limit:
+    """Throughput against a peer, bounded by the subject's own best on easier work measured in the same run
+    (e.g. its base-only tokens/s under a mix of adapters): the harder work adds cost, never speed."""
+    bound = best / peer if best is not None and peer else None
+    return Limit(measure, _r(ratio), _r(bound), target, f"{what}: {_r(best, 1)} vs the peer's {_r(peer, 1)}",
+                 inputs={"best": best, "peer": peer, **inputs})
+
+
 def unmodelled(measure: str, figure: float | None, target: str, why: str) -> Limit:
     return Limit(measure, _r(figure), None, target, why)

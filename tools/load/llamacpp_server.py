@@ -37,12 +37,13 @@ class LocalServer:
 
 def start(gguf: str, *, threads: int, parallel: int, ctx_per_slot: int, api_key: str | None = None,
           cache_ram_mib: int | None = None, threads_http: int | None = None, swa_full: bool = False,
-          timeout: float = 300.0) -> LocalServer:
+          loras: tuple[str, ...] | list[str] = (), timeout: float = 300.0) -> LocalServer:
     """Start the server on `gguf` with `parallel` slots of `ctx_per_slot` tokens; wait for its URL.
 
     `threads_http`: llama.cpp's HTTP threads (its default: `parallel` + 2). Each serves one connection
     while it is kept alive, so a load with more connections open than threads leaves the rest waiting
-    for a thread, not for a slot."""
+    for a thread, not for a slot. `loras`: LoRA GGUF files loaded unapplied (llama.cpp's `--lora` with
+    `--lora-init-without-apply`), ids in this order: a request applies one with its `lora` list."""
     cmd = [sys.executable, "-m", "tools.load.llamacpp_server", "--gguf", gguf, "--threads", str(threads),
            "--parallel", str(parallel), "--ctx-per-slot", str(ctx_per_slot)]
     if threads_http:
@@ -53,6 +54,8 @@ def start(gguf: str, *, threads: int, parallel: int, ctx_per_slot: int, api_key:
         cmd += ["--cache-ram", str(cache_ram_mib)]
     if swa_full:
         cmd += ["--swa-full"]
+    for path in loras:
+        cmd += ["--lora", path]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root)
     ready, _, _ = select.select([proc.stdout], [], [], timeout)  # it prints its URL once the model is loaded
@@ -80,6 +83,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads-http", type=int, default=0, help="HTTP threads (0: llama.cpp's default)")
     ap.add_argument("--swa-full", action="store_true", help="a full-size sliding-window KV cache, as the "
                                                             "llamacpp backend keeps it (llama.cpp's --swa-full)")
+    ap.add_argument("--lora", action="append", default=[], metavar="GGUF",
+                    help="a LoRA adapter GGUF loaded unapplied (repeatable; id = its position): each request "
+                         "selects with `lora: [{id, scale}]` (llama.cpp's --lora with --lora-init-without-apply)")
     a = ap.parse_args(argv)
     p = xlc.CommonParams()
     p.model.path = a.gguf
@@ -94,6 +100,9 @@ def main(argv: list[str]) -> int:
     if a.threads_http > 0:
         p.n_threads_http = a.threads_http
     p.swa_full = a.swa_full
+    if a.lora:
+        p.lora_adapters = [xlc.CommonAdapterLoraInfo(path, 1.0) for path in a.lora]
+        p.lora_init_without_apply = True
     p.warmup = False
     p.endpoint_metrics = True  # /metrics: the scenarios read what the server computed (bench --scenario hangups)
     p.verbosity = -1

@@ -67,12 +67,14 @@ def start(upstream: str, *, extra: list[str] | tuple[str, ...] = (), timeout: fl
 
 @contextlib.contextmanager
 def daemon_and_front(prog: str, *, backend: str, chips: int, settings: list[str], prefix: str,
-                     front_extra: list[str] | tuple[str, ...] = ()) -> Iterator[tuple["LocalDaemon", LocalFront, dict]]:
-    """A daemon (`local_daemon.start`) and a front on it: (daemon, front, the daemon's model); both logs' tails
-    on stderr when the body fails, both stopped after."""
+                     front_extra: list[str] | tuple[str, ...] = (), daemon_extra: list[str] | tuple[str, ...] = ()
+                     ) -> Iterator[tuple["LocalDaemon", LocalFront, dict]]:
+    """A daemon (`local_daemon.start`; `daemon_extra`: more `npuserve serve` flags, e.g. `--lora NAME=PATH`)
+    and a front on it: (daemon, front, the daemon's model); both logs' tails on stderr when the body fails,
+    both stopped after."""
     from tools.load import local_daemon
 
-    d = local_daemon.start(backend=backend, chips=chips, settings=settings, prefix=prefix)
+    d = local_daemon.start(backend=backend, chips=chips, settings=settings, prefix=prefix, extra=daemon_extra)
     front = None
     try:
         model = local_daemon.wait_healthy(d.endpoint, d, timeout=300)["model"]

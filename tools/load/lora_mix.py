@@ -8,6 +8,9 @@ base model and once spread uniformly over the adapters, in alternating order,
 at a fixed number of concurrent streams. The row is the median ratio of
 tokens/s (mix / base) over the rounds; the target is 0.8 (docs/lora.md).
 Figures are for a quiet machine: on a loaded one they mean little.
+
+`--backend llamacpp`: the Gemma row instead, a mix of GGUF adapters on
+npuserve against llama.cpp's own server (`tools.bench.serve.lora_peer`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import threading
 import time
 
 import orjson
+
+from tools.bench.options import THREADS, add
 
 TARGET = 0.8
 
@@ -55,16 +60,30 @@ def _run(endpoint: str, prompts: list[list[int]], adapters: list[str | None], st
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="npuserve bench serve lora", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", choices=("ref", "sim"), default="ref",
-                    help="ref: the NumPy model; sim: the modelled NPU's step and adapter costs")
-    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--backend", choices=("ref", "sim", "llamacpp"), default="ref",
+                    help="ref: the NumPy model; sim: the modelled NPU's step and adapter costs (both: a generated "
+                         "model, mix against base only); llamacpp: a GGUF model (--package), mix on npuserve "
+                         "against the mix on llama.cpp's server")
+    ap.add_argument("--adapters", type=int, default=None, help="adapters in the mix (default: 8; llamacpp 4)")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--requests", type=int, default=64, help="requests per route per round")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    llama = ap.add_argument_group("--backend llamacpp")
+    add(llama, "package", threads=THREADS)
+    llama.add_argument("--prompt-tokens", type=int, default=64, help="prompt length at most (default 64)")
     a = ap.parse_args(argv)
+    if a.adapters is None:
+        a.adapters = 4 if a.backend == "llamacpp" else 8
+    if a.backend == "llamacpp":
+        if min(a.adapters, a.rank, a.streams, a.requests, a.max_tokens, a.rounds, a.threads, a.prompt_tokens) < 1:
+            ap.error("--adapters, --rank, --streams, --requests, --max-tokens, --rounds, --threads and "
+                     "--prompt-tokens must be positive")
+        from tools.bench.serve.lora_peer import run
+
+        return run(a)
     import numpy as np
 
     from tools.load.local_daemon import start, wait_healthy
