@@ -67,7 +67,8 @@ soak-gemma: $(RUN_STAMP)
 BENCHES := bench-ipc bench-backend simulate bench-serve-stub bench-serve-sim bench-observe \
 	bench-sim-frontier bench-sim-static bench-balancer bench-mixed-load bench-http-stub bench-http-llamacpp \
 	bench-http-peer bench-peer bench-kv-layout bench-http-client bench-tp bench-spec \
-	bench-scenario-long-prompt bench-scenario-tenant-flood bench-scenario-burst bench-scenario-hangups
+	bench-scenario-long-prompt bench-scenario-tenant-flood bench-scenario-burst bench-scenario-hangups \
+	bench-lora bench-lora-gemma
 
 .PHONY: test run bench venv clean fuzz soak-gemma $(BENCHES)
 
@@ -112,6 +113,12 @@ bench-kv-layout:
 	$(NPU) bench micro kv-layout
 bench-spec:
 	$(NPU) bench serve spec --streams 1,4,16 --rounds 2 --peer
+# LoRA (docs/lora.md): 8 adapters in a uniform mix against base-only requests on `ref`; and Gemma 3 270M with 4
+# GGUF adapters on npuserve (llamacpp) against llama.cpp's server with the same adapters per request.
+bench-lora:
+	$(NPU) bench serve lora --rounds 3
+bench-lora-gemma:
+	$(NPU) bench serve lora --backend llamacpp --adapters 4 --streams 16 --rounds 3
 bench-http-client:
 	$(NPU) bench micro http-client
 bench-tp:  # tensor parallelism on a model where compute dominates (built once into $(BENCH_OUT))

@@ -26,7 +26,7 @@ import time
 
 import orjson
 
-from tools.bench.options import THREADS, add
+from tools.bench.options import add
 
 TARGET = 0.8
 
@@ -72,12 +72,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     llama = ap.add_argument_group("--backend llamacpp")
-    add(llama, "package", threads=THREADS)
-    llama.add_argument("--prompt-tokens", type=int, default=64, help="prompt length at most (default 64)")
+    add(llama, "package", "threads", helps={"threads": "CPU threads of each engine (default: the machine's cores)"})
+    llama.add_argument("--prompt-tokens", type=int, help="prompt length at most (default 64)")
     a = ap.parse_args(argv)
     if a.adapters is None:
         a.adapters = 4 if a.backend == "llamacpp" else 8
+    if a.backend != "llamacpp" and (a.package, a.threads, a.prompt_tokens) != (None, None, None):
+        ap.error("--package, --threads and --prompt-tokens are for --backend llamacpp")
     if a.backend == "llamacpp":
+        from workers.backends.llamacpp import default_threads
+
+        a.threads = default_threads() if a.threads is None else a.threads
+        a.prompt_tokens = 64 if a.prompt_tokens is None else a.prompt_tokens
         if min(a.adapters, a.rank, a.streams, a.requests, a.max_tokens, a.rounds, a.threads, a.prompt_tokens) < 1:
             ap.error("--adapters, --rank, --streams, --requests, --max-tokens, --rounds, --threads and "
                      "--prompt-tokens must be positive")
