@@ -4,8 +4,9 @@ The same GGUF base (default: Gemma 3 270M) and the same N LoRA GGUF adapters
 (`make-lora`, default 4) on both servers, both over HTTP: an npuserve daemon
 on the `llamacpp` backend (`--lora NAME=PATH` each) with its front, where a
 request names its adapter as its `model`; and llama.cpp's own server with
-every adapter loaded unapplied (`--lora` ... `--lora-init-without-apply`),
-where a request applies its adapter with its `lora` list. Each round runs
+every adapter loaded unapplied (`--lora` ... `--lora-init-without-apply`)
+and a full-size sliding-window cache (`--swa-full`, as the backend keeps
+it), where a request applies its adapter with its `lora` list. Each round runs
 the same requests (text prompts, greedy, `ignore_eos`, request i under
 adapter i mod N) at a fixed number of streams on three routes, in an order
 that flips every round:
@@ -117,6 +118,11 @@ def run(a: argparse.Namespace) -> int:
     from workers.llamacpp.tokenizer import GgufTokenizer
     from workers.lora.maker import make_lora
 
+    import signal
+
+    from tools.bench.serve.peer import _interrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: both servers stopped, files removed
     prog = "npuserve bench serve lora"
     pkg = load_gguf(a.package, prog)
     tok = GgufTokenizer(pkg.gguf_path)
@@ -133,8 +139,11 @@ def run(a: argparse.Namespace) -> int:
         extra = [w for n, p in zip(names, paths) for w in ("--lora", f"{n}={p}")]
         with local_front.daemon_and_front("bench serve lora", backend="llamacpp", chips=1, settings=settings,
                                           prefix="npl-", daemon_extra=extra) as (_d, front, _model):
+            # a full-size sliding-window cache, as the llamacpp backend keeps it (and the reference tests run
+            # llama.cpp): with its smaller default, llama.cpp's greedy texts under adapters left its own solo
+            # runs' once its slots had run earlier requests (Gemma 3 270M)
             peer = llamacpp_server.start(pkg.gguf_path, threads=a.threads, parallel=a.streams, ctx_per_slot=ctx,
-                                         loras=[os.path.join(p, "adapter.gguf") for p in paths])
+                                         swa_full=True, loras=[os.path.join(p, "adapter.gguf") for p in paths])
             urls = {MIX: front.url, PEER: peer.url, BASE: front.url}
             models = {k: probe(u)["id"] for k, u in urls.items()}
 
