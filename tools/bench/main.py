@@ -36,7 +36,8 @@ SERVE: dict[str, tuple[str, tuple[str, ...], str]] = {
     "busy": ("tools.bench.serve.busy", (), "executor modes (queued next step, ping/pong, multi-step) against sync"),
     "observe": ("tools.bench.serve.observe", (), "what metrics and tracing cost the daemon"),
     "mixed-load": ("tools.mixed_load", (), "each process's memory round by round under a steady mixed load"),
-    "lora": ("tools.load.lora_mix", (), "LoRA (ref or sim): N adapters in a uniform mix against base-only requests"),
+    "lora": ("tools.load.lora_mix", (), "LoRA (ref or sim): N adapters in a uniform mix against base-only "
+                                        "requests; --backend llamacpp: the mix against llama.cpp's server"),
 }
 MICRO: dict[str, tuple[str, tuple[str, ...], str]] = {
     "ipc": ("tools.bench.micro.ipc", (), "shared-memory rings against other transports"),
