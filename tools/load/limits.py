@@ -98,7 +98,7 @@ def own_best(measure: str, ratio: float | None, best: float | None, peer: float 
     (e.g. its base-only tokens/s under a mix of adapters): the harder work adds cost, never speed."""
     bound = best / peer if best is not None and peer else None
     return Limit(measure, _r(ratio), _r(bound), target, f"{what}: {_r(best, 1)} vs the peer's {_r(peer, 1)}",
-                 inputs={"best": best, "peer": peer, **inputs})
+                 inputs={"best": _r(best, 1), "peer": _r(peer, 1), **inputs})
 
 
 def unmodelled(measure: str, figure: float | None, target: str, why: str) -> Limit:
