@@ -185,6 +185,10 @@ class BatchConfig:
                                               "the backend's limit; 0 = the backend's limit. 512 (llama.cpp's "
                                               "n_ubatch): a long prompt never stalls the running streams for "
                                               "longer than one such step")
+    burst_token_budget: int = key(_SCHED.burst_token_budget, integer(0), "tokens per mixed job while no stream on "
+                                  "the chip is decoding (a burst of prompts on an idle chip), so the burst's streams "
+                                  "start together; at most the backend's limit; 0 (or not above mixed_token_budget) "
+                                  "= off. 2048: llama.cpp's server's n_batch")
     static_batching: bool = key(_SCHED.static_batching, boolean, "baseline for benchmarks: admit a new batch only once every "
                                               "admitted sequence has finished (off = continuous batching)")
 

@@ -131,6 +131,8 @@ class JobBuilder:
         if lora:
             self.adapters.begin_mixed(st.model, ch.chip)
         waiting = len(ch.prefill)
+        if waiting and plan.burst_budget > budget:
+            budget = plan.job_budget((ch.decode_ready, *(j.lanes for j in ch.inflight.values())), requests)
         if waiting and not ch.decode_ready:
             if not self._may_fire(plan.prompts_hold(ch.prefill, requests, budget, now)):
                 return None
