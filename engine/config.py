@@ -191,6 +191,10 @@ class BatchConfig:
                                             "one per job, when the backend chunks prefills), so the running "
                                             "streams wait about a plain decode step plus this share per step; "
                                             "0 = the mixed token budget alone")
+    burst_token_budget: int = key(_SCHED.burst_token_budget, integer(0), "tokens per mixed job while no stream on "
+                                  "the chip is decoding (a burst of prompts on an idle chip), so the burst's streams "
+                                  "start together; at most the backend's limit; 0 (or not above mixed_token_budget) "
+                                  "= off. 2048: llama.cpp's server's n_batch")
     static_batching: bool = key(_SCHED.static_batching, boolean, "baseline for benchmarks: admit a new batch only once every "
                                               "admitted sequence has finished (off = continuous batching)")
 

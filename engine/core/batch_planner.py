@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from operator import attrgetter
 
 from engine.core.batch_profiles import lanes_for
@@ -62,6 +62,9 @@ class BatchPlanner:
         # an unchunked prompt above it could never go (a backend that cannot chunk keeps the budget alone).
         cap = config.prompt_tokens_while_decoding
         self.prompt_cap = cap if (cap > 0 and chunked and self.mixed_budget) else 0
+        # Tokens per mixed job while no stream on the chip is decoding (`job_budget`); == mixed_budget: off.
+        self.burst_budget = max(self.mixed_budget, min(config.burst_token_budget, mixed_batch_tokens)) \
+            if self.mixed_budget else 0
 
     # ------------------------------------------------------------ decode lanes
     def decode_candidates(self, ready: Collection[int], requests: Mapping[int, RequestRecord]) -> list[RequestRecord]:
@@ -125,6 +128,21 @@ class BatchPlanner:
     def prefill_end(self, start: int, target: int) -> int:
         """End of a prefill job's chunk from `start` towards `target` (the whole rest unless chunked)."""
         return min(target, start + self.chunk) if self.chunked else target
+
+    def job_budget(self, lanes: Iterable[Collection[int]], requests: Mapping[int, RequestRecord]) -> int:
+        """The token budget of a mixed job on a chip whose decode lanes (ready, or in its jobs in flight) are
+        `lanes`: `mixed_budget` while one of them is a stream decoding (it bounds that stream's step), else
+        `burst_budget`. A stream decodes from its second token on: the lanes a burst's first job prefilled
+        wait for one more job of the burst, as the first slots of llama.cpp's server wait for its second
+        n_batch, and then every stream of the burst steps together."""
+        if self.burst_budget <= self.mixed_budget:
+            return self.mixed_budget
+        for rids in lanes:
+            for rid in rids:
+                r = requests.get(rid)
+                if r is not None and r.generated > 1:
+                    return self.mixed_budget
+        return self.burst_budget
 
     def mixed_decode_lanes(self, cands: list[RequestRecord], budget: int, prompts_waiting: bool
                            ) -> list[RequestRecord]:

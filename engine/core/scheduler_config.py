@@ -76,6 +76,13 @@ class SchedulerConfig:
     # prompt pays about one more plain decode step per extra job. A token count, not a measured cost,
     # so that what a job carries does not depend on timing.
     prompt_tokens_while_decoding: int = 256
+    # While no stream on the chip is decoding (a burst of prompts on an idle chip), the budget bounds no
+    # stream's step: a job takes up to `burst_token_budget` (at most the backend's limit; 0 or below
+    # mixed_token_budget: off), so the burst's streams start together, in two jobs of llama.cpp's server's
+    # n_batch (2048) for 32 x 128 tokens, instead of in 512-token stages whose first streams finish ten
+    # steps before the last ones, in steps of fewer and fewer lanes. A stream is decoding from its second
+    # token on, so a burst's first streams wait for at most one such job.
+    burst_token_budget: int = 2048
     # speculative decoding (engine.core.spec): "off" | "ngram" by default for requests that do not say
     spec_method: str = "off"
     spec_max_draft_tokens: int = 4
@@ -124,6 +131,8 @@ class SchedulerConfig:
             raise ValueError("mixed_token_budget must be >= 0 (0: the backend's limit)")
         if self.prompt_tokens_while_decoding < 0:
             raise ValueError("prompt_tokens_while_decoding must be >= 0 (0: no cap beyond the mixed budget)")
+        if self.burst_token_budget < 0:
+            raise ValueError("burst_token_budget must be >= 0 (0: off)")
         if self.batching_window_s < 0 or self.prefill_window_s < 0 or self.job_timeout_s <= 0:
             raise ValueError("batching_window_s and prefill_window_s must be >= 0 and job_timeout_s > 0")
         if not 0 < self.max_tenant_lane_share <= 1:
@@ -198,6 +207,7 @@ def scheduler_config_from(cfg: Any) -> SchedulerConfig:
         mixed_batches=bool(_get(b, "mixed_batches", d.mixed_batches)),
         mixed_token_budget=int(_get(b, "mixed_token_budget", d.mixed_token_budget)),
         prompt_tokens_while_decoding=int(_get(b, "prompt_tokens_while_decoding", d.prompt_tokens_while_decoding)),
+        burst_token_budget=int(_get(b, "burst_token_budget", d.burst_token_budget)),
         spec_method=str(_get(sp, "method", d.spec_method)),
         spec_max_draft_tokens=int(_get(sp, "max_draft_tokens", d.spec_max_draft_tokens)),
         spec_k_choice=str(_get(sp, "k_choice", d.spec_k_choice)),

@@ -238,3 +238,16 @@ def test_any_override_is_accepted_or_one_config_error(overrides):
             assert got == (os.path.abspath(value) if value else value), dotted
         elif name not in ("endpoints", "tenants", "runtime_dir", "package", "ctypes_library", "profiles"):
             assert got == value, dotted
+
+
+def test_the_burst_budget_defaults_to_llama_cpp_servers_n_batch_and_reaches_the_scheduler(tmp_path):
+    """batch.burst_token_budget: 2048 by default (a 32 x 128 burst on llamacpp starts in two jobs, as in
+    llama.cpp's server); 0 turns it off; negative is a config error."""
+    from engine.core.scheduler_config import scheduler_config_from
+
+    cfg = load_config(None, env=ENV)
+    assert cfg.batch.burst_token_budget == 2048
+    assert scheduler_config_from(cfg).burst_token_budget == 2048
+    off = load_config(write(tmp_path, "[batch]\nburst_token_budget = 0\n"), env=ENV)
+    assert scheduler_config_from(off).burst_token_budget == 0
+    assert "batch.burst_token_budget" in error_of(write(tmp_path, "[batch]\nburst_token_budget = -1\n"), env=ENV)

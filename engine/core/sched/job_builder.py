@@ -132,6 +132,8 @@ class JobBuilder:
         if lora:
             self.adapters.begin_mixed(st.model, ch.chip)
         waiting = len(ch.prefill)
+        if waiting and plan.burst_budget > budget:
+            budget = plan.job_budget((ch.decode_ready, *(j.lanes for j in ch.inflight.values())), requests)
         if waiting and not ch.decode_ready:
             if not self._may_fire(plan.prompts_hold(ch.prefill, requests, budget, now)):
                 return None
@@ -148,7 +150,11 @@ class JobBuilder:
                     batch = plan.fitting_profile(len(decode))
                     st.job_counts.decode_job(batch, len(decode))
                     return self._plan(ch, JobKind.DECODE, decode, [], batch, steps)
-        decoding, left = bool(decode) or self._decoding(ch), budget - len(decode)
+        # A burst's job (no stream past its first token anywhere on the chip) is not capped: the lanes it
+        # carries wait for the burst as llama.cpp's first slots do, and then every stream steps together.
+        bursting = budget > plan.mixed_budget
+        decoding = not bursting and (bool(decode) or self._decoding(ch))
+        left = budget - len(decode)
         room = plan.prompt_room(left, decoding)
         prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, room, plan.capped(left, decoding))
         if lora:

@@ -31,14 +31,15 @@ def expected_tokens(p) -> list[int]:
 
 
 def generating(n: int, budget_cfg: int = 0, mixed: int = 4096, **cfg):
-    """A mixed-batch scheduler with n sequences past their prompt, waiting for their next decode."""
+    """A mixed-batch scheduler with n streams decoding (past their first decode step: the mixed budget
+    bounds their steps, test_scheduler_burst.py), waiting for their next one."""
     s = make_scheduler(SchedulerConfig(mixed_token_budget=budget_cfg, **cfg), mixed=mixed)
     ex = FakeExecutor(s)
     for i in range(n):
         ex.submit(i, params(n_prompt=8, max_tokens=20, seed=i))
     now = 0.0
     for _ in range(1000):  # each job takes at most the largest profile's count of prompts
-        if len(s.chips[0].decode_ready) >= n:
+        if len(s.chips[0].decode_ready) >= n and all(s.view.requests[i].generated > 1 for i in range(n)):
             break
         ex.step(now)
         now += 0.001
@@ -56,7 +57,8 @@ def test_a_mixed_job_carries_every_ready_decode_lane_and_the_new_prompts():
     assert job.kind == JobKind.PREFILL
     assert lanes_of(job) == [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1), (10, 30, 1), (11, 12, 1)]
     c = s.stats()["counters"]
-    assert c["mixed_jobs"] == 2 and c["mixed_jobs_decode_and_prefill"] == 1  # the first carried 4 prompts only
+    # the first carried 4 prompts only, the second the 4 lanes alone
+    assert c["mixed_jobs"] == 3 and c["mixed_jobs_decode_and_prefill"] == 1
     assert c["prefill_jobs"] == 2 and c["prefill_lanes"] == 6
 
 

@@ -38,14 +38,15 @@ def lanes_of(job) -> list[tuple[int, int, bool]]:
 
 
 def decoding(n: int = STREAMS, *, mixed: int = 4096, max_inflight: int = 1, **cfg):
-    """A mixed-batch scheduler with n streams past their prompt (long answers), ready for their next step."""
+    """A mixed-batch scheduler with n streams decoding (past their first decode step: long answers), ready for
+    their next step; a burst's streams before that are not capped (`batch.burst_token_budget`)."""
     s = make_scheduler(SchedulerConfig(max_inflight=max_inflight, **cfg), mixed=mixed, max_seq=4096)
     ex = FakeExecutor(s)
     for i in range(n):
         submit(ex, i, 8, 400, 0.0)
     now = 0.0
     for _ in range(100):
-        if len(s.chips[0].decode_ready) == n:
+        if len(s.chips[0].decode_ready) == n and all(s.view.requests[i].generated > 1 for i in range(n)):
             return s, ex, now
         ex.step(now)
         now += 0.001
