@@ -13,8 +13,7 @@ from workers.backends.ref import RefBackend, full_recompute_logits
 from workers.draft_model import DraftModel
 from workers.execute_job import execute_job
 from workers.main import constraint_book
-from workers.model_maker import make_model
-from workers.package_loader import load_package
+from tests.workers.ref_model_fixtures import backend, package  # noqa: F401 - fixtures
 
 PROMPT = [256, *b"Data: "]
 SCHEMA = {
@@ -28,19 +27,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 
-
-@pytest.fixture(scope="module")
-def package(tmp_path_factory):
-    return load_package(make_model(str(tmp_path_factory.mktemp("pkg") / "m"), max_seq=512, kv_num_blocks=256,
-                                   seed=5))
-
-
-@pytest.fixture(scope="module")
-def backend(package):
-    b = RefBackend()
-    b.load(package)
-    yield b
-    b.unload()
 
 
 def compiled(kind: str, body) -> tuple[int, str]:

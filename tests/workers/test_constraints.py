@@ -11,14 +11,12 @@ import pytest
 
 from engine.daemon.constraint_cache import ConstraintCache, ConstraintRejected, grammar_of
 from ipc.records import Job, JobKind, Lane, build_job
-from workers.backends.ref import RefBackend
 from workers.constraints import LaneMask
 from workers.execute_job import execute_job
 from workers.lane_sampling import sample_masked
 from workers.main import constraint_book
 from workers.sampling import sample
-from workers.model_maker import make_model
-from workers.package_loader import load_package
+from tests.workers.ref_model_fixtures import backend, package  # noqa: F401 - fixtures
 
 PROMPT = [256, *b"Data: "]
 SCHEMA = {
@@ -34,19 +32,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 
-
-@pytest.fixture(scope="module")
-def package(tmp_path_factory):
-    return load_package(make_model(str(tmp_path_factory.mktemp("pkg") / "m"), max_seq=512, kv_num_blocks=256,
-                                   seed=5))
-
-
-@pytest.fixture(scope="module")
-def backend(package):
-    b = RefBackend()
-    b.load(package)
-    yield b
-    b.unload()
 
 
 class Run:

@@ -15,7 +15,7 @@ import pytest
 from engine.core.actions import FinishRequest
 from engine.core.kv.tier_policy import PromoteMode
 from ipc.records import JobResult
-from tests.engine.core.tier_harness import Board
+from tests.engine.core.tier_harness import Board, boards  # noqa: F401 - a fixture
 from workers.execute_job import execute_job
 
 SHARED = [(7 * i + 3) % 300 + 1 for i in range(48)]  # 3 full blocks
@@ -47,19 +47,6 @@ def run_workload(board: Board, sampled: bool, batched: bool) -> dict[int, list[i
             board.run()
     return {r: board.tokens.get(r, []) for r in board.terminal}
 
-
-@pytest.fixture
-def boards(tmp_path):
-    made = []
-
-    def make(**kw):
-        b = Board(**kw)
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
 
 
 @pytest.mark.parametrize("sampled", [False, True])

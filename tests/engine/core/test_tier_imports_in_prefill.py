@@ -12,7 +12,7 @@ import pytest
 
 from engine.core.actions import FinishRequest
 from ipc.records import JobKind
-from tests.engine.core.tier_harness import Board
+from tests.engine.core.tier_harness import Board, boards  # noqa: F401 - a fixture
 
 SHARED = [(7 * i + 3) % 300 + 1 for i in range(48)]  # 3 full blocks of 16
 SHARED2 = [(11 * i + 5) % 300 + 1 for i in range(48)]
@@ -25,19 +25,6 @@ def prompt(prefix: list[int], k: int, extra: int = 9) -> list[int]:
 def other(k: int) -> list[int]:
     return [(k * 101 + j * 17) % 300 + 1 for j in range(60)]
 
-
-@pytest.fixture
-def boards():
-    made = []
-
-    def make(**kw):
-        b = Board(**kw)
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
 
 
 def _tick(board: Board) -> None:

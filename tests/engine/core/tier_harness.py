@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import pytest
+
 from engine.core.actions import FailRequest, FinishRequest, SubmitJob
 from engine.core.kv.tier_policy import PromoteMode, TierPolicy, TransferCost
 from engine.core.requests import GenerateParams
@@ -140,3 +142,18 @@ class Board:
         if self.pool is not None:
             self.pool.close()
             self.pool.unlink()
+
+
+@pytest.fixture
+def boards():
+    """Boards made by a test (`boards(**kw)`), each closed after it."""
+    made = []
+
+    def make(**kw):
+        b = Board(**kw)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
