@@ -34,6 +34,7 @@ from engine.daemon import ops
 from engine.daemon.chip_link import SHM_PREFIX
 from engine.daemon.frontend import Frontend
 from engine.daemon.generations import Generations
+from engine.daemon.heap_trim import HeapTrimmer
 from engine.daemon.lifecycle.drain import DrainState
 from engine.daemon.lifecycle.liveness import LoopLiveness
 from engine.daemon.lifecycle.sd_notify import Notifier
@@ -93,6 +94,7 @@ class Daemon:
         self._signals = SignalPipe()
         self._child_exited = False  # SIGCHLD arrived: supervise on this turn
         self.counters = {"cancelled_dead_clients": 0}
+        self.heap_trim = HeapTrimmer(cfg.board.malloc_trim_interval_s, self.clock())
 
     @property
     def cfg(self) -> Config:
@@ -174,7 +176,8 @@ class Daemon:
         self.started_at = self.clock()
         self.views = Views(self.gens, self.frontend, self.liveness, started_at=self.started_at,
                            loop_counters=self.counters,
-                           metric_families=lambda now: self.observe.families(self.views, now))
+                           metric_families=lambda now: self.observe.families(self.views, now),
+                           heap_trim=self.heap_trim)
         if cfg.board.handoff_endpoint or cfg.kv.disk_dir:  # KV transfer between boards (handoff/transfer.py)
             from engine.daemon.handoff.transfer import Transfers
 
@@ -334,6 +337,9 @@ class Daemon:
                 log("fatal", reason="every chip is out of service")
                 self.exit_code = EXIT_UNRECOVERABLE
             gens.drains(now)
+            released = self.heap_trim.maybe_trim(now)
+            if released is not None and released >= 1 << 20:
+                log("malloc_trim", released_bytes=released, trims=self.heap_trim.trims)
             # Heartbeat silence and start-up timeouts. A worker's exit does not wait for this: its SIGCHLD
             # wakes the loop. Every idle wake-up takes CPU from a CPU backend's compute threads.
             next_supervise = now + self.cfg.recovery.supervise_interval_ms / 1000.0

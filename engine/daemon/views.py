@@ -19,13 +19,15 @@ from engine.daemon.load_report import load_report
 if TYPE_CHECKING:
     from engine.daemon.frontend import Frontend
     from engine.daemon.generations import Generations
+    from engine.daemon.heap_trim import HeapTrimmer
 
 BOARD_COUNTER_KEYS = ("jobs_submitted", "ring_full", "results", "chip_failures", "worker_restarts") + HANDOFF_COUNTER_KEYS
 
 
 class Views:
     def __init__(self, gens: "Generations", frontend: "Frontend", liveness: LoopLiveness, *, started_at: float,
-                 loop_counters: dict[str, int], metric_families: Callable[[float], list[dict]]) -> None:
+                 loop_counters: dict[str, int], metric_families: Callable[[float], list[dict]],
+                 heap_trim: "HeapTrimmer | None" = None) -> None:
         """`loop_counters`: the loop's own counters (read live); `metric_families(now)`: the metric families
         as of now (engine.daemon.observability.observers.Observers.families)."""
         self.gens = gens
@@ -34,6 +36,7 @@ class Views:
         self.started_at = started_at
         self._loop_counters = loop_counters
         self._metric_families = metric_families
+        self.heap_trim = heap_trim  # board.malloc_trim_interval_s: its trims and what they gave back
 
     def model_info(self) -> dict:
         g = self.gens.default_generation()
@@ -88,6 +91,7 @@ class Views:
         return {
             "scheduler": sched.stats(now) if sched is not None else None,
             "piece_cache": default.piece_cache_stats() if default is not None else None,
+            "heap_trim": self.heap_trim.stats() if self.heap_trim is not None else None,
             "metrics": self._metric_families(now),
             "frontend": self.frontend.counters.as_dict(),
             "daemon": dict(self.board_counters(), active_requests=self.frontend.active(),

@@ -155,6 +155,7 @@ def build_snapshot(v: "Views", now: float, bounded_tenants: frozenset[str]) -> S
     b.one("counter", "loop_turns", "Turns of the scheduler loop.", v.liveness.turns)
     b.one("gauge", "accepting", "1 while the daemon accepts new requests.", 1 if gens.accepting else 0)
     constraint_families(b)
+    heap_trim_families(b, v.heap_trim.stats() if v.heap_trim is not None else None)
     if gens.lora.loads:
         lora_families(b, gens.lora.stats())
     merge(b.families)
@@ -170,6 +171,15 @@ def piece_cache_families(b: _Builder, pc: dict | None) -> None:
           "model.piece_cache_entries).", pc["entries"])
     b.add("counter", "piece_cache_lookups", "Lookups of a generated token's text bytes, by result.", ("result",),
           [(("hit",), pc["hits"]), (("miss",), pc["misses"])])
+
+
+def heap_trim_families(b: _Builder, ht: dict | None) -> None:
+    """The daemon's malloc_trim (board.malloc_trim_interval_s): how often it ran and the RSS it gave back."""
+    if ht is None or not ht["available"] or ht["interval_s"] <= 0:
+        return
+    b.one("counter", "malloc_trims", "Times the daemon gave glibc's free heap pages back to the kernel.", ht["trims"])
+    b.one("counter", "malloc_trim_released_bytes", "Anonymous RSS the daemon's malloc_trim calls gave back.",
+          ht["released_bytes"])
 
 
 def constraint_families(b: _Builder) -> None:

@@ -1,0 +1,83 @@
+"""Giving the C heap's free pages back to the kernel now and then (`board.malloc_trim_interval_s`).
+
+glibc keeps the memory a process frees for its next allocations instead of
+returning it; a daemon serving a real model allocates and frees buffers of
+many sizes (job encodings of many shapes, token lists, text), so free chunks
+scattered through its heap stay resident and its RSS creeps up while the
+memory in use is flat (docs/results/2026-12-05-llamacpp-soak-memory.md).
+`malloc_trim(0)` returns every whole free page of every arena. It walks the
+heap (about a millisecond on a 100 MB one), so it runs at most once per
+interval, from the daemon's supervise tick, never per request.
+
+glibc only: elsewhere (musl, macOS) there is no `malloc_trim` and the
+trimmer reports itself unavailable and does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections.abc import Callable
+
+
+def _glibc_trim() -> Callable[[], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    fn = getattr(libc, "malloc_trim", None)
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return lambda: int(fn(0))
+
+
+def anon_rss() -> int:
+    """This process's anonymous resident memory in bytes (RssAnon of /proc/self/status), 0 if unknown."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class HeapTrimmer:
+    """Calls `malloc_trim(0)` at most every `interval_s` (0 = never) and counts what it gave back.
+
+    `trim` and `rss` are injectable so the schedule and the accounting are tested without glibc.
+    """
+
+    def __init__(self, interval_s: float, start: float, trim: Callable[[], int] | None | str = "glibc",
+                 rss: Callable[[], int] = anon_rss) -> None:
+        self.interval_s = interval_s
+        self._trim = _glibc_trim() if trim == "glibc" else trim
+        self._rss = rss
+        self.next_at = start + interval_s
+        self.trims = 0
+        self.released_bytes = 0  # anonymous RSS given back, summed over the trims
+        self.last_released_bytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval_s > 0 and self._trim is not None
+
+    def maybe_trim(self, now: float) -> int | None:
+        """Trim if the interval has passed; returns the RSS it gave back (bytes), None when it did not run."""
+        if not self.enabled or now < self.next_at:
+            return None
+        self.next_at = now + self.interval_s
+        before = self._rss()
+        self._trim()
+        released = max(0, before - self._rss())
+        self.trims += 1
+        self.released_bytes += released
+        self.last_released_bytes = released
+        return released
+
+    def stats(self) -> dict:
+        return {"interval_s": self.interval_s, "available": self._trim is not None, "trims": self.trims,
+                "released_bytes": self.released_bytes, "last_released_bytes": self.last_released_bytes}
