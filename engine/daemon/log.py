@@ -77,6 +77,7 @@ EVENTS: dict[str, str] = {
     "watchdog_enabled": "info",
     "test_hook_stall": "warning",
     "heap_snapshots_on": "warning",
+    "malloc_trim": "info",
     # the balancer (`npuserve balance`) logs through the same catalogue
     "balancing": "info",
     "reloaded": "info",
