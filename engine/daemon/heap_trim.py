@@ -6,8 +6,9 @@ many sizes (job encodings of many shapes, token lists, text), so free chunks
 scattered through its heap stay resident and its RSS creeps up while the
 memory in use is flat (docs/results/2026-12-05-llamacpp-soak-memory.md).
 `malloc_trim(0)` returns every whole free page of every arena. It walks the
-heap (about a millisecond on a 100 MB one), so it runs at most once per
-interval, from the daemon's supervise tick, never per request.
+heap (milliseconds to tens of milliseconds, more on a fragmented heap and a
+loaded machine; `last_trim_ms` says), so it runs at most once per interval,
+from the daemon's supervise tick, never per request.
 
 glibc only: elsewhere (musl, macOS) there is no `malloc_trim` and the
 trimmer reports itself unavailable and does nothing.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import time
 from collections.abc import Callable
 
 
@@ -52,14 +54,16 @@ class HeapTrimmer:
     """
 
     def __init__(self, interval_s: float, start: float, trim: Callable[[], int] | None | str = "glibc",
-                 rss: Callable[[], int] = anon_rss) -> None:
+                 rss: Callable[[], int] = anon_rss, timer: Callable[[], float] = time.perf_counter) -> None:
         self.interval_s = interval_s
         self._trim = _glibc_trim() if trim == "glibc" else trim
         self._rss = rss
+        self._timer = timer
         self.next_at = start + interval_s
         self.trims = 0
         self.released_bytes = 0  # anonymous RSS given back, summed over the trims
         self.last_released_bytes = 0
+        self.last_trim_ms = 0.0  # how long the last call held the loop
 
     @property
     def enabled(self) -> bool:
@@ -71,7 +75,9 @@ class HeapTrimmer:
             return None
         self.next_at = now + self.interval_s
         before = self._rss()
+        t0 = self._timer()
         self._trim()
+        self.last_trim_ms = (self._timer() - t0) * 1000.0
         released = max(0, before - self._rss())
         self.trims += 1
         self.released_bytes += released
@@ -80,4 +86,4 @@ class HeapTrimmer:
 
     def stats(self) -> dict:
         return {"interval_s": self.interval_s, "available": self._trim is not None, "trims": self.trims,
-                "released_bytes": self.released_bytes, "last_released_bytes": self.last_released_bytes}
+                "released_bytes": self.released_bytes, "last_released_bytes": self.last_released_bytes, "last_trim_ms": round(self.last_trim_ms, 3)}

@@ -20,14 +20,14 @@ class FakeHeap:
 
 def test_trims_once_per_interval_and_counts_the_rss_it_gave_back():
     heap = FakeHeap(rss=100 << 20, gives_back=3 << 20)
-    t = HeapTrimmer(60.0, start=1000.0, trim=heap.trim, rss=heap.read_rss)
+    t = HeapTrimmer(60.0, start=1000.0, trim=heap.trim, rss=heap.read_rss, timer=iter(range(100)).__next__)
     assert t.maybe_trim(1059.9) is None and heap.calls == 0  # not before the first interval has passed
     assert t.maybe_trim(1060.0) == 3 << 20
     assert t.maybe_trim(1100.0) is None and heap.calls == 1  # the next is due one interval after that trim
     heap.gives_back = 1 << 20
     assert t.maybe_trim(1120.0) == 1 << 20
     assert t.stats() == {"interval_s": 60.0, "available": True, "trims": 2, "released_bytes": 4 << 20,
-                         "last_released_bytes": 1 << 20}
+                         "last_released_bytes": 1 << 20, "last_trim_ms": 1000.0}
 
 
 def test_interval_zero_or_no_glibc_never_trims():
