@@ -54,6 +54,11 @@ def print_process_slopes(res: dict, out: IO[str]) -> None:
     if pc:
         print(f"piece cache: {pc['entries']} of at most {pc['max_entries']} token ids, {pc['hits']} hits, "
               f"{pc['misses']} misses", file=out)
+    ht = res.get("heap_trim")
+    if ht and ht["available"] and ht["interval_s"] > 0:
+        print(f"daemon malloc_trim: {ht['trims']} calls (every {ht['interval_s']:g} s) gave back "
+              f"{ht['released_bytes'] / 2**20:.1f} MiB, the last {ht['last_released_bytes'] / 2**20:.1f} MiB "
+              f"in {ht['last_trim_ms']:.1f} ms", file=out)
     print(file=out)
 
 
