@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tools.bench.serve.spec import PEER, PLAIN, SPEC, Row, format_report, ratios, spec_delta
+from tools.bench.serve.spec import (PEER, PLAIN, SPEC, Row, decode_job_count, format_report, limits, ratios,
+                                    spec_delta)
 
 
 def test_spec_delta_is_the_run_alone() -> None:
@@ -28,3 +29,15 @@ def test_ratios_pair_rounds_and_judge_targets() -> None:
     assert free["ratio"] == 0.9 and not free["met"]
     text = format_report(rows, list(rs.values()))
     assert "MISSED by" in text and "acceptance 0.75" in text
+
+
+def test_the_bound_comes_from_mixed_jobs_too() -> None:
+    """On llamacpp every decode step is a mixed job: the bound (tokens per job over cost per job, speculating
+    against plain) must come from them, not stay empty because no plain decode job ran."""
+    assert decode_job_count({"decode_jobs": 0, "mixed_jobs": 40}) == 40
+    spec = Row(SPEC, "copy", 1, 1, 30.0, 10, 10, 0.8, 3.0)
+    plain = Row(PLAIN, "copy", 1, 1, 15.0, 20, 10)
+    spec.decode_jobs, spec.device_s, spec.generated = 20, 3.0, 64   # 3.2 tokens a job at 0.15 s
+    plain.decode_jobs, plain.device_s, plain.generated = 64, 6.4, 64  # 1 token a job at 0.1 s
+    (lim,) = limits([spec, plain], ratios([spec, plain]))
+    assert lim.bound == round((64 / 20) / ((3.0 / 20) / (6.4 / 64)), 3)  # 3.2 / 1.5

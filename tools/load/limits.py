@@ -45,7 +45,7 @@ def busy(measure: str, ratio: float | None, chip_busy: float | None, target: str
     """Throughput against a peer: with the chip busy a fraction `chip_busy` of the run, the same work per
     token done back to back gives at most ratio / chip_busy (at busy 1.0 only less work per token helps)."""
     bound = ratio / chip_busy if ratio is not None and chip_busy else None
-    return Limit(measure, _r(ratio), _r(bound), target, f"chip busy {chip_busy}: the same jobs with no idle time",
+    return Limit(measure, _r(ratio), _r(bound), target, f"chip busy {_r(chip_busy)}: the same jobs with no idle time",
                  inputs={"chip_busy": chip_busy, **inputs})
 
 
@@ -53,7 +53,7 @@ def pingpong(measure: str, ratio: float | None, sync_busy: float | None, target:
     """Two jobs in flight against one: they can only fill the time the chip idles with one in flight, so
     the speed-up is at most 1 / (one-in-flight busy fraction); at busy 1.0 a split only costs."""
     bound = 1.0 / sync_busy if sync_busy else None
-    return Limit(measure, _r(ratio), _r(bound), target, f"one in flight keeps the chip busy {sync_busy}",
+    return Limit(measure, _r(ratio), _r(bound), target, f"one in flight keeps the chip busy {_r(sync_busy)}",
                  inputs={"sync_busy": sync_busy, **inputs})
 
 
