@@ -158,19 +158,27 @@ class BatchPlanner:
         cap = self.prompt_cap
         return min(left, cap) if cap and decoding else left
 
+    def burst_chunk_room(self, bursting: bool) -> int | None:
+        """The tokens a burst's job gives prompt chunks (the cap while decoding); None: not a burst, or no cap.
+        The burst budget is for whole prompts sharing a pass over the weights; a long prompt's chunks in it
+        would hold back every stream's first token."""
+        return self.prompt_cap if bursting and self.prompt_cap else None
+
     def capped(self, left: int, decoding: bool) -> bool:
         """The cap binds: decode lanes run and it is below the `left` the decode lanes leave of the budget."""
         return bool(self.prompt_cap) and decoding and self.prompt_cap < left
 
     def take_prompts(self, queues: PrefillQueues, wrr: SmoothWeightedRoundRobin,
-                     requests: Mapping[int, RequestRecord], left: int, capped: bool = False
-                     ) -> tuple[list[PromptChunk], int]:
+                     requests: Mapping[int, RequestRecord], left: int, capped: bool = False,
+                     chunk_room: int | None = None, lanes_wait: bool = False) -> tuple[list[PromptChunk], int]:
         """Prompt chunks for a mixed job with `left` tokens of budget (`prompt_room`); returns them and the
         budget left (negative: an unchunked prompt beyond it, see `trim_decode`).
 
         When the prompt cap binds (`capped`), the running streams' next
         prompts go first and a prompt above the cap keeps half of it:
-        `capped_prompts.take_capped`. Otherwise:
+        `capped_prompts.take_capped`; the same with chunks held to
+        `chunk_room` tokens in all once streams wait for the job (a burst's
+        job; `lanes_wait`: it carries decode lanes). Otherwise:
 
         Prompts are taken by the prefill classes' weighted round robin and
         popped from the chip's queues (the round robin's turn is part of the
@@ -182,8 +190,8 @@ class BatchPlanner:
         max_seq).
         """
         chunk = self.chunk
-        if capped:
-            return take_capped(queues, wrr, requests, left, self.top, chunk)
+        if capped or chunk_room is not None:
+            return take_capped(queues, wrr, requests, left, self.top, chunk, chunk_room, lanes_wait)
         prompts: list[PromptChunk] = []
         while len(prompts) < self.top:
             classes = queues.nonempty()

@@ -15,6 +15,12 @@ class, so two long prompts finish one after the other); across classes the
 prefill classes' weighted round robin. A prompt that cannot be chunked (its
 whole prompt is needed at once) and is above the room still goes whole as a
 job's first prompt, as without the cap: it could never go otherwise.
+
+A burst's job (no stream on the chip past its first token, so its budget
+is `batch.burst_token_budget`) is filled the same way with the chunks held
+to the cap: the burst's room beyond it is for whole prompts, which share one
+pass over the weights, while a long prompt's chunks would only make every
+stream of the burst wait longer for its first token.
 """
 
 from __future__ import annotations
@@ -29,11 +35,16 @@ PromptChunk = tuple[RequestRecord, int, int]  # (request, start, end): the promp
 
 
 def take_capped(queues: PrefillQueues, wrr: SmoothWeightedRoundRobin, requests: Mapping[int, RequestRecord],
-                room: int, top: int, chunk: int) -> tuple[list[PromptChunk], int]:
+                room: int, top: int, chunk: int, chunk_room: int | None = None, lanes_wait: bool = False
+                ) -> tuple[list[PromptChunk], int]:
     """Prompt chunks for `room` prompt tokens (at most `top` prompts, chunks of at most `chunk`); returns
-    them and the room left (negative: an unchunkable prompt above the room, alone)."""
+    them and the room left (negative: an unchunkable prompt above the room, alone). With `chunk_room` (a
+    burst's job, whose room beyond it is for whole prompts), chunks take at most that many tokens in all
+    once anything waits for the job: decode lanes in it (`lanes_wait`) or a whole prompt taken."""
     prompts: list[PromptChunk] = []
     left = room
+    chunk_left = room if chunk_room is None else chunk_room
+    held = lanes_wait  # streams wait for this job's chunks (held to chunk_room): its lanes, its whole prompts
 
     def heads() -> list[tuple[WorkClass, RequestRecord, int, bool]]:
         """(class, its first request, the tokens it still needs, whether it may be chunked)"""
@@ -55,7 +66,7 @@ def take_capped(queues: PrefillQueues, wrr: SmoothWeightedRoundRobin, requests: 
         """Heads that go in chunks: above `long`, or a prompt already chunked (its tail fills the rest)."""
         return {c: (r, n) for c, r, n, ok in hs if ok and (n > long or r.committed > r.cached_tokens)}
 
-    reserve = room // 2 if holders(heads()) else 0
+    reserve = min(room // 2, chunk_left) if holders(heads()) else 0
     while left > 0 and len(prompts) < top:
         hs = heads()
         split = holders(hs)
@@ -65,12 +76,15 @@ def take_capped(queues: PrefillQueues, wrr: SmoothWeightedRoundRobin, requests: 
             cls = wrr.pick(list(whole))
             assert cls is not None
             take(cls, *whole[cls])
+            held = True
             continue
         reserve = 0  # the whole prompts are in: the rest goes to a chunk
-        if not split:
+        if not split or (held and chunk_left <= 0):
             break  # a short prompt is not split to fill the rest: it goes whole in a later job
         cls = wrr.pick(list(split))
         assert cls is not None
         r, n = split[cls]
-        take(cls, r, min(left, chunk, n))
+        n = min(left, chunk, n, chunk_left) if held else min(left, chunk, n)
+        chunk_left -= n
+        take(cls, r, n)
     return prompts, left

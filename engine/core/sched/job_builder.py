@@ -150,13 +150,15 @@ class JobBuilder:
                     batch = plan.fitting_profile(len(decode))
                     st.job_counts.decode_job(batch, len(decode))
                     return self._plan(ch, JobKind.DECODE, decode, [], batch, steps)
-        # A burst's job (no stream past its first token anywhere on the chip) is not capped: the lanes it
-        # carries wait for the burst as llama.cpp's first slots do, and then every stream steps together.
+        # A burst's job (no stream past its first token anywhere on the chip) takes whole prompts beyond the
+        # cap: the lanes it carries wait for the burst as llama.cpp's first slots do, and then every stream
+        # steps together; its prompt chunks stay within the cap (`burst_chunk_room`).
         bursting = budget > plan.mixed_budget
         decoding = not bursting and (bool(decode) or self._decoding(ch))
         left = budget - len(decode)
         room = plan.prompt_room(left, decoding)
-        prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, room, plan.capped(left, decoding))
+        prompts, left = plan.take_prompts(ch.prefill, ch.wrr, requests, room, plan.capped(left, decoding),
+                                          plan.burst_chunk_room(bursting), bool(decode))
         if lora:
             if prompts:
                 prompts, put_back = self.adapters.prompts(st.model, ch.prefill, decode, prompts)

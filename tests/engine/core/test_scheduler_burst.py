@@ -98,3 +98,30 @@ def test_the_burst_budget_is_at_most_the_backends_limit_and_never_below_the_mixe
     assert make_scheduler(SchedulerConfig(burst_token_budget=8192), **GEMMA).planner.burst_budget == 4096
     assert make_scheduler(SchedulerConfig(burst_token_budget=100), **GEMMA).planner.burst_budget == 512
     assert make_scheduler(SchedulerConfig(mixed_token_budget=0), **GEMMA).planner.burst_budget == 4096
+
+
+def test_long_prompts_in_a_burst_take_chunks_within_the_cap_and_the_short_prompts_go_whole_first():
+    """The long-prompt scenario's moment: six streams' next 64-token prompts and two 1,500-token prompts
+    reach an idle chip together. The burst budget is for whole prompts; a long prompt's chunks in it stay
+    within the cap while decoding (256), so the streams' first tokens do not wait for 1,408 prompt tokens
+    (and then their second for the second long prompt's 512)."""
+    s = make_scheduler(SchedulerConfig(), **GEMMA)
+    ex = FakeExecutor(s)
+    for i in range(6):
+        ex.submit(i, params(n_prompt=64, max_tokens=64, seed=i))
+    for i in (10, 11):
+        ex.submit(i, params(n_prompt=1500, max_tokens=8, seed=i))
+    jobs = shapes(ex, s)
+    assert jobs[0] == (0, 6 * 64 + 256)
+    assert all(tokens <= 256 for lanes, tokens in jobs[1:] if lanes)  # the cap, once the streams decode
+    assert sum(tokens for _, tokens in jobs) == 6 * 64 + 2 * 1500
+
+
+def test_a_burst_of_whole_prompts_still_fills_the_burst_budget_beside_a_long_prompt():
+    s = make_scheduler(SchedulerConfig(), **GEMMA)
+    ex = FakeExecutor(s)
+    for i in range(24):
+        ex.submit(i, params(n_prompt=64, max_tokens=4, seed=i))
+    ex.submit(50, params(n_prompt=1500, max_tokens=4, seed=50))
+    jobs = shapes(ex, s)
+    assert jobs[0] == (0, 24 * 64 + 256)  # every whole prompt (1,536 > the 512 budget), the long one's cap
