@@ -21,6 +21,8 @@ import ctypes.util
 import time
 from collections.abc import Callable
 
+from workers.heap_snapshots import anon_rss
+
 
 def _glibc_trim() -> Callable[[], int] | None:
     try:
@@ -33,18 +35,6 @@ def _glibc_trim() -> Callable[[], int] | None:
     fn.argtypes = [ctypes.c_size_t]
     fn.restype = ctypes.c_int
     return lambda: int(fn(0))
-
-
-def anon_rss() -> int:
-    """This process's anonymous resident memory in bytes (RssAnon of /proc/self/status), 0 if unknown."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class HeapTrimmer:

@@ -1,4 +1,4 @@
-"""`npuserve soak`: a 30 s soak of a real 2-chip ref daemon passes; a server that misbehaves fails it."""
+"""`npuserve soak`: a 20 s soak of a real 2-chip ref daemon passes; a server that misbehaves fails it."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def _soak(*args: str, timeout: float = 240) -> tuple[int, list[dict], str]:
 
 
 @pytest.mark.integration
-def test_30s_soak_of_a_ref_daemon_has_no_violation_and_no_leak():
+def test_20s_soak_of_a_ref_daemon_has_no_violation_and_no_leak():
     # A generous heartbeat: on a 2-core machine shared by many test runs a healthy worker can be starved
     # for over the default 1 s, and the restart would fail its lanes; heartbeats are chaos's subject, not this.
-    code, out, err = _soak("--duration", "30s", "--backend", "ref", "--chips", "2", "--interval", "10s",
+    code, out, err = _soak("--duration", "20s", "--backend", "ref", "--chips", "2", "--interval", "5s",
                            "--set", "recovery.heartbeat_timeout_ms=10000")
     verdict = out[-1]
     assert verdict["kind"] == "verdict", err[-3000:]
