@@ -242,10 +242,7 @@ class KvTiers:
 
     def drop_plan(self, plan: ImportPlan) -> None:
         """A plan that never went out (its request ended or was preempted first): its entries are unpinned."""
-        if self.host is not None:
-            self.host.unpin(plan.host)
-        if self.disk is not None:
-            self.disk.unpin(plan.disk)
+        self._unpin(plan.host, plan.disk)
 
     def lane_import_done(self, job_id: int, rid: int, ok: bool, refused: bool, now: float) -> None:
         """The import of one lane of a prefill job ended (as `job_done` for a KV_IMPORT job)."""
@@ -267,31 +264,34 @@ class KvTiers:
         if t.kind is JobKind.KV_IMPORT:
             self._import_done(t, ok, refused, now)
             return t
+        assert t.kind is JobKind.KV_EXPORT
         if ok:
-            self.counters["bytes_moved"] += t.blocks * self.block_bytes
+            self._moved(t, now)
+        for tier, entries in ((self.host, t.host), (self.disk, t.disk)):
+            for e in entries:
+                tier.filled(e, ok)
+        self.counters["exported_blocks" if ok else "export_failed_blocks"] += t.blocks
+        return t
+
+    def _moved(self, t: _Transfer, now: float, timed: bool = True) -> None:
+        """A transfer's bytes counted, and its time from submission (`timed`: its job was the transfer alone)."""
+        self.counters["bytes_moved"] += t.blocks * self.block_bytes
+        if timed:
             st = self.times[t.kind]
             dt = max(0.0, now - t.submitted_at)
             st.hist[bisect.bisect_left(TRANSFER_BUCKETS, dt)] += 1
             st.seconds_sum += dt
-        if t.kind is JobKind.KV_EXPORT:
-            for tier, entries in ((self.host, t.host), (self.disk, t.disk)):
-                for e in entries:
-                    tier.filled(e, ok)
-            self.counters["exported_blocks" if ok else "export_failed_blocks"] += t.blocks
-        return t
+
+    def _unpin(self, host: Sequence[TierEntry], disk: Sequence[TierEntry]) -> None:
+        if self.host is not None:
+            self.host.unpin(host)
+        if self.disk is not None:
+            self.disk.unpin(disk)
 
     def _import_done(self, t: _Transfer, ok: bool, refused: bool, now: float, timed: bool = True) -> None:
         if ok:
-            self.counters["bytes_moved"] += t.blocks * self.block_bytes
-        if ok and timed:
-            st = self.times[t.kind]
-            dt = max(0.0, now - t.submitted_at)
-            st.hist[bisect.bisect_left(TRANSFER_BUCKETS, dt)] += 1
-            st.seconds_sum += dt
-        if self.host is not None:
-            self.host.unpin(t.host)
-        if self.disk is not None:
-            self.disk.unpin(t.disk)
+            self._moved(t, now, timed)
+        self._unpin(t.host, t.disk)
         if ok:
             self.counters["promoted_blocks"] += t.blocks
         elif refused:
