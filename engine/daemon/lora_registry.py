@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING
 from engine.daemon.log import log
 from engine.daemon.supervisor import ChipState
 from workers.gguf_package import GgufPackage
-from workers.lora.adapter_package import AdapterFacts, check_against_base, read_adapter_facts
+from workers.lora.adapter_package import AdapterFacts, check_against_package, read_adapter_facts
 from workers.lora.gguf_adapter import check_gguf_against_base
-from workers.model_package import ARCHITECTURE, ModelPackage
+from workers.model_package import ModelPackage
 from workers.package_manifest import MANIFEST, PackageError
-from workers.transformer import weight_shapes
 
 if TYPE_CHECKING:
     from engine.daemon.models.generation import Generation
@@ -107,7 +106,7 @@ def check_fits_package(facts: AdapterFacts, pkg, alias: str) -> None:
 
     Reads the adapter's npz or GGUF headers (and a GGUF base's): call it off the loop."""
     if isinstance(pkg, ModelPackage):
-        check_against_base(facts, ARCHITECTURE, pkg.dims.layers, weight_shapes(pkg.dims, pkg.vocab_size))
+        check_against_package(facts, pkg)
     elif isinstance(pkg, GgufPackage):  # llama.cpp's LoRA GGUF against the base GGUF, from the headers
         if facts.format != "gguf":
             raise PackageError(f"{facts.path}: a {facts.format} adapter cannot adapt a GGUF model")

@@ -28,14 +28,14 @@ from workers.backends.base import (BackendError, BackendInfo, BatchProfile, KvLa
                                    StepOutput)
 from workers.default_package import ensure_default_package
 from workers.logprob_alternatives import prompt_rows
-from workers.lora.adapter_package import LoraWeights, check_against_base, read_adapter, read_adapter_facts
+from workers.lora.adapter_package import LoraWeights, check_against_package, read_adapter, read_adapter_facts
 from workers.lora.lora_rows import LoraRows, LoraStack
 from workers.model_package import ModelPackage
 from workers.package_loader import load_package
 from workers.package_manifest import PackageError
 from workers.paged_kv import PagedKvCache
 from workers.spec_verify import draft_rows
-from workers.transformer import Transformer, weight_shapes
+from workers.transformer import Transformer
 
 
 class RefBackend(OneStepBackend):
@@ -136,7 +136,7 @@ class RefBackend(OneStepBackend):
         facts = read_adapter_facts(path)
         if sha256 and facts.sha256 != sha256:
             raise PackageError(f"{path}: manifest.json changed since the adapter was verified (sha256 differs)")
-        check_against_base(facts, "llama-like", pkg.dims.layers, weight_shapes(pkg.dims, pkg.vocab_size))
+        check_against_package(facts, pkg)
         return read_adapter(facts)
 
     def load_adapter(self, slot: int, host_adapter: LoraWeights) -> None:

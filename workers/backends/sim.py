@@ -133,9 +133,8 @@ class SimBackend(StubBackend):
 
     def read_adapter(self, path: str, sha256: str) -> int:
         """The adapter's size (rank x targets), after checking it fits the package the board runs."""
-        from workers.lora.adapter_package import check_against_base, read_adapter_facts
-        from workers.model_package import ARCHITECTURE, ModelPackage
-        from workers.transformer import weight_shapes
+        from workers.lora.adapter_package import check_against_package, read_adapter_facts
+        from workers.model_package import ModelPackage
 
         facts = read_adapter_facts(path)
         if sha256 and facts.sha256 != sha256:
@@ -143,8 +142,7 @@ class SimBackend(StubBackend):
         if facts.format != "npz":
             raise BackendError(f"{path}: the sim backend serves npz adapters, not {facts.format}")
         if isinstance(self.package, ModelPackage):
-            pkg = self.package
-            check_against_base(facts, ARCHITECTURE, pkg.dims.layers, weight_shapes(pkg.dims, pkg.vocab_size))
+            check_against_package(facts, self.package)
         return facts.rank * len(facts.targets)
 
     def load_adapter(self, slot: int, host_adapter: int) -> None:

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from workers.model_package import ARCHITECTURE, ModelPackage
 from workers.package_manifest import (MANIFEST, PackageError, is_int, need, read_manifest, read_pinned_npz,
                                       verify_listed_files)
+from workers.transformer import weight_shapes
 
 LORA_SCHEMA = "npuserve-lora/v1"
 ADAPTER_FILE = "adapter.npz"
@@ -134,6 +136,11 @@ def expected_shapes(facts: AdapterFacts, base_shapes: dict[str, tuple[int, ...]]
     return out
 
 
+def check_against_package(facts: AdapterFacts, pkg: ModelPackage) -> None:
+    """`check_against_base` for an npz model package: its architecture, layer count and matrix shapes."""
+    check_against_base(facts, ARCHITECTURE, pkg.dims.layers, weight_shapes(pkg.dims, pkg.vocab_size))
+
+
 def check_against_base(facts: AdapterFacts, architecture: str, layers: int,
                        base_shapes: dict[str, tuple[int, ...]]) -> None:
     """PackageError unless the adapter fits this base: architecture, layer count, every target matrix's shape.
@@ -201,5 +208,5 @@ def read_adapter(facts: AdapterFacts) -> LoraWeights:
 
 
 __all__ = ["ADAPTER_FILE", "LORA_SCHEMA", "TARGETS", "AdapterFacts", "LoraWeights", "check_against_base",
-           "check_lora_manifest", "expected_shapes", "is_lora_manifest", "npz_shapes", "read_adapter",
-           "read_adapter_facts", "tensor_names"]
+           "check_against_package", "check_lora_manifest", "expected_shapes", "is_lora_manifest", "npz_shapes",
+           "read_adapter", "read_adapter_facts", "tensor_names"]
