@@ -118,6 +118,7 @@ class ChipLink:
         self._ctl_sent = 0
         self._starts = 0
         self._failure_reported = False
+        self._control_lost = False  # a control message the worker could not take: it is failed
         self.lora_stats: dict = {}  # the worker's last adapter report (its heartbeat's `lora`)
 
     # -- lifecycle -----------------------------------------------------------
@@ -161,6 +162,7 @@ class ChipLink:
         self.pid = self._proc.pid
         self.info = None
         self._failure_reported = False
+        self._control_lost = False
         self.last_heartbeat = time.monotonic()
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -169,11 +171,7 @@ class ChipLink:
         if proc is not None and proc.poll() is None:
             asked = False
             if self.socket is not None:
-                try:
-                    self._send_control(_SHUTDOWN)
-                    asked = True
-                except zmq.ZMQError:
-                    pass  # no peer yet (still starting): nobody would read it
+                asked = self._send_control(_SHUTDOWN)  # False: no peer (not started yet, or dead)
             steps = ((None, timeout),) if asked else ()
             for sig, wait_s in steps + ((signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
                 if sig is not None:
@@ -193,9 +191,7 @@ class ChipLink:
     def request_stop(self) -> None:
         """Ask the worker to exit without waiting (an unload on the loop); `stop()` reaps and frees later."""
         if self._proc is not None and self._proc.poll() is None and self.socket is not None:
-            try:
-                self._send_control(_SHUTDOWN)
-            except zmq.ZMQError:
+            if not self._send_control(_SHUTDOWN):
                 self.kill()  # nobody reads the socket: nothing to wait for
 
     def restart(self) -> None:
@@ -261,12 +257,22 @@ class ChipLink:
         assert self._bell is not None
         self._bell.ring()
 
-    def _send_control(self, data: bytes) -> None:
-        """Send a control message (NOBLOCK) and wake the worker for it."""
+    def _send_control(self, data: bytes) -> bool:
+        """Send a control message (NOBLOCK) and wake the worker for it; False when it could not be sent.
+
+        A worker that cannot take it (dead before the supervisor noticed, or 10,000 messages behind) has
+        lost a message later jobs depend on: the link reports the worker failed, and a restarted worker
+        starts with none of the state the message was about.
+        """
         assert self.socket is not None and self._bell is not None
-        self.socket.send(data, zmq.NOBLOCK)
+        try:
+            self.socket.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            self._control_lost = True
+            return False
         self._ctl_sent += 1
         self._bell.ring()
+        return True
 
     def release_blocks(self, blocks: list[int]) -> None:
         """Tell the worker these KV blocks were freed; it applies this before any job submitted later."""
@@ -339,6 +345,9 @@ class ChipLink:
                 events.append(Result(r))
         if heartbeat is not None:
             events.append(heartbeat)
+        if self._control_lost and not self._failure_reported:
+            self._failure_reported = True
+            events.append(WorkerFailed("the worker took no control message (it died, or fell 10,000 behind)"))
         if self.info is None and not self._failure_reported and self._proc is not None:
             rc = self._proc.poll()
             if rc is not None:

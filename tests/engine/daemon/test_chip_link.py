@@ -254,6 +254,34 @@ def test_worker_dying_before_ready_is_reported_as_failed(env):
         link.stop()
 
 
+def test_a_release_to_a_worker_that_died_unnoticed_reports_it_failed_instead_of_raising(env):
+    # The daemon frees a request's blocks on the loop, before its supervisor has seen the worker's death:
+    # the send finds no peer. It used to raise zmq.Again out of the loop and stop the whole board.
+    link = link_for(env)
+    try:
+        link.start()
+        events_until(link, has(Ready))
+        link.kill()
+        psutil.Process(link.pid).wait(30)
+        events: list = []
+        deadline = time.monotonic() + 30
+        while not has(WorkerFailed)(events):  # until zmq has seen the peer go and the send finds no pipe
+            assert time.monotonic() < deadline, f"no failure reported; events: {events[-5:]}"
+            link.release_blocks([3, 4])
+            events += link.handle_events()
+            time.sleep(0.01)
+        assert "took no control message" in next(e for e in events if isinstance(e, WorkerFailed)).message
+        link.release_blocks([5])
+        assert events_during(link, 0.2) == []  # reported once only
+        link.restart()
+        events_until(link, has(Ready))  # a restarted link sends again
+        link.release_blocks([1])
+        link.submit(one_decode(7))
+        assert [e.result.job_id for e in events_until(link, has(Result)) if isinstance(e, Result)] == [7]
+    finally:
+        link.stop()
+
+
 def test_runtime_dir_too_long_for_a_socket_path_fails_cleanly(env):
     ctx, board, runtime_dir = env
     deep = os.path.join(runtime_dir, "d" * 120)
