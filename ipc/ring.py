@@ -47,6 +47,7 @@ generation raises `RingReset` once and resynchronises.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import time
@@ -73,7 +74,11 @@ _TAIL, _READ = 16, 17
 
 _REC_HDR = struct.Struct("<IIQQ")  # magic, descriptor length, total length, seq
 _ARR_HDR = struct.Struct("<HHBxxxQ")  # name length, dtype length, ndim, offset in record
-_MAX_LAYOUT_CACHE = 512
+# Record shapes whose layout each side of a ring keeps (an LRU per side). A decode step's shape repeats;
+# a prompt chunk's often is new, so the cache holds the repeating ones and sees the rest go. An entry
+# costs ~2 KB (the spec's items, the fields, the descriptor): 128 of them ~0.25 MB per ring side. It was
+# 512 and cleared when full, which on a slow real model took a whole soak to fill: +1 KB a request.
+DEFAULT_LAYOUT_CACHE_ENTRIES = 128
 REWIND_AFTER = 1 << 20  # bytes into a lap past which an empty ring restarts at offset 0 (at most capacity/2)
 
 Spec = Mapping[str, tuple[tuple[int, ...], "np.dtype[Any] | str"]]
@@ -115,10 +120,11 @@ def _check_dtype(name: str, dt: np.dtype[Any]) -> None:
         raise TypeError(f"array {name!r}: dtype {dt} cannot live in shared memory")
 
 
-def _build_layout(spec: Spec) -> _Layout:
+def _build_layout(spec_items: tuple) -> _Layout:
+    """The layout of a record whose spec has these `(name, (shape, dtype))` items, in order."""
     items: list[tuple[str, np.dtype[Any], tuple[int, ...], bytes, bytes]] = []
     desc_len = 0
-    for name, (shape, dtype) in spec.items():
+    for name, (shape, dtype) in spec_items:
         dt = np.dtype(dtype)
         _check_dtype(name, dt)
         shp = tuple(int(d) for d in shape)
@@ -179,6 +185,11 @@ def _parse_descriptor(desc: bytes, start: int) -> tuple[dict[str, _Field], int]:
     except (struct.error, UnicodeDecodeError, TypeError, SyntaxError) as e:  # np.dtype of garbage: TypeError, ...
         raise ValueError(f"{type(e).__name__}: {e}") from None
     return fields, end
+
+
+def _parse_record_descriptor(desc: bytes) -> tuple[dict[str, _Field], int]:
+    """`_parse_descriptor` of a record's descriptor: its arrays start after the header and the descriptor."""
+    return _parse_descriptor(desc, _REC_HDR.size + len(desc))
 
 
 class RecordWriter:
@@ -281,7 +292,7 @@ class Ring:
     name: str
     capacity: int
 
-    def __init__(self, seg: Segment) -> None:
+    def __init__(self, seg: Segment, layout_cache_entries: int = DEFAULT_LAYOUT_CACHE_ENTRIES) -> None:
         self._seg = seg
         self.name = seg.name
         hdr = np.ndarray((HEADER_SIZE // 8,), np.uint64, buffer=seg.buf, offset=0)
@@ -293,9 +304,10 @@ class Ring:
         self._hdr: np.ndarray | None = hdr
         self._data: memoryview | None = seg.buf[HEADER_SIZE : HEADER_SIZE + self.capacity]
         self._ro: memoryview | None = self._data.toreadonly()
-        self._layouts: dict[tuple[Any, ...], _Layout] = {}
+        n = max(1, int(layout_cache_entries))
+        self._layout_of = functools.lru_cache(maxsize=n)(_build_layout)  # spec items -> _Layout
         # descriptor bytes -> (fields by name, the record length they need)
-        self._descriptors: dict[bytes, tuple[dict[str, _Field], int]] = {}
+        self._fields_of = functools.lru_cache(maxsize=n)(_parse_record_descriptor)
         self._pending: RecordWriter | None = None
         self._peeked: Record | None = None
         self._peeked_end = 0
@@ -321,9 +333,11 @@ class Ring:
     # ---- lifecycle -------------------------------------------------------
 
     @classmethod
-    def create(cls, prefix: str, board: str | int, capacity: int, tag: str = "", *, prefault: bool = False) -> "Ring":
+    def create(cls, prefix: str, board: str | int, capacity: int, tag: str = "", *, prefault: bool = False,
+               layout_cache_entries: int = DEFAULT_LAYOUT_CACHE_ENTRIES) -> "Ring":
         """prefault: touch every page now, so the first lap of writes does not
-        pay page faults (worth it for long-lived rings on the hot path)."""
+        pay page faults (worth it for long-lived rings on the hot path).
+        layout_cache_entries: record shapes this side keeps the layout of (see layout_cache_stats)."""
         if capacity < ALIGN:
             raise ValueError(f"ring capacity must be at least {ALIGN} bytes")
         cap = _align(capacity)
@@ -341,17 +355,17 @@ class Ring:
             fence()
             hdr[_MAGIC] = RING_MAGIC  # last: an attacher never sees a half-initialised header
             del hdr
-            return cls(seg)
+            return cls(seg, layout_cache_entries)
         except BaseException:
             seg.close()
             seg.unlink()
             raise
 
     @classmethod
-    def attach(cls, name: str) -> "Ring":
+    def attach(cls, name: str, layout_cache_entries: int = DEFAULT_LAYOUT_CACHE_ENTRIES) -> "Ring":
         seg = Segment.attach(name)
         try:
-            return cls(seg)
+            return cls(seg, layout_cache_entries)
         except BaseException:
             seg.close()
             raise
@@ -435,18 +449,18 @@ class Ring:
         # np.dtype and str both hash cheaply; the key is only a cache key. Shapes are usually tuples already
         # (the spec is then its own key, made once per record without a generator); a list shape is not
         # hashable and takes the long way.
-        key: tuple = tuple(spec.items())
         try:
-            lay = self._layouts.get(key)
+            return self._layout_of(tuple(spec.items()))
         except TypeError:
-            key = tuple((k, s if type(s) is tuple else tuple(s), d) for k, (s, d) in spec.items())
-            lay = self._layouts.get(key)
-        if lay is None:
-            lay = _build_layout(spec)
-            if len(self._layouts) >= _MAX_LAYOUT_CACHE:
-                self._layouts.clear()
-            self._layouts[key] = lay
-        return lay
+            return self._layout_of(tuple((k, (s if type(s) is tuple else tuple(s), d)) for k, (s, d) in spec.items()))
+
+    def layout_cache_stats(self) -> dict:
+        """This side's cache of record layouts: {"write"|"read": entries, max_entries, hits, misses}."""
+        out = {}
+        for side, fn in (("write", self._layout_of), ("read", self._fields_of)):
+            i = fn.cache_info()
+            out[side] = {"entries": i.currsize, "max_entries": i.maxsize, "hits": i.hits, "misses": i.misses}
+        return out
 
     def record_size(self, spec: Spec) -> int:
         """Bytes a record of this spec occupies in the ring (header included)."""
@@ -587,16 +601,10 @@ class Ring:
             raise RingCorrupt(f"ring {self.name}: the record at tail {self._tail} is {total} bytes, its "
                               f"descriptor alone {dlen}")
         desc = bytes(ro[d0 : d0 + dlen])
-        layout = self._descriptors.get(desc)
-        if layout is None:
-            try:
-                layout = _parse_descriptor(desc, _REC_HDR.size + dlen)
-            except ValueError as e:
-                raise RingCorrupt(f"ring {self.name}: bad record descriptor at tail {self._tail}: {e}") from None
-            if len(self._descriptors) >= _MAX_LAYOUT_CACHE:
-                self._descriptors.clear()
-            self._descriptors[desc] = layout
-        fields, need = layout
+        try:
+            fields, need = self._fields_of(desc)
+        except ValueError as e:
+            raise RingCorrupt(f"ring {self.name}: bad record descriptor at tail {self._tail}: {e}") from None
         if need > total:
             raise RingCorrupt(f"ring {self.name}: the record at tail {self._tail} is {total} bytes, its "
                               f"arrays need {need}")
