@@ -108,7 +108,7 @@ class ModelConfig:
     signing_public_key: str = key("", string(), "Ed25519 public key (PEM, `npuserve keygen --signing`) that must have "
                                               "signed a package's manifest.json (manifest.sig) for `load` to accept "
                                               "it (relative = to the config file); \"\" = signatures not required")
-    piece_cache_entries: int = key(4096, integer(0, 1 << 20), "token ids whose text bytes the daemon keeps (an LRU "
+    piece_cache_entries: int = key(1024, integer(0, 1 << 20), "token ids whose text bytes the daemon keeps (an LRU "
                                    "cache in front of the tokenizer, ~200 bytes an entry); 0 = no cache")
 
 
