@@ -86,6 +86,8 @@ class BoardConfig:
                                   "board's security.client_keys_dir must list NAME.key); \"\" = plain only")
     malloc_trim_interval_s: float = key(60.0, number(0.0, 86400.0), "how often the daemon gives glibc's free heap "
                                         "pages back to the kernel (malloc_trim); 0 = never")
+    ring_layout_cache_entries: int = key(128, integer(1, 1 << 16), "record shapes whose layout each side of a chip's "
+                                         "job and result rings keeps (an LRU, ~2 KB an entry)")
 
     @property
     def replicas(self) -> int:

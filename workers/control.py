@@ -40,6 +40,8 @@ from typing import Any
 
 import orjson
 
+from ipc.ring import DEFAULT_LAYOUT_CACHE_ENTRIES
+
 VERSION = 1
 
 
@@ -151,6 +153,7 @@ class WorkerConfig:
     # An eventfd inherited from the link (same number in the worker): the worker
     # adds 1 to it after each result record. None: send a RESULT message instead.
     result_bell_fd: int | None = None
+    ring_layout_cache_entries: int = DEFAULT_LAYOUT_CACHE_ENTRIES  # record shapes each ring end keeps the layout of
 
     def to_json(self) -> str:
         return orjson.dumps(asdict(self)).decode()

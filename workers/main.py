@@ -468,8 +468,8 @@ def run(config: WorkerConfig) -> int:
             parent_died = True
             return 0
         try:
-            rings.append(Ring.attach(config.job_ring))
-            rings.append(Ring.attach(config.result_ring))
+            rings.append(Ring.attach(config.job_ring, config.ring_layout_cache_entries))
+            rings.append(Ring.attach(config.result_ring, config.ring_layout_cache_entries))
             if config.job_bell is not None:
                 bell = SemaphoreDoorbell.attach(config.job_bell, spin_s=config.job_spin_s, adaptive=True)
             backend, package = _load_backend(config)

@@ -33,7 +33,7 @@ import zmq
 
 from ipc.records import Job, JobResult
 from ipc.doorbell import SemaphoreDoorbell
-from ipc.ring import Ring
+from ipc.ring import DEFAULT_LAYOUT_CACHE_ENTRIES, Ring
 from workers.backends.base import BackendInfo
 from workers.control import ChaosAction, ControlError, Msg, WorkerConfig, decode, encode, worker_environ
 
@@ -92,6 +92,7 @@ class ChipLink:
         generation: int = 0,
         package_sha256: str | None = None,
         job_spin_s: float = WorkerConfig.job_spin_s,
+        ring_layout_cache_entries: int = DEFAULT_LAYOUT_CACHE_ENTRIES,
     ) -> None:
         self.ctx = ctx
         self.board = str(board)
@@ -102,7 +103,8 @@ class ChipLink:
         self.runtime_dir = runtime_dir
         self.ring_bytes = int(ring_bytes)
         self.heartbeat_interval_s = float(heartbeat_interval_s)
-        self.job_spin_s = float(job_spin_s)  # how long the worker polls for its next job before it parks
+        self.job_spin_s = float(job_spin_s)
+        self.ring_layout_cache_entries = int(ring_layout_cache_entries)  # both ends of both rings  # how long the worker polls for its next job before it parks
         self.generation = int(generation)  # model generation (several may run on one board at once)
         self.package_sha256 = package_sha256  # set: the package was verified for this load (the worker trusts it)
         self.socket: zmq.Socket | None = None
@@ -132,8 +134,11 @@ class ChipLink:
             raise ValueError(f"runtime_dir too long for an ipc:// socket path ({len(path)} > {_MAX_IPC_PATH}): {path}")
         try:
             os.makedirs(self.runtime_dir, mode=0o700, exist_ok=True)
-            self._job_ring = Ring.create(SHM_PREFIX, self.board, self.ring_bytes, tag=f"c{self.chip}j")
-            self._result_ring = Ring.create(SHM_PREFIX, self.board, self.ring_bytes, tag=f"c{self.chip}r")
+            layouts = self.ring_layout_cache_entries
+            self._job_ring = Ring.create(SHM_PREFIX, self.board, self.ring_bytes, tag=f"c{self.chip}j",
+                                         layout_cache_entries=layouts)
+            self._result_ring = Ring.create(SHM_PREFIX, self.board, self.ring_bytes, tag=f"c{self.chip}r",
+                                            layout_cache_entries=layouts)
             self._bell = SemaphoreDoorbell.create(SHM_PREFIX, self.board, tag=f"c{self.chip}b")
             self._ctl_sent = 0
             self.result_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -150,7 +155,7 @@ class ChipLink:
                 backend_options=self.backend_options, package_path=self.package_path,
                 package_sha256=self.package_sha256,
                 heartbeat_interval_s=self.heartbeat_interval_s, job_bell=self._bell.name,
-                result_bell_fd=self.result_fd, job_spin_s=self.job_spin_s,
+                result_bell_fd=self.result_fd, job_spin_s=self.job_spin_s, ring_layout_cache_entries=layouts,
             )
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "workers", config.to_json()],
@@ -256,6 +261,14 @@ class ChipLink:
             dst["ctl"][0] = self._ctl_sent
         assert self._bell is not None
         self._bell.ring()
+
+    def ring_layout_stats(self) -> dict | None:
+        """The daemon's ends of this link's rings: the job ring's write-side layout cache and the result ring's
+        read-side one (entries, max_entries, hits, misses); None while stopped."""
+        if self._job_ring is None or self._result_ring is None:
+            return None
+        return {"job": self._job_ring.layout_cache_stats()["write"],
+                "result": self._result_ring.layout_cache_stats()["read"]}
 
     def _send_control(self, data: bytes) -> bool:
         """Send a control message (NOBLOCK) and wake the worker for it; False when it could not be sent.

@@ -112,6 +112,10 @@ class ReplicaLink:
     def pids(self) -> list[int | None]:
         return [lk.pid for lk in self.links]
 
+    def ring_layout_stats(self) -> dict | None:
+        """Rank 0's ring ends (every rank's job record has the same shape)."""
+        return self.links[0].ring_layout_stats()
+
     @property
     def last_heartbeat(self) -> float:
         return min(lk.last_heartbeat for lk in self.links)  # the stalest rank speaks for the replica

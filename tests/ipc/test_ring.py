@@ -396,3 +396,24 @@ def test_prefault_creates_a_usable_zeroed_ring():
         assert bytes(r._data[: r.capacity]) == bytes(r.capacity)
         r.write({"a": np.arange(5)})
         np.testing.assert_array_equal(r.read()["a"], np.arange(5))
+
+
+def test_layout_caches_stay_at_their_bound_and_keep_the_repeating_shape():
+    # A decode step's record shape repeats between prompt chunks whose shapes are all new: each end keeps at most
+    # `layout_cache_entries` layouts, evicting the least recently used, so the repeating shape is never rebuilt.
+    # (A cache that is cleared when full would rebuild it after every 4 new shapes.)
+    writer = Ring.create(PREFIX, 0, 1 << 16, "lc", layout_cache_entries=4)
+    reader = Ring.attach(writer.name, layout_cache_entries=4)
+    try:
+        hot = {"tokens": np.arange(16, dtype=np.int32), "lanes": np.ones(16, np.uint8)}
+        for n in range(1, 21):
+            for arrays in (hot, {"tokens": np.arange(100 + n, dtype=np.int32), "lanes": np.ones(n, np.uint8)}):
+                writer.write(arrays)
+                got = reader.read()
+                assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in arrays.items()}
+        for end in (writer.layout_cache_stats()["write"], reader.layout_cache_stats()["read"]):
+            assert end == {"entries": 4, "max_entries": 4, "hits": 19, "misses": 21}
+    finally:
+        reader.close()
+        writer.close()
+        writer.unlink()

@@ -9,7 +9,10 @@ the soak's 1 MiB leak floor within a CI run, so the bound itself is checked
 here: with `model.piece_cache_entries = 16` and fresh prompts (many more
 distinct tokens than 16 generated), the board's cache ends at 16 entries
 after thousands of misses, while the soak's own leak verdict (a slope per
-request after warm-up, daemon and each worker) finds nothing.
+request after warm-up, daemon and each worker) finds nothing. The same holds
+for the other cache that grew on Gemma's soak, the daemon's ends of the
+chip's rings (`board.ring_layout_cache_entries`: prompt chunks of new
+lengths are new record shapes): bounded to 8, they end at 8 after many more.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import pytest
 from repo_root import ROOT
 
 BOUND = 16
+RING_BOUND = 8
 
 
 @pytest.mark.integration
@@ -35,6 +39,7 @@ def test_llamacpp_soak_has_no_violation_no_leak_and_a_bounded_token_cache():
     p = subprocess.run([sys.executable, "-m", "tools.cli", "soak", "--json", "--backend", "llamacpp", "--chips", "1",
                         "--duration", "20s", "--interval", "5s", "--fresh-prompts", "--long-prompt", "256",
                         "--set", f"model.piece_cache_entries={BOUND}", "--set", "board.threads_per_chip=1", "--set", "kv.num_blocks=128",
+                        "--set", f"board.ring_layout_cache_entries={RING_BOUND}",
                         "--set", "recovery.heartbeat_timeout_ms=20000"],
                        cwd=ROOT, capture_output=True, timeout=300)
     out = [orjson.loads(line) for line in p.stdout.splitlines()]
@@ -56,3 +61,10 @@ def test_llamacpp_soak_has_no_violation_no_leak_and_a_bounded_token_cache():
     assert pc["max_entries"] == BOUND and pc["entries"] <= BOUND, pc
     assert pc["misses"] > 10 * BOUND, pc
     assert "leak slopes per process" in err and f"piece cache: {pc['entries']} of at most {BOUND}" in err
+    # The daemon's ends of the chip's rings kept at most 8 record shapes, of the many more jobs it wrote (a
+    # result's shape repeats far more often than a job's).
+    (rings,) = verdict["ring_layouts"].values()
+    for end in (rings["job"], rings["result"]):
+        assert end["max_entries"] == RING_BOUND and end["entries"] <= RING_BOUND, rings
+    assert rings["job"]["misses"] > 10 * RING_BOUND, rings
+    assert f"job {rings['job']['entries']} of at most {RING_BOUND} shapes" in err

@@ -119,6 +119,7 @@ class Soak:
         self.checked_oracle = 0
         self.heap = None  # tools.soak.heap.HeapDumps with --tracemalloc
         self.piece_cache: dict | None = None  # the board's token-bytes cache at the end (its `stats`)
+        self.ring_layouts: dict | None = None  # chip -> the daemon's ring-end layout caches at the end
         self.heap_trim: dict | None = None  # the daemon's malloc_trim figures at the end (board.malloc_trim_interval_s)
 
     def violate(self, what: str, **ctx) -> None:
@@ -403,6 +404,8 @@ class Soak:
             extra["heap_diffs"] = self.heap.diffs(leaks.get("warmup_s", 0.0))
         if self.piece_cache is not None:
             extra["piece_cache"] = self.piece_cache
+        if self.ring_layouts:
+            extra["ring_layouts"] = self.ring_layouts
         if self.heap_trim is not None:
             extra["heap_trim"] = self.heap_trim
         fail = bool(self.violation_count) or bool(leaks.get("leak"))
@@ -494,6 +497,7 @@ def main(argv: list[str]) -> int:
         try:
             st = local_daemon.stats(endpoint)
             soak.piece_cache, soak.heap_trim = st.get("piece_cache"), st.get("heap_trim")
+            soak.ring_layouts = {str(c["chip"]): c["ring_layouts"] for c in st.get("chips") or [] if c.get("ring_layouts")}
         except Exception:  # noqa: BLE001 - a balancer or an older board answers no such figure: nothing to report
             pass
         res = soak.verdict(d.stop_and_check(workers) if d is not None else [])

@@ -54,6 +54,10 @@ def print_process_slopes(res: dict, out: IO[str]) -> None:
     if pc:
         print(f"piece cache: {pc['entries']} of at most {pc['max_entries']} token ids, {pc['hits']} hits, "
               f"{pc['misses']} misses", file=out)
+    for chip, rings in (res.get("ring_layouts") or {}).items():
+        print(f"chip {chip} ring layouts (the daemon's ends): " + ", ".join(
+            f"{ring} {c['entries']} of at most {c['max_entries']} shapes, {c['hits']} hits, {c['misses']} misses"
+            for ring, c in rings.items()), file=out)
     ht = res.get("heap_trim")
     if ht and ht["available"] and ht["interval_s"] > 0:
         print(f"daemon malloc_trim: {ht['trims']} calls (every {ht['interval_s']:g} s) gave back "

@@ -136,6 +136,7 @@ class Generation:
         for chip in range(cfg.board.replicas):
             common = dict(package_path=self.package_path, runtime_dir=cfg.board.runtime_dir, heartbeat_interval_s=hb,
                           generation=self.id, job_spin_s=cfg.executor.worker_spin_us / 1e6,
+                          ring_layout_cache_entries=cfg.board.ring_layout_cache_entries,
                           package_sha256=self.package.sha256 if self.package is not None else None)
             members = list(range(chip * per, (chip + 1) * per))
             opts = []
@@ -409,6 +410,7 @@ class Generation:
             s["backlog"] = len(self._backlog[s["chip"]])
             s["device_s"] = round(self.device_us[s["chip"]] / 1e6, 3)
             s["worker_s"] = round(self.worker_us[s["chip"]] / 1e6, 3)
+            s["ring_layouts"] = lk.ring_layout_stats()
         return snap
 
     def piece_cache_stats(self) -> dict | None:

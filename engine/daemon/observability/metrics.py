@@ -147,8 +147,10 @@ def build_snapshot(v: "Views", now: float, bounded_tenants: frozenset[str]) -> S
     gens = v.gens
     for g in sorted(gens.serving_generations(), key=lambda g: g.id):
         b = _Builder(g.alias, g.id)
-        _generation_families(b, g.scheduler.stats(now), g.chips_info(now), bounded_tenants)
+        chips = g.chips_info(now)
+        _generation_families(b, g.scheduler.stats(now), chips, bounded_tenants)
         piece_cache_families(b, g.piece_cache_stats())
+        ring_layout_families(b, chips)
         merge(b.families)
     b = _Builder(gens.model_alias)
     b.one("gauge", "loop_lag_seconds", "Longest recent turn of the scheduler loop.", v.liveness.lag_s(now))
@@ -171,6 +173,18 @@ def piece_cache_families(b: _Builder, pc: dict | None) -> None:
           "model.piece_cache_entries).", pc["entries"])
     b.add("counter", "piece_cache_lookups", "Lookups of a generated token's text bytes, by result.", ("result",),
           [(("hit",), pc["hits"]), (("miss",), pc["misses"])])
+
+
+def ring_layout_families(b: _Builder, chips: list[dict]) -> None:
+    """The daemon's ends of each chip's rings (board.ring_layout_cache_entries): cached record shapes, lookups."""
+    rows = [(str(c["chip"]), ring, st) for c in chips if c.get("ring_layouts") for ring, st in c["ring_layouts"].items()]
+    if not rows:
+        return
+    b.add("gauge", "ring_layout_cache_entries", "Record shapes whose layout the daemon keeps for a chip's ring "
+          "(at most board.ring_layout_cache_entries).", ("chip", "ring"), [((c, r), st["entries"]) for c, r, st in rows])
+    b.add("counter", "ring_layout_lookups", "Lookups of a record's layout at the daemon's end of a chip's ring, by "
+          "result.", ("chip", "ring", "result"),
+          [((c, r, res), st[k]) for c, r, st in rows for res, k in (("hit", "hits"), ("miss", "misses"))])
 
 
 def heap_trim_families(b: _Builder, ht: dict | None) -> None:
