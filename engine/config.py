@@ -84,7 +84,8 @@ class BoardConfig:
     handoff_client_key: str = key("", abs_path_or_empty, "decode boards: this board's CURVE key pair (NAME.key_secret) "
                                   "for pulling from prefill boards whose transfer endpoint has CURVE (the prefill "
                                   "board's security.client_keys_dir must list NAME.key); \"\" = plain only")
-    malloc_trim_interval_s: float = key(60.0, number(0.0, 86400.0), "how often the daemon gives glibc's free heap "
+    malloc_trim_interval_s: float = key(60.0, number(0.0, 86400.0), "how often the daemon runs a full collection "
+                                        "(emptying CPython's free lists) and gives glibc's free heap "
                                         "pages back to the kernel (malloc_trim); 0 = never")
     ring_layout_cache_entries: int = key(128, integer(1, 1 << 16), "record shapes whose layout each side of a chip's "
                                          "job and result rings keeps (an LRU, ~2 KB an entry)")

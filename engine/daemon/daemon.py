@@ -340,7 +340,7 @@ class Daemon:
             released = self.heap_trim.maybe_trim(now)
             if released is not None and released >= 1 << 20:
                 log("malloc_trim", released_bytes=released, trims=self.heap_trim.trims,
-                    trim_ms=round(self.heap_trim.last_trim_ms, 3))
+                    trim_ms=round(self.heap_trim.last_trim_ms, 3), collect_ms=round(self.heap_trim.last_collect_ms, 3))
             # Heartbeat silence and start-up timeouts. A worker's exit does not wait for this: its SIGCHLD
             # wakes the loop. Every idle wake-up takes CPU from a CPU backend's compute threads.
             next_supervise = now + self.cfg.recovery.supervise_interval_ms / 1000.0

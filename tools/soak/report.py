@@ -62,7 +62,7 @@ def print_process_slopes(res: dict, out: IO[str]) -> None:
     if ht and ht["available"] and ht["interval_s"] > 0:
         print(f"daemon malloc_trim: {ht['trims']} calls (every {ht['interval_s']:g} s) gave back "
               f"{ht['released_bytes'] / 2**20:.1f} MiB, the last {ht['last_released_bytes'] / 2**20:.1f} MiB "
-              f"in {ht['last_trim_ms']:.1f} ms", file=out)
+              f"in {ht['last_trim_ms']:.1f} ms (the full collection before it {ht.get('last_collect_ms', 0.0):.1f} ms)", file=out)
     print(file=out)
 
 
