@@ -76,8 +76,9 @@ _REC_HDR = struct.Struct("<IIQQ")  # magic, descriptor length, total length, seq
 _ARR_HDR = struct.Struct("<HHBxxxQ")  # name length, dtype length, ndim, offset in record
 # Record shapes whose layout each side of a ring keeps (an LRU per side). A decode step's shape repeats;
 # a prompt chunk's often is new, so the cache holds the repeating ones and sees the rest go. An entry
-# costs ~2 KB (the spec's items, the fields, the descriptor): 128 of them ~0.25 MB per ring side. It was
-# 512 and cleared when full, which on a slow real model took a whole soak to fill: +1 KB a request.
+# costs ~2 KB (the spec's items, the fields, the descriptor): 128 of them ~0.25 MB per ring side, few
+# enough that a slow real model fills them within its first hundred or so requests, so the cache's
+# warm-up is over before a soak's leak fit begins.
 DEFAULT_LAYOUT_CACHE_ENTRIES = 128
 REWIND_AFTER = 1 << 20  # bytes into a lap past which an empty ring restarts at offset 0 (at most capacity/2)
 
