@@ -37,5 +37,5 @@ def test_zero_entries_asks_the_tokenizer_every_time():
 def test_the_default_bound_is_the_config_default():
     from engine.config import load_config
 
-    assert DEFAULT_PIECE_CACHE_ENTRIES == load_config(None, {}).model.piece_cache_entries == 4096
+    assert DEFAULT_PIECE_CACHE_ENTRIES == load_config(None, {}).model.piece_cache_entries == 1024
     assert piece_cache_stats(None) is None
