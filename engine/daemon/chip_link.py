@@ -103,8 +103,8 @@ class ChipLink:
         self.runtime_dir = runtime_dir
         self.ring_bytes = int(ring_bytes)
         self.heartbeat_interval_s = float(heartbeat_interval_s)
-        self.job_spin_s = float(job_spin_s)
-        self.ring_layout_cache_entries = int(ring_layout_cache_entries)  # both ends of both rings  # how long the worker polls for its next job before it parks
+        self.job_spin_s = float(job_spin_s)  # how long the worker polls for its next job before it parks
+        self.ring_layout_cache_entries = int(ring_layout_cache_entries)  # record shapes each ring end keeps
         self.generation = int(generation)  # model generation (several may run on one board at once)
         self.package_sha256 = package_sha256  # set: the package was verified for this load (the worker trusts it)
         self.socket: zmq.Socket | None = None
@@ -176,7 +176,10 @@ class ChipLink:
         if proc is not None and proc.poll() is None:
             asked = False
             if self.socket is not None:
-                asked = self._send_control(_SHUTDOWN)  # False: no peer (not started yet, or dead)
+                try:
+                    asked = self._send_control(_SHUTDOWN)  # False: no peer (not started yet, or dead)
+                except zmq.ZMQError:
+                    pass  # the socket cannot send at all: nobody would read it
             steps = ((None, timeout),) if asked else ()
             for sig, wait_s in steps + ((signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
                 if sig is not None:
@@ -196,7 +199,11 @@ class ChipLink:
     def request_stop(self) -> None:
         """Ask the worker to exit without waiting (an unload on the loop); `stop()` reaps and frees later."""
         if self._proc is not None and self._proc.poll() is None and self.socket is not None:
-            if not self._send_control(_SHUTDOWN):
+            try:
+                sent = self._send_control(_SHUTDOWN)
+            except zmq.ZMQError:
+                sent = False
+            if not sent:
                 self.kill()  # nobody reads the socket: nothing to wait for
 
     def restart(self) -> None:
