@@ -1,4 +1,4 @@
-"""Giving the heap's free memory back now and then (`board.malloc_trim_interval_s`): a full collection, then `malloc_trim(0)`.
+"""Giving free heap memory back now and then (`board.malloc_trim_interval_s`): a collection, then `malloc_trim`.
 
 glibc keeps the memory a process frees for its next allocations instead of
 returning it; a daemon serving a real model allocates and frees buffers of
