@@ -152,13 +152,14 @@ def _build_layout(spec_items: tuple) -> _Layout:
 _Field = tuple[str, np.dtype[Any], tuple[int, ...], int]  # name, dtype, shape, offset in the record
 
 
-def _parse_descriptor(desc: bytes, start: int) -> tuple[dict[str, _Field], int]:
+def _parse_descriptor(desc: bytes) -> tuple[dict[str, _Field], int]:
     """The fields a record descriptor names, and the record length they need (the end of the last array).
 
-    `start` is where the arrays may begin (after the record header and the descriptor). Raises ValueError
+    The arrays may begin after the record header and the descriptor. Raises ValueError
     for a descriptor no writer made: cut short, not UTF-8, a dtype that cannot live in shared memory, an
     array over the header or the descriptor."""
     fields = {}
+    start = _REC_HDR.size + len(desc)
     end = start
     i = 0
     try:
@@ -187,10 +188,6 @@ def _parse_descriptor(desc: bytes, start: int) -> tuple[dict[str, _Field], int]:
         raise ValueError(f"{type(e).__name__}: {e}") from None
     return fields, end
 
-
-def _parse_record_descriptor(desc: bytes) -> tuple[dict[str, _Field], int]:
-    """`_parse_descriptor` of a record's descriptor: its arrays start after the header and the descriptor."""
-    return _parse_descriptor(desc, _REC_HDR.size + len(desc))
 
 
 class RecordWriter:
@@ -308,7 +305,7 @@ class Ring:
         n = max(1, int(layout_cache_entries))
         self._layout_of = functools.lru_cache(maxsize=n)(_build_layout)  # spec items -> _Layout
         # descriptor bytes -> (fields by name, the record length they need)
-        self._fields_of = functools.lru_cache(maxsize=n)(_parse_record_descriptor)
+        self._fields_of = functools.lru_cache(maxsize=n)(_parse_descriptor)
         self._pending: RecordWriter | None = None
         self._peeked: Record | None = None
         self._peeked_end = 0
@@ -455,13 +452,11 @@ class Ring:
         except TypeError:
             return self._layout_of(tuple((k, (s if type(s) is tuple else tuple(s), d)) for k, (s, d) in spec.items()))
 
-    def layout_cache_stats(self) -> dict:
-        """This side's cache of record layouts: {"write"|"read": entries, max_entries, hits, misses}."""
-        out = {}
-        for side, fn in (("write", self._layout_of), ("read", self._fields_of)):
-            i = fn.cache_info()
-            out[side] = {"entries": i.currsize, "max_entries": i.maxsize, "hits": i.hits, "misses": i.misses}
-        return out
+    def layout_cache_stats(self, side: str) -> dict:
+        """The cache of record layouts this object keeps as the ring's writer (`side` "write") or reader
+        ("read"): entries, max_entries, hits, misses."""
+        i = {"write": self._layout_of, "read": self._fields_of}[side].cache_info()
+        return {"entries": i.currsize, "max_entries": i.maxsize, "hits": i.hits, "misses": i.misses}
 
     def record_size(self, spec: Spec) -> int:
         """Bytes a record of this spec occupies in the ring (header included)."""

@@ -274,8 +274,8 @@ class ChipLink:
         read-side one (entries, max_entries, hits, misses); None while stopped."""
         if self._job_ring is None or self._result_ring is None:
             return None
-        return {"job": self._job_ring.layout_cache_stats()["write"],
-                "result": self._result_ring.layout_cache_stats()["read"]}
+        return {"job": self._job_ring.layout_cache_stats("write"),
+                "result": self._result_ring.layout_cache_stats("read")}
 
     def _send_control(self, data: bytes) -> bool:
         """Send a control message (NOBLOCK) and wake the worker for it; False when it could not be sent.

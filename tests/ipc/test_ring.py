@@ -411,7 +411,7 @@ def test_layout_caches_stay_at_their_bound_and_keep_the_repeating_shape():
                 writer.write(arrays)
                 got = reader.read()
                 assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in arrays.items()}
-        for end in (writer.layout_cache_stats()["write"], reader.layout_cache_stats()["read"]):
+        for end in (writer.layout_cache_stats("write"), reader.layout_cache_stats("read")):
             assert end == {"entries": 4, "max_entries": 4, "hits": 19, "misses": 21}
     finally:
         reader.close()
