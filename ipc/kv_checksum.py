@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import zlib
 
-import crc32c as _crc32c
 import numpy as np
 
 from ipc import native_lib
@@ -26,10 +25,19 @@ ALGO_CRC32C = 1
 ALGOS = (ALGO_CRC32, ALGO_CRC32C)
 
 
+def crc32c(data, value: int = 0) -> int:
+    """CRC-32C by the `crc32c` package, imported at first use: importing it reads its version through
+    importlib.metadata (~30 ms), which every daemon, worker and command would pay at start for checksums most
+    of them never compute."""
+    import crc32c as package
+
+    return package.crc32c(data, value)
+
+
 def checksum(algo: int, data) -> int:
     """One buffer's checksum by `algo`; ValueError for an algorithm this reader does not know."""
     if algo == ALGO_CRC32C:
-        return _crc32c.crc32c(data)
+        return crc32c(data)
     if algo == ALGO_CRC32:
         return zlib.crc32(data)
     raise ValueError(f"unknown checksum algorithm {algo}")
@@ -74,7 +82,7 @@ def rows_crc32c(src: np.ndarray, src_off: np.ndarray, nbytes: int, dst: np.ndarr
                 d = int(dst_off[i]) + p * nbytes
                 dst[d:d + nbytes] = part
                 part = dst[d:d + nbytes]  # the sum is of the bytes copied, as in the C path
-            crc = _crc32c.crc32c(part, crc)
+            crc = crc32c(part, crc)
         out[i] = crc
     return out
 

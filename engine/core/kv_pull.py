@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import enum
 import zlib
-
-import crc32c as _crc32c
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from ipc.kv_checksum import crc32c
 
 SUMS = ("crc32c",)  # chunk checksums a receiver accepts besides CRC-32 (`crc`), fastest first
 DEFAULT_CREDIT = 4  # chunks in flight per transfer
@@ -101,7 +101,7 @@ class Pull:
         if hdr.get("seq") != self._seq:
             return self._fail("order")
         if "crc32c" in hdr:
-            if _crc32c.crc32c(payload) != hdr["crc32c"]:
+            if crc32c(payload) != hdr["crc32c"]:
                 return self._fail("checksum")
         elif zlib.crc32(payload) != hdr.get("crc"):
             return self._fail("checksum")
@@ -225,7 +225,7 @@ class Serve:
             payload = b"".join(recs)
             hdr = {"t": "chunk", "tid": self.tid, "seq": self._seq, "sizes": [len(r) for r in recs]}
             if "crc32c" in self.sums:
-                hdr["crc32c"] = _crc32c.crc32c(payload)
+                hdr["crc32c"] = crc32c(payload)
             else:
                 hdr["crc"] = zlib.crc32(payload)
             self.outbox.append((hdr, payload))
