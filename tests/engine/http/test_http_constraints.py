@@ -77,7 +77,7 @@ def test_json_schema_and_json_object_greedy_and_sampled_always_validate(oai):
                                         temperature=temperature, seed=seed)
         return kind, r.choices[0]
 
-    # Six: one round of the pool's eight lanes (a second round of two cost as much as the first).
+    # Six: one round of the eight parallel lanes; more would only add a second round of the same checks.
     cases = [("schema", 0.0, 0), ("object", 0.0, 0)] + [("schema", 1.0, s) for s in range(3)] \
         + [("object", 1.0, 0)]
     done = 0
