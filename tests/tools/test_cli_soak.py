@@ -34,6 +34,10 @@ def test_20s_soak_of_a_ref_daemon_has_no_violation_and_no_leak():
     assert verdict["kind"] == "verdict", err[-3000:]
     samples = [o for o in out if o["kind"] == "sample"]
     assert len(samples) >= 3 and samples[-1]["requests"] == verdict["requests"]
+    for s in samples:  # the byte-exact memory figures agree with the rounded MiB ones
+        for who in ("daemon", "workers"):
+            assert s[f"{who}_anon_rss_bytes"] > 0
+            assert abs(s[f"{who}_anon_rss_bytes"] / 2**20 - s[f"{who}_anon_rss_mb"]) <= 0.05, s
     assert verdict["violations"] == [] and verdict["violation_count"] == 0, verdict["violations"][:5]
     flagged = {k: v for k, v in verdict["leaks"].items() if isinstance(v, dict) and v["leak"]}
     assert verdict["leaks"]["enough_samples"] and not flagged, flagged

@@ -269,6 +269,9 @@ class Soak:
                "tpot_p50_ms": pct(self.window_tpot, 0.5), "tpot_p99_ms": pct(self.window_tpot, 0.99),
                "daemon_anon_rss_mb": round(s.get("daemon_anon_rss", 0) / 2**20, 1),
                "workers_anon_rss_mb": round(s.get("workers_anon_rss", 0) / 2**20, 1),
+               # to the byte as well: a slow real model's round grows by less than the MiB figure's 0.1
+               "daemon_anon_rss_bytes": int(s.get("daemon_anon_rss", 0)),
+               "workers_anon_rss_bytes": int(s.get("workers_anon_rss", 0)),
                "fds": s.get("daemon_fds", 0) + s.get("workers_fds", 0), "shm_objects": s.get("shm_objects", 0),
                "shm_mb": round(s.get("shm_bytes", 0) / 2**20, 1), "violations": self.violation_count}
         self.window_ttft, self.window_tpot = [], []
