@@ -189,7 +189,6 @@ def _parse_descriptor(desc: bytes) -> tuple[dict[str, _Field], int]:
     return fields, end
 
 
-
 class RecordWriter:
     """A reserved, not yet committed record: fill `arrays`, then commit().
 

@@ -54,8 +54,8 @@ def served_tokenizer(package_path: str | None, info: BackendInfo, package=None) 
 # Token ids whose bytes the daemon keeps (`model.piece_cache_entries`). The core asks for every generated
 # token's bytes; a GGUF tokenizer answers from llama.cpp's own table (a call of ~1-2 us), so the cache only
 # saves that call for the common tokens. An entry costs ~200 bytes (the id, the bytes, the LRU node), so
-# 1,024 entries hold at most ~0.2 MiB and fill within a few hundred requests of a real model (a bound a
-# soak takes longer to reach than its warm-up reads as a leak all the while); left unbounded over Gemma 3's
+# 1,024 entries hold at most ~0.2 MiB and fill within a few hundred requests of a real model (a cache that
+# takes longer to fill than a soak's warm-up reads as a leak until it is full); left unbounded over Gemma 3's
 # 262,144 ids the cache grew ~2.7 KB per request and would have reached ~50 MiB.
 DEFAULT_PIECE_CACHE_ENTRIES = ModelConfig.piece_cache_entries
 
